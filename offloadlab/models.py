@@ -1,0 +1,95 @@
+"""A compact GPT-style decoder whose size is set by a few numbers.
+
+The chapters and labs use it as "a real small transformer": its parameter count is
+exactly :func:`offloadlab.memory.transformer_params` of the same shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .memory import transformer_params
+
+__all__ = ["GPTConfig", "Block", "TinyGPT"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a :class:`TinyGPT`: layers, hidden size, heads, vocabulary, context."""
+
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    vocab: int = 512
+    seq: int = 128
+    mlp_ratio: int = 4
+    tied_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("layers", "hidden", "heads", "vocab", "seq", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive integer; got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"heads: expected a divisor of hidden={self.hidden}; got {self.heads}")
+
+    @property
+    def params(self) -> int:
+        """Parameter count from the formula in :mod:`offloadlab.memory`."""
+        return transformer_params(
+            self.layers, self.hidden, self.vocab, mlp_ratio=self.mlp_ratio,
+            positions=self.seq, tied_embeddings=self.tied_embeddings,
+        )
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: causal self-attention, then a GELU MLP."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        h = config.hidden
+        self.heads = config.heads
+        self.norm1 = nn.LayerNorm(h)
+        self.qkv = nn.Linear(h, 3 * h)
+        self.proj = nn.Linear(h, h)
+        self.norm2 = nn.LayerNorm(h)
+        self.fc = nn.Linear(h, config.mlp_ratio * h)
+        self.out = nn.Linear(config.mlp_ratio * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(h, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, s, h))
+        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-style decoder: token and position embeddings, ``layers`` blocks, a tied head."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.tokens = nn.Embedding(config.vocab, config.hidden)
+        self.positions = nn.Embedding(config.seq, config.hidden)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.norm = nn.LayerNorm(config.hidden)
+        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
+        if config.tied_embeddings:
+            self.head.weight = self.tokens.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits for token ids ``idx`` (batch × seq); with ``targets``, the mean cross-entropy loss."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tokens(idx) + self.positions(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -1,0 +1,53 @@
+"""The set-up files agree with each other: pyproject, environment.yml, the Makefile, the Lab settings."""
+
+import json
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import ROOT
+
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+ENVIRONMENT = yaml.safe_load((ROOT / "environment.yml").read_text())
+MAKEFILE = (ROOT / "Makefile").read_text()
+
+
+def extras_in(spec: str) -> set[str]:
+    match = re.search(r"\.\[([a-z,_-]+)\]", spec)
+    assert match, f"no extras in {spec!r}"
+    return set(match.group(1).split(","))
+
+
+def test_runtime_dependencies_declared():
+    names = {re.split(r"[<>=!~ ]", d)[0] for d in PYPROJECT["project"]["dependencies"]}
+    assert names == {"torch", "numpy", "matplotlib", "psutil", "tqdm"}
+    assert "torch>=2.4" in PYPROJECT["project"]["dependencies"]
+
+
+def test_environment_yml_installs_the_project_with_every_extra():
+    deps = ENVIRONMENT["dependencies"]
+    assert "pip" in deps
+    python = next(d for d in deps if isinstance(d, str) and d.startswith("python"))
+    minimum = PYPROJECT["project"]["requires-python"].removeprefix(">=")
+    assert tuple(map(int, python.split("=")[-1].split("."))) >= tuple(map(int, minimum.split(".")))
+    pip_lines = next(d["pip"] for d in deps if isinstance(d, dict))
+    assert len(pip_lines) == 1, "environment.yml lists packages of its own: keep them in pyproject.toml"
+    assert extras_in(pip_lines[0]) == set(PYPROJECT["project"]["optional-dependencies"])
+
+
+def test_makefile_installs_the_same_extras():
+    install = re.search(r'pip install --quiet -e "(\.\[[^\]]+\])"', MAKEFILE)
+    assert install, "the Makefile's env target does not install the project"
+    assert extras_in(install.group(1)) == set(PYPROJECT["project"]["optional-dependencies"])
+
+
+def test_lab_opens_markdown_as_notebooks_by_default():
+    overrides = json.loads((ROOT / "etc" / "jupyterlab-overrides.json").read_text())
+    viewers = overrides["@jupyterlab/docmanager-extension:plugin"]["defaultViewers"]
+    assert viewers["markdown"] == viewers["myst"] == "Jupytext Notebook"
+    in_environment = Path(sys.prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    assert in_environment.exists(), "run `make env`: the environment lacks the Lab settings override"
+    assert json.loads(in_environment.read_text()) == overrides

@@ -1,0 +1,101 @@
+import math
+
+import pytest
+
+from offloadlab import units
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("80 GB", 80e9),
+        ("80GB", 80e9),
+        ("1 GiB", 2**30),
+        ("512 MiB", 512 * 2**20),
+        ("1.5 TB", 1.5e12),
+        ("4 kB", 4000),
+        ("4 KiB", 4096),
+        ("100 B", 100),
+        (" 2.5e3 MB ", 2.5e9),
+        (1024, 1024),
+        (3.5, 3.5),
+    ],
+)
+def test_parse_size(text, expected):
+    assert units.parse_size(text) == pytest.approx(expected)
+
+
+def test_decimal_and_binary_prefixes_stay_distinct():
+    assert units.parse_size("1 GB") == 10**9
+    assert units.parse_size("1 GiB") == 2**30
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("32 GB/s", 32e9), ("900 MiB/s", 900 * 2**20), ("3350 GB/s", 3.35e12), (5e9, 5e9), ("1 TB/s", 1e12)],
+)
+def test_parse_bandwidth(text, expected):
+    assert units.parse_bandwidth(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("250 ms", 0.25), ("1.5 s", 1.5), ("40 us", 40e-6), ("40 µs", 40e-6), ("3 ns", 3e-9),
+     ("2 min", 120), ("1 h", 3600), (0.25, 0.25)],
+)
+def test_parse_duration(text, expected):
+    assert units.parse_duration(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "parse, bad, fragment",
+    [
+        (units.parse_size, "-1 GB", "negative"),
+        (units.parse_size, "0 GB", "greater than zero"),
+        (units.parse_size, "80 GX", "unknown unit"),
+        (units.parse_size, "eighty GB", "not a number"),
+        (units.parse_size, float("nan"), "finite"),
+        (units.parse_size, float("inf"), "finite"),
+        (units.parse_size, None, "expected"),
+        (units.parse_size, True, "expected"),
+        (units.parse_bandwidth, "0 GB/s", "greater than zero"),
+        (units.parse_bandwidth, "32 GB", "unknown unit"),
+        (units.parse_bandwidth, "32 GB/h", "unknown unit"),
+        (units.parse_bandwidth, "32 Gb/s/s", "unknown unit"),
+        (units.parse_bandwidth, "32 GB/ s", "not a number"),
+        (units.parse_bandwidth, -5, "negative"),
+        (units.parse_duration, "250 mss", "unknown unit"),
+        (units.parse_duration, "-3 ms", "negative"),
+        (units.parse_duration, "0 s", "greater than zero"),
+        (units.parse_count, "10 GB", "no unit"),
+        (units.parse_count, 0, "greater than zero"),
+    ],
+)
+def test_bad_input_names_argument_and_forms(parse, bad, fragment):
+    with pytest.raises(ValueError) as info:
+        parse(bad, name="my_arg")
+    message = str(info.value)
+    assert message.startswith("my_arg: expected ")
+    assert fragment in message
+
+
+def test_zero_allowed_where_meaningful():
+    assert units.parse_size("0 B", allow_zero=True) == 0
+    assert units.parse_duration(0, allow_zero=True) == 0
+    assert units.check_non_negative(0, "x") == 0
+    with pytest.raises(ValueError, match="^x: "):
+        units.check_positive(0, "x")
+
+
+def test_format_round_trips():
+    assert units.format_size(160e9) == "160 GB"
+    assert units.format_size(2**30, binary=True) == "1 GiB"
+    assert units.format_bandwidth(32e9) == "32 GB/s"
+    assert units.format_duration(0.25) == "250 ms"
+    assert units.format_duration(1.25) == "1.25 s"
+    assert units.format_count(10e9) == "10 B"
+    assert units.format_count(7) == "7"
+    for text in ("160 GB", "12.5 MB", "1 GiB"):
+        size = units.parse_size(text)
+        binary = "i" in text
+        assert math.isclose(units.parse_size(units.format_size(size, binary=binary)), size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from . import memory
 from .units import format_count, format_size
@@ -40,6 +41,57 @@ def _cmd_state(args) -> int:
     return 0
 
 
+def _json_target(path: str | None, force: bool) -> Path | None:
+    """The file --json names, refused up front if it exists (unless --force) or cannot be written."""
+    if path is None:
+        return None
+    target = Path(path)
+    if target.exists() and not force:
+        raise UsageError(f"--json: {path} exists; pass --force to replace it")
+    if not target.parent.is_dir():
+        raise UsageError(f"--json: folder {target.parent} does not exist")
+    return target
+
+
+def _cmd_probe(args) -> int:
+    from . import ladder, reference
+
+    target = _json_target(args.json, args.force)
+    if not Path(args.disk).is_dir():
+        raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
+    measured = ladder.measure(quick=args.quick, disk_folder=args.disk)
+    mine = ladder.of_machine(measured)
+    info = measured["machine"]
+    print(f"this machine: {info.cpu}, {info.logical_cores} cores, {format_size(info.host_memory_bytes)} RAM; "
+          f"accelerator: {info.accelerator.name or 'none'}")
+    print(ladder.table(mine))
+    if info.accelerator.kind == "none":
+        print("not measured here: GPU memory bandwidth and the real PCIe link (no GPU); "
+              "the host↔GPU rows come from the emulated link")
+    records = [r.to_dict() for r in measured["records"]]
+    if target is not None:
+        payload = {"machine": info.to_dict(), "ladder": mine, "records": records}
+        target.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {len(records)} records to {target}")
+    if args.reference:
+        kind = "emulated" if info.accelerator.kind == "none" else "measured"
+        label = info.accelerator.name or info.cpu
+        path = reference.save(args.reference, kind, label, records[0]["provenance"], records, overwrite=args.force)
+        print(f"wrote reference {path}")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from . import bench
+
+    result = bench.link(quick=args.quick)
+    target = _json_target(args.json, args.force)
+    print(bench.format_result(result))
+    if target is not None:
+        target.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="offloadlab", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -49,6 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--recipe", default=memory.DEFAULT_RECIPE, help=f"one of {', '.join(memory.RECIPES)}")
     state.add_argument("--json", action="store_true", help="print a JSON object")
     state.set_defaults(run=_cmd_state)
+
+    probe = commands.add_parser("probe", help="measure this machine's memory tiers and links")
+    probe.add_argument("--quick", action="store_true", help="small sizes: seconds on a CPU-only machine")
+    probe.add_argument("--disk", default=".", help="folder whose disk to measure (default: here)")
+    probe.add_argument("--json", metavar="FILE", help="write every record to FILE")
+    probe.add_argument("--reference", metavar="NAME", help="also save the records as reference data NAME")
+    probe.add_argument("--force", action="store_true", help="replace an existing --json or --reference file")
+    probe.set_defaults(run=_cmd_probe)
+
+    bench = commands.add_parser("bench", help="benchmarks against peers, reported as ratios")
+    bench.add_argument("name", choices=["link"], help="what to benchmark")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
+    bench.add_argument("--json", metavar="FILE", help="write the result to FILE")
+    bench.add_argument("--force", action="store_true", help="replace an existing --json file")
+    bench.set_defaults(run=_cmd_bench)
     return parser
 
 

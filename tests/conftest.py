@@ -17,3 +17,15 @@ def built_site() -> Path:
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, f"site build failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
     return SITE
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked ``gpu`` cleanly when no CUDA device is present."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,335 @@
+"""Measurements of this machine's memory tiers and the links between them.
+
+Every function returns plain :class:`Measurement` records that carry their provenance
+(machine, torch version, date), how they were taken, how many repeats, and the spread.
+A record's ``source`` says what it is: ``"measured"`` on real hardware, ``"emulated"``
+through :class:`~offloadlab.link.EmulatedLink`, ``"nominal"`` from a datasheet or the
+material, or ``"not measured"`` with the reason in ``note``.
+
+Units: bandwidths in bytes/s, times in seconds, sizes in bytes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm  # plain bars: hidden where stderr is not a terminal (notebooks, CI)
+
+from . import machine
+from .link import Link
+from .units import format_bandwidth, format_size, parse_size
+
+__all__ = [
+    "Measurement",
+    "AlphaBeta",
+    "host_memory_bandwidth",
+    "device_memory_bandwidth",
+    "link_sweep",
+    "bidirectional",
+    "fit_alpha_beta",
+    "fit_sweep",
+    "disk_bandwidth",
+    "default_sizes",
+]
+
+
+@dataclass
+class Measurement:
+    """One measured (or nominal, or missing) quantity with how, where and when it was taken."""
+
+    quantity: str
+    value: float | None
+    unit: str
+    source: str
+    method: str
+    repeats: int = 0
+    spread: tuple[float, float] | None = None  # (min, max) of the samples, in ``unit``
+    params: dict = field(default_factory=dict)
+    note: str = ""
+    provenance: dict = field(default_factory=machine.provenance)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def label(self) -> str:
+        """The value formatted with its unit and source, e.g. '24.1 GB/s (measured)'."""
+        if self.value is None:
+            return f"not measured ({self.note})" if self.note else "not measured"
+        text = format_bandwidth(self.value) if self.unit == "B/s" else f"{self.value:.3g} {self.unit}"
+        return f"{text} ({self.source})"
+
+
+def _summary(samples: list[float]) -> tuple[float, tuple[float, float]]:
+    return statistics.median(samples), (min(samples), max(samples))
+
+
+def _bandwidth_record(quantity, nbytes, seconds, source, method, params, note="") -> Measurement:
+    rates = [nbytes / s for s in seconds]
+    value, spread = _summary(rates)
+    return Measurement(quantity, value, "B/s", source, method, len(seconds), spread,
+                       {**params, "bytes_per_repeat": nbytes, "median_seconds": statistics.median(seconds)}, note)
+
+
+def _host_seconds(fn, repeats: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def host_memory_bandwidth(nbytes="256 MiB", threads=None, repeats: int = 5) -> list[Measurement]:
+    """Host DRAM bandwidth for a copy (read + write: 2 × nbytes) and an in-place update
+    ``a += b`` (read a, read b, write a: 3 × nbytes), for each torch thread count in ``threads``
+    (default: 1 and every core)."""
+    size = int(parse_size(nbytes, "nbytes"))
+    cores = os.cpu_count() or 1
+    counts = sorted({1, cores}) if threads is None else list(threads)
+    for n in counts:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"threads: expected positive integers; got {n!r}")
+    numel = size // 4
+    a, b = torch.ones(numel), torch.ones(numel)
+    records = []
+    previous = torch.get_num_threads()
+    try:
+        for n in tqdm(counts, desc="host memory", disable=None, leave=False):
+            torch.set_num_threads(n)
+            copy = _host_seconds(lambda: a.copy_(b), repeats)
+            update = _host_seconds(lambda: a.add_(b), repeats)
+            records.append(_bandwidth_record("host copy bandwidth", 2 * numel * 4, copy, "measured",
+                                             "torch copy_ of fp32 tensors, wall clock", {"threads": n}))
+            records.append(_bandwidth_record("host update bandwidth", 3 * numel * 4, update, "measured",
+                                             "torch add_ in place (read a, read b, write a), wall clock",
+                                             {"threads": n}))
+    finally:
+        torch.set_num_threads(previous)
+    return records
+
+
+def device_memory_bandwidth(nbytes="1 GiB", repeats: int = 10) -> Measurement:
+    """GPU memory bandwidth of a device-to-device copy (2 × nbytes moved), timed with CUDA events."""
+    size = int(parse_size(nbytes, "nbytes"))
+    if not torch.cuda.is_available():
+        return Measurement("device memory bandwidth", None, "B/s", "not measured", "device copy",
+                           note="no GPU on this machine")
+    src = torch.empty(size // 4, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = []
+    for i in range(repeats + 2):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 2:  # two warm-up copies
+            seconds.append(begin.elapsed_time(end) / 1e3)
+    return _bandwidth_record("device memory bandwidth", 2 * src.numel() * 4, seconds, "measured",
+                             "device-to-device copy_, CUDA event timing", {})
+
+
+def default_sizes(link: Link, quick: bool = False) -> list[int]:
+    """Transfer sizes for a sweep, 4 KiB upwards by factors of 4, scaled to the machine:
+    up to 1 GiB on a GPU (256 MiB with ``quick``), 64 MiB on the emulated link (16 MiB quick)."""
+    top = (16 if quick else 64) * 2**20 if link.emulated else (256 if quick else 1024) * 2**20
+    sizes, size = [], 4 * 2**10
+    while size <= top:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def _link_source(link: Link) -> str:
+    return "emulated" if link.emulated else "measured"
+
+
+def _timed_transfers(link: Link, direction: str, host, device, repeats: int) -> list[float]:
+    start = link.to_device if direction == "h2d" else link.to_host
+    pair = (device, host) if direction == "h2d" else (host, device)
+    start(*pair).synchronize()  # warm-up
+    seconds = []
+    for _ in range(repeats):
+        transfer = start(*pair)
+        transfer.synchronize()
+        seconds.append(transfer.elapsed)
+    return seconds
+
+
+def link_sweep(link: Link, sizes=None, directions=("h2d", "d2h"), pinned=(True, False),
+               repeats: int = 5, quick: bool = False) -> list[Measurement]:
+    """Bandwidth of single transfers over ``link`` for every size, direction and memory kind.
+
+    Each transfer is timed on the link's own clock (CUDA events, or the emulated copy
+    thread's timestamps), after one warm-up; the record's value is the median bandwidth.
+    """
+    if sizes is None:
+        chosen = default_sizes(link, quick)
+    else:  # whole fp32 elements: round each size down to a multiple of 4 bytes
+        chosen = [int(parse_size(s, "sizes")) // 4 * 4 for s in sizes]
+        if not chosen or min(chosen) < 4:
+            raise ValueError(f"sizes: expected sizes of at least 4 bytes; got {sizes!r}")
+    for d in directions:
+        if d not in ("h2d", "d2h"):
+            raise ValueError(f"directions: expected 'h2d' and/or 'd2h'; got {d!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: expected a positive integer; got {repeats!r}")
+    source = _link_source(link)
+    clock = "emulated copy-thread timestamps" if link.emulated else "CUDA events on the copy stream"
+    largest = max(chosen) // 4
+    device = link.device_buffer(largest)
+    hosts = {True: link.host_buffer(largest) if True in pinned else None,
+             False: torch.zeros(largest) if False in pinned else None}  # ordinary, pageable memory
+    cases = [(d, p, s) for d in directions for p in pinned for s in chosen]
+    records = []
+    for direction, is_pinned, size in tqdm(cases, desc="link sweep", disable=None, leave=False):
+        numel = size // 4
+        seconds = _timed_transfers(link, direction, hosts[is_pinned][:numel], device[:numel], repeats)
+        memory = "pinned" if is_pinned else "pageable"
+        records.append(_bandwidth_record(
+            f"{direction} bandwidth", size, seconds, source, f"single {memory} transfer, {clock}",
+            {"direction": direction, "pinned": is_pinned, "size": size}))
+    return records
+
+
+def bidirectional(link: Link, nbytes="64 MiB", repeats: int = 5) -> list[Measurement]:
+    """Bandwidth of each direction while both run at once (pinned buffers)."""
+    size = int(parse_size(nbytes, "nbytes"))
+    numel = size // 4
+    up_host, down_host = link.host_buffer(numel), link.host_buffer(numel)
+    up_dev, down_dev = link.device_buffer(numel), link.device_buffer(numel)
+    samples = {"h2d": [], "d2h": []}
+    for i in range(repeats + 1):
+        h2d = link.to_device(up_dev, up_host)
+        d2h = link.to_host(down_host, down_dev, after=None)
+        h2d.synchronize()
+        d2h.synchronize()
+        if i:  # the first round is a warm-up
+            samples["h2d"].append(h2d.elapsed)
+            samples["d2h"].append(d2h.elapsed)
+    return [_bandwidth_record(f"{d} bandwidth, both directions at once", size, s, _link_source(link),
+                              "pinned transfers in both directions issued together",
+                              {"direction": d, "pinned": True, "size": size, "duplex": True})
+            for d, s in samples.items()]
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """t = alpha + n / beta: latency ``alpha`` (s) and asymptotic bandwidth ``beta`` (B/s)."""
+
+    alpha: float
+    beta: float
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha + nbytes / self.beta
+
+    def half_bandwidth_size(self) -> float:
+        """The transfer size that reaches half the asymptotic bandwidth: alpha × beta bytes."""
+        return self.alpha * self.beta
+
+
+def fit_alpha_beta(sizes, seconds) -> AlphaBeta:
+    """Least-squares fit of t = α + n/β to transfer sizes (bytes) and times (s).
+
+    Residuals are relative (each point weighted by 1/t), so the small transfers that fix
+    α count as much as the large ones that fix β.
+    """
+    n = np.asarray(sizes, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    if n.shape != t.shape or n.ndim != 1:
+        raise ValueError(f"seconds: expected one time per size; got {t.shape} for sizes {n.shape}")
+    if n.size < 2 or np.unique(n).size < 2:
+        raise ValueError("sizes: expected at least two different transfer sizes")
+    if not (np.all(np.isfinite(t)) and np.all(t > 0) and np.all(n > 0)):
+        raise ValueError("seconds: expected positive, finite sizes and times")
+    design = np.stack([np.ones_like(n), n], axis=1) / t[:, None]
+    (alpha, inverse_beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if inverse_beta <= 0:
+        raise ValueError("seconds: the times do not grow with size, so no bandwidth can be fitted")
+    return AlphaBeta(max(float(alpha), 0.0), float(1 / inverse_beta))
+
+
+def fit_sweep(records: list[Measurement], direction: str = "h2d", pinned: bool = True) -> AlphaBeta:
+    """The α–β fit of one direction and memory kind of a :func:`link_sweep`."""
+    chosen = [r for r in records if r.params.get("direction") == direction
+              and r.params.get("pinned") == pinned and not r.params.get("duplex")]
+    if not chosen:
+        raise ValueError(f"records: no {direction} {'pinned' if pinned else 'pageable'} transfers in the sweep")
+    return fit_alpha_beta([r.params["size"] for r in chosen], [r.params["median_seconds"] for r in chosen])
+
+
+def _drop_cached_pages(fd: int) -> bool:
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    return False
+
+
+def disk_bandwidth(folder=".", nbytes="256 MiB", block="4 MiB") -> list[Measurement]:
+    """Sequential write and read of a temporary file in ``folder``, page cache kept out.
+
+    The write is timed up to and including ``fsync``. Before the read the file's cached
+    pages are dropped (``posix_fadvise(DONTNEED)``) and, where the file system allows it,
+    the read uses ``O_DIRECT`` so it comes from the device. The file is removed afterwards.
+    """
+    where = machine.disk(folder).path
+    size = int(parse_size(nbytes, "nbytes"))
+    chunk = int(parse_size(block, "block"))
+    if chunk % 4096:
+        raise ValueError(f"block: expected a multiple of 4 KiB; got {block!r}")
+    size -= size % chunk
+    if size == 0:
+        raise ValueError(f"nbytes: expected at least one block ({format_size(chunk, binary=True)}); got {nbytes!r}")
+    buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT requires
+    buffer.write(os.urandom(chunk))
+    path = os.path.join(where, f".offloadlab-disk-probe-{os.getpid()}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        start = time.perf_counter()
+        for _ in range(size // chunk):
+            os.write(fd, buffer)
+        os.fsync(fd)
+        write_seconds = time.perf_counter() - start
+        dropped = _drop_cached_pages(fd)
+        os.close(fd)
+
+        method = "sequential read"
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            method += ", O_DIRECT" if hasattr(os, "O_DIRECT") else ""
+        except OSError:  # tmpfs and some others refuse O_DIRECT
+            fd = os.open(path, os.O_RDONLY)
+        try:
+            start = time.perf_counter()
+            while os.readv(fd, [buffer]) > 0:
+                pass
+            read_seconds = time.perf_counter() - start
+        except OSError:  # O_DIRECT accepted at open but not for this read
+            os.close(fd)
+            fd = os.open(path, os.O_RDONLY)
+            method = "sequential read"
+            start = time.perf_counter()
+            while os.readv(fd, [buffer]) > 0:
+                pass
+            read_seconds = time.perf_counter() - start
+        os.close(fd)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+        buffer.close()
+    read_method = method + (", cached pages dropped first" if dropped else ", page cache may serve the read")
+    params = {"folder": where, "block": chunk}
+    return [
+        _bandwidth_record("disk write bandwidth", size, [write_seconds], "measured",
+                          "sequential write, timed through fsync", params),
+        _bandwidth_record("disk read bandwidth", size, [read_seconds], "measured", read_method, params),
+    ]

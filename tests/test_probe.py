@@ -1,0 +1,171 @@
+"""Probes, the α–β fit, the ladder, machine discovery and reference data."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from offloadlab import ladder, machine, probe, reference
+from offloadlab.link import EmulatedLink
+
+
+@pytest.mark.parametrize("alpha, beta", [(10e-6, 25e9), (2e-3, 1e9), (0.0, 50e9)])
+def test_alpha_beta_fit_recovers_known_values(alpha, beta):
+    sizes = np.array([4 * 4**k * 1024 for k in range(9)], dtype=float)
+    rng = np.random.default_rng(0)
+    times = (alpha + sizes / beta) * rng.normal(1, 0.01, sizes.size)
+    fit = probe.fit_alpha_beta(sizes, times)
+    assert fit.beta == pytest.approx(beta, rel=0.03)
+    assert fit.alpha == pytest.approx(alpha, rel=0.1, abs=2e-7)
+    assert fit.time(1e9) == pytest.approx(fit.alpha + 1e9 / fit.beta)
+    assert fit.half_bandwidth_size() == pytest.approx(fit.alpha * fit.beta)
+
+
+def test_alpha_beta_fit_bad_input():
+    with pytest.raises(ValueError, match="^sizes: "):
+        probe.fit_alpha_beta([4096, 4096], [1e-3, 1e-3])
+    with pytest.raises(ValueError, match="^seconds: expected one time per size"):
+        probe.fit_alpha_beta([1, 2, 3], [1, 2])
+    with pytest.raises(ValueError, match="^seconds: "):
+        probe.fit_alpha_beta([1, 2, 3], [1, -2, 3])
+    with pytest.raises(ValueError, match="do not grow"):
+        probe.fit_alpha_beta([1e3, 1e6], [2.0, 1.0])
+
+
+def test_host_memory_records_have_spread_and_provenance():
+    records = probe.host_memory_bandwidth("8 MiB", threads=[1], repeats=3)
+    assert {r.quantity for r in records} == {"host copy bandwidth", "host update bandwidth"}
+    for r in records:
+        assert r.source == "measured" and r.unit == "B/s" and r.repeats == 3
+        assert r.spread[0] <= r.value <= r.spread[1]
+        assert r.provenance["torch"] == torch.__version__ and "date" in r.provenance
+    with pytest.raises(ValueError, match="^threads: "):
+        probe.host_memory_bandwidth("1 MiB", threads=[0])
+    with pytest.raises(ValueError, match="^nbytes: "):
+        probe.host_memory_bandwidth("-1 MiB")
+
+
+def test_sweep_on_the_emulated_link_is_labelled_and_fits_its_bandwidth():
+    with EmulatedLink(bandwidth="2 GB/s") as link:
+        records = probe.link_sweep(link, sizes=["1 MiB", "4 MiB", "16 MiB"], repeats=2)
+        both = probe.bidirectional(link, "4 MiB", repeats=2)
+    assert len(records) == 3 * 2 * 2
+    assert all(r.source == "emulated" for r in records + both)
+    assert all(r.spread[1] <= 2e9 * 1.001 for r in records)  # pacing never lets a transfer go faster
+    fit = probe.fit_sweep(records, "h2d", pinned=True)
+    assert 0.5 * 2e9 <= fit.beta <= 2e9 * 1.3  # the fit also absorbs the copy thread's wake-up time
+    pageable = probe.fit_sweep(records, "h2d", pinned=False)
+    assert pageable.beta < fit.beta
+    with pytest.raises(ValueError, match="^directions: "):
+        probe.link_sweep(EmulatedLink(), directions=["up"])
+    with pytest.raises(ValueError, match="^sizes: "):
+        probe.link_sweep(EmulatedLink(), sizes=["2 B"])
+
+
+def test_device_memory_not_measured_without_gpu():
+    record = probe.device_memory_bandwidth("1 MiB")
+    if torch.cuda.is_available():
+        assert record.source == "measured" and record.value > 0
+    else:
+        assert record.value is None and record.source == "not measured" and "no GPU" in record.note
+
+
+def test_disk_probe(tmp_path):
+    write, read = probe.disk_bandwidth(tmp_path, "8 MiB", block="1 MiB")
+    assert write.quantity == "disk write bandwidth" and read.quantity == "disk read bandwidth"
+    assert write.value > 0 and read.value > 0 and "fsync" in write.method
+    assert not list(tmp_path.iterdir()), "the probe must remove its file"
+    with pytest.raises(ValueError, match="^block: "):
+        probe.disk_bandwidth(tmp_path, "8 MiB", block="1000 B")
+    with pytest.raises(ValueError, match="^path: "):
+        probe.disk_bandwidth(tmp_path / "missing")
+
+
+def test_pcie_nominal_rates():
+    assert machine.pcie_bandwidth(4, 16) == pytest.approx(31.5e9, rel=0.001)
+    assert machine.pcie_bandwidth(5, 16) == pytest.approx(63.0e9, rel=0.001)
+    assert machine.pcie_bandwidth(3, 8) == pytest.approx(7.88e9, rel=0.001)
+    with pytest.raises(ValueError, match="^generation: "):
+        machine.pcie_bandwidth(9, 16)
+    with pytest.raises(ValueError, match="^width: "):
+        machine.pcie_bandwidth(4, 3)
+
+
+def test_describe_this_machine(tmp_path):
+    info = machine.describe(tmp_path)
+    assert info.host_memory_bytes > 0 and info.logical_cores >= 1 and info.disk.free_bytes > 0
+    if not torch.cuda.is_available():
+        assert info.accelerator.kind in ("none", "mps") and info.pcie.generation is None
+        assert info.pcie.source.startswith("unknown")
+    json.dumps(info.to_dict())
+
+
+def test_nominal_ladder_is_the_material():
+    nominal = ladder.nominal()
+    tiers = {t["name"]: t for t in nominal["tiers"]}
+    assert tiers["GPU memory (HBM)"]["capacity_bytes"] == 80e9
+    assert tiers["GPU memory (HBM)"]["bandwidth_bytes_per_s"] == 3350e9
+    links = {l["name"].split(",")[0]: l["bandwidth_bytes_per_s"] for l in nominal["links"]}
+    assert links["NVLink"] == 450e9 and links["PCIe"] == 60e9 and links["InfiniBand"] == 50e9
+    assert all(row["source"] == "nominal" for row in nominal["tiers"] + nominal["links"])
+    assert ladder.cliff(nominal) == pytest.approx(3350 / 60)
+
+
+def test_reference_files(tmp_path):
+    assert "nominal-ladder" in reference.available()
+    assert reference.load("nominal-ladder")["kind"] == "nominal"
+    with pytest.raises(ValueError, match="^name: expected one of"):
+        reference.load("../etc/passwd")
+    path = reference.save("test-run", "emulated", "CPU", {"date": "now"}, [{"quantity": "x"}], folder=tmp_path)
+    assert json.loads(path.read_text())["records"] == [{"quantity": "x"}]
+    with pytest.raises(ValueError, match="exists"):
+        reference.save("test-run", "emulated", "CPU", {}, [], folder=tmp_path)
+    with pytest.raises(ValueError, match="^kind: "):
+        reference.save("x", "guessed", "CPU", {}, [], folder=tmp_path)
+
+
+def _offloadlab(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_probe_command_quick_json(tmp_path):
+    out = tmp_path / "out.json"
+    result = _offloadlab("probe", "--quick", "--disk", str(tmp_path), "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(out.read_text())
+    quantities = {r["quantity"] for r in payload["records"]}
+    assert {"host copy bandwidth", "host update bandwidth", "disk read bandwidth", "disk write bandwidth"} <= quantities
+    for r in payload["records"]:
+        if r["quantity"].startswith(("host", "disk")):
+            assert r["spread"] is not None and r["source"] == "measured"
+        if r["quantity"].startswith(("h2d", "d2h")):
+            assert r["source"] == ("measured" if torch.cuda.is_available() else "emulated")
+        if r["quantity"] == "device memory bandwidth" and not torch.cuda.is_available():
+            assert r["source"] == "not measured"
+    assert "emulated" in result.stdout or torch.cuda.is_available()
+    again = _offloadlab("probe", "--quick", "--disk", str(tmp_path), "--json", str(out))
+    assert again.returncode == 2 and "exists" in again.stderr and len(again.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["probe", "--disk", "/no/such/folder"], "--disk"),
+    (["probe", "--json", "/no/such/folder/out.json"], "--json"),
+    (["bench", "warp-drive"], "invalid choice"),
+])
+def test_probe_and_bench_bad_arguments(args, fragment):
+    result = _offloadlab(*args)
+    assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_link_reports_ratios(tmp_path):
+    out = tmp_path / "bench.json"
+    result = _offloadlab("bench", "link", "--quick", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(out.read_text())
+    assert "h2d pinned / pageable" in payload["ratios"]
+    assert payload["source"] == ("measured" if torch.cuda.is_available() else "emulated")
+    assert "ratios:" in result.stdout

@@ -12,11 +12,11 @@ import time
 
 import torch
 
-from . import machine, probe
+from . import experiment, machine, probe
 from .link import open_link
-from .units import format_bandwidth
+from .units import format_bandwidth, format_duration
 
-__all__ = ["link", "format_result"]
+__all__ = ["link", "overlap", "format_result"]
 
 
 def _plain_copy_bandwidth(nbytes: int, direction: str, repeats: int) -> float:
@@ -74,15 +74,42 @@ def link(quick: bool = False) -> dict:
             "note": "" if emulated or nominal else "nominal PCIe rate unknown (NVML unavailable)"}
 
 
+def overlap(quick: bool = False) -> dict:
+    """Measured step over predicted step, max(compute, transfer), in three regimes.
+
+    The transfer is sized to a quarter of, equal to, and four times the compute; a ratio near
+    1.0 means the overlap model predicts the machine.
+    """
+    with open_link() as chosen:
+        rows, hidden = (256, 512) if chosen.emulated else (8192, 8192)
+        work = experiment.MatmulWork(rows, hidden, 8 if quick else 16, chosen.device)
+        calibration = experiment.measure_overlap(chosen, "8 MiB" if chosen.emulated else "256 MiB", work, 1)
+        bandwidth = calibration.nbytes / calibration.t_transfer
+        result_rows, ratios = [], {}
+        for name, factor in (("transfer hidden (¼ of compute)", 0.25), ("balanced (equal)", 1.0),
+                             ("bandwidth-bound (4× compute)", 4.0)):
+            nbytes = max(4096, int(factor * calibration.t_compute * bandwidth))
+            r = experiment.measure_overlap(chosen, nbytes, work, repeats=3 if quick else 5)
+            result_rows.append({"contender": name, **r.to_dict()})
+            ratios[f"{name}: measured / predicted step"] = r.ratio
+        source = "emulated" if chosen.emulated else "measured"
+    return {"benchmark": "overlap", "source": source, "rows": result_rows, "ratios": ratios,
+            "provenance": machine.provenance()}
+
+
 def format_result(result: dict) -> str:
     """A short plain-text report of a benchmark result."""
     lines = [f"benchmark {result['benchmark']} ({result['source']})"]
     for row in result["rows"]:
-        extra = f"  latency {row['latency_s'] * 1e6:.0f} µs" if "latency_s" in row else ""
-        lines.append(f"  {row['contender']:<40} {format_bandwidth(row['bytes_per_s']):>12}{extra}")
+        if "bytes_per_s" in row:
+            extra = f"  latency {row['latency_s'] * 1e6:.0f} µs" if "latency_s" in row else ""
+            lines.append(f"  {row['contender']:<40} {format_bandwidth(row['bytes_per_s']):>12}{extra}")
+        else:
+            lines.append(f"  {row['contender']:<40} compute {format_duration(row['t_compute_s'])}, transfer "
+                         f"{format_duration(row['t_transfer_s'])}, both {format_duration(row['t_both_s'])}")
     lines.append("  ratios:")
     for name, value in result["ratios"].items():
-        lines.append(f"    {name:<50} {'unknown' if value is None else f'{value:.2f}×'}")
+        lines.append(f"    {name:<60} {'unknown' if value is None else f'{value:.2f}×'}")
     if result.get("note"):
         lines.append(f"  note: {result['note']}")
     return "\n".join(lines)

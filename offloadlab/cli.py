@@ -21,6 +21,16 @@ class UsageError(Exception):
     """A bad argument: reported as one line on stderr, exit status 2."""
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse calls this for unknown or missing arguments
         raise UsageError(f"{self.prog}: {message}")
@@ -38,6 +48,43 @@ def _cmd_state(args) -> int:
     print(f"  {'total':<20} {recipe.total:>6g} B/param  {format_size(breakdown.total_bytes):>10}")
     fits = memory.fitting_gpus(breakdown.total_bytes)
     print("fits on: " + (", ".join(fits) + " cards" if fits else f"none of {', '.join(memory.GPU_SIZES)}"))
+    return 0
+
+
+def _cmd_budget(args) -> int:
+    from . import budget
+
+    if (args.params is None) != (args.offload is None):
+        raise UsageError("offloadlab budget: give --params and --offload together, or neither")
+    offload = args.offload.split(",") if args.offload else ()
+    result = budget.verdict(args.link, args.window, args.params, offload)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.summary())
+    return 0
+
+
+def _cmd_plan(args) -> int:
+    from . import planner
+
+    work = planner.Workload(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                            batch=args.batch, seq=args.seq)
+    hardware = planner.Hardware(args.gpu_memory, args.link, host_memory=args.host_memory,
+                                cpu_adam=args.cpu_adam, compute=args.compute, comm_fraction=args.comm_fraction)
+    report = planner.plan(work, hardware)
+    emitted = None
+    if args.emit == "deepspeed":
+        emitted = planner.deepspeed_config(report)
+    elif args.emit == "fsdp":
+        emitted = planner.fsdp_snippet(report)
+    if args.json:
+        payload = report.to_dict()
+        if emitted is not None:
+            payload[args.emit] = emitted
+        print(json.dumps(payload, indent=1))
+        return 0
+    print(report.explain())
+    if emitted is not None:
+        print(f"\n{args.emit}:")
+        print(json.dumps(emitted, indent=2) if isinstance(emitted, dict) else emitted)
     return 0
 
 
@@ -84,7 +131,7 @@ def _cmd_probe(args) -> int:
 def _cmd_bench(args) -> int:
     from . import bench
 
-    result = bench.link(quick=args.quick)
+    result = getattr(bench, args.name)(quick=args.quick)
     target = _json_target(args.json, args.force)
     print(bench.format_result(result))
     if target is not None:
@@ -102,6 +149,32 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--json", action="store_true", help="print a JSON object")
     state.set_defaults(run=_cmd_state)
 
+    budget = commands.add_parser("budget", help="the per-step bandwidth budget and an offload's verdict")
+    budget.add_argument("--link", required=True, help="link bandwidth, e.g. '32 GB/s'")
+    budget.add_argument("--window", required=True, help="compute time to hide behind, e.g. '250 ms'")
+    budget.add_argument("--params", help="parameter count, e.g. 10e9")
+    budget.add_argument("--offload", help="comma-separated: optimizer, gradients, parameters, park-and-copy")
+    budget.add_argument("--json", action="store_true", help="print a JSON object")
+    budget.set_defaults(run=_cmd_budget)
+
+    plan = commands.add_parser("plan", help="what to offload, in what order, and the predicted step")
+    plan.add_argument("--params", required=True, help="parameter count, e.g. 30e9")
+    plan.add_argument("--gpu-memory", required=True, help="GPU memory, e.g. '80 GB'")
+    plan.add_argument("--link", required=True, help="host↔GPU bandwidth, e.g. '60 GB/s'")
+    plan.add_argument("--host-memory", help="host memory, e.g. '2 TB' (default: unlimited)")
+    plan.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size (default 1)")
+    plan.add_argument("--seq", type=_positive_int, default=2048, help="sequence length (default 2048)")
+    plan.add_argument("--layers", type=_positive_int, help="transformer layers (with --hidden and --heads)")
+    plan.add_argument("--hidden", type=_positive_int, help="hidden size")
+    plan.add_argument("--heads", type=_positive_int, help="attention heads")
+    plan.add_argument("--compute", type=float, help="sustained FLOP/s of the GPU (default: assumed)")
+    plan.add_argument("--cpu-adam", type=float, help="CPU Adam throughput in params/s (default: assumed)")
+    plan.add_argument("--comm-fraction", type=float, default=0.0,
+                      help="fraction of the step already spent communicating (0–1)")
+    plan.add_argument("--emit", choices=["deepspeed", "fsdp"], help="also print an equivalent configuration")
+    plan.add_argument("--json", action="store_true", help="print a JSON object")
+    plan.set_defaults(run=_cmd_plan)
+
     probe = commands.add_parser("probe", help="measure this machine's memory tiers and links")
     probe.add_argument("--quick", action="store_true", help="small sizes: seconds on a CPU-only machine")
     probe.add_argument("--disk", default=".", help="folder whose disk to measure (default: here)")
@@ -111,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.set_defaults(run=_cmd_probe)
 
     bench = commands.add_parser("bench", help="benchmarks against peers, reported as ratios")
-    bench.add_argument("name", choices=["link"], help="what to benchmark")
+    bench.add_argument("name", choices=["link", "overlap"], help="what to benchmark")
     bench.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     bench.add_argument("--json", metavar="FILE", help="write the result to FILE")
     bench.add_argument("--force", action="store_true", help="replace an existing --json file")

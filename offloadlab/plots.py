@@ -7,7 +7,7 @@ import numpy as np
 from . import memory
 from .units import format_count, parse_count
 
-__all__ = ["state_vs_model_size", "ladder"]
+__all__ = ["state_vs_model_size", "ladder", "timeline"]
 
 
 def state_vs_model_size(recipes=("mixed-adam", "bf16-adam", "adam-8bit"), params_range=(1e8, 1e12)):
@@ -80,5 +80,36 @@ def ladder(mine: dict, reference: dict | None = None, title: str = "The memory-t
     ax.set_ylabel("bandwidth (GB/s)")
     ax.set_title(title)
     ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+_LANE_COLOURS = {"compute": "tab:blue", "H2D": "tab:orange", "D2H": "tab:green", "CPU": "tab:purple"}
+
+
+def timeline(lanes: dict, title: str = "Timeline", source: str = "measured"):
+    """One horizontal lane per stream (compute, H2D, D2H, CPU) with a bar per recorded interval.
+
+    ``lanes`` maps a lane name to a list of (start, end, label) in seconds; the figure is in ms
+    and its title says whether the times were measured or emulated.
+    """
+    import matplotlib.pyplot as plt
+
+    if not lanes:
+        raise ValueError("lanes: expected at least one lane of (start, end, label) intervals")
+    names = list(lanes)
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.55 * len(names)))
+    for row, name in enumerate(names):
+        for start, end, label in lanes[name]:
+            if end < start:
+                raise ValueError(f"lanes: interval {label!r} in {name!r} ends before it starts")
+            ax.barh(row, (end - start) * 1e3, left=start * 1e3, height=0.6,
+                    color=_LANE_COLOURS.get(name, "tab:grey"), edgecolor="white")
+            if label and (end - start) > 0:
+                ax.text((start + end) / 2 * 1e3, row, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title(f"{title} ({source})")
     fig.tight_layout()
     return fig

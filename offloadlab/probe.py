@@ -23,7 +23,7 @@ from tqdm import tqdm  # plain bars: hidden where stderr is not a terminal (note
 
 from . import machine
 from .link import Link
-from .units import format_bandwidth, format_size, parse_size
+from .units import format_bandwidth, format_size, parse_count, parse_size
 
 __all__ = [
     "Measurement",
@@ -36,6 +36,8 @@ __all__ = [
     "fit_sweep",
     "disk_bandwidth",
     "default_sizes",
+    "cpu_adam_throughput",
+    "matmul_rate",
 ]
 
 
@@ -333,3 +335,43 @@ def disk_bandwidth(folder=".", nbytes="256 MiB", block="4 MiB") -> list[Measurem
                           "sequential write, timed through fsync", params),
         _bandwidth_record("disk read bandwidth", size, [read_seconds], "measured", read_method, params),
     ]
+
+
+def cpu_adam_throughput(params=16e6, repeats: int = 5, threads: int | None = None) -> Measurement:
+    """Parameters per second of torch's fused AdamW step on the CPU over one flat fp32 tensor."""
+    count = int(parse_count(params, "params"))
+    weights = torch.zeros(count, requires_grad=True)
+    weights.grad = torch.randn(count)
+    optimizer = torch.optim.AdamW([weights], lr=1e-3, fused=True)
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        seconds = _host_seconds(optimizer.step, repeats)
+    finally:
+        torch.set_num_threads(previous)
+    rates = [count / s for s in seconds]
+    value, spread = _summary(rates)
+    return Measurement("cpu adam throughput", value, "params/s", "measured", "torch AdamW(fused=True) step, wall clock",
+                       repeats, spread, {"params": count, "threads": threads or previous})
+
+
+def matmul_rate(device=None, size: int | None = None, repeats: int = 5) -> Measurement:
+    """Sustained FLOP/s of square matrix products on ``device`` (bf16 on a GPU, fp32 on the CPU)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = device.type == "cuda"
+    n = size or (8192 if gpu else 512)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def product():
+        a @ b
+        if gpu:
+            torch.cuda.synchronize(device)
+
+    seconds = _host_seconds(product, repeats, warmup=2)
+    rates = [2 * n**3 / s for s in seconds]
+    value, spread = _summary(rates)
+    return Measurement("matmul rate", value, "FLOP/s", "measured", f"{n}×{n} {str(dtype).split('.')[-1]} matmul",
+                       repeats, spread, {"device": str(device), "size": n})

@@ -1,0 +1,160 @@
+"""Overlap experiments: real compute against real transfers, predicted beside measured.
+
+Compute is a chain of matrix products on the compute stream (on the CPU's main thread with
+the emulated link); the transfer runs on the link's copy stream (its copy thread). Times
+come from the link's clock: CUDA events on a GPU, the copy thread's timestamps otherwise.
+Every result says whether it is ``measured`` or ``emulated``. Units: seconds and bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from . import overlap
+from .link import Link
+from .units import parse_size
+
+__all__ = ["MatmulWork", "OverlapResult", "measure_overlap", "CrossoverResult", "measure_crossover"]
+
+
+class MatmulWork:
+    """``count`` products of a (rows × hidden) activation with a (hidden × hidden) weight."""
+
+    def __init__(self, rows: int, hidden: int, count: int, device):
+        for name, value in (("rows", rows), ("hidden", hidden), ("count", count)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive integer; got {value!r}")
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(rows, hidden, generator=generator).to(device)
+        self.w = (torch.randn(hidden, hidden, generator=generator) / hidden**0.5).to(device)
+        self.count = count
+        self.flops = 2.0 * rows * hidden * hidden * count
+
+    def __call__(self) -> torch.Tensor:
+        y = self.x
+        for _ in range(self.count):
+            y = y @ self.w
+        return y
+
+
+@dataclass
+class OverlapResult:
+    """Compute alone, transfer alone and both together (median seconds), with the prediction."""
+
+    nbytes: int
+    t_compute: float
+    t_transfer: float
+    t_both: float
+    source: str
+    timeline: dict = field(default_factory=dict)  # lane -> [(start, end, label)], from the last run
+
+    @property
+    def predicted(self) -> overlap.Stage:
+        return overlap.Stage(self.t_transfer, self.t_compute)
+
+    @property
+    def measured_stall(self) -> float:
+        return max(0.0, self.t_both - self.t_compute)
+
+    @property
+    def ratio(self) -> float:
+        """Measured step over predicted step, max(t_compute, t_transfer): 1.0 is a perfect prediction."""
+        return self.t_both / self.predicted.step
+
+    def to_dict(self) -> dict:
+        return {"nbytes": self.nbytes, "t_compute_s": self.t_compute, "t_transfer_s": self.t_transfer,
+                "t_both_s": self.t_both, "predicted_step_s": self.predicted.step,
+                "predicted_stall_s": self.predicted.stall, "measured_stall_s": self.measured_stall,
+                "ratio": self.ratio, "regime": self.predicted.regime, "source": self.source}
+
+
+def _buffers(link: Link, nbytes):
+    size = int(parse_size(nbytes, "nbytes"))
+    numel = max(1, size // 4)
+    return link.host_buffer(numel), link.device_buffer(numel), numel * 4
+
+
+def _run_once(link: Link, work: MatmulWork, host, device, mode: str):
+    begin = link.mark()
+    transfer = link.to_device(device, host, after=None) if mode != "compute" else None
+    compute_end = None
+    if mode != "transfer":
+        work()
+        compute_end = link.mark()
+    if transfer is not None:
+        transfer.wait()
+    end = link.mark()
+    return begin, compute_end, transfer, end
+
+
+def measure_overlap(link: Link, nbytes, work: MatmulWork, repeats: int = 3) -> OverlapResult:
+    """Time ``work`` alone, a host→device transfer of ``nbytes`` alone, and both at once."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: expected a positive integer; got {repeats!r}")
+    host, device, size = _buffers(link, nbytes)
+    _run_once(link, work, host, device, "both")  # warm-up
+    samples = {"compute": [], "transfer": [], "both": []}
+    for _ in range(repeats):
+        for mode in samples:
+            begin, _, transfer, end = _run_once(link, work, host, device, mode)
+            samples[mode].append(transfer.elapsed if mode == "transfer" else end.time - begin.time)
+    begin, compute_end, transfer, end = _run_once(link, work, host, device, "both")
+    origin = begin.time
+    timeline = {"compute": [(0.0, compute_end.time - origin, "matmuls")],
+                "H2D": [(transfer.start - origin, transfer.end - origin, "transfer")]}
+    link.synchronize()
+    return OverlapResult(size, *(statistics.median(samples[m]) for m in ("compute", "transfer", "both")),
+                         source="emulated" if link.emulated else "measured", timeline=timeline)
+
+
+@dataclass
+class CrossoverResult:
+    """The batch below which a fixed transfer stops hiding behind compute, predicted and measured."""
+
+    nbytes: int
+    batches: list[int]
+    results: list[OverlapResult]
+    seconds_per_sample: float
+    source: str
+
+    @property
+    def predicted_batch(self) -> int:
+        return overlap.crossover_batch(self.nbytes, self.nbytes / self.t_transfer, self.seconds_per_sample)
+
+    @property
+    def t_transfer(self) -> float:
+        return statistics.median(r.t_transfer for r in self.results)
+
+    @property
+    def measured_batch(self) -> int | None:
+        """The smallest batch whose step took at most 10 % longer than its compute alone."""
+        hidden = [b for b, r in zip(self.batches, self.results) if r.t_both <= 1.10 * r.t_compute]
+        return min(hidden) if hidden else None
+
+
+def measure_crossover(link: Link, batches=(1, 2, 4, 8, 16, 32), rows_per_sample: int = 64, hidden: int = 512,
+                      count: int = 4, nbytes=None, repeats: int = 3) -> CrossoverResult:
+    """Overlap a fixed transfer with compute that grows with the batch, for each batch size.
+
+    Compute per sample is ``count`` products of a (``rows_per_sample`` × ``hidden``) block. When
+    ``nbytes`` is not given, it is chosen so the transfer takes as long as the compute of a batch
+    in the middle of ``batches`` (so the crossover falls inside the range).
+    """
+    chosen = sorted({int(b) for b in batches})
+    if not chosen or chosen[0] < 1:
+        raise ValueError(f"batches: expected positive batch sizes; got {batches!r}")
+    device = link.device
+    largest = MatmulWork(rows_per_sample * chosen[-1], hidden, count, device)
+    timing = measure_overlap(link, "4 MiB", largest, repeats=1)
+    per_sample = timing.t_compute / chosen[-1]
+    if nbytes is None:
+        middle = chosen[len(chosen) // 2]
+        bandwidth = timing.nbytes / timing.t_transfer
+        nbytes = int(middle * 0.75 * per_sample * bandwidth)
+    results = [measure_overlap(link, nbytes, MatmulWork(rows_per_sample * b, hidden, count, device), repeats)
+               for b in chosen]
+    slope = statistics.median(r.t_compute / b for b, r in zip(chosen, results))
+    return CrossoverResult(results[0].nbytes, chosen, results, slope, results[0].source)

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from .memory import transformer_params
 
-__all__ = ["GPTConfig", "Block", "TinyGPT"]
+__all__ = ["GPTConfig", "Block", "TinyGPT", "markov_corpus", "batches", "train"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,15 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(config.hidden, config.vocab, bias=False)
         if config.tied_embeddings:
             self.head.weight = self.tokens.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        """GPT-2's initialisation: N(0, 0.02) weights, zero biases."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits for token ids ``idx`` (batch × seq); with ``targets``, the mean cross-entropy loss."""
@@ -93,3 +102,53 @@ class TinyGPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def markov_corpus(vocab: int, tokens: int, successors: int = 4, seed: int = 0) -> torch.Tensor:
+    """A token stream from a random sparse bigram chain: each token has ``successors`` likely
+    next tokens. Generated, never downloaded; a model that learns the chain drives its loss
+    from ln(vocab) towards the chain's entropy (about ln(successors))."""
+    for name, value in (("vocab", vocab), ("tokens", tokens), ("successors", successors)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: expected a positive integer; got {value!r}")
+    if successors > vocab:
+        raise ValueError(f"successors: expected at most vocab={vocab}; got {successors}")
+    generator = torch.Generator().manual_seed(seed)
+    table = torch.stack([torch.randperm(vocab, generator=generator)[:successors] for _ in range(vocab)])
+    choices = torch.randint(0, successors, (tokens,), generator=generator)
+    stream = torch.empty(tokens, dtype=torch.long)
+    token = 0
+    for i in range(tokens):
+        token = int(table[token, choices[i]])
+        stream[i] = token
+    return stream
+
+
+def batches(corpus: torch.Tensor, batch: int, seq: int, seed: int = 0):
+    """Endless (inputs, targets) pairs of shape batch × seq drawn from ``corpus``."""
+    if corpus.numel() <= seq + 1:
+        raise ValueError(f"seq: expected fewer than {corpus.numel() - 1} tokens for this corpus; got {seq}")
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, corpus.numel() - seq - 1, (batch,), generator=generator)
+        window = torch.stack([corpus[s:s + seq + 1] for s in starts.tolist()])
+        yield window[:, :-1], window[:, 1:]
+
+
+def train(model: nn.Module, optimizer, data, steps: int, device, accumulation: int = 1, scale_loss=None) -> list[float]:
+    """Train for ``steps`` optimizer steps of ``accumulation`` micro-batches; returns the losses.
+
+    ``scale_loss`` (for fp16, e.g. ``CPUOffloadAdam.scale_loss``) multiplies each loss before backward.
+    """
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        total = 0.0
+        for _ in range(accumulation):
+            inputs, targets = next(data)
+            loss = model(inputs.to(device), targets.to(device)) / accumulation
+            (scale_loss(loss) if scale_loss else loss).backward()
+            total += loss.item()
+        optimizer.step()
+        losses.append(total)
+    return losses

@@ -300,7 +300,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         """Discard gradients received since the last step (device gradients are already gone)."""
         super().zero_grad(set_to_none=set_to_none)
         for slot in self._slots:
-            if slot.submitted and not self.delayed_update:
+            if slot.submitted:  # its gradient already belongs to an update in progress
                 continue
             if slot.download is not None:
                 slot.download.synchronize()

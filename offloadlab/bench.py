@@ -16,7 +16,7 @@ from . import experiment, machine, probe
 from .link import open_link
 from .units import format_bandwidth, format_duration
 
-__all__ = ["link", "overlap", "format_result"]
+__all__ = ["link", "overlap", "adam", "offload", "format_result"]
 
 
 def _plain_copy_bandwidth(nbytes: int, direction: str, repeats: int) -> float:
@@ -97,11 +97,141 @@ def overlap(quick: bool = False) -> dict:
             "provenance": machine.provenance()}
 
 
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def adam(quick: bool = False, params: float | None = None, threads: int | None = None) -> dict:
+    """The CPU AdamW step against its peers and the memory-bandwidth floor, same threads, one run.
+
+    offloadlab's fused step (bf16 gradients in, bf16 weights out: 28 B/param) against torch
+    AdamW foreach and fused (fp32 gradients, 28 B/param), fused followed by a separate bf16
+    cast, and DeepSpeedCPUAdam when installed. The floor is the bytes the step must move over
+    the in-place-update bandwidth measured in the same run with the same threads.
+    """
+    from . import cpu_adam
+
+    count = int(params or (16e6 if quick else 64e6))
+    threads = threads or torch.get_num_threads()
+    repeats = 3 if quick else 5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        update = probe.host_memory_bandwidth(max(64 * 2**20, count * 4), threads=[threads], repeats=repeats)[1]
+        floor = cpu_adam.bytes_per_param() * count / update.value
+        master, m, v = torch.randn(count), torch.zeros(count), torch.zeros(count)
+        grad16, out16 = torch.randn(count).to(torch.bfloat16), torch.empty(count, dtype=torch.bfloat16)
+        steps = iter(range(1, 10**6))
+        ours = _median_seconds(lambda: cpu_adam.adamw_step(master, m, v, grad16, out16, step=next(steps), lr=1e-3,
+                                                           threads=threads), repeats)
+        del master, m, v
+        weights = torch.randn(count, requires_grad=True)
+        weights.grad = torch.randn(count)
+        rows = [{"contender": f"offloadlab fused step ({cpu_adam.backend().split(' from ')[0]})", "seconds": ours}]
+        for name, kwargs in (("torch AdamW foreach", {"foreach": True}), ("torch AdamW fused", {"fused": True})):
+            opt = torch.optim.AdamW([weights], lr=1e-3, **kwargs)
+            rows.append({"contender": name, "seconds": _median_seconds(opt.step, repeats)})
+            if kwargs.get("fused"):
+                rows.append({"contender": "torch AdamW fused + bf16 cast", "seconds": _median_seconds(
+                    lambda: (opt.step(), out16.copy_(weights.detach())), repeats)})
+            del opt
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+        except Exception:  # ImportError, or a build error of its extension
+            deepspeed_row = None
+        else:
+            opt = DeepSpeedCPUAdam([weights], lr=1e-3, adamw_mode=True)
+            deepspeed_row = {"contender": "DeepSpeedCPUAdam", "seconds": _median_seconds(opt.step, repeats)}
+            rows.append(deepspeed_row)
+    finally:
+        torch.set_num_threads(previous)
+    for row in rows:
+        row["params_per_s"] = count / row["seconds"]
+        row["bytes_per_s"] = cpu_adam.bytes_per_param() * count / row["seconds"]
+        row["percent_of_floor"] = 100 * floor / row["seconds"]
+    by_name = {r["contender"].split(" (")[0]: r["seconds"] for r in rows}
+    ratios = {
+        "offloadlab step / bandwidth floor (target ≤ 1.15)": ours / floor,
+        "fused + cast / offloadlab step (target ≥ 1.2)": by_name["torch AdamW fused + bf16 cast"] / ours,
+        "DeepSpeedCPUAdam / offloadlab step (target ≥ 1.0)": deepspeed_row["seconds"] / ours if deepspeed_row else None,
+    }
+    return {"benchmark": "adam", "source": "measured", "rows": rows, "ratios": ratios,
+            "params": count, "threads": threads, "floor_seconds": floor, "update_bandwidth": update.value,
+            "backend": cpu_adam.backend(), "provenance": machine.provenance(),
+            "note": "" if deepspeed_row else "DeepSpeedCPUAdam: absent (pip install deepspeed to compare)"}
+
+
+def offload(quick: bool = False) -> dict:
+    """Step time of a small GPT under CPUOffloadAdam (with and without delayed update) against
+    plain AdamW on the device and torchao's CPUOffloadOptimizer when installed."""
+    from .models import GPTConfig, TinyGPT, batches, markov_corpus
+    from .offload import CPUOffloadAdam
+
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    config = GPTConfig(layers=12, hidden=1024, heads=16, vocab=8192, seq=512) if gpu else \
+        GPTConfig(layers=2, hidden=256, heads=4, vocab=1024, seq=64)
+    batch = 8 if gpu else 4
+    steps = (5 if quick else 20) if gpu else (3 if quick else 8)
+    corpus = markov_corpus(config.vocab, 50_000)
+    dtype = torch.bfloat16 if gpu else torch.float32  # CPUs without bf16 units emulate bf16 matmuls slowly
+
+    def timed(make_optimizer) -> float:
+        torch.manual_seed(0)
+        model = TinyGPT(config).to(device, dtype)
+        optimizer = make_optimizer(model)
+        data = batches(corpus, batch, config.seq)
+
+        def one_step():
+            inputs, targets = next(data)
+            optimizer.zero_grad()
+            model(inputs.to(device), targets.to(device)).backward()
+            optimizer.step()
+            if gpu:
+                torch.cuda.synchronize()
+
+        seconds = _median_seconds(one_step, steps)
+        if hasattr(optimizer, "close"):
+            optimizer.close()
+        return seconds
+
+    rows = [{"contender": "AdamW on the device", "seconds": timed(lambda m: torch.optim.AdamW(m.parameters()))},
+            {"contender": "CPUOffloadAdam", "seconds": timed(lambda m: CPUOffloadAdam(m.parameters()))},
+            {"contender": "CPUOffloadAdam, delayed update",
+             "seconds": timed(lambda m: CPUOffloadAdam(m.parameters(), delayed_update=True))}]
+    note = ""
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except Exception:
+        note = "torchao CPUOffloadOptimizer: absent (pip install torchao to compare)"
+    else:
+        if gpu:
+            rows.append({"contender": "torchao CPUOffloadOptimizer", "seconds": timed(
+                lambda m: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, fused=True))})
+        else:
+            note = "torchao CPUOffloadOptimizer: needs a GPU"
+    base = rows[0]["seconds"]
+    ratios = {f"{r['contender']} / AdamW on the device": r["seconds"] / base for r in rows[1:]}
+    return {"benchmark": "offload", "source": "measured" if gpu else "emulated", "rows": rows, "ratios": ratios,
+            "params": config.params, "provenance": machine.provenance(), "note": note}
+
+
 def format_result(result: dict) -> str:
     """A short plain-text report of a benchmark result."""
     lines = [f"benchmark {result['benchmark']} ({result['source']})"]
     for row in result["rows"]:
-        if "bytes_per_s" in row:
+        if "percent_of_floor" in row:
+            lines.append(f"  {row['contender']:<58} {row['seconds'] * 1e3:8.1f} ms  {row['params_per_s'] / 1e9:5.2f} "
+                         f"G params/s  {format_bandwidth(row['bytes_per_s']):>10}  {row['percent_of_floor']:5.1f}% of floor")
+        elif "t_compute_s" not in row and "seconds" in row:
+            lines.append(f"  {row['contender']:<40} {format_duration(row['seconds']):>10} per step")
+        elif "bytes_per_s" in row:
             extra = f"  latency {row['latency_s'] * 1e6:.0f} µs" if "latency_s" in row else ""
             lines.append(f"  {row['contender']:<40} {format_bandwidth(row['bytes_per_s']):>12}{extra}")
         else:

@@ -160,6 +160,10 @@ class Link(ABC):
         """Record the current point of the compute stream."""
 
     @abstractmethod
+    def now(self) -> float:
+        """The host's current time on the link's clock (seconds since the link was made)."""
+
+    @abstractmethod
     def synchronize(self) -> None:
         """Block until every copy and all compute issued so far have finished."""
 
@@ -407,6 +411,8 @@ class CudaLink(Link):
         self._registered: list[torch.Tensor] = []
         self._epoch = torch.cuda.Event(enable_timing=True)
         self._epoch.record(torch.cuda.current_stream(self.device))
+        self._epoch.synchronize()
+        self._epoch_host = time.perf_counter()  # host time of the epoch, to place CPU work on the same clock
 
     def __repr__(self) -> str:
         return f"CudaLink({torch.cuda.get_device_name(self.device)})"
@@ -445,6 +451,9 @@ class CudaLink(Link):
             transfer._finish.record()
         device_tensor.record_stream(self.copy_stream)
         return transfer
+
+    def now(self) -> float:
+        return time.perf_counter() - self._epoch_host
 
     def mark(self) -> Marker:
         event = torch.cuda.Event(enable_timing=True)

@@ -56,12 +56,14 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     update), ``max_grad_norm`` (global-norm clipping), ``accumulation_steps`` (micro-batches
     per step; the eager update starts on the last one), ``delayed_update`` and, for fp16
     parameters, ``loss_scale`` ('dynamic' or a fixed number; scale the loss with
-    :meth:`scale_loss`).
+    :meth:`scale_loss`). With ``record_timeline=True``, :attr:`timeline` holds the last step's
+    gradient copies, CPU updates and weight copies as {lane: [(start, end, label)]} in seconds.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  link: Link | None = None, threads: int | None = None, max_grad_norm: float | None = None,
-                 accumulation_steps: int = 1, delayed_update: bool = False, loss_scale="dynamic"):
+                 accumulation_steps: int = 1, delayed_update: bool = False, loss_scale="dynamic",
+                 record_timeline: bool = False):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm: expected a positive number or None; got {max_grad_norm!r}")
@@ -118,6 +120,8 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         self._worker.start()
         self._error: BaseException | None = None
         self._closed = False
+        self.timeline = {} if record_timeline else None
+        self._recording: list = []
 
     # ------------------------------------------------------------------ host state
 
@@ -155,6 +159,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         if slot.download is not None:  # a previous micro-batch's gradient: fold it into the fp32 sum
             self._fold(slot)
         slot.download = self.link.to_host(self.grads[slot.start:slot.end], grad.reshape(-1))
+        self._record("D2H", slot.download, slot)
         param.grad = None  # the copy stream holds the memory until the copy is done
         slot.arrivals += 1
         if slot.arrivals == self.accumulation_steps and self._eager:
@@ -212,15 +217,33 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         group, s, e = slot.group, slot.start, slot.end
         slot.step += 1
         out = None if self.weights_out is None else self.weights_out[s:e]
+        started = self.link.now()
         cpu_adam.adamw_step(self.master[s:e], self.exp_avg[s:e], self.exp_avg_sq[s:e], grad, out,
                             step=slot.step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
                             weight_decay=group["weight_decay"], grad_scale=grad_scale, threads=self.threads)
+        self._record("CPU", (started, self.link.now()), slot)
         if not self.delayed_update:
             self._upload(slot)
 
     def _upload(self, slot: _Slot) -> None:
         source = self.master if self.weights_out is None else self.weights_out
         slot.upload = self.link.to_device(slot.param.data.view(-1), source[slot.start:slot.end])
+        self._record("H2D", slot.upload, slot)
+
+    def _record(self, lane: str, interval, slot: _Slot) -> None:
+        if self.timeline is not None:
+            self._recording.append((lane, interval, f"p{slot.index}"))
+
+    def _close_timeline(self) -> None:
+        """Resolve this step's recorded intervals into :attr:`timeline`."""
+        if self.timeline is None or not self._recording:
+            return
+        lanes: dict = {"D2H": [], "CPU": [], "H2D": []}
+        for lane, interval, label in self._recording:
+            start, end = interval if isinstance(interval, tuple) else (interval.start, interval.end)
+            lanes[lane].append((start, end, label))
+        self.timeline = lanes
+        self._recording = []
 
     def _finish(self, slots) -> None:
         """Wait for the slots' updates and order the compute stream after their weight copies."""
@@ -275,6 +298,8 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             self._finish(running + ready)
             for slot in running + ready:
                 slot.submitted = False
+        if not self.delayed_update:
+            self._close_timeline()
         if self._dynamic_scale:
             self._good_steps += 1
             if self._good_steps % 2000 == 0:

@@ -7,6 +7,7 @@ contender, with its figures) and ``ratios`` (named comparisons), plus provenance
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -16,7 +17,7 @@ from . import experiment, machine, probe
 from .link import open_link
 from .units import format_bandwidth, format_duration
 
-__all__ = ["link", "overlap", "adam", "offload", "format_result"]
+__all__ = ["link", "overlap", "adam", "offload", "prefetch", "format_result"]
 
 
 def _plain_copy_bandwidth(nbytes: int, direction: str, repeats: int) -> float:
@@ -222,6 +223,98 @@ def offload(quick: bool = False) -> dict:
             "params": config.params, "provenance": machine.provenance(), "note": note}
 
 
+def prefetch(quick: bool = False) -> dict:
+    """Layer streaming per variant: step time over max(compute, transfer), and link utilisation.
+
+    Eight layers of weights stream through a prefetcher while each layer's compute (calibrated
+    to twice its transfer) runs on the device; on a GPU, also a Linear stack under Accelerate's
+    ``cpu_offload`` against the same stack under :func:`~offloadlab.prefetch.stream_parameters`.
+    """
+    from .prefetch import Prefetcher
+
+    layers = 8
+    with open_link() as chosen:
+        gpu = not chosen.emulated
+        layer_bytes = (64 if gpu else 4) * 2**20
+        weights = [torch.randn(layer_bytes // 4) for _ in range(layers)]
+        peak = probe.fit_sweep(probe.link_sweep(chosen, directions=("h2d",), pinned=(True,), quick=True,
+                                                repeats=3)).beta
+        t_layer_transfer = layer_bytes / peak
+        rows_, hidden = (8192, 8192) if gpu else (256, 512)
+        probe_work = experiment.MatmulWork(rows_, hidden, 16, chosen.device)
+        per_product = _median_seconds(lambda: (probe_work(), torch.cuda.synchronize() if gpu else None), 3) / 16
+        work = experiment.MatmulWork(rows_, hidden, max(1, math.ceil(2 * t_layer_transfer / per_product)), chosen.device)
+
+        def one_pass(prefetcher) -> float:
+            begin = chosen.mark()
+            for _ in prefetcher:
+                work()
+            end = chosen.mark()
+            chosen.synchronize()
+            return end.time - begin.time
+
+        compute_alone = _median_seconds(lambda: [work() for _ in range(layers)] and
+                                        (torch.cuda.synchronize() if gpu else None), 3)
+        transfer_alone = layers * t_layer_transfer
+        bound = max(compute_alone, transfer_alone)
+        result_rows, ratios = [], {}
+        for name, variant in (("double buffered", {}), ("one buffer", {"buffers": 1}),
+                              ("pageable source", {"pinned": False}), ("synchronous copy", {"synchronous": True})):
+            prefetcher = Prefetcher(weights, chosen, **variant)
+            one_pass(prefetcher)  # warm-up
+            seconds = statistics.median(one_pass(prefetcher) for _ in range(3 if quick else 5))
+            copies = prefetcher.timeline()["H2D"]
+            busy = sum(end - start for start, end, _ in copies)
+            result_rows.append({"contender": name, "seconds": seconds, "ratio_to_bound": seconds / bound,
+                                "link_percent_of_peak": 100 * layers * layer_bytes / busy / peak})
+            ratios[f"{name}: step / max(compute, transfer)"] = seconds / bound
+        by_name = {r["contender"]: r["seconds"] for r in result_rows}
+        ratios["synchronous / double buffered (target ≥ 1.5)"] = by_name["synchronous copy"] / by_name["double buffered"]
+        ratios["double buffered: link bandwidth / pinned peak (GPU target ≥ 0.90)"] = \
+            result_rows[0]["link_percent_of_peak"] / 100
+        source = "measured" if gpu else "emulated"
+    note = ""
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        note = "Accelerate cpu_offload: absent (pip install accelerate to compare)"
+    else:
+        if gpu:
+            ratios.update(_accelerate_comparison(quick))
+        else:
+            note = "Accelerate cpu_offload: needs a GPU"
+    return {"benchmark": "prefetch", "source": source, "rows": result_rows, "ratios": ratios,
+            "compute_seconds": compute_alone, "transfer_seconds": transfer_alone, "peak_bytes_per_s": peak,
+            "provenance": machine.provenance(), "note": note}
+
+
+def _accelerate_comparison(quick: bool) -> dict:
+    """Forward of a Linear stack under Accelerate's cpu_offload against stream_parameters (GPU)."""
+    from accelerate import cpu_offload
+    from torch import nn
+
+    from .link import CudaLink
+    from .prefetch import stream_parameters
+
+    def stack():
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.blocks = nn.ModuleList(nn.Linear(4096, 4096) for _ in range(16))
+        model.forward = lambda x: [x := block(x) for block in model.blocks][-1]
+        return model
+
+    x = torch.randn(4096, 4096, device="cuda")
+    theirs = cpu_offload(stack(), execution_device=torch.device("cuda"))
+    with torch.no_grad():
+        t_theirs = _median_seconds(lambda: (theirs(x), torch.cuda.synchronize()), 3 if quick else 5)
+    with CudaLink() as cuda:
+        ours = stack()
+        stream_parameters(ours, cuda)
+        with torch.no_grad():
+            t_ours = _median_seconds(lambda: (ours(x), torch.cuda.synchronize()), 3 if quick else 5)
+    return {"Accelerate cpu_offload / stream_parameters (forward)": t_theirs / t_ours}
+
+
 def format_result(result: dict) -> str:
     """A short plain-text report of a benchmark result."""
     lines = [f"benchmark {result['benchmark']} ({result['source']})"]
@@ -229,6 +322,10 @@ def format_result(result: dict) -> str:
         if "percent_of_floor" in row:
             lines.append(f"  {row['contender']:<58} {row['seconds'] * 1e3:8.1f} ms  {row['params_per_s'] / 1e9:5.2f} "
                          f"G params/s  {format_bandwidth(row['bytes_per_s']):>10}  {row['percent_of_floor']:5.1f}% of floor")
+        elif "ratio_to_bound" in row:
+            lines.append(f"  {row['contender']:<22} {format_duration(row['seconds']):>10}  "
+                         f"{row['ratio_to_bound']:.2f}× max(compute, transfer)  "
+                         f"link {row['link_percent_of_peak']:.0f}% of pinned peak")
         elif "t_compute_s" not in row and "seconds" in row:
             lines.append(f"  {row['contender']:<40} {format_duration(row['seconds']):>10} per step")
         elif "bytes_per_s" in row:

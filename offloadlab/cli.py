@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.set_defaults(run=_cmd_probe)
 
     bench = commands.add_parser("bench", help="benchmarks against peers, reported as ratios")
-    bench.add_argument("name", choices=["link", "overlap", "adam", "offload"], help="what to benchmark")
+    bench.add_argument("name", choices=["link", "overlap", "adam", "offload", "prefetch"], help="what to benchmark")
     bench.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     bench.add_argument("--json", metavar="FILE", help="write the result to FILE")
     bench.add_argument("--force", action="store_true", help="replace an existing --json file")

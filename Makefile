@@ -12,8 +12,9 @@ PY          := $(VENV)/bin/python
 SPHINXOPTS  ?= -W --keep-going -n
 LAB_ROOT    := $(if $(filter 0,$(shell id -u)),--allow-root)
 OVERRIDES   := $(VENV)/share/jupyter/lab/settings/overrides.json
+MATHJAX     := book/_static/mathjax
 
-.PHONY: env lab test book clean
+.PHONY: env lab test book book-student student gpu-check clean
 
 ## env: create the environment if missing, install or update everything in it
 env:
@@ -27,13 +28,30 @@ env:
 lab: env
 	$(VENV)/bin/jupyter lab $(LAB_ROOT) book/01_memory_wall.md
 
-## test: unit tests, every chapter and lab through nbval, and the static-site build
-test: env
+## test: unit tests, every chapter and lab through nbval, the static site and its browser checks
+test: env $(MATHJAX)/tex-chtml.js
 	$(PY) -m pytest
 
 ## book: build the static site into book/_build/html (executes every notebook)
-book: env
+book: env $(MATHJAX)/tex-chtml.js
 	$(PY) -m sphinx $(SPHINXOPTS) -b html book book/_build/html
 
+## book-student: the same site without the exercises' solutions, into book/_build/student
+book-student: env $(MATHJAX)/tex-chtml.js
+	OFFLOADLAB_STUDENT=1 $(PY) -m sphinx $(SPHINXOPTS) -b html book book/_build/student
+
+## student: the labs with their solutions replaced by stubs, into build/student (no nbgrader needed)
+student: env
+	$(PY) -m offloadlab.student labs build/student
+
+# MathJax served from the site itself, so pages render math offline (needs Node.js's npm once).
+$(MATHJAX)/tex-chtml.js:
+	npm install --no-save --no-audit --no-fund --prefix build/npm mathjax@3
+	rm -rf $(MATHJAX) && mkdir -p $(MATHJAX)/output/chtml $(MATHJAX)/input/tex
+	cp build/npm/node_modules/mathjax/es5/tex-chtml.js $(MATHJAX)/
+	cp -r build/npm/node_modules/mathjax/es5/output/chtml/fonts $(MATHJAX)/output/chtml/
+	cp -r build/npm/node_modules/mathjax/es5/input/tex/extensions $(MATHJAX)/input/tex/
+	cp -r build/npm/node_modules/mathjax/es5/a11y build/npm/node_modules/mathjax/es5/ui $(MATHJAX)/
+
 clean:
-	rm -rf book/_build .pytest_cache
+	rm -rf book/_build build .pytest_cache $(MATHJAX)

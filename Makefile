@@ -44,6 +44,11 @@ book-student: env $(MATHJAX)/tex-chtml.js
 student: env
 	$(PY) -m offloadlab.student labs build/student
 
+## gpu-check: every GPU test, notebook and benchmark on a CUDA machine, results in build/gpu-check
+## (and reference data in offloadlab/reference); without a GPU, the CPU parts only
+gpu-check: env
+	$(PY) -m offloadlab.gpucheck --out build/gpu-check
+
 # MathJax served from the site itself, so pages render math offline (needs Node.js's npm once).
 $(MATHJAX)/tex-chtml.js:
 	npm install --no-save --no-audit --no-fund --prefix build/npm mathjax@3

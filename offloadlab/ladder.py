@@ -13,7 +13,7 @@ from . import probe, reference
 from .link import open_link
 from .units import format_bandwidth, format_size
 
-__all__ = ["measure", "of_machine", "nominal", "table", "cliff"]
+__all__ = ["measure", "of_machine", "nominal", "table", "cliff", "reference_figures"]
 
 
 def measure(quick: bool = False, disk_folder=".", link=None) -> dict:
@@ -105,3 +105,28 @@ def table(ladder: dict) -> str:
     lines.append(f"{'link':<34} {'':>10} {'bandwidth':>14}  source")
     lines += [f"{l['name'][:34]:<34} {'':>10} {rate(l):>14}  {l['source']}" for l in ladder["links"]]
     return "\n".join(lines)
+
+
+def reference_figures(name: str, folder=None) -> dict:
+    """Headline figures of a measured reference file (from ``make gpu-check``), bytes/s.
+
+    Keys: 'label', 'date', 'h2d', 'd2h' (pinned asymptotic bandwidth, α–β fit), 'device memory',
+    'host memory'; a figure the file does not hold is None.
+    """
+    data = reference.load(name, folder)
+    if data["kind"] == "nominal":
+        raise ValueError(f"name: {name!r} is the nominal ladder, not a measurement")
+    records = data["records"]
+
+    def best(quantity):
+        values = [r["value"] for r in records if r.get("quantity") == quantity and r.get("value")]
+        return max(values) if values else None
+
+    figures = {"label": data["label"], "date": data["provenance"].get("date"),
+               "device memory": best("device memory bandwidth"), "host memory": best("host copy bandwidth")}
+    for direction in ("h2d", "d2h"):
+        sweep = [r for r in records if r.get("params", {}).get("direction") == direction
+                 and r["params"].get("pinned") and not r["params"].get("duplex")]
+        figures[direction] = probe.fit_alpha_beta([r["params"]["size"] for r in sweep],
+                                                  [r["params"]["median_seconds"] for r in sweep]).beta if sweep else None
+    return figures

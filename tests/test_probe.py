@@ -169,3 +169,16 @@ def test_bench_link_reports_ratios(tmp_path):
     assert "h2d pinned / pageable" in payload["ratios"]
     assert payload["source"] == ("measured" if torch.cuda.is_available() else "emulated")
     assert "ratios:" in result.stdout
+
+
+def test_reference_figures_from_a_saved_probe(tmp_path):
+    with EmulatedLink(bandwidth="2 GB/s") as link:
+        records = probe.link_sweep(link, sizes=["1 MiB", "4 MiB", "16 MiB"], repeats=2)
+    records += probe.host_memory_bandwidth("8 MiB", threads=[1], repeats=2)
+    payload = [r.to_dict() for r in records]
+    reference.save("gpu-test-card", "emulated", "test card", payload[0]["provenance"], payload, folder=tmp_path)
+    figures = ladder.reference_figures("gpu-test-card", folder=tmp_path)
+    assert figures["label"] == "test card" and figures["device memory"] is None
+    assert 1e9 < figures["h2d"] < 2.6e9 and figures["host memory"] > 0
+    with pytest.raises(ValueError, match="nominal"):
+        ladder.reference_figures("nominal-ladder")

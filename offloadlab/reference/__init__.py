@@ -17,16 +17,16 @@ FORMAT = "offloadlab-reference/1"
 __all__ = ["FOLDER", "FORMAT", "available", "load", "save"]
 
 
-def available() -> list[str]:
+def available(folder: Path | None = None) -> list[str]:
     """Names of the reference files shipped with the package (without .json)."""
-    return sorted(p.stem for p in FOLDER.glob("*.json"))
+    return sorted(p.stem for p in (folder or FOLDER).glob("*.json"))
 
 
-def load(name: str) -> dict:
+def load(name: str, folder: Path | None = None) -> dict:
     """The reference called ``name``; ValueError listing what exists otherwise."""
-    path = FOLDER / f"{name}.json"
+    path = (folder or FOLDER) / f"{name}.json"
     if not re.fullmatch(r"[A-Za-z0-9._-]+", str(name)) or not path.exists():
-        raise ValueError(f"name: expected one of {', '.join(available())}; got {name!r}")
+        raise ValueError(f"name: expected one of {', '.join(available(folder))}; got {name!r}")
     data = json.loads(path.read_text(encoding="utf-8"))
     if data.get("format") != FORMAT:
         raise ValueError(f"{path.name}: not an {FORMAT} file")

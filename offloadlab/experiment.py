@@ -9,6 +9,7 @@ Every result says whether it is ``measured`` or ``emulated``. Units: seconds and
 from __future__ import annotations
 
 import statistics
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -71,10 +72,17 @@ class OverlapResult:
                 "ratio": self.ratio, "regime": self.predicted.regime, "source": self.source}
 
 
+_BUFFERS: "weakref.WeakKeyDictionary[Link, dict]" = weakref.WeakKeyDictionary()
+
+
 def _buffers(link: Link, nbytes):
+    """Pinned host and device buffers of ``nbytes``, reused per link (pinned memory lives until close)."""
     size = int(parse_size(nbytes, "nbytes"))
     numel = max(1, size // 4)
-    return link.host_buffer(numel), link.device_buffer(numel), numel * 4
+    cache = _BUFFERS.setdefault(link, {})
+    if numel not in cache:
+        cache[numel] = (link.host_buffer(numel), link.device_buffer(numel))
+    return (*cache[numel], numel * 4)
 
 
 def _run_once(link: Link, work: MatmulWork, host, device, mode: str):

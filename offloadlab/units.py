@@ -30,6 +30,7 @@ __all__ = [
 _DECIMAL = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
 _SIZE_UNITS = {f"{p}B": f for p, f in {**_DECIMAL, **_BINARY}.items()}
+_BANDWIDTH_UNITS = {f"{u}/s": f for u, f in _SIZE_UNITS.items()}
 _TIME_UNITS = {
     "ns": 1e-9,
     "us": 1e-6,
@@ -77,43 +78,34 @@ def _checked(number: float, name: str, value, forms: str, allow_zero: bool) -> f
     return number
 
 
+def _parse(value, name: str, units: dict, forms: str, allow_zero: bool) -> float:
+    """A number with an optional unit from ``units`` (unit → factor), scaled and validated."""
+    number, unit = _split(value, name, forms)
+    if unit:
+        if unit not in units:
+            raise _fail(name, value, forms, f"unknown unit {unit!r}" if units else "it takes no unit")
+        number *= units[unit]
+    return _checked(number, name, value, forms, allow_zero)
+
+
 def parse_size(value, name: str = "size", allow_zero: bool = False) -> float:
     """Bytes from a number of bytes or a string like '80 GB' / '512 MiB'."""
-    number, unit = _split(value, name, SIZE_FORMS)
-    if unit:
-        if unit not in _SIZE_UNITS:
-            raise _fail(name, value, SIZE_FORMS, f"unknown unit {unit!r}")
-        number *= _SIZE_UNITS[unit]
-    return _checked(number, name, value, SIZE_FORMS, allow_zero)
+    return _parse(value, name, _SIZE_UNITS, SIZE_FORMS, allow_zero)
 
 
 def parse_bandwidth(value, name: str = "bandwidth") -> float:
     """Bytes per second from a number or a string like '32 GB/s'. Zero is refused."""
-    number, unit = _split(value, name, BANDWIDTH_FORMS)
-    if unit:
-        size_unit, slash, per = unit.partition("/")
-        if not slash or per != "s" or size_unit not in _SIZE_UNITS:
-            raise _fail(name, value, BANDWIDTH_FORMS, f"unknown unit {unit!r}")
-        number *= _SIZE_UNITS[size_unit]
-    return _checked(number, name, value, BANDWIDTH_FORMS, allow_zero=False)
+    return _parse(value, name, _BANDWIDTH_UNITS, BANDWIDTH_FORMS, allow_zero=False)
 
 
 def parse_duration(value, name: str = "duration", allow_zero: bool = False) -> float:
     """Seconds from a number of seconds or a string like '250 ms'."""
-    number, unit = _split(value, name, DURATION_FORMS)
-    if unit:
-        if unit not in _TIME_UNITS:
-            raise _fail(name, value, DURATION_FORMS, f"unknown unit {unit!r}")
-        number *= _TIME_UNITS[unit]
-    return _checked(number, name, value, DURATION_FORMS, allow_zero)
+    return _parse(value, name, _TIME_UNITS, DURATION_FORMS, allow_zero)
 
 
 def parse_count(value, name: str = "count") -> float:
     """A positive, finite count such as a number of parameters (10e9 or '1.3e9')."""
-    number, unit = _split(value, name, COUNT_FORMS)
-    if unit:
-        raise _fail(name, value, COUNT_FORMS, "a count has no unit")
-    return _checked(number, name, value, COUNT_FORMS, allow_zero=False)
+    return _parse(value, name, {}, COUNT_FORMS, allow_zero=False)
 
 
 def check_positive(value, name: str) -> float:

@@ -67,7 +67,7 @@ def test_parse_duration(text, expected):
         (units.parse_duration, "250 mss", "unknown unit"),
         (units.parse_duration, "-3 ms", "negative"),
         (units.parse_duration, "0 s", "greater than zero"),
-        (units.parse_count, "10 GB", "no unit"),
+        (units.parse_count, "10 GB", "takes no unit"),
         (units.parse_count, 0, "greater than zero"),
     ],
 )

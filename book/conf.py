@@ -36,6 +36,7 @@ nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_execution_timeout = 900
 nb_merge_streams = True
+nb_render_markdown_format = "myst"  # Markdown outputs with tables, as the chapters print them
 
 numfig = True
 bibtex_bibfiles = ["references.bib"]

@@ -48,6 +48,21 @@ class _Slot:
         self.updated.set()
 
 
+class _Landed:
+    """A gradient that needed no copy (it was produced in host memory): already done."""
+
+    def __init__(self, link: Link):
+        self.start = self.end = link.now()
+
+    def done(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    wait = synchronize
+
+
 class CPUOffloadAdam(torch.optim.Optimizer):
     """AdamW (torch.optim.AdamW's semantics and arguments) with state and update on the CPU.
 
@@ -76,16 +91,19 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
         trainable = [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+        # Host-resident parameters (stream_parameters' layers) may sit beside one accelerator's.
         devices = {p.device for _, p in trainable}
-        if len(devices) > 1:
-            raise ValueError(f"params: expected every parameter on one device; got {sorted(map(str, devices))}")
+        accelerators = {d for d in devices if d.type != "cpu"}
+        if len(accelerators) > 1:
+            raise ValueError(f"params: expected every parameter on one device (or the host); "
+                             f"got {sorted(map(str, devices))}")
         dtypes = {p.dtype for _, p in trainable}
         if len(dtypes) > 1 or not dtypes <= set(_DEVICE_DTYPES):
             raise ValueError(f"params: expected one dtype of bf16, fp16 or fp32 for all trainable parameters; "
                              f"got {sorted(map(str, dtypes))}")
         if any(not p.is_contiguous() for _, p in trainable):
             raise ValueError("params: expected contiguous parameters")
-        self.device = devices.pop() if devices else torch.device("cpu")
+        self.device = accelerators.pop() if accelerators else torch.device("cpu")
         self.dtype = dtypes.pop() if dtypes else torch.float32
 
         self._own_link = link is None
@@ -158,8 +176,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
                                f"step(): pass accumulation_steps to match your micro-batches")
         if slot.download is not None:  # a previous micro-batch's gradient: fold it into the fp32 sum
             self._fold(slot)
-        slot.download = self.link.to_host(self.grads[slot.start:slot.end], grad.reshape(-1))
-        self._record("D2H", slot.download, slot)
+        if self._on_host(slot):  # a streamed parameter: its gradient is already in host memory
+            self.grads[slot.start:slot.end].copy_(grad.reshape(-1))
+            slot.download = _Landed(self.link)
+        else:
+            slot.download = self.link.to_host(self.grads[slot.start:slot.end], grad.reshape(-1))
+            self._record("D2H", slot.download, slot)
         param.grad = None  # the copy stream holds the memory until the copy is done
         slot.arrivals += 1
         if slot.arrivals == self.accumulation_steps and self._eager:
@@ -225,8 +247,14 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         if not self.delayed_update:
             self._upload(slot)
 
+    def _on_host(self, slot: _Slot) -> bool:
+        return slot.param.device.type == "cpu" and self.link.device.type != "cpu"
+
     def _upload(self, slot: _Slot) -> None:
         source = self.master if self.weights_out is None else self.weights_out
+        if self._on_host(slot):  # the updated weights go to the host copy the layer streams from
+            slot.param.data.view(-1).copy_(source[slot.start:slot.end])
+            return
         slot.upload = self.link.to_device(slot.param.data.view(-1), source[slot.start:slot.end])
         self._record("H2D", slot.upload, slot)
 

@@ -143,3 +143,46 @@ def test_cuda_prefetch_poison_and_memory():
             assert torch.equal(tensor, source[i].cuda())
             tensor.fill_(float("nan"))
         assert torch.cuda.memory_allocated() - before <= prefetcher.device_bytes + 4096 * 4096 * 4 * 2
+
+
+def test_streaming_with_cpu_offload_adam_matches_the_unstreamed_model(link):
+    from offloadlab.offload import CPUOffloadAdam
+
+    config = GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=16)
+    torch.manual_seed(0)
+    plain = TinyGPT(config)
+    streamed = copy.deepcopy(plain)
+    stream_parameters(streamed, link)
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    for model in (plain, streamed):
+        opt = CPUOffloadAdam(model.parameters(), lr=1e-2, link=link)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x, y).backward()
+            opt.step()
+        opt.close()
+    for a, b in zip(plain.parameters(), streamed.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_streaming_with_cpu_offload_adam():
+    from offloadlab.offload import CPUOffloadAdam
+
+    config = GPTConfig(layers=4, hidden=256, heads=4, vocab=512, seq=64)
+    torch.manual_seed(0)
+    plain = TinyGPT(config).cuda()
+    streamed = copy.deepcopy(plain)
+    x = torch.randint(0, 512, (4, 64), device="cuda")
+    y = torch.randint(0, 512, (4, 64), device="cuda")
+    with CudaLink() as cuda:
+        stream_parameters(streamed, cuda)
+        for model in (plain, streamed):
+            opt = CPUOffloadAdam(model.parameters(), lr=1e-3, link=cuda)
+            for _ in range(3):
+                opt.zero_grad()
+                model(x, y).backward()
+                opt.step()
+            opt.close()
+        for a, b in zip(plain.parameters(), streamed.parameters()):
+            torch.testing.assert_close(b.to("cuda"), a, rtol=1e-5, atol=1e-6)

@@ -1,8 +1,15 @@
 """offloadlab: train models larger than GPU memory by offloading state to CPU memory and NVMe.
 
-The package behind the offloadlab textbook and lab kit. Modules, bottom layer first:
-``units`` (sizes, bandwidths, times), ``memory`` (the memory wall), ``models`` (a small
-GPT for the labs), ``plots`` (the book's figures) and ``cli`` (the ``offloadlab`` command).
+The package behind the offloadlab textbook and lab kit. Layers, bottom first (each imports
+only those below it):
+
+- base: ``units`` (sizes, bandwidths, times: parsing, validation, formatting);
+- models (pure arithmetic): ``memory``, ``overlap``, ``budget``, ``planner``;
+- machine and transfer engine: ``machine``, ``link`` (CUDA and emulated);
+- measurement: ``probe``, ``ladder``, ``experiment``, ``reference`` (shipped measurements);
+- mechanisms: ``cpu_adam``, ``offload`` (``CPUOffloadAdam``), ``prefetch``, ``nvme``;
+- for the chapters and labs: ``models`` (a small GPT and its data), ``plots``, ``check``,
+  ``student``, ``bench``, ``gpucheck`` and ``cli`` (the ``offloadlab`` command).
 """
 
 __version__ = "0.1.0"

@@ -108,6 +108,17 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def _time_fused_step(count: int, threads: int, repeats: int) -> float:
+    """Median seconds of offloadlab's step, bf16 gradients in and bf16 weights out (buffers freed after)."""
+    from . import cpu_adam
+
+    master, m, v = torch.randn(count), torch.zeros(count), torch.zeros(count)
+    grad, out = torch.randn(count).to(torch.bfloat16), torch.empty(count, dtype=torch.bfloat16)
+    steps = iter(range(1, 10**6))
+    return _median_seconds(lambda: cpu_adam.adamw_step(master, m, v, grad, out, step=next(steps), lr=1e-3,
+                                                       threads=threads), repeats)
+
+
 def adam(quick: bool = False, params: float | None = None, threads: int | None = None) -> dict:
     """The CPU AdamW step against its peers and the memory-bandwidth floor, same threads, one run.
 
@@ -126,12 +137,8 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     try:
         update = probe.host_memory_bandwidth(max(64 * 2**20, count * 4), threads=[threads], repeats=repeats)[1]
         floor = cpu_adam.bytes_per_param() * count / update.value
-        master, m, v = torch.randn(count), torch.zeros(count), torch.zeros(count)
-        grad16, out16 = torch.randn(count).to(torch.bfloat16), torch.empty(count, dtype=torch.bfloat16)
-        steps = iter(range(1, 10**6))
-        ours = _median_seconds(lambda: cpu_adam.adamw_step(master, m, v, grad16, out16, step=next(steps), lr=1e-3,
-                                                           threads=threads), repeats)
-        del master, m, v
+        ours = _time_fused_step(count, threads, repeats)
+        out16 = torch.empty(count, dtype=torch.bfloat16)
         weights = torch.randn(count, requires_grad=True)
         weights.grad = torch.randn(count)
         rows = [{"contender": f"offloadlab fused step ({cpu_adam.backend().split(' from ')[0]})", "seconds": ours}]

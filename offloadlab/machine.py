@@ -29,7 +29,6 @@ __all__ = [
     "disk",
     "describe",
     "provenance",
-    "has_cuda",
 ]
 
 # Per-lane signalling rate (GT/s) and line-code efficiency of each PCIe generation.
@@ -45,11 +44,6 @@ def pcie_bandwidth(generation: int, width: int) -> float:
         raise ValueError(f"width: expected a link width of 1, 2, 4, 8, 16 or 32 lanes; got {width!r}")
     rate, efficiency = _PCIE_LANE[generation]
     return rate * 1e9 * efficiency / 8 * width
-
-
-def has_cuda() -> bool:
-    """True when a CUDA (or ROCm) device is usable through torch.cuda."""
-    return torch.cuda.is_available()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,6 @@
 """Probes, the α–β fit, the ladder, machine discovery and reference data."""
 
 import json
-import os
 import subprocess
 import sys
 

@@ -131,8 +131,8 @@ def _cmd_probe(args) -> int:
 def _cmd_bench(args) -> int:
     from . import bench
 
+    target = _json_target(args.json, args.force)  # refuse a bad --json before a long run
     result = getattr(bench, args.name)(quick=args.quick)
-    target = _json_target(args.json, args.force)
     print(bench.format_result(result))
     if target is not None:
         target.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

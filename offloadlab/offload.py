@@ -152,6 +152,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         # fp32 weights go back straight from the master copy; low precision needs its own buffer.
         self.weights_out = None if self.dtype == torch.float32 else link.host_buffer(n, self.dtype)
         self._accumulated = None  # fp32, allocated on the first micro-batch that needs it
+        self._allocating = threading.Lock()
         for s in self._slots:
             self.master[s.start:s.end].copy_(s.param.detach().reshape(-1))
             self.exp_avg[s.start:s.end].zero_()
@@ -194,8 +195,9 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     def _fold(self, slot: _Slot) -> None:
         slot.download.synchronize()
         landed = self.grads[slot.start:slot.end]
-        if self._accumulated is None:
-            self._accumulated = self.link.host_buffer(self.numel, torch.float32)
+        with self._allocating:  # the hook and the worker thread may fold at the same time
+            if self._accumulated is None:
+                self._accumulated = self.link.host_buffer(self.numel, torch.float32)
         total = self._accumulated[slot.start:slot.end]
         if slot.arrivals == 1:
             total.copy_(landed)

@@ -67,7 +67,8 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     """AdamW (torch.optim.AdamW's semantics and arguments) with state and update on the CPU.
 
     Extra keyword arguments: ``link`` (a :class:`~offloadlab.link.Link`; default: a CUDA
-    link for CUDA parameters, else an emulated one), ``threads`` (OpenMP threads of the CPU
+    link for CUDA parameters, else an emulated one, which keeps a core for its copy threads
+    until :meth:`close`), ``threads`` (OpenMP threads of the CPU
     update), ``max_grad_norm`` (global-norm clipping), ``accumulation_steps`` (micro-batches
     per step; the eager update starts on the last one), ``delayed_update`` and, for fp16
     parameters, ``loss_scale`` ('dynamic' or a fixed number; scale the loss with

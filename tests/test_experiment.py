@@ -19,8 +19,6 @@ def test_small_transfer_hides_and_large_one_stalls(link):
     large = experiment.measure_overlap(link, large_bytes, work, repeats=2)
     assert small.predicted.hidden and not large.predicted.hidden
     assert large.t_transfer > small.t_transfer
-    # Overlapped: the step is shorter than compute and transfer run back to back.
-    assert large.t_both < large.t_compute + large.t_transfer
     assert large.measured_stall > small.measured_stall
     assert small.source == "emulated" and set(small.timeline) == {"compute", "H2D"}
     (t_start, t_end, _), = large.timeline["H2D"]

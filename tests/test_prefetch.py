@@ -113,19 +113,30 @@ def test_streamed_model_gives_the_same_outputs_and_gradients(link):
     assert all(link.is_pinned(p) for layer in handle.layers for p in layer.parameters())
 
 
-def test_streaming_trains_with_an_ordinary_optimizer(link):
+def three_steps(model, optimizer, x, y) -> None:
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(x, y).backward()
+        optimizer.step()
+    if hasattr(optimizer, "close"):
+        optimizer.close()
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "CPUOffloadAdam"])
+def test_streamed_model_trains_exactly_like_the_plain_one(link, optimizer):
+    """Any optimizer (CPUOffloadAdam writing the host copy) gives the unstreamed model's weights."""
+    from offloadlab.offload import CPUOffloadAdam
+
+    make = {"AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+            "CPUOffloadAdam": lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link)}[optimizer]
     config = GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=16)
     torch.manual_seed(0)
-    plain, streamed = TinyGPT(config), None
+    plain = TinyGPT(config)
     streamed = copy.deepcopy(plain)
     stream_parameters(streamed, link)
     x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     for model in (plain, streamed):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for _ in range(3):
-            opt.zero_grad()
-            model(x, y).backward()
-            opt.step()
+        three_steps(model, make(model), x, y)
     for a, b in zip(plain.parameters(), streamed.parameters()):
         assert torch.equal(a, b)
 
@@ -145,26 +156,6 @@ def test_cuda_prefetch_poison_and_memory():
         assert torch.cuda.memory_allocated() - before <= prefetcher.device_bytes + 4096 * 4096 * 4 * 2
 
 
-def test_streaming_with_cpu_offload_adam_matches_the_unstreamed_model(link):
-    from offloadlab.offload import CPUOffloadAdam
-
-    config = GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=16)
-    torch.manual_seed(0)
-    plain = TinyGPT(config)
-    streamed = copy.deepcopy(plain)
-    stream_parameters(streamed, link)
-    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-    for model in (plain, streamed):
-        opt = CPUOffloadAdam(model.parameters(), lr=1e-2, link=link)
-        for _ in range(3):
-            opt.zero_grad()
-            model(x, y).backward()
-            opt.step()
-        opt.close()
-    for a, b in zip(plain.parameters(), streamed.parameters()):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.gpu
 def test_cuda_streaming_with_cpu_offload_adam():
     from offloadlab.offload import CPUOffloadAdam
@@ -178,11 +169,6 @@ def test_cuda_streaming_with_cpu_offload_adam():
     with CudaLink() as cuda:
         stream_parameters(streamed, cuda)
         for model in (plain, streamed):
-            opt = CPUOffloadAdam(model.parameters(), lr=1e-3, link=cuda)
-            for _ in range(3):
-                opt.zero_grad()
-                model(x, y).backward()
-                opt.step()
-            opt.close()
+            three_steps(model, CPUOffloadAdam(model.parameters(), lr=1e-3, link=cuda), x, y)
         for a, b in zip(plain.parameters(), streamed.parameters()):
             torch.testing.assert_close(b.to("cuda"), a, rtol=1e-5, atol=1e-6)

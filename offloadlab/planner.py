@@ -128,7 +128,7 @@ class Candidate:
         return self.frees_bytes / self.traffic_bytes if self.traffic_bytes else float("inf")
 
 
-def candidates(work: Workload, hw: Hardware) -> list[Candidate]:
+def candidates(work: Workload) -> list[Candidate]:
     """Every offload candidate, ranked best first: most bytes freed per byte moved each step."""
     p = work.params
     act_kept, act_recomputed = work.activation_bytes(False), work.activation_bytes(True)
@@ -290,7 +290,7 @@ def plan(work: Workload, hw: Hardware) -> PlanReport:
         if chosen.t_transfer > 2 * chosen.t_compute:
             warnings.append("offload makes this run bandwidth-bound: a larger batch, a faster link or more GPUs "
                             "(sharding instead of offloading) would serve it better")
-    return PlanReport(work, hw, plans, chosen, runner_up, candidates(work, hw), warnings)
+    return PlanReport(work, hw, plans, chosen, runner_up, candidates(work), warnings)
 
 
 def deepspeed_config(report: PlanReport) -> dict:

@@ -2,26 +2,43 @@
 
 One small interface, two implementations:
 
-- :class:`CudaLink` drives a real GPU: a dedicated copy stream, exact-size pinned host
-  buffers, CUDA events for ordering and timing.
-- :class:`EmulatedLink` stands in on a machine without a GPU: a background copy thread
-  per direction really moves the bytes and paces each transfer to a configured bandwidth
-  and latency, so transfers take real time and overlap real compute on the main thread.
+- :class:`CudaLink` drives a real GPU: one copy stream per direction (a GPU has a copy engine
+  for each, and PCIe is full duplex), exact-size pinned host buffers, CUDA events for ordering
+  and timing.
+- :class:`EmulatedLink` stands in on a machine without a GPU. It emulates the whole contract,
+  not only the timing: a paced copy engine per direction that really moves the bytes, and an
+  asynchronous compute stream (:meth:`Link.launch`), so a copy ordered after a point of the
+  compute stream really waits for it, and a copy that is *not* ordered after the compute that
+  still reads its buffer really overwrites it — as on a GPU.
 
 Both hand out :class:`Transfer` objects (wait for one, ask whether it is done, read when it
-ran) and :class:`Marker` objects (a point in the compute stream, for ordering and for
-timelines). Times are seconds on the link's own clock, which starts when the link is made.
-Sizes are bytes, bandwidths bytes per second.
+ran) and :class:`Marker` objects (a point in the compute stream, for ordering and timelines).
 
-Use :func:`open_link` to get the right one for this machine.
+The ordering contract, identical on both links:
+
+- ``to_device``/``to_host(dst, src, after=...)`` starts a copy on its direction's engine once the
+  compute stream has reached ``after``: ``"compute"`` (everything issued to it so far), a
+  :class:`Marker`, or ``None`` (nothing). Copies in one direction run in the order issued; the two
+  directions run at the same time.
+- :meth:`Transfer.wait` orders the compute that follows after the copy.
+- Pinned host memory from :meth:`Link.host_buffer` belongs to whoever asked for it: it is
+  unpinned and freed when the last tensor using it is dropped. :attr:`Link.pinned_bytes` says
+  how much is alive. The link keeps the tensors of a copy alive until the copy has finished.
+
+Times are seconds on the link's own clock, which starts when the link is made. Sizes are
+bytes, bandwidths bytes per second. Use :func:`open_link` to get the right link for this machine.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import queue
 import threading
 import time
+import warnings
+import weakref
 from abc import ABC, abstractmethod
 
 import torch
@@ -34,6 +51,7 @@ __all__ = [
     "EmulatedLink",
     "Transfer",
     "Marker",
+    "Recording",
     "open_link",
     "pinned_allocation_bytes",
     "DEFAULT_EMULATED_BANDWIDTH",
@@ -45,7 +63,8 @@ __all__ = [
 # real GPU on a PCIe link (~25 GB/s against tens of TFLOP/s) in the same regime.
 DEFAULT_EMULATED_BANDWIDTH = 2e9
 DEFAULT_EMULATED_LATENCY = 20e-6
-_CHUNK_BYTES = 1 << 20  # the emulated link moves and paces data a MiB at a time
+_CHUNK_BYTES = 1 << 20  # the emulated engines move and pace data a MiB at a time
+_DIRECTIONS = ("h2d", "d2h")
 
 
 def pinned_allocation_bytes(nbytes: int) -> int:
@@ -60,26 +79,44 @@ def pinned_allocation_bytes(nbytes: int) -> int:
     return 0 if nbytes == 0 else 1 << (nbytes - 1).bit_length()
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class Marker:
     """A point in the compute stream, recorded by :meth:`Link.mark`."""
 
-    def __init__(self, link: "Link", event=None, when: float | None = None):
-        self._link, self._event, self._when = link, event, when
+    def __init__(self, link: "Link", event=None):
+        self._link, self._event = link, event
+        self._when: float | None = None
+        self._reached = threading.Event()  # the emulated compute stream sets it
+
+    def reached(self) -> bool:
+        """True once the compute stream has run everything issued before this point (never blocks)."""
+        return self._event.query() if self._event is not None else self._reached.is_set()
 
     @property
     def time(self) -> float:
-        """Seconds since the link was made at which compute reached this point."""
+        """Seconds since the link was made at which compute reached this point (blocks until then)."""
         if self._when is None:
-            self._event.synchronize()
-            self._when = self._link._epoch.elapsed_time(self._event) / 1e3
+            if self._event is not None:
+                self._event.synchronize()
+                self._when = self._link._epoch.elapsed_time(self._event) / 1e3
+            else:
+                self._reached.wait()
         return self._when
+
+    def _reach(self, when: float) -> None:
+        self._when = when
+        self._reached.set()
 
 
 class Transfer:
     """One copy in flight or done: ``direction`` is 'h2d' or 'd2h', ``nbytes`` its size."""
 
-    def __init__(self, link: "Link", direction: str, nbytes: int, pinned: bool):
+    def __init__(self, link: "Link", direction: str, nbytes: int, pinned: bool, label: str = ""):
         self.link, self.direction, self.nbytes, self.pinned = link, direction, nbytes, pinned
+        self.label = label
         self.emulated = link.emulated
 
     # Implementations fill these in.
@@ -92,7 +129,11 @@ class Transfer:
         raise NotImplementedError
 
     def wait(self) -> None:
-        """Order the compute that follows after this copy (on a GPU, without blocking the host)."""
+        """Order the compute that follows after this copy.
+
+        On a GPU the compute stream waits and the host goes on; on the emulated link the calling
+        thread waits too, so host code that reads the data right after ``wait()`` is also safe.
+        """
         raise NotImplementedError
 
     @property
@@ -116,11 +157,70 @@ class Transfer:
         return self.nbytes / self.elapsed
 
 
+class Recording:
+    """The copies a link issued inside ``with link.record() as recording:``, as a timeline."""
+
+    def __init__(self):
+        self.transfers: list[Transfer] = []
+
+    def lanes(self) -> dict:
+        """{'H2D': [...], 'D2H': [...]}: (start, end, label) of every recorded copy, in seconds."""
+        lanes = {"H2D": [], "D2H": []}
+        for t in self.transfers:
+            lanes[t.direction.upper()].append((t.start, t.end, t.label))
+        return lanes
+
+
+class _PinnedLedger:
+    """Pinned host memory a link handed out and that is still alive, by storage address.
+
+    Each buffer's storage carries a finalizer that releases its pinning and removes it from the
+    ledger when the last tensor using the storage is gone (the storage, not the tensor object:
+    views and ``.numpy()`` arrays keep it alive). The ledger does not refer to its link, so a
+    buffer outliving its link is fine.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._live: dict[int, int] = {}
+
+    def add(self, tensor: torch.Tensor, nbytes: int, release=None) -> None:
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        with self._lock:
+            self._live[address] = nbytes
+        weakref.finalize(storage, self._drop, address, release)
+
+    def _drop(self, address: int, release) -> None:
+        if release is not None:
+            release()
+        with self._lock:
+            self._live.pop(address, None)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        if tensor.device.type != "cpu":
+            return False
+        if _nbytes(tensor) == 0:
+            return True  # nothing to move: an empty tensor never needs staging
+        with self._lock:
+            return tensor.untyped_storage().data_ptr() in self._live
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(self._live.values())
+
+
 class Link(ABC):
-    """Asynchronous copies between host and device memory."""
+    """Asynchronous copies between host and device memory, and the compute stream they order against."""
 
     emulated: bool
     device: torch.device
+
+    def __init__(self):
+        self._ledger = _PinnedLedger()
+        self._recordings: list[Recording] = []
+        self._closed = False
 
     def __enter__(self):
         return self
@@ -128,12 +228,25 @@ class Link(ABC):
     def __exit__(self, *exc):
         self.close()
 
-    @abstractmethod
-    def host_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
-        """An exact-size host tensor that DMA can read and write (pinned on a GPU).
+    # ------------------------------------------------------------------ memory
 
-        It stays valid, and page-locked, until the link is closed.
+    def host_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
+        """An exact-size host tensor that DMA can read and write (page-locked).
+
+        It belongs to the caller: its pinning is released, and it is counted out of
+        :attr:`pinned_bytes`, when the last tensor using its memory is dropped.
         """
+        self._check_open()
+        return self._allocate_pinned(shape, dtype)
+
+    @abstractmethod
+    def _allocate_pinned(self, shape, dtype) -> torch.Tensor:
+        """Allocate, pin and enter a host buffer in the ledger."""
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of page-locked host memory from :meth:`host_buffer` that are still alive."""
+        return self._ledger.nbytes
 
     def device_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
         """An uninitialised tensor on the link's device."""
@@ -141,19 +254,75 @@ class Link(ABC):
 
     @abstractmethod
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        """True when ``tensor`` lives in page-locked host memory the copy engine can use."""
+        """True when ``tensor`` lives in page-locked host memory the copy engines can use."""
 
-    @abstractmethod
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor, after="compute") -> Transfer:
-        """Start copying host tensor ``src`` into device tensor ``dst``.
+    # ------------------------------------------------------------------ copies and compute
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, after="compute", label: str = "") -> Transfer:
+        """Start copying host tensor ``src`` into device tensor ``dst`` on the host→device engine.
 
         ``after`` says what the copy must wait for: ``"compute"`` (everything the compute
-        stream has been given so far), a :class:`Marker`, or ``None`` (nothing).
+        stream has been given so far), a :class:`Marker`, or ``None`` (nothing). ``label``
+        names the copy in timelines.
         """
+        return self._copy("h2d", dst, src, after, label)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after="compute", label: str = "") -> Transfer:
+        """Start copying device tensor ``src`` into host tensor ``dst`` on the device→host engine;
+        ``after`` and ``label`` as in :meth:`to_device`."""
+        return self._copy("d2h", dst, src, after, label)
+
+    def to_device_scattered(self, targets, src: torch.Tensor, staging: torch.Tensor, after="compute",
+                            label: str = "") -> Transfer:
+        """Copy flat host ``src`` into device ``staging`` in one transfer, then scatter it.
+
+        ``targets`` is a list of (device tensor, view of ``staging``) pairs: after the bytes land,
+        each view is copied into its tensor on the same engine, so the returned transfer is done
+        once every target holds its bytes. Many small tensors (an optimizer bucket's weights)
+        then cost one transfer's latency, not one each. ``after`` and ``label`` as in
+        :meth:`to_device`; ``staging`` must not be reused before the transfer is done (copies on
+        one engine run in order, so a later scattered copy through it is safe).
+        """
+        self._check_open()
+        self._check_after(after)
+        nbytes = self._check_pair(staging, src, "h2d")
+        base = staging.untyped_storage().data_ptr()
+        for dst, view in targets:
+            if view.untyped_storage().data_ptr() != base:
+                raise ValueError("targets: expected (device tensor, view of staging) pairs")
+            if dst.device.type != self.device.type or dst.shape != view.shape or dst.dtype != view.dtype:
+                raise ValueError(f"targets: expected device tensors shaped like their views of staging; "
+                                 f"got {tuple(dst.shape)} {dst.dtype} for {tuple(view.shape)} {view.dtype}")
+        transfer = self._issue("h2d", staging, src, nbytes, self.is_pinned(src), after, str(label), list(targets))
+        for recording in self._recordings:
+            recording.transfers.append(transfer)
+        return transfer
+
+    def _copy(self, direction, dst, src, after, label) -> Transfer:
+        self._check_open()
+        self._check_after(after)
+        nbytes = self._check_pair(dst, src, direction)
+        host = src if direction == "h2d" else dst
+        transfer = self._issue(direction, dst, src, nbytes, self.is_pinned(host), after, str(label))
+        for recording in self._recordings:
+            recording.transfers.append(transfer)
+        return transfer
 
     @abstractmethod
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after="compute") -> Transfer:
-        """Start copying device tensor ``src`` into host tensor ``dst``; ``after`` as in :meth:`to_device`."""
+    def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()) -> Transfer:
+        """Start one checked copy (then, for to_device_scattered, the scatter of ``dst`` into targets)."""
+
+    @abstractmethod
+    def launch(self, fn, *args, **kwargs) -> None:
+        """Run ``fn(*args, **kwargs)`` as work of the compute stream, asynchronously.
+
+        On a GPU this simply calls ``fn``: the kernels it launches run asynchronously on the
+        current stream. On the emulated link ``fn`` runs on the emulated device's compute thread,
+        after everything launched before it — so the host runs ahead, as it does with a GPU, and
+        the ordering of copies against compute is what the markers and events make it. ``fn``
+        must not return anything the caller needs (it writes into tensors instead); an exception
+        it raises is re-raised by the next :meth:`launch` or :meth:`synchronize`.
+        """
 
     @abstractmethod
     def mark(self) -> Marker:
@@ -167,9 +336,35 @@ class Link(ABC):
     def synchronize(self) -> None:
         """Block until every copy and all compute issued so far have finished."""
 
+    @contextlib.contextmanager
+    def record(self):
+        """``with link.record() as recording:`` collects every copy issued inside (a :class:`Recording`)."""
+        recording = Recording()
+        self._recordings.append(recording)
+        try:
+            yield recording
+        finally:
+            self._recordings.remove(recording)
+
     def close(self) -> None:
-        """Wait for outstanding copies and release the link's resources."""
+        """Wait for outstanding copies and compute; afterwards no new copy can be issued.
+
+        Pinned buffers already handed out stay valid until their owners drop them.
+        """
+        if self._closed:
+            return
         self.synchronize()
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__}: the link is closed")
 
     @staticmethod
     def _check_after(after) -> None:
@@ -192,14 +387,14 @@ class Link(ABC):
             raise ValueError(f"{host_name}: expected a host (cpu) tensor; got one on {host.device}")
         if device.device.type != self.device.type:
             raise ValueError(f"{device_name}: expected a tensor on {self.device}; got one on {device.device}")
-        return src.numel() * src.element_size()
+        return _nbytes(src)
 
 
 # ----------------------------------------------------------------------------- emulated
 
 class _EmulatedTransfer(Transfer):
-    def __init__(self, link, direction, nbytes, pinned):
-        super().__init__(link, direction, nbytes, pinned)
+    def __init__(self, link, direction, nbytes, pinned, label):
+        super().__init__(link, direction, nbytes, pinned, label)
         self._landed = threading.Event()
         self._start = self._end = None
 
@@ -209,7 +404,7 @@ class _EmulatedTransfer(Transfer):
     def synchronize(self) -> None:
         self._landed.wait()
 
-    wait = synchronize  # compute runs on the host thread, so ordering it means waiting
+    wait = synchronize  # see Transfer.wait: the emulation makes the host wait as well
 
     @property
     def start(self) -> float:
@@ -226,22 +421,86 @@ def _as_bytes(t: torch.Tensor):
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
+class _EmulatedStream:
+    """An in-order queue of work served by one thread: the emulated compute stream or a copy engine.
+
+    Work items are callables; :meth:`mark` returns a :class:`Marker` reached when every item put
+    before it has run (at once, if the stream is idle).
+    """
+
+    def __init__(self, link: "EmulatedLink", name: str):
+        self._link = link
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=name)
+        self._thread.start()
+
+    def put(self, job) -> None:
+        with self._lock:
+            self._pending += 1
+        self._jobs.put(job)
+
+    def mark(self) -> Marker:
+        marker = Marker(self._link)
+        with self._lock:
+            if self._pending == 0:
+                marker._reach(self._link.now())
+                return marker
+            self._pending += 1
+        self._jobs.put(lambda: marker._reach(self._link.now()))
+        return marker
+
+    def drain(self) -> None:
+        """Block until every item put so far has run."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException as error:  # kept for the host, like a CUDA error
+                if self.error is None:
+                    self.error = error
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self._idle.notify_all()
+
+
 class EmulatedLink(Link):
     """A host↔device link for machines without a GPU, paced to a bandwidth and latency.
 
-    What it models: a copy engine per direction (full duplex) that moves bytes
-    asynchronously while the main thread computes, each transfer taking
-    ``latency + nbytes / bandwidth``; page-locked buffers from :meth:`host_buffer` versus
-    ordinary (pageable) tensors, whose copies run synchronously on the calling thread at
-    ``pageable_fraction`` of the bandwidth — as CUDA does with pageable memory.
+    What it models: a copy engine per direction (full duplex) that moves bytes asynchronously,
+    each transfer taking ``latency + nbytes / bandwidth`` and starting only once the compute
+    stream has reached what it is ordered after; an asynchronous compute stream for work given
+    to :meth:`launch` (the "device"), so host code runs ahead of compute as it does with a GPU;
+    page-locked buffers from :meth:`host_buffer` versus ordinary (pageable) tensors, whose copies
+    run synchronously on the calling thread at ``pageable_fraction`` of the bandwidth — as CUDA
+    does with pageable memory.
 
-    What it does not model: contention between the two directions for host memory or the
-    PCIe root complex, DMA setup costs beyond a fixed latency, the GPU's own memory, or
-    anything faster than this machine's memcpy (the pacing can only slow copies down).
+    Compute that the host runs directly (not through :meth:`launch`), such as an ordinary
+    forward pass on the CPU, is finished by the time the host records a marker after it, so it
+    is ordered like compute on a GPU that the host synchronised with.
 
-    The "device" is host memory too. For the overlap to be faithful the copy threads need
-    a core of their own: with ``reserve_core=True`` (the default) the link sets torch to use
-    one thread fewer than there are cores while it is open, and restores the setting on
+    What it does not model: contention between the two directions for host memory or the PCIe
+    root complex, DMA setup costs beyond a fixed latency, the GPU's own memory, or anything
+    faster than this machine's memcpy (the pacing can only slow copies down).
+
+    The "device" is host memory too. For the overlap to be faithful the copy threads need a
+    core of their own: with ``reserve_core=True`` (the default) the link sets torch to use one
+    thread fewer than there are cores while it is open, and restores the setting on
     :meth:`close`. The copies themselves run in numpy, single-threaded, outside the GIL.
     """
 
@@ -250,23 +509,20 @@ class EmulatedLink(Link):
 
     def __init__(self, bandwidth=DEFAULT_EMULATED_BANDWIDTH, latency=DEFAULT_EMULATED_LATENCY,
                  pageable_fraction: float = 0.5, reserve_core: bool = True):
+        super().__init__()
         self.bandwidth = parse_bandwidth(bandwidth, "bandwidth")
         self.latency = parse_duration(latency, "latency", allow_zero=True)
-        if not (isinstance(pageable_fraction, (int, float)) and 0 < pageable_fraction <= 1):
+        if not (isinstance(pageable_fraction, (int, float)) and not isinstance(pageable_fraction, bool)
+                and 0 < pageable_fraction <= 1):
             raise ValueError(f"pageable_fraction: expected a fraction in (0, 1]; got {pageable_fraction!r}")
         self.pageable_fraction = float(pageable_fraction)
         self._epoch = time.perf_counter()
-        self._pinned: list[torch.Tensor] = []
         self._restore_threads = None
         if reserve_core and (os.cpu_count() or 1) > 1:
             self._restore_threads = torch.get_num_threads()
             torch.set_num_threads(max(1, min(self._restore_threads, (os.cpu_count() or 2) - 1)))
-        self._queues = {d: queue.Queue() for d in ("h2d", "d2h")}
-        self._workers = [threading.Thread(target=self._serve, args=(q,), daemon=True, name=f"emulated-{d}")
-                         for d, q in self._queues.items()]
-        for worker in self._workers:
-            worker.start()
-        self._closed = False
+        self._compute = _EmulatedStream(self, "emulated-compute")
+        self._engines = {d: _EmulatedStream(self, f"emulated-{d}") for d in _DIRECTIONS}
 
     def __repr__(self) -> str:
         return f"EmulatedLink(bandwidth={self.bandwidth:.3g} B/s, latency={self.latency:.3g} s)"
@@ -274,74 +530,66 @@ class EmulatedLink(Link):
     def now(self) -> float:
         return time.perf_counter() - self._epoch
 
-    def host_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
+    def _allocate_pinned(self, shape, dtype) -> torch.Tensor:
         # Page-locked memory is resident: fault its pages in now, not during the first copy.
         buffer = torch.zeros(shape, dtype=dtype)
-        self._pinned.append(buffer)
+        if _nbytes(buffer):
+            self._ledger.add(buffer, _nbytes(buffer))
         return buffer
 
     def device_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)  # device memory has no first-touch page faults
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
-        if tensor.device.type != "cpu":
-            return False
-        ptr = tensor.data_ptr()
-        return any(b.data_ptr() <= ptr < b.data_ptr() + b.numel() * b.element_size() for b in self._pinned)
+        return self._ledger.holds(tensor)
 
-    def to_device(self, dst, src, after="compute") -> Transfer:
-        self._check_after(after)  # compute runs on this thread: whatever it names has happened
-        return self._submit("h2d", dst, src, pinned=self.is_pinned(src))
-
-    def to_host(self, dst, src, after="compute") -> Transfer:
-        self._check_after(after)
-        return self._submit("d2h", dst, src, pinned=self.is_pinned(dst))
+    def launch(self, fn, *args, **kwargs) -> None:
+        self._check_open()
+        self._raise_compute_error()
+        self._compute.put(lambda: fn(*args, **kwargs))
 
     def mark(self) -> Marker:
-        return Marker(self, when=self.now())
+        return self._compute.mark()
 
     def synchronize(self) -> None:
-        for q in self._queues.values():
-            q.join()
+        self._compute.drain()
+        for engine in self._engines.values():
+            engine.drain()
+        self._raise_compute_error()
+
+    def _raise_compute_error(self) -> None:
+        error, self._compute.error = self._compute.error, None
+        if error is not None:
+            raise RuntimeError(f"work launched on the emulated compute stream failed: {error!r}") from error
 
     def close(self) -> None:
         if self._closed:
             return
-        self.synchronize()
-        for q in self._queues.values():
-            q.put(None)
-        for worker in self._workers:
-            worker.join()
-        if self._restore_threads is not None:
-            torch.set_num_threads(self._restore_threads)
-        self._pinned.clear()
-        self._closed = True
+        try:
+            super().close()
+        finally:
+            self._closed = True
+            for stream in (self._compute, *self._engines.values()):
+                stream.stop()
+            if self._restore_threads is not None:
+                torch.set_num_threads(self._restore_threads)
 
-    def _submit(self, direction, dst, src, pinned) -> Transfer:
-        if self._closed:
-            raise RuntimeError("the link is closed")
-        nbytes = self._check_pair(dst, src, direction)
-        transfer = _EmulatedTransfer(self, direction, nbytes, pinned)
+    def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()) -> Transfer:
+        transfer = _EmulatedTransfer(self, direction, nbytes, pinned, label)
+        marker = self._compute.mark() if after == "compute" else after
+        engine = self._engines[direction]
         if pinned:
-            self._queues[direction].put((transfer, dst, src))
+            engine.put(lambda: self._move(transfer, dst, src, self.bandwidth, marker, scatter))
         else:
             # Pageable memory: the driver stages the copy, the caller waits, and it runs slower.
-            self._queues[direction].join()
-            self._copy(transfer, dst, src, self.bandwidth * self.pageable_fraction)
+            engine.drain()
+            self._move(transfer, dst, src, self.bandwidth * self.pageable_fraction, marker, scatter)
         return transfer
 
-    def _serve(self, jobs: queue.Queue) -> None:
-        while True:
-            job = jobs.get()
-            try:
-                if job is None:
-                    return
-                transfer, dst, src = job
-                self._copy(transfer, dst, src, self.bandwidth)
-            finally:
-                jobs.task_done()
-
-    def _copy(self, transfer: _EmulatedTransfer, dst, src, bandwidth: float) -> None:
+    def _move(self, transfer: _EmulatedTransfer, dst, src, bandwidth: float, after: Marker | None,
+              scatter=()) -> None:
+        if after is not None:
+            after._reached.wait()  # the engine does not start before the compute it is ordered after
         started = time.perf_counter()
         transfer._start = started - self._epoch
         _sleep_until(started + self.latency)
@@ -350,6 +598,8 @@ class EmulatedLink(Link):
             end = min(offset + _CHUNK_BYTES, data.size)
             out[offset:end] = data[offset:end]
             _sleep_until(started + self.latency + end / bandwidth)
+        for target, view in scatter:  # device-to-device copies: at device memory speed, not paced
+            target.copy_(view)
         transfer._end = time.perf_counter() - self._epoch
         transfer._landed.set()
 
@@ -363,40 +613,51 @@ def _sleep_until(deadline: float) -> None:
 # ----------------------------------------------------------------------------- CUDA
 
 class _CudaTransfer(Transfer):
-    def __init__(self, link, direction, nbytes, pinned):
-        super().__init__(link, direction, nbytes, pinned)
+    def __init__(self, link, direction, nbytes, pinned, label, tensors):
+        super().__init__(link, direction, nbytes, pinned, label)
         self._begin = torch.cuda.Event(enable_timing=True)
         self._finish = torch.cuda.Event(enable_timing=True)
+        self._tensors = tensors  # kept alive until the copy is known to be done
 
     def done(self) -> bool:
-        return self._finish.query()
+        if self._finish.query():
+            self._tensors = None
+            return True
+        return False
 
     def synchronize(self) -> None:
         self._finish.synchronize()
+        self._tensors = None
 
     def wait(self) -> None:
         torch.cuda.current_stream(self.link.device).wait_event(self._finish)
 
     @property
     def start(self) -> float:
-        self._finish.synchronize()
+        self.synchronize()
         return self.link._epoch.elapsed_time(self._begin) / 1e3
 
     @property
     def end(self) -> float:
-        self._finish.synchronize()
+        self.synchronize()
         return self.link._epoch.elapsed_time(self._finish) / 1e3
 
 
 class CudaLink(Link):
-    """A real host↔GPU link: a dedicated copy stream, exact-size pinned buffers, CUDA events.
+    """A real host↔GPU link: a copy stream per direction, exact-size pinned buffers, CUDA events.
 
-    Stream discipline: every copy runs on the link's copy stream, after what ``after``
-    names (by default all compute issued so far), and device tensors it touches are
-    recorded on the copy stream so the caching allocator does not hand their memory out
-    while the copy still uses it. The consumer orders its compute after a copy with
-    :meth:`Transfer.wait`; the host buffer a copy reads must not be rewritten until the
-    copy is :meth:`Transfer.done`.
+    Stream discipline: a copy runs on its direction's copy stream (``h2d_stream`` or
+    ``d2h_stream``; both persistent, so the caching allocator keeps one pool per stream, not one
+    per step), after what ``after`` names, and device tensors it touches are recorded on that
+    stream so the caching allocator does not hand their memory out while the copy still uses it.
+    The link keeps the host tensors of a copy alive until the copy is done. The consumer orders
+    its compute after a copy with :meth:`Transfer.wait`; the host buffer a copy reads must not be
+    rewritten until the copy is :meth:`Transfer.done`.
+
+    Pinned buffers are ordinary host allocations registered with ``cudaHostRegister`` (exact
+    size, no power-of-two rounding) and unregistered when their memory is freed. Where
+    registration is refused (a low ``ulimit -l`` in a container), the link falls back to
+    PyTorch's pinned allocator, which rounds up, and warns once.
     """
 
     emulated = False
@@ -404,11 +665,15 @@ class CudaLink(Link):
     def __init__(self, device="cuda"):
         if not torch.cuda.is_available():
             raise RuntimeError("CudaLink needs a CUDA device; use EmulatedLink or open_link() on this machine")
+        super().__init__()
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.copy_stream = torch.cuda.Stream(self.device)
-        self._registered: list[torch.Tensor] = []
+        self.h2d_stream = torch.cuda.Stream(self.device)
+        self.d2h_stream = torch.cuda.Stream(self.device)
+        self._streams = {"h2d": self.h2d_stream, "d2h": self.d2h_stream}
+        self._in_flight: collections.deque = collections.deque()
+        self._warned_fallback = False
         self._epoch = torch.cuda.Event(enable_timing=True)
         self._epoch.record(torch.cuda.current_stream(self.device))
         self._epoch.synchronize()
@@ -417,40 +682,52 @@ class CudaLink(Link):
     def __repr__(self) -> str:
         return f"CudaLink({torch.cuda.get_device_name(self.device)})"
 
-    def host_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
+    def _allocate_pinned(self, shape, dtype) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=dtype)
-        nbytes = buffer.numel() * buffer.element_size()
-        if nbytes:
-            status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-            if int(status) != 0:  # registration refused (e.g. ulimit -l): the allocator's rounded block
-                return torch.empty(shape, dtype=dtype, pin_memory=True)
-            self._registered.append(buffer)
+        nbytes = _nbytes(buffer)
+        if nbytes == 0:
+            return buffer
+        cudart = torch.cuda.cudart()
+        address = buffer.data_ptr()
+        if int(cudart.cudaHostRegister(address, nbytes, 0)) == 0:
+            self._ledger.add(buffer, nbytes, release=lambda: cudart.cudaHostUnregister(address))
+            return buffer
+        if not self._warned_fallback:
+            warnings.warn("cudaHostRegister was refused (is `ulimit -l` low in this container?); pinned "
+                          "buffers now come from PyTorch's allocator, which rounds each up to a power of two",
+                          ResourceWarning, stacklevel=3)
+            self._warned_fallback = True
+        buffer = torch.empty(shape, dtype=dtype, pin_memory=True)
+        self._ledger.add(buffer, pinned_allocation_bytes(nbytes))
         return buffer
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and tensor.is_pinned()
 
-    def to_device(self, dst, src, after="compute") -> Transfer:
-        nbytes = self._check_pair(dst, src, "h2d")
-        return self._issue("h2d", dst, src, nbytes, self.is_pinned(src), after, device_tensor=dst)
-
-    def to_host(self, dst, src, after="compute") -> Transfer:
-        nbytes = self._check_pair(dst, src, "d2h")
-        return self._issue("d2h", dst, src, nbytes, self.is_pinned(dst), after, device_tensor=src)
-
-    def _issue(self, direction, dst, src, nbytes, pinned, after, device_tensor) -> Transfer:
-        self._check_after(after)
+    def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()) -> Transfer:
+        stream = self._streams[direction]
         if after == "compute":
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         elif isinstance(after, Marker):
-            self.copy_stream.wait_event(after._event)
-        transfer = _CudaTransfer(self, direction, nbytes, pinned)
-        with torch.cuda.stream(self.copy_stream):
-            transfer._begin.record()
+            stream.wait_event(after._event)
+        transfer = _CudaTransfer(self, direction, nbytes, pinned, label, (dst, src, scatter))
+        with torch.cuda.stream(stream):
+            transfer._begin.record(stream)
             dst.copy_(src, non_blocking=True)
-            transfer._finish.record()
-        device_tensor.record_stream(self.copy_stream)
+            if scatter:
+                torch._foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])
+            transfer._finish.record(stream)
+        (dst if direction == "h2d" else src).record_stream(stream)
+        for target, _ in scatter:
+            target.record_stream(stream)
+        while self._in_flight and self._in_flight[0].done():
+            self._in_flight.popleft()
+        self._in_flight.append(transfer)
         return transfer
+
+    def launch(self, fn, *args, **kwargs) -> None:
+        self._check_open()
+        fn(*args, **kwargs)
 
     def now(self) -> float:
         return time.perf_counter() - self._epoch_host
@@ -462,13 +739,7 @@ class CudaLink(Link):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
-
-    def close(self) -> None:
-        self.synchronize()
-        cudart = torch.cuda.cudart()
-        for buffer in self._registered:
-            cudart.cudaHostUnregister(buffer.data_ptr())
-        self._registered.clear()
+        self._in_flight.clear()
 
 
 def open_link(emulated: bool | None = None, **emulation) -> Link:
@@ -483,3 +754,4 @@ def open_link(emulated: bool | None = None, **emulation) -> Link:
     if emulation:
         raise ValueError(f"{next(iter(emulation))}: only the emulated link takes emulation settings")
     return CudaLink()
+

@@ -1,0 +1,112 @@
+"""Gradients gathered on the device and sent to host memory a group at a time.
+
+Backward produces one gradient tensor per parameter, many of them small (biases, norms). Sending
+each on its own pays a transfer's fixed cost per tensor; :class:`GradientGather` copies them, as
+they arrive, into their places in a flat device buffer laid out like the group's host buffer
+(a :class:`~offloadlab.prefetch.Layout`), and sends the whole group down in one device→host
+copy once its last gradient is in. A *group* is whatever the caller sends together: a streamed
+block (:class:`~offloadlab.streaming.StreamedModel`) or an optimizer bucket
+(:class:`~offloadlab.offload.CPUOffloadAdam`).
+
+A group that is still incomplete when :meth:`GradientGather.flush` is called (the end of a
+backward pass: some parameters got no gradient), or when every gather buffer is busy, goes down
+one copy per parameter received, so a later part never overwrites an earlier one on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .link import Link
+from .prefetch import Layout
+
+__all__ = ["GradientGather"]
+
+
+class GradientGather:
+    """Gather gradients of ``layouts``' groups on ``link``'s device, and send them to the host.
+
+    ``destination(group)`` returns the flat pinned host tensor (uint8, laid out as the group's
+    layout) to copy into, and is called just before each copy; ``arrived(group, transfers,
+    positions)`` is told of the copies and which tensors of the group they carry. ``buffers``
+    device gather buffers of the largest group are allocated once.
+    """
+
+    def __init__(self, link: Link, layouts: list[Layout], destination, arrived, names=None, buffers: int = 2):
+        self.link, self.layouts = link, list(layouts)
+        self._destination, self._arrived = destination, arrived
+        self._names = names or (lambda group: f"group {group}")
+        self._buffers = [link.device_buffer(self.buffer_bytes, torch.uint8) for _ in range(buffers)]
+        self._sent: list[list] = [[] for _ in range(buffers)]  # per buffer: the copies still reading it
+        self._gathering: dict[int, tuple[int, set]] = {}       # group → (buffer, positions gathered there)
+        self._received: dict[int, set] = {}                    # group → positions received since reset()
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of each device gather buffer (the largest group's layout)."""
+        return max([layout.nbytes for layout in self.layouts] + [1])
+
+    @property
+    def device_bytes(self) -> int:
+        return len(self._buffers) * self.buffer_bytes
+
+    def extend(self, layouts: list[Layout]) -> None:
+        """Add groups (their indices follow the existing ones); grows the buffers if a new group is larger."""
+        self.flush()
+        self.link.synchronize()
+        self.layouts += layouts
+        if self._buffers[0].numel() < self.buffer_bytes:
+            self._buffers = [self.link.device_buffer(self.buffer_bytes, torch.uint8) for _ in self._buffers]
+            self._sent = [[] for _ in self._buffers]
+
+    def received(self, group: int) -> set:
+        """Positions of ``group`` received since the last :meth:`reset`."""
+        return self._received.get(group, set())
+
+    def add(self, group: int, position: int, grad: torch.Tensor) -> None:
+        """Gather the gradient of tensor ``position`` of ``group``; send the group once complete."""
+        received = self._received.setdefault(group, set())
+        if position in received:
+            raise RuntimeError(f"{self._names(group)}: a second gradient for the same parameter arrived before "
+                               f"the last one was sent")
+        received.add(position)
+        if group not in self._gathering:
+            self._gathering[group] = (self._free_buffer(), set())
+        buffer, positions = self._gathering[group]
+        self.layouts[group].views(self._buffers[buffer])[position].copy_(grad.reshape(self.layouts[group].specs[position][0]))
+        positions.add(position)
+        if len(received) == len(self.layouts[group].specs):
+            self._send(group)
+
+    def flush(self) -> None:
+        """Send what every incomplete group has gathered."""
+        for group in list(self._gathering):
+            self._send(group)
+
+    def reset(self) -> None:
+        """Start a new pass: every group may receive each of its gradients once more."""
+        self.flush()
+        self._received.clear()
+
+    def _free_buffer(self) -> int:
+        busy = {buffer for buffer, _ in self._gathering.values()}
+        if len(busy) == len(self._buffers):  # send the oldest incomplete group early
+            self._send(next(iter(self._gathering)))
+            busy = {buffer for buffer, _ in self._gathering.values()}
+        buffer = next(b for b in range(len(self._buffers)) if b not in busy)
+        for transfer in self._sent[buffer]:
+            transfer.wait()  # the last copies out of this buffer are done before we overwrite it
+        return buffer
+
+    def _send(self, group: int) -> None:
+        buffer, positions = self._gathering.pop(group)
+        layout = self.layouts[group]
+        destination = self._destination(group)
+        if len(positions) == len(layout.specs):
+            ranges = [(0, layout.nbytes)]
+        else:
+            ranges = [layout.byte_range(k) for k in sorted(positions)]
+        transfers = [self.link.to_host(destination[a:b], self._buffers[buffer][a:b], after="compute",
+                                       label=f"grad {self._names(group)}") for a, b in ranges]
+        self._sent[buffer] = transfers
+        self._arrived(group, transfers, sorted(positions))

@@ -1,0 +1,311 @@
+"""The machinery behind CPUOffloadAdam, kept apart from the torch.optim.Optimizer façade.
+
+:class:`OffloadEngine` owns the host state, the gradient intake (and its hooks), the update
+worker (and its thread), the loss scaler and the timeline. Nothing in it refers back to the
+optimizer object, so when a user drops the optimizer without closing it (re-running a notebook
+cell), a finalizer on the optimizer can close the engine: hooks removed, thread stopped.
+
+Parameters belong to one engine at a time: a new engine over parameters that a live one still
+manages closes the old one (with a warning) and takes them over.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import cpu_adam
+from ..link import Link, open_link
+from ..streaming import streamed_model_of
+from .host_state import HostState, check_hyperparameters, make_buckets
+from .intake import GradientIntake
+from .loss_scaler import LossScaler
+from .worker import UpdateWorker
+
+__all__ = ["OffloadEngine", "StepTimeline", "managed", "DEVICE_DTYPES"]
+
+DEVICE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise: key by identity
+
+
+def managed(param: torch.Tensor) -> bool:
+    """True when a live (not closed) CPUOffloadAdam manages ``param``."""
+    engine = _OWNERS.get(param)
+    return engine is not None and engine.closed is None
+
+
+class StepTimeline:
+    """The copies and CPU updates of each step, as {lane: [(start, end, label)]} in seconds.
+
+    Intervals are kept per step (the gradients of step t may still be landing while the update
+    of step t − 1 runs, with a delayed update) and resolved into :attr:`lanes` when the step is
+    complete; only the last complete step is kept.
+    """
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.lanes: dict | None = {} if enabled else None
+        self._open: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    def record(self, lane: str, interval, label: str, step: int) -> None:
+        if self.enabled:
+            with self._lock:
+                self._open.setdefault(step, []).append((lane, interval, label))
+
+    def close(self, step: int) -> None:
+        """Resolve step ``step``'s intervals (waiting for its copies) into :attr:`lanes`."""
+        if not self.enabled:
+            return
+        with self._lock:
+            recorded = self._open.pop(step, [])
+            for older in [s for s in self._open if s < step]:
+                del self._open[older]
+        if not recorded:
+            return
+        lanes: dict = {"D2H": [], "CPU": [], "H2D": []}
+        for lane, interval, label in recorded:
+            start, end = interval if isinstance(interval, tuple) else (interval.start, interval.end)
+            lanes[lane].append((start, end, label))
+        self.lanes = lanes
+
+
+class OffloadEngine:
+    """Everything CPUOffloadAdam does for ``param_groups`` (see the optimizer's docstring)."""
+
+    def __init__(self, param_groups: list, *, link: Link | None, threads: int | None, max_grad_norm,
+                 accumulation_steps: int | None, delayed_update: bool, loss_scale, bucket_bytes: int,
+                 record_timeline: bool):
+        self.closed: str | None = None
+        trainable = [p for g in param_groups for p in g["params"] if p.requires_grad]
+        self.device, self.dtype = self._check_params(trainable, link)
+        streamed = next((m for p in trainable if (m := streamed_model_of(p)) is not None), None)
+        if link is None and streamed is not None:
+            link = streamed.link  # its gradient copies land in our buffers: one link, one set of engines
+        self._own_link = link is None
+        self.link = link if link is not None else open_link(emulated=self.device.type != "cuda")
+        if self.link.device.type != self.device.type:
+            raise ValueError(f"link: expected a link to {self.device.type} for parameters there; "
+                             f"got one to {self.link.device.type}")
+        self.threads = threads or cpu_adam.default_threads()
+        self.max_grad_norm = max_grad_norm
+        self.delayed_update = delayed_update
+        self.fp16 = self.dtype == torch.float16
+        self.scaler = LossScaler.from_argument(loss_scale) if self.fp16 else None
+        self.bucket_bytes = bucket_bytes
+        eager = accumulation_steps is not None and max_grad_norm is None and not self.fp16 and not delayed_update
+        self.accumulation_steps = accumulation_steps
+        self.step_count = 0  # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
+        self._clip_now: float | None = None  # clip_grad_norm_'s max_norm for this step
+        cpu_adam.backend()  # build or load the kernel now, not on the worker in the middle of a backward
+
+        self._take_over(trainable)
+        self.timeline = StepTimeline(record_timeline)
+        self.host = HostState(self.link, self.dtype, make_buckets(param_groups, bucket_bytes))
+        self.intake = GradientIntake(self.link, self.host, accumulation_steps if eager else None,
+                                     ready=self._ready, record=self._record_arrival, usable=self._usable)
+        self.worker = UpdateWorker(self.link, self.host, self.intake, self.threads,
+                                   upload_after_update=not delayed_update, record=self.timeline.record)
+        for p in trainable:
+            _OWNERS[p] = self
+
+    # ------------------------------------------------------------------ parameters
+
+    def _check_params(self, trainable: list, link: Link | None):
+        devices = {p.device for p in trainable if streamed_model_of(p) is None}
+        if len(devices) > 1:
+            raise ValueError(f"params: expected every parameter on one device (or streamed); "
+                             f"got {sorted(map(str, devices))}")
+        dtypes = {p.dtype for p in trainable}
+        if len(dtypes) > 1 or not dtypes <= set(DEVICE_DTYPES):
+            raise ValueError(f"params: expected one dtype of bf16, fp16 or fp32 for all trainable parameters; "
+                             f"got {sorted(map(str, dtypes))}")
+        if any(not p.is_contiguous() for p in trainable):
+            raise ValueError("params: expected contiguous parameters")
+        if devices:
+            device = devices.pop()
+        else:  # only streamed parameters: they compute on their StreamedModel's device
+            device = next((streamed_model_of(p).link.device for p in trainable), torch.device("cpu"))
+        return device, (dtypes.pop() if dtypes else torch.float32)
+
+    def _take_over(self, trainable: list) -> None:
+        previous = {id(e): e for p in trainable if (e := _OWNERS.get(p)) is not None and e.closed is None}
+        for engine in previous.values():
+            engine.close(reason="its parameters were taken over by a newer CPUOffloadAdam")
+        if previous:
+            warnings.warn(f"CPUOffloadAdam: closed {len(previous)} earlier optimizer(s) over the same parameters "
+                          f"and took their parameters over", stacklevel=4)
+
+    def add_group(self, group: dict) -> None:
+        """Manage a new parameter group (torch.optim.Optimizer.add_param_group)."""
+        self.check_usable()
+        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        trainable = [p for p in group["params"] if p.requires_grad]
+        if not trainable:
+            return
+        device, dtype = self._check_params(trainable, self.link)
+        if device.type != self.device.type or dtype != self.dtype:
+            raise ValueError(f"params: expected {self.dtype} parameters on {self.device} like the others; "
+                             f"got {dtype} on {device}")
+        self.synchronize()
+        self._take_over(trainable)
+        buckets = make_buckets([group], self.bucket_bytes, start_index=len(self.host.buckets), start=self.host.numel)
+        self.host.extend(buckets)
+        self.intake.add(buckets)
+        for p in trainable:
+            _OWNERS[p] = self
+
+    # ------------------------------------------------------------------ the step
+
+    def _usable(self) -> bool:
+        return self.closed is None and self.worker.error is None
+
+    def check_usable(self) -> None:
+        if self.worker.error is not None and self.closed is None:
+            self._fail()
+        if self.closed is not None:
+            raise RuntimeError(f"CPUOffloadAdam: closed ({self.closed}); make a new optimizer (and load a "
+                               f"checkpoint into it) to go on training")
+
+    def _fail(self) -> None:
+        error = self.worker.error
+        self.close(reason=f"the CPU update failed in step {self.step_count + 1} and the step was only partly "
+                          f"applied: {error!r}")
+        raise RuntimeError(f"CPUOffloadAdam: the CPU update failed ({error!r}); the optimizer is closed, because "
+                           f"step {self.step_count + 1} was only partly applied — reload a checkpoint") from error
+
+    def _ready(self, bucket) -> None:  # eager: the bucket's last micro-batch is in
+        self.worker.submit(bucket, 1.0, self.step_count + 1)
+
+    def _record_arrival(self, lane, interval, label) -> None:
+        self.timeline.record(lane, interval, label, self.step_count + 1)
+
+    def step(self) -> None:
+        """Finish this step's updates (or, with a delayed update, apply the last step's and start this one's)."""
+        self.check_usable()
+        if self.delayed_update:
+            previous = [b for b in self.host.buckets if b.submitted]
+            self._finish(previous, upload=True)
+        ready = [b for b in self.host.buckets if any(b.arrivals) and not b.submitted]
+        scale = self._grad_scale(ready)
+        self._clip_now = None
+        if scale is None:  # fp16 overflow: this step is skipped
+            for bucket in ready:
+                self.intake.discard(bucket)
+            self.scaler.update(overflowed=True)
+            return
+        self.step_count += 1
+        for bucket in ready:
+            self.worker.submit(bucket, scale, self.step_count)
+        if not self.delayed_update:
+            self._finish([b for b in self.host.buckets if b.submitted], upload=False)
+        if self.scaler is not None:
+            self.scaler.update(overflowed=False)
+
+    def _finish(self, buckets: list, upload: bool) -> None:
+        """Wait for the buckets' CPU updates; send their weights up (delayed update) and order the
+        compute stream after the copies."""
+        for bucket in buckets:
+            bucket.updated.wait()
+        if self.worker.error is not None:
+            self._fail()
+        for bucket in buckets:
+            if upload:
+                self.worker.upload(bucket, after="compute", step=self.step_count)
+            if bucket.upload is not None:
+                bucket.upload.wait()
+            bucket.submitted = False
+        if buckets:
+            self.timeline.close(self.step_count)
+
+    def _grad_scale(self, ready: list) -> float | None:
+        """1 / loss scale × clipping factor; None when an fp16 overflow means skip the step."""
+        scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        max_norm = self._clip_now if self._clip_now is not None else self.max_grad_norm
+        if max_norm is None and self.scaler is None:
+            return scale
+        norm = self.gradient_norm(ready)
+        if not math.isfinite(norm):
+            if self.scaler is not None:
+                return None
+            return scale  # clipping a non-finite norm: torch scales by nan; error_if_nonfinite is the check
+        if max_norm is not None and norm > max_norm:
+            scale *= max_norm / (norm + 1e-6)
+        return scale
+
+    def gradient_norm(self, buckets: list | None = None) -> float:
+        """The global L2 norm of this step's gradients (loss scale divided out), once they have landed."""
+        if buckets is None:
+            buckets = [b for b in self.host.buckets if any(b.arrivals) and not b.submitted]
+        total = 0.0
+        for bucket in buckets:
+            self.intake.landed(bucket.downloads)
+            self.intake.fold(bucket, bucket.arrivals, bucket.folded, final=True)
+            for first, stop in bucket.runs(bucket.arrivals):
+                grad = self.intake.gradient(bucket, first, stop, bucket.arrivals)
+                total += cpu_adam.grad_sum_of_squares(grad, self.threads)
+        return math.sqrt(total) / (self.scaler.scale if self.scaler is not None else 1.0)
+
+    def clip(self, max_norm: float, error_if_nonfinite: bool) -> float:
+        """Clip this step's update to a global gradient norm of ``max_norm``; returns the norm."""
+        self.check_usable()
+        if self.intake.eager_after is not None:
+            raise RuntimeError("clip_grad_norm_: with accumulation_steps set (and no max_grad_norm) the update "
+                               "starts during backward, before anything can be clipped; pass max_grad_norm=… to "
+                               "the constructor instead")
+        norm = self.gradient_norm()
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(f"clip_grad_norm_: the total norm of the gradients is {norm}; "
+                               f"set error_if_nonfinite=False to clip anyway")
+        self._clip_now = max_norm
+        return norm
+
+    def discard(self) -> None:
+        """Forget gradients received since the last step (zero_grad)."""
+        if self.closed is not None:
+            return
+        for bucket in self.host.buckets:
+            if not bucket.submitted:  # a submitted bucket's gradients already belong to an update
+                self.intake.discard(bucket)
+
+    def synchronize(self) -> None:
+        """Finish every pending update and weight copy (for a delayed update: apply it now)."""
+        self.check_usable()
+        pending = [b for b in self.host.buckets if b.submitted]
+        self._finish(pending, upload=self.delayed_update)
+        for bucket in self.host.buckets:
+            if bucket.upload is not None:
+                bucket.upload.synchronize()
+
+    def upload_all(self) -> None:
+        """Send every bucket's current weights up (after a state dict was loaded) and wait for them."""
+        for bucket in self.host.buckets:
+            self.worker.upload(bucket, after="compute")
+        for bucket in self.host.buckets:
+            if bucket.upload is not None:
+                bucket.upload.wait()
+                bucket.upload.synchronize()
+
+    def close(self, reason: str = "close() was called") -> None:
+        """Finish pending work (unless the worker failed), remove hooks, stop the thread, free host memory."""
+        if self.closed is not None:
+            return
+        try:
+            if self.worker.error is None:
+                self.synchronize()
+        finally:
+            self.closed = reason
+            self.intake.close()
+            self.worker.stop()
+            if self._own_link:
+                self.link.close()
+            self.host.release()
+            for bucket in self.host.buckets:
+                for p in bucket.params:
+                    if _OWNERS.get(p) is self:
+                        del _OWNERS[p]

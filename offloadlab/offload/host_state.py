@@ -1,0 +1,291 @@
+"""CPUOffloadAdam's host memory: buckets of parameters and the flat buffers that hold their state.
+
+Every trainable parameter has a place in one *bucket* — a run of parameters whose gradients go
+down, whose CPU update runs and whose new weights go up together — and every bucket a range of
+the flat, exact-size, pinned host buffers: fp32 master weights and both moments, the gradients
+as they land (in the parameters' dtype), the outgoing low-precision weights, and (only once a
+step accumulates several micro-batches) an fp32 gradient sum. A bucket's parameters sit end to
+end in it, in the same order and layout (a packed :class:`~offloadlab.prefetch.Layout`) as in
+the device buffers that gather and scatter them, so each bucket moves as one copy each way.
+
+:func:`export_state` and :func:`check_state` map this state to and from
+``torch.optim.AdamW``'s state-dict layout (per parameter: ``step``, ``exp_avg``,
+``exp_avg_sq``, shaped like the parameter), plus the fp32 ``master`` weights.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from ..link import Link
+from ..prefetch import Layout
+
+__all__ = ["Bucket", "HostState", "make_buckets", "export_state", "check_state", "check_hyperparameters",
+           "UNSUPPORTED_FLAGS"]
+
+# AdamW options CPUOffloadAdam does not implement: a state dict or group that turns one on is refused.
+UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+class Bucket:
+    """Parameters that move and update together, their place in the host buffers and their progress.
+
+    ``start`` is the bucket's first element in the flat host buffers; parameter ``k`` occupies
+    elements ``ranges[k]``. ``block`` is the :class:`~offloadlab.streaming.StreamedModel` block
+    whose trainable parameters the bucket holds (their gradients come from the streaming, their
+    new weights go to its host memory), or None for parameters on the device.
+    """
+
+    def __init__(self, index: int, params: list, groups: list, start: int, streamed=None, block=None):
+        self.index, self.params, self.groups = index, params, groups
+        self.layout = Layout(params, packed=True)
+        itemsize = params[0].element_size()
+        self.start = start
+        self.ranges = [(start + offset // itemsize, start + offset // itemsize + shape.numel())
+                       for shape, _, offset in self.layout.specs]
+        self.numel = self.layout.nbytes // itemsize
+        self.streamed, self.block = streamed, block
+        self.steps = [0] * len(params)      # AdamW's per-parameter step count: updates applied so far
+        self.arrivals = [0] * len(params)   # gradients received since the last step (micro-batches)
+        self.folded = [0] * len(params)     # of those, how many are already in the fp32 sum
+        self.downloads: list = []           # copies bringing the newest gradients down
+        self.upload = None                  # the copy taking the newest weights up
+        self.marker = None                  # compute-stream point after the backward that produced them
+        self.submitted = False              # handed to the update worker this step
+        self.updated = threading.Event()    # set when no update of this bucket is running
+        self.updated.set()
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+    def runs(self, arrivals):
+        """Consecutive parameters that one kernel call can update: each received a gradient
+        (``arrivals`` micro-batches of them), same group, same step count, same micro-batches.
+        Yields (first, last + 1) positions."""
+        first = previous = None
+        for k in (k for k, n in enumerate(arrivals) if n):
+            if first is not None and (k != previous + 1 or self.groups[k] is not self.groups[first]
+                                      or self.steps[k] != self.steps[first] or arrivals[k] != arrivals[first]):
+                yield first, previous + 1
+                first = None
+            if first is None:
+                first = k
+            previous = k
+        if first is not None:
+            yield first, previous + 1
+
+    def span(self, first: int, stop: int) -> tuple[int, int]:
+        """Elements of the host buffers that parameters ``first`` … ``stop - 1`` occupy."""
+        return self.ranges[first][0], self.ranges[stop - 1][1]
+
+
+def make_buckets(param_groups, bucket_bytes: int, start_index: int = 0, start: int = 0) -> list[Bucket]:
+    """Buckets of at most ``bucket_bytes`` gradient bytes over the trainable parameters of
+    ``param_groups``, in the reverse of the order given (the order backward produces gradients
+    for ``model.parameters()``). Streamed blocks make one bucket each, as they are streamed."""
+    from ..streaming import streamed_model_of
+
+    buckets, blocks_done = [], set()
+    group_of = {id(p): g for g in param_groups for p in g["params"]}
+    for group in param_groups:
+        current: list = []
+        for p in reversed([p for p in group["params"] if p.requires_grad]):
+            streamed = streamed_model_of(p)
+            if streamed is not None:
+                block = next(i for i, named in enumerate(streamed._params) if any(q is p for _, q in named))
+                if (id(streamed), block) in blocks_done:
+                    continue
+                blocks_done.add((id(streamed), block))
+                params, _ = streamed.gradient_layout(block)
+                missing = [q for q in params if id(q) not in group_of]
+                if missing:
+                    raise ValueError(f"params: block {streamed.names[block]!r} is streamed; give the optimizer all "
+                                     f"of its trainable parameters or none of them")
+                bucket = Bucket(start_index + len(buckets), params, [group_of[id(q)] for q in params], start,
+                                streamed, block)
+                buckets.append(bucket)
+                start = bucket.end
+                continue
+            if current and sum(q.numel() * q.element_size() for q in current) + p.numel() * p.element_size() \
+                    > bucket_bytes:
+                buckets.append(Bucket(start_index + len(buckets), current, [group] * len(current), start))
+                start = buckets[-1].end
+                current = []
+            current.append(p)
+        if current:
+            buckets.append(Bucket(start_index + len(buckets), current, [group] * len(current), start))
+            start = buckets[-1].end
+    return buckets
+
+
+class HostState:
+    """The flat pinned host buffers of every bucket (see the module docstring); sizes in elements."""
+
+    def __init__(self, link: Link, dtype: torch.dtype, buckets: list[Bucket]):
+        self.link, self.dtype = link, dtype
+        self.buckets: list[Bucket] = []
+        self.numel = 0
+        self.master = self.exp_avg = self.exp_avg_sq = self.grads = self.weights_out = None
+        self.accumulated = None  # fp32 gradient sums, allocated by the first step that accumulates
+        self._allocating = threading.Lock()
+        self.extend(buckets)
+
+    def extend(self, buckets: list[Bucket]) -> None:
+        """Give new buckets their places: larger buffers, the existing state copied over."""
+        numel = buckets[-1].end if buckets else self.numel
+        old = {name: getattr(self, name) for name in ("master", "exp_avg", "exp_avg_sq", "grads", "accumulated")}
+        self.master = self._grow(old["master"], numel, torch.float32)
+        self.exp_avg = self._grow(old["exp_avg"], numel, torch.float32)
+        self.exp_avg_sq = self._grow(old["exp_avg_sq"], numel, torch.float32)
+        self.grads = self._grow(old["grads"], numel, self.dtype)
+        # fp32 weights go back straight from the master copy; low precision needs its own buffer.
+        self.weights_out = None if self.dtype == torch.float32 else self._grow(self.weights_out, numel, self.dtype)
+        if old["accumulated"] is not None:
+            self.accumulated = self._grow(old["accumulated"], numel, torch.float32)
+        self.numel = numel
+        with torch.no_grad():
+            for bucket in buckets:
+                for p, (s, e) in zip(bucket.params, bucket.ranges):
+                    self.master[s:e].copy_(p.detach().reshape(-1))
+                    self.exp_avg[s:e].zero_()
+                    self.exp_avg_sq[s:e].zero_()
+        self.buckets += buckets
+
+    def _grow(self, old, numel: int, dtype) -> torch.Tensor:
+        new = self.link.host_buffer(max(numel, 1), dtype)
+        if old is not None:
+            new[:old.numel()].copy_(old)
+        return new
+
+    def accumulation(self) -> torch.Tensor:
+        """The fp32 gradient-sum buffer, allocated on first use (several threads may ask at once)."""
+        with self._allocating:
+            if self.accumulated is None:
+                self.accumulated = self.link.host_buffer(max(self.numel, 1), torch.float32)
+        return self.accumulated
+
+    def outgoing(self) -> torch.Tensor:
+        """The buffer the device's new weights are copied from: the low-precision copy, or the fp32 master."""
+        return self.master if self.weights_out is None else self.weights_out
+
+    def gradient_bytes(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's landing gradients as a flat byte tensor (where its device→host copy goes)."""
+        return self.grads[bucket.start:bucket.end].view(torch.uint8)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of host memory held, by buffer (all exact-size and pinned)."""
+        buffers = {"master_weights": self.master, "first_moment": self.exp_avg, "second_moment": self.exp_avg_sq,
+                   "gradients": self.grads, "weights_out": self.weights_out,
+                   "accumulated_gradients": self.accumulated}
+        return {k: b.numel() * b.element_size() for k, b in buffers.items() if b is not None}
+
+    def release(self) -> None:
+        """Drop every buffer (the pinned memory is freed once no view of it is left)."""
+        self.master = self.exp_avg = self.exp_avg_sq = self.grads = self.weights_out = self.accumulated = None
+
+    def entry(self, bucket: Bucket, k: int) -> dict:
+        """Live views of parameter ``k`` of ``bucket``'s state, shaped like the parameter (AdamW's keys)."""
+        s, e = bucket.ranges[k]
+        shape = bucket.params[k].shape
+        return {"step": torch.tensor(float(bucket.steps[k])), "exp_avg": self.exp_avg[s:e].view(shape),
+                "exp_avg_sq": self.exp_avg_sq[s:e].view(shape), "master": self.master[s:e].view(shape)}
+
+
+def export_state(host: HostState) -> dict:
+    """{param: AdamW-layout entry (cloned tensors)} for every parameter updated at least once."""
+    state = {}
+    for bucket in host.buckets:
+        for k, p in enumerate(bucket.params):
+            if bucket.steps[k]:
+                state[p] = {key: value.clone() for key, value in host.entry(bucket, k).items()}
+    return state
+
+
+def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None:
+    """ValueError naming the first hyperparameter AdamW would not accept."""
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if not (number(lr) and lr >= 0):
+        raise ValueError(f"{where}lr: expected a number ≥ 0; got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"{where}betas: expected two numbers in [0, 1); got {betas!r}")
+    if not (number(eps) and eps >= 0):
+        raise ValueError(f"{where}eps: expected a number ≥ 0; got {eps!r}")
+    if not (number(weight_decay) and weight_decay >= 0):
+        raise ValueError(f"{where}weight_decay: expected a number ≥ 0; got {weight_decay!r}")
+
+
+def _step_count(value, where: str) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{where}step: expected a single number; got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or value != int(value):
+        raise ValueError(f"{where}step: expected a whole number of steps ≥ 0; got {value!r}")
+    return int(value)
+
+
+def check_state(state_dict, param_groups) -> tuple[list[dict], dict]:
+    """Validate a state dict from CPUOffloadAdam or torch.optim.AdamW against ``param_groups``
+    before anything is changed. Returns (saved groups' hyperparameters, {param: checked entry})."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) \
+            or not isinstance(state_dict.get("state", {}), dict):
+        raise ValueError("state_dict: expected a dict with 'param_groups' (a list) and 'state' (a dict), as "
+                         "state_dict() returns")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups) or any(
+            not isinstance(s, dict) or not isinstance(s.get("params"), list) or len(s["params"]) != len(g["params"])
+            for s, g in zip(saved_groups, param_groups)):
+        raise ValueError(f"state_dict: expected {len(param_groups)} parameter groups of "
+                         f"{[len(g['params']) for g in param_groups]} parameters, as this optimizer has")
+    hyper, param_of = [], {}
+    for i, (saved, own) in enumerate(zip(saved_groups, param_groups)):
+        where = f"state_dict: param_groups[{i}]: "
+        for flag in UNSUPPORTED_FLAGS:
+            if saved.get(flag):
+                raise ValueError(f"{where}{flag}={saved[flag]!r}, which CPUOffloadAdam does not implement")
+        if saved.get("decoupled_weight_decay") is False and saved.get("weight_decay", 0):
+            raise ValueError(f"{where}an Adam state with L2 weight decay (decoupled_weight_decay=False); "
+                             f"CPUOffloadAdam implements AdamW's decoupled weight decay")
+        values = {k: tuple(saved[k]) if k == "betas" else saved[k]
+                  for k in ("lr", "betas", "eps", "weight_decay") if k in saved}
+        check_hyperparameters(values.get("lr", own["lr"]), values.get("betas", own["betas"]),
+                              values.get("eps", own["eps"]), values.get("weight_decay", own["weight_decay"]), where)
+        hyper.append(values)
+        param_of.update(zip(saved["params"], own["params"]))
+    entries = {}
+    for key, saved in state_dict.get("state", {}).items():
+        where = f"state_dict: state[{key!r}]: "
+        if key not in param_of:
+            raise ValueError(f"{where}expected a parameter id of param_groups; got one that is not there")
+        p = param_of[key]
+        if not isinstance(saved, dict):
+            raise ValueError(f"{where}expected a dict of step, exp_avg and exp_avg_sq")
+        if "max_exp_avg_sq" in saved:
+            raise ValueError(f"{where}holds max_exp_avg_sq (amsgrad), which CPUOffloadAdam does not implement")
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in saved]
+        if missing:
+            raise ValueError(f"{where}expected step, exp_avg and exp_avg_sq; missing {', '.join(missing)}")
+        checked = {"step": _step_count(saved["step"], where)}
+        for name in ("exp_avg", "exp_avg_sq", "master"):
+            value = saved.get(name)
+            if value is None and name == "master":
+                continue
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                raise ValueError(f"{where}{name}: expected a floating-point tensor; got {type(value).__name__}")
+            if value.shape != p.shape:
+                raise ValueError(f"{where}{name}: expected shape {tuple(p.shape)} like its parameter; "
+                                 f"got {tuple(value.shape)}")
+            checked[name] = value
+        if p.requires_grad:
+            entries[p] = checked
+    extra = state_dict.get("offload", {})
+    if not isinstance(extra, dict):
+        raise ValueError("state_dict: 'offload': expected a dict")
+    return hyper, entries

@@ -1,0 +1,76 @@
+"""Loss scaling for fp16 weights, with torch.amp.GradScaler's knobs and semantics.
+
+fp16 gradients underflow to zero below about 6e-8; multiplying the loss by a large scale keeps
+them representable, and the update divides it out again. With a dynamic scale, a step whose
+gradients overflowed (an inf or nan anywhere) is skipped and the scale multiplied by
+``backoff_factor``; after ``growth_interval`` good steps in a row it grows by ``growth_factor``.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["LossScaler"]
+
+
+def _positive(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: expected a positive number; got {value!r}")
+    return float(value)
+
+
+class LossScaler:
+    """The loss scale of one fp16 training run (a fixed scale with ``dynamic=False``)."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, dynamic: bool = True):
+        self.scale = _positive(init_scale, "init_scale")
+        self.growth_factor = _positive(growth_factor, "growth_factor")
+        self.backoff_factor = _positive(backoff_factor, "backoff_factor")
+        if self.growth_factor <= 1:
+            raise ValueError(f"growth_factor: expected a number > 1; got {growth_factor!r}")
+        if self.backoff_factor >= 1:
+            raise ValueError(f"backoff_factor: expected a number < 1; got {backoff_factor!r}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"growth_interval: expected a positive integer; got {growth_interval!r}")
+        self.growth_interval, self.dynamic = growth_interval, bool(dynamic)
+        self.good_steps = 0     # steps in a row without overflow
+        self.skipped_steps = 0  # steps skipped for overflow, over the whole run
+
+    @classmethod
+    def from_argument(cls, loss_scale) -> "LossScaler":
+        """``'dynamic'``, a fixed positive number, or a LossScaler (as CPUOffloadAdam's ``loss_scale`` takes)."""
+        if isinstance(loss_scale, cls):
+            return loss_scale
+        if loss_scale == "dynamic":
+            return cls()
+        if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+            return cls(init_scale=_positive(loss_scale, "loss_scale"), dynamic=False)
+        raise ValueError(f"loss_scale: expected 'dynamic', a positive number or a LossScaler; got {loss_scale!r}")
+
+    def update(self, overflowed: bool) -> None:
+        """After a step: back off and count a skip on overflow; grow after enough good steps."""
+        if overflowed:
+            self.skipped_steps += 1
+            self.good_steps = 0
+            if self.dynamic:
+                self.scale *= self.backoff_factor
+            return
+        self.good_steps += 1
+        if self.dynamic and self.good_steps % self.growth_interval == 0:
+            self.scale *= self.growth_factor
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "good_steps": self.good_steps,
+                "skipped_steps": self.skipped_steps, "dynamic": self.dynamic}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from :meth:`state_dict` (validated before anything changes)."""
+        scale = _positive(state.get("scale", self.scale), "state_dict: offload: loss_scale")
+        counts = {k: state.get(k, getattr(self, k)) for k in ("good_steps", "skipped_steps")}
+        for name, value in counts.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"state_dict: offload: {name}: expected a whole number ≥ 0; got {value!r}")
+        self.scale = scale
+        self.good_steps, self.skipped_steps = counts["good_steps"], counts["skipped_steps"]

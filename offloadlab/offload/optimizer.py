@@ -1,0 +1,327 @@
+"""CPUOffloadAdam: AdamW with its state in host memory and its update on the CPU.
+
+The model's parameters stay on the device in their low-precision dtype (bf16 by default, fp16
+with loss scaling, or fp32). Everything else — fp32 master weights, both moments — lives in
+flat, exact-size, pinned host buffers. Parameters are grouped into buckets (``bucket_bytes`` of
+gradients each, in backward order). During backward each gradient is gathered into its bucket
+on the device and freed; a complete bucket goes down in one copy on the device→host engine. The
+CPU update runs per bucket on a worker thread, with the fused kernel of
+:mod:`offloadlab.cpu_adam`, and the bucket's new weights come back in one copy on the
+host→device engine — the two directions of the link run at once.
+
+When does the update run?
+
+- By default, at :meth:`~CPUOffloadAdam.step`: any number of backward passes (micro-batches)
+  may come first, as with torch.optim.AdamW; their gradients are summed on the host in fp32.
+- With ``accumulation_steps=k`` declared (and no clipping, no fp16), a bucket's update starts
+  the moment its k-th micro-batch's gradients have landed, during backward: CPU updates and
+  weight copies overlap the rest of backward, and ``step()`` only waits for the stragglers.
+- With ``delayed_update=True``, ZeRO-Offload's delayed parameter update: ``step()`` hands this
+  step's update to the worker and returns; it runs during the next forward and backward, and the
+  weights it produces are applied at the next ``step()`` — one step late.
+
+Clipping: ``max_grad_norm`` in the constructor, or ``optimizer.clip_grad_norm_(max_norm)``
+between backward and step. The usual ``torch.nn.utils.clip_grad_norm_(model.parameters(), …)``
+would see no gradients (they have already left the model) and do nothing, so while this module is
+imported, calling it on parameters a live CPUOffloadAdam manages raises an error saying what to
+call instead (as does ``clip_grad_value_``). Code that imported ``clip_grad_norm_`` by name
+before importing offloadlab keeps the unchecked function: call ``optimizer.clip_grad_norm_``.
+
+Lifecycle: :meth:`close` (or dropping the optimizer, or a new CPUOffloadAdam over the same
+parameters, which takes them over with a warning) removes the hooks, stops the worker and frees
+the host memory; a closed optimizer raises on use. If the CPU update fails, :meth:`step` raises
+the error and the optimizer is closed (the step was only partly applied).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from collections.abc import Mapping
+
+import torch
+
+from .engine import OffloadEngine, managed
+from .host_state import check_hyperparameters, check_state, export_state
+
+__all__ = ["CPUOffloadAdam", "managed"]
+
+DEFAULT_BUCKET_BYTES = 32 * 2**20
+
+
+class _StateView(Mapping):
+    """``optimizer.state``: per parameter updated so far, live views of its host state (AdamW's keys)."""
+
+    def __init__(self, engine: OffloadEngine):
+        self._engine = engine
+
+    def _entries(self):
+        host = self._engine.host
+        if host.master is None:
+            return {}
+        return {p: (bucket, k) for bucket in host.buckets for k, p in enumerate(bucket.params) if bucket.steps[k]}
+
+    def __getitem__(self, param):
+        bucket, k = self._entries()[param]
+        return self._engine.host.entry(bucket, k)
+
+    def __iter__(self):
+        return iter(self._entries())
+
+    def __len__(self):
+        return len(self._entries())
+
+
+class CPUOffloadAdam(torch.optim.Optimizer):
+    """AdamW (torch.optim.AdamW's semantics and arguments) with state and update on the CPU.
+
+    Extra keyword arguments: ``link`` (a :class:`~offloadlab.link.Link`; default: the
+    StreamedModel's link for streamed parameters, a CUDA link for CUDA parameters, else an
+    emulated one, which keeps a core for its copy threads until :meth:`close`), ``threads``
+    (OpenMP threads of the CPU update), ``max_grad_norm`` (global-norm clipping),
+    ``accumulation_steps`` (declare micro-batches per step for the eager update),
+    ``delayed_update``, ``bucket_bytes`` (gradient bytes per bucket, default 32 MiB), and for
+    fp16 parameters ``loss_scale`` ('dynamic', a fixed number, or a
+    :class:`~offloadlab.offload.LossScaler`; scale the loss with :meth:`scale_loss`). With
+    ``record_timeline=True``, :attr:`timeline` holds the last step's gradient copies, CPU
+    updates and weight copies as {lane: [(start, end, label)]} in seconds on the link's clock
+    (:func:`offloadlab.trace.write_chrome_trace` writes it for Perfetto).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 link=None, threads: int | None = None, max_grad_norm: float | None = None,
+                 accumulation_steps: int | None = None, delayed_update: bool = False, loss_scale="dynamic",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, record_timeline: bool = False):
+        check_hyperparameters(lr, betas, eps, weight_decay)
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
+                                              and math.isfinite(max_grad_norm)):
+            raise ValueError(f"max_grad_norm: expected a positive number or None; got {max_grad_norm!r}")
+        if accumulation_steps is not None and (isinstance(accumulation_steps, bool)
+                                               or not isinstance(accumulation_steps, int) or accumulation_steps < 1):
+            raise ValueError(f"accumulation_steps: expected a positive integer or None; got {accumulation_steps!r}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads: expected a positive integer or None; got {threads!r}")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes: expected a positive whole number of bytes; got {bucket_bytes!r}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        for i, group in enumerate(self.param_groups):
+            check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                                  f"param_groups[{i}]: ")
+        self._engine = OffloadEngine(self.param_groups, link=link, threads=threads, max_grad_norm=max_grad_norm,
+                                     accumulation_steps=accumulation_steps, delayed_update=bool(delayed_update),
+                                     loss_scale=loss_scale, bucket_bytes=bucket_bytes,
+                                     record_timeline=record_timeline)
+        self.state = _StateView(self._engine)
+        # Dropped without close() (a re-run notebook cell): the engine still gets closed.
+        self._finalizer = weakref.finalize(self, self._engine.close, "the optimizer was garbage-collected")
+
+    def __repr__(self) -> str:
+        return (f"CPUOffloadAdam({sum(len(b.params) for b in self._engine.host.buckets)} parameters in "
+                f"{len(self._engine.host.buckets)} buckets, {self._engine.dtype}, {self._engine.link!r})")
+
+    # ------------------------------------------------------------------ what it holds
+
+    @property
+    def link(self):
+        return self._engine.link
+
+    @property
+    def device(self) -> torch.device:
+        return self._engine.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._engine.dtype
+
+    @property
+    def threads(self) -> int:
+        return self._engine.threads
+
+    @property
+    def buckets(self) -> list:
+        """The buckets parameters move and update in (see :mod:`offloadlab.offload.host_state`)."""
+        return self._engine.host.buckets
+
+    @property
+    def timeline(self) -> dict | None:
+        """The last complete step's {'D2H', 'CPU', 'H2D': [(start, end, label)]} (record_timeline=True), else None."""
+        return self._engine.timeline.lanes
+
+    def host_bytes(self) -> dict[str, int]:
+        """Bytes of host memory this optimizer holds, by buffer (all exact-size, pinned)."""
+        return self._engine.host.nbytes()
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 unless the parameters are fp16)."""
+        return self._engine.scaler.scale if self._engine.scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because fp16 gradients overflowed."""
+        return self._engine.scaler.skipped_steps if self._engine.scaler is not None else 0
+
+    # ------------------------------------------------------------------ training
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group, as torch.optim.Optimizer does; its parameters get host state and train from now on."""
+        engine = self.__dict__.get("_engine")
+        if engine is not None:
+            engine.check_usable()
+        super().add_param_group(param_group)
+        if engine is not None:
+            try:
+                engine.add_group(self.param_groups[-1])
+            except BaseException:
+                self.param_groups.pop()
+                raise
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss multiplied by the current loss scale (fp16); the loss itself otherwise."""
+        return loss * self.loss_scale if self._engine.scaler is not None else loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip this step's gradients to a global L2 norm of ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does over the model, and return the norm before clipping.
+
+        Call it between backward and :meth:`step`; the clipping is applied by the CPU update.
+        """
+        if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0
+                and math.isfinite(max_norm)):
+            raise ValueError(f"max_norm: expected a positive number; got {max_norm!r}")
+        if norm_type != 2.0:
+            raise ValueError(f"norm_type: expected 2.0 (CPUOffloadAdam clips by the L2 norm); got {norm_type!r}")
+        return torch.tensor(self._engine.clip(float(max_norm), error_if_nonfinite))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Finish this step's CPU updates (or, with delayed_update, apply the previous step's)."""
+        self._engine.check_usable()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._engine.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard gradients received since the last step (device gradients are already gone)."""
+        super().zero_grad(set_to_none=set_to_none)
+        self._engine.discard()
+
+    def synchronize(self) -> None:
+        """Finish every pending update and weight copy (for a delayed update: apply it now)."""
+        self._engine.synchronize()
+
+    def close(self) -> None:
+        """Finish pending work, remove the hooks, stop the worker, free the host memory and close a
+        link made here. Using the optimizer afterwards raises."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._engine.closed is not None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("CPUOffloadAdam cannot be pickled or copied (it holds pinned host memory, hooks and a "
+                        "thread); save optimizer.state_dict() instead, and load it into a new CPUOffloadAdam")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @torch._disable_dynamo
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW's layout (step, exp_avg, exp_avg_sq per parameter) plus the fp32
+        ``master`` weights, as host tensors shaped like each parameter; torch's state-dict hooks run.
+
+        With a delayed update, the pending update is applied first.
+        """
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        self._engine.synchronize()
+        index: dict[int, int] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed.update(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                          fused=None, decoupled_weight_decay=True)
+            packed["params"] = [index[id(p)] for p in group["params"]]
+            groups.append(packed)
+        state = {index[id(p)]: entry for p, entry in export_state(self._engine.host).items()}
+        scaler = self._engine.scaler
+        state_dict = {"state": state, "param_groups": groups,
+                      "offload": scaler.state_dict() if scaler is not None else {}}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict from this class or from torch.optim.AdamW (whose master weights are
+        then taken from the current parameters) and send the weights to the device.
+
+        Everything is checked first — group sizes, every tensor's shape, flags this class does
+        not implement (amsgrad, maximize, …) — so a refused state dict changes nothing.
+        """
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        hyper, entries = check_state(state_dict, self.param_groups)
+        engine = self._engine
+        scaler_state = state_dict.get("offload", {})
+        if engine.scaler is not None and scaler_state:
+            engine.scaler.load_state_dict(scaler_state)
+        engine.synchronize()
+        for own, values in zip(self.param_groups, hyper):
+            own.update(values)
+        host = engine.host
+        with torch.no_grad():
+            for bucket in host.buckets:
+                for k, p in enumerate(bucket.params):
+                    s, e = bucket.ranges[k]
+                    entry = entries.get(p)
+                    bucket.steps[k] = entry["step"] if entry else 0
+                    host.exp_avg[s:e].copy_(entry["exp_avg"].reshape(-1) if entry else 0)
+                    host.exp_avg_sq[s:e].copy_(entry["exp_avg_sq"].reshape(-1) if entry else 0)
+                    master = entry.get("master") if entry else None
+                    host.master[s:e].copy_((master if master is not None else p.detach()).reshape(-1))
+                    if host.weights_out is not None:
+                        host.weights_out[s:e].copy_(host.master[s:e])
+        engine.upload_all()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+
+def _refusing_managed_parameters(clip):
+    """Wrap a torch.nn.utils clipping function so it refuses parameters a CPUOffloadAdam manages."""
+
+    @functools.wraps(clip)
+    def checked(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(managed(p) for p in params):
+            raise RuntimeError(f"{clip.__name__}: these parameters belong to a CPUOffloadAdam, which has already "
+                               f"moved their gradients to host memory, so this call would change nothing; call "
+                               f"optimizer.clip_grad_norm_(max_norm) instead")
+        return clip(params, *args, **kwargs)
+
+    checked.__wrapped_by_offloadlab__ = True
+    return checked
+
+
+for _module in (torch.nn.utils, torch.nn.utils.clip_grad):
+    for _name in ("clip_grad_norm_", "clip_grad_value_"):
+        _original = getattr(_module, _name)
+        if not getattr(_original, "__wrapped_by_offloadlab__", False):
+            setattr(_module, _name, _refusing_managed_parameters(_original))

@@ -1,0 +1,103 @@
+"""CPUOffloadAdam's update worker: the CPU AdamW step of each bucket, then its weights back up.
+
+One thread takes buckets in the order they are handed over. For each it waits for the bucket's
+gradients to land, adds the last micro-batch into the fp32 sum where there were several, runs
+the fused kernel of :mod:`offloadlab.cpu_adam` once per run of parameters that share a group and
+a step count (one OpenMP region for a whole bucket, usually), and — unless the update is
+delayed — sends the bucket's new weights up: one transfer into a device staging buffer, scattered
+into the parameters on the same engine, ordered after the backward that produced the gradients.
+A streamed bucket's new weights are copied into its block's pinned host memory instead.
+
+An exception in the thread is kept and the remaining work skipped; the optimizer re-raises it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from .. import cpu_adam
+from ..link import Link
+from .host_state import Bucket, HostState
+from .intake import GradientIntake
+
+__all__ = ["UpdateWorker"]
+
+
+class UpdateWorker:
+    """Runs bucket updates on a thread of its own with ``threads`` OpenMP threads for the kernel."""
+
+    def __init__(self, link: Link, host: HostState, intake: GradientIntake, threads: int, upload_after_update: bool,
+                 record):
+        self.link, self.host, self.intake, self.threads = link, host, intake, threads
+        self.upload_after_update, self._record = upload_after_update, record
+        self.error: BaseException | None = None
+        self._staging = None  # device buffer the weights of one bucket land in before the scatter
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="cpu-adam")
+        self._thread.start()
+
+    def submit(self, bucket: Bucket, grad_scale: float, step: int) -> None:
+        """Hand this step's gradients of ``bucket`` to the thread (``grad_scale`` multiplies them first)."""
+        arrivals, folded, downloads = self.intake.take(bucket)
+        bucket.submitted = True
+        bucket.updated.clear()
+        self._jobs.put((bucket, grad_scale, arrivals, folded, downloads, step))
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            bucket = job[0]
+            try:
+                if self.error is None:
+                    self._update(*job)
+            except BaseException as error:  # re-raised on the caller's thread by the optimizer
+                self.error = error
+            finally:
+                bucket.updated.set()
+
+    def _update(self, bucket: Bucket, grad_scale: float, arrivals: list, folded: list, downloads: list,
+                step: int) -> None:
+        self.intake.landed(downloads)
+        self.intake.fold(bucket, arrivals, folded, final=True)
+        if bucket.upload is not None:
+            bucket.upload.synchronize()  # the last copy of these weights up has read them: overwrite now
+        host, out = self.host, self.host.weights_out
+        started = self.link.now()
+        for first, stop in bucket.runs(arrivals):
+            s, e = bucket.span(first, stop)
+            group, count = bucket.groups[first], bucket.steps[first] + 1
+            cpu_adam.adamw_step(host.master[s:e], host.exp_avg[s:e], host.exp_avg_sq[s:e],
+                                self.intake.gradient(bucket, first, stop, arrivals), None if out is None else out[s:e],
+                                step=count, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                weight_decay=group["weight_decay"], grad_scale=grad_scale, threads=self.threads)
+            for k in range(first, stop):
+                bucket.steps[k] = count
+        self._record("CPU", (started, self.link.now()), f"b{bucket.index}", step)
+        if self.upload_after_update:
+            self.upload(bucket, after=bucket.marker, step=step)
+
+    def upload(self, bucket: Bucket, after="compute", step: int | None = None) -> None:
+        """Send the bucket's current weights to its parameters (device) or its block's host memory."""
+        outgoing = self.host.outgoing()
+        if bucket.streamed is not None:
+            with torch.no_grad():
+                for p, (s, e) in zip(bucket.params, bucket.ranges):
+                    p.view(-1).copy_(outgoing[s:e])
+            return
+        nbytes = bucket.layout.nbytes
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = self.link.device_buffer(max(b.layout.nbytes for b in self.host.buckets), torch.uint8)
+        staging = self._staging[:nbytes]
+        targets = list(zip((p.data for p in bucket.params), bucket.layout.views(staging)))
+        bucket.upload = self.link.to_device_scattered(targets, outgoing[bucket.start:bucket.end].view(torch.uint8),
+                                                      staging, after=after, label=f"b{bucket.index}")
+        self._record("H2D", bucket.upload, f"b{bucket.index}", step)

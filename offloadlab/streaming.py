@@ -1,0 +1,385 @@
+"""Parameter streaming: a model's blocks keep their weights in pinned host memory and borrow
+device memory only while they run — in forward, and again in backward.
+
+:class:`StreamedModel` moves the weights of each chosen block (``model.blocks`` by default)
+into one flat pinned host buffer per block and makes the parameters views of it. The device
+holds ``buffers`` block-sized weight buffers and two gradient buffers, allocated once:
+
+- **forward**: calling block i takes a device buffer holding its weights (fetched now if it
+  was not prefetched) and starts fetching the next ``buffers - 1`` blocks into free buffers;
+  the buffer is released, with a marker on the compute stream, when the block returns.
+- **backward**: autograd saves a reference to the block's weights instead of the device copy
+  (saved-tensor hooks), so the first time backward needs block i it fetches it again and
+  prefetches the blocks before it. The buffer is released once the gradient of the block's
+  input has been computed (or at the end of backward).
+- **gradients**: each block's weight gradients are gathered on the device into a gradient
+  buffer and sent to pinned host memory in one copy on the device→host engine. With a
+  :class:`~offloadlab.offload.CPUOffloadAdam` over the streamed parameters they land straight
+  in the optimizer's host gradient buffer (one trip); otherwise they land in a pinned buffer of
+  the block's and are put in ``.grad`` (host tensors) at the end of backward.
+
+Blocks may run in any order — skipped (LayerDrop) or recomputed — and always get their own
+weights; a block that needs a buffer when every buffer is held raises an error naming it, and so
+does a block whose parameters were replaced after streaming began (e.g. by
+``load_state_dict(assign=True)``: load with the default, copying ``load_state_dict`` instead).
+Post-accumulate-grad hooks do not run for streamed parameters: their gradients never pass
+through autograd's accumulation.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from .gather import GradientGather
+from .link import Link, Marker
+from .prefetch import Layout
+
+__all__ = ["StreamedModel", "streamed_model_of"]
+
+# Every streamed parameter → its StreamedModel, so an optimizer can find who moves its gradients.
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise: key by identity
+
+
+def streamed_model_of(param: torch.Tensor) -> "StreamedModel | None":
+    """The :class:`StreamedModel` that streams ``param``, or None."""
+    return _OWNERS.get(param)
+
+
+class _Buffer:
+    """A device weight buffer: which block it holds, the copy filling it, who holds it, when released."""
+
+    def __init__(self, memory: torch.Tensor):
+        self.memory = memory
+        self.block: int | None = None
+        self.versions: tuple = ()       # the block's parameters' version counters when it was filled
+        self.fill: list = []            # the transfer(s) bringing self.block's weights in
+        self.holds = 0                  # users (a running forward, a backward in progress)
+        self.released: Marker | None = None  # compute-stream point after its last user's work
+        self.last_use = 0
+
+
+class _SavedWeight:
+    """What backward keeps instead of a streamed weight: where to find it again."""
+
+    __slots__ = ("block", "which", "size", "stride", "offset")
+
+    def __init__(self, block, which, size, stride, offset):
+        self.block, self.which, self.size, self.stride, self.offset = block, which, size, stride, offset
+
+
+class _Fetch(torch.autograd.Function):
+    """Host parameter → its device copy; the gradient goes to the StreamedModel, not to autograd."""
+
+    @staticmethod
+    def forward(ctx, host_param, device_copy, streamed, block, which):
+        ctx.streamed, ctx.block, ctx.which = streamed, block, which
+        return device_copy
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.streamed._gradient(ctx.block, ctx.which, grad)
+        return None, None, None, None, None
+
+
+class StreamedModel:
+    """Stream ``blocks`` (default ``model.blocks``) of ``model`` from pinned host memory over ``link``.
+
+    ``buffers`` (≥ 2) device weight buffers, each the size of the largest block: one block
+    computing while the next arrives. See the module docstring for what happens when.
+    """
+
+    def __init__(self, model: nn.Module, link: Link, blocks=None, buffers: int = 2):
+        chosen = list(blocks) if blocks is not None else list(getattr(model, "blocks", []))
+        if not chosen or not all(isinstance(b, nn.Module) for b in chosen):
+            raise ValueError("blocks: expected the modules to stream (the model has no .blocks)")
+        if len({id(b) for b in chosen}) != len(chosen):
+            raise ValueError("blocks: expected each block once")
+        if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2:
+            raise ValueError(f"buffers: expected an integer ≥ 2 (one block computing, one arriving); got {buffers!r}")
+        names = {id(m): n for n, m in model.named_modules()}
+        self.model, self.link, self.blocks, self.buffers = model, link, chosen, buffers
+        self.names = [names.get(id(b), f"block {i}") for i, b in enumerate(chosen)]
+        self._params = [list(b.named_parameters()) for b in chosen]
+        self._check_ownership()
+
+        self.layouts = [Layout([p for _, p in named]) for named in self._params]
+        self._trainable = [[k for k, (_, p) in enumerate(named) if p.requires_grad] for named in self._params]
+        self.gradient_layouts = [Layout([named[k][1] for k in ks], packed=True)
+                                 for named, ks in zip(self._params, self._trainable)]
+        self._host = []
+        with torch.no_grad():
+            for named, layout in zip(self._params, self.layouts):
+                flat = link.host_buffer(layout.nbytes, torch.uint8)
+                for (_, p), view in zip(named, layout.views(flat)):
+                    view.copy_(p)
+                    p.data = view
+                self._host.append(flat)
+        self._addresses = [[p.data_ptr() for _, p in named] for named in self._params]
+        for named in self._params:
+            for _, p in named:
+                _OWNERS[p] = self
+
+        self.block_bytes = max(layout.nbytes for layout in self.layouts)
+        self._weights = [_Buffer(link.device_buffer(self.block_bytes, torch.uint8)) for _ in range(buffers)]
+        self._gather = GradientGather(link, self.gradient_layouts, self._gradient_destination, self._gradient_sent,
+                                      names=lambda index: f"block {self.names[index]!r}")
+        self._host_gradients: dict[int, torch.Tensor] = {}  # block → pinned landing buffer (no sink)
+        self._sinks: dict[int, object] = {}
+        self._uses = itertools.count(1)
+        self._reset_backward()
+        for index, block in enumerate(chosen):
+            block.forward = functools.partial(self._forward, index)  # shadows the class's forward
+
+    def __repr__(self) -> str:
+        return f"StreamedModel({len(self.blocks)} blocks, {self.buffers} buffers, {self.link!r})"
+
+    @property
+    def device_budget(self) -> int:
+        """Bytes of device memory streaming holds, all allocated up front: ``buffers`` weight
+        buffers of the largest block and two gather buffers for its trainable weights' gradients."""
+        return self.buffers * self.block_bytes + self._gather.device_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host bytes of the streamed weights (plus gradient landing buffers once used)."""
+        return sum(h.numel() for h in self._host) + sum(g.numel() for g in self._host_gradients.values())
+
+    def remove(self) -> None:
+        """Give the blocks back their own forward; the weights stay in (pinned) host memory."""
+        self.link.synchronize()
+        for block in self.blocks:
+            block.__dict__.pop("forward", None)
+        for named in self._params:
+            for _, p in named:
+                if _OWNERS.get(p) is self:
+                    del _OWNERS[p]
+
+    # ------------------------------------------------------------------ optimizers
+
+    def gradient_layout(self, block: int) -> tuple[list[torch.Tensor], Layout]:
+        """Block ``block``'s trainable parameters and where their gradients sit in its gradient buffer."""
+        return [self._params[block][k][1] for k in self._trainable[block]], self.gradient_layouts[block]
+
+    def attach_sink(self, block: int, sink) -> None:
+        """Send block ``block``'s gradients to ``sink`` instead of ``.grad``.
+
+        ``sink.gradient_destination(block)`` gives the pinned flat host tensor to copy into
+        (laid out as :meth:`gradient_layout`); ``sink.gradient_arriving(block, transfers,
+        positions)`` is told of the copies and which of the block's trainable parameters they carry.
+        """
+        self._sinks[block] = sink
+
+    def detach_sink(self, block: int, sink) -> None:
+        if self._sinks.get(block) is sink:
+            del self._sinks[block]
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward(self, index: int, *args, **kwargs):
+        block = self.blocks[index]
+        self._check_parameters(index)
+        in_backward = torch._C._current_graph_task_id() != -1  # a block recomputed by checkpointing
+        buffer = self._acquire(index, -1 if in_backward else +1)
+        try:
+            views = self.layouts[index].views(buffer.memory)
+            track = torch.is_grad_enabled()
+            fetched = {name: _Fetch.apply(p, view, self, index, k) if track and p.requires_grad else view
+                       for k, ((name, p), view) in enumerate(zip(self._params[index], views))}
+            if track and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                args[0].register_hook(functools.partial(self._input_gradient_done, index))
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, index, buffer),
+                                                          self._unpack):
+                with _reparametrize_module(block, fetched):
+                    return type(block).forward(block, *args, **kwargs)
+        finally:
+            self._release(buffer)
+
+    def _check_parameters(self, index: int) -> None:
+        block = self.blocks[index]
+        for (name, p), address in zip(self._params[index], self._addresses[index]):
+            try:
+                current = block.get_parameter(name)
+            except AttributeError:
+                current = None
+            if current is not p or p.data_ptr() != address:
+                raise RuntimeError(
+                    f"StreamedModel: the parameter {name!r} of block {self.names[index]!r} was replaced after "
+                    f"streaming began (load_state_dict(assign=True), `.data = …` or .to()); load weights with "
+                    f"the default load_state_dict(), which copies into the streamed host memory, or build a "
+                    f"new StreamedModel")
+
+    # ------------------------------------------------------------------ device buffers
+
+    def _acquire(self, index: int, direction: int) -> _Buffer:
+        """A device buffer holding block ``index``'s weights, held until :meth:`_release`."""
+        buffer = self._resident(index)
+        if buffer is None:
+            buffer = self._free_buffer(avoid=set())
+            if buffer is None:
+                held = ", ".join(repr(self.names[b.block]) for b in self._weights if b.holds)
+                raise RuntimeError(f"StreamedModel: block {self.names[index]!r} needs a device buffer but all "
+                                   f"{self.buffers} hold blocks still in use ({held}); pass more buffers")
+            self._fill(buffer, index)
+        buffer.holds += 1
+        buffer.last_use = next(self._uses)
+        self._prefetch(index, direction)
+        for transfer in buffer.fill:
+            transfer.wait()
+        return buffer
+
+    def _release(self, buffer: _Buffer) -> None:
+        buffer.holds -= 1
+        buffer.released = self.link.mark()  # its user's work is issued: refill once that is done
+
+    def _resident(self, index: int) -> _Buffer | None:
+        """The buffer holding block ``index``'s current weights (None if none, or if an optimizer
+        has changed the host weights since they were fetched: the version counters tell)."""
+        versions = self._versions(index)
+        return next((b for b in self._weights if b.block == index and b.versions == versions), None)
+
+    def _versions(self, index: int) -> tuple:
+        return tuple(p._version for _, p in self._params[index])
+
+    def _free_buffer(self, avoid: set) -> _Buffer | None:
+        """An unheld buffer to fill, preferring empty ones, then ones not holding a block in ``avoid``, then the LRU."""
+        free = [b for b in self._weights if b.holds == 0]
+        if not free:
+            return None
+
+        def keep(b: _Buffer) -> tuple:  # lowest first: empty or stale, then not needed soon, then least recent
+            current = b.block is not None and b.versions == self._versions(b.block)
+            return current, current and b.block in avoid, b.last_use
+
+        return min(free, key=keep)
+
+    def _fill(self, buffer: _Buffer, index: int) -> None:
+        nbytes = self.layouts[index].nbytes
+        buffer.block, buffer.versions = index, self._versions(index)
+        buffer.fill = [self.link.to_device(buffer.memory[:nbytes], self._host[index], after=buffer.released,
+                                           label=f"{self.names[index]}")]
+
+    def _prefetch(self, index: int, direction: int) -> None:
+        ahead = [index + k * direction for k in range(1, self.buffers)]
+        ahead = [j for j in ahead if 0 <= j < len(self.blocks)]
+        for j in ahead:
+            if self._resident(j) is not None:
+                continue
+            buffer = self._free_buffer(avoid=set(ahead) | {index})
+            if buffer is None or buffer.block in ahead:
+                return
+            self._fill(buffer, j)
+            buffer.last_use = next(self._uses)
+
+    # ------------------------------------------------------------------ backward
+
+    def _reset_backward(self) -> None:
+        self._backward_holds: dict[int, _Buffer] = {}
+        self._landing: dict[int, tuple] = {}  # block → (transfers, positions) sent to its own landing buffer
+        self._armed = False
+
+    def _arm(self) -> None:
+        if not self._armed:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._armed = True
+
+    def _pack(self, index: int, buffer: _Buffer, t: torch.Tensor):
+        if t.device.type != self.link.device.type or \
+                t.untyped_storage().data_ptr() != buffer.memory.untyped_storage().data_ptr():
+            return t
+        byte = t.storage_offset() * t.element_size()
+        for which, (_, dtype, offset) in enumerate(self.layouts[index].specs):
+            if dtype == t.dtype and offset <= byte < self.layouts[index].byte_range(which)[1]:
+                return _SavedWeight(index, which, t.size(), t.stride(), t.storage_offset() - offset // t.element_size())
+        return t
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        self._arm()
+        index = saved.block
+        buffer = self._backward_holds.get(index)
+        if buffer is None:
+            buffer = self._backward_holds[index] = self._acquire(index, -1)
+        view = self.layouts[index].views(buffer.memory)[saved.which]
+        return view.as_strided(saved.size, saved.stride, view.storage_offset() + saved.offset)
+
+    def _input_gradient_done(self, index: int, _grad) -> None:
+        """Everything of block ``index``'s backward has been issued: let its buffer go."""
+        buffer = self._backward_holds.pop(index, None)
+        if buffer is not None:
+            self._release(buffer)
+
+    def _gradient(self, index: int, which: int, grad: torch.Tensor) -> None:
+        self._arm()
+        self._gather.add(index, self._trainable[index].index(which), grad)
+
+    def _gradient_destination(self, index: int) -> torch.Tensor:
+        sink = self._sinks.get(index)
+        if sink is not None:
+            return sink.gradient_destination(index)
+        self._land(index)  # a block sent in two parts: take in the first part before the second lands
+        if index not in self._host_gradients:
+            self._host_gradients[index] = self.link.host_buffer(self.gradient_layouts[index].nbytes, torch.uint8)
+        return self._host_gradients[index]
+
+    def _gradient_sent(self, index: int, transfers: list, positions: list) -> None:
+        sink = self._sinks.get(index)
+        if sink is not None:
+            sink.gradient_arriving(index, transfers, positions)
+        else:
+            self._landing[index] = (transfers, positions)
+
+    @torch.no_grad()
+    def _land(self, index: int) -> None:
+        """Put block ``index``'s landed gradients in the parameters' ``.grad`` (no sink attached)."""
+        if index not in self._landing:
+            return
+        transfers, positions = self._landing.pop(index)
+        for transfer in transfers:
+            transfer.synchronize()
+        landed = self.gradient_layouts[index].views(self._host_gradients[index])
+        for position in positions:
+            p = self._params[index][self._trainable[index][position]][1]
+            if p.grad is None:
+                p.grad = landed[position].clone()
+            else:
+                p.grad.add_(landed[position])
+
+    def _end_backward(self) -> None:
+        """Send what partly used blocks gathered, release every buffer, put landed gradients in .grad."""
+        try:
+            self._gather.reset()
+            for buffer in self._backward_holds.values():
+                self._release(buffer)
+            for index in list(self._landing):
+                self._land(index)
+        finally:
+            self._reset_backward()
+
+    def _check_ownership(self) -> None:
+        owner: dict[int, int] = {}
+        for index, named in enumerate(self._params):
+            for name, p in named:
+                if owner.setdefault(id(p), index) != index:
+                    raise ValueError(f"blocks: parameter {name!r} is shared by blocks {self.names[owner[id(p)]]!r} "
+                                     f"and {self.names[index]!r}; a streamed parameter belongs to one block")
+                if streamed_model_of(p) is not None:
+                    raise ValueError(f"blocks: {self.names[index]!r} is already streamed")
+        inside = collections.Counter(id(p) for named in self._params for _, p in named)
+        everywhere = collections.Counter(id(p) for _, p in self.model.named_parameters(remove_duplicate=False))
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) in inside and everywhere[id(p)] > inside[id(p)]:
+                raise ValueError(f"blocks: parameter {name!r} is also used outside the streamed blocks (tied "
+                                 f"weights); stream blocks whose parameters are their own")
+        from .offload import managed  # late import: offload builds on streaming
+
+        if any(managed(p) for named in self._params for _, p in named):
+            raise ValueError("model: its parameters already belong to a CPUOffloadAdam; build the StreamedModel "
+                             "first, then the optimizer")

@@ -1,0 +1,49 @@
+"""Timelines as Chrome trace files, to open in Perfetto (ui.perfetto.dev) or chrome://tracing.
+
+Every timeline offloadlab records — a link's copies, a prefetcher's pass, an offloaded optimizer
+step, an overlap experiment — has the same shape: ``{lane: [(start, end, label), ...]}`` with times
+in seconds on the recording link's clock. :func:`chrome_trace` turns that into the JSON trace
+format ``torch.profiler`` exports (complete events, ``"ph": "X"``, microseconds), one named track
+per lane, so a reader can open it beside a ``torch.profiler`` trace of the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["chrome_trace", "write_chrome_trace"]
+
+
+def chrome_trace(lanes: dict, process: str = "offloadlab") -> dict:
+    """The Chrome trace of ``lanes`` ({lane: [(start_s, end_s, label)]}) as a JSON-ready dict."""
+    if not isinstance(lanes, dict):
+        raise ValueError(f"lanes: expected a dict of lane name -> [(start, end, label)]; got {type(lanes).__name__}")
+    events = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": process}}]
+    for track, (lane, intervals) in enumerate(lanes.items()):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": track, "args": {"name": str(lane)}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": track, "args": {"sort_index": track}})
+        for interval in intervals:
+            start, end, label = interval
+            if not end >= start:
+                raise ValueError(f"lanes: expected end ≥ start in lane {lane!r}; got ({start}, {end})")
+            events.append({"name": str(label) or str(lane), "cat": str(lane), "ph": "X", "pid": 0, "tid": track,
+                           "ts": start * 1e6, "dur": (end - start) * 1e6})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(lanes: dict, path, process: str = "offloadlab") -> Path:
+    """Write :func:`chrome_trace` of ``lanes`` to ``path`` (atomically: a complete file or none)."""
+    target = Path(path)
+    payload = json.dumps(chrome_trace(lanes, process), allow_nan=False)
+    fd, scratch = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(payload)
+        os.replace(scratch, target)
+    except BaseException:
+        Path(scratch).unlink(missing_ok=True)
+        raise
+    return target

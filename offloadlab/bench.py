@@ -39,17 +39,19 @@ def _plain_copy_bandwidth(nbytes: int, direction: str, repeats: int) -> float:
 
 
 def link(quick: bool = False) -> dict:
-    """Pinned transfers on the link's copy stream against the nominal PCIe figure and a plain copy.
+    """Pinned transfers on the link's copy engines against the nominal PCIe figure and a plain copy.
 
     On a GPU: the pinned asymptotic bandwidth (α–β fit of the size sweep) per direction as a
     fraction of NVML's nominal PCIe rate and as a multiple of torch's plain pageable copy. On
-    the emulated link: achieved against configured bandwidth, and pinned against pageable.
+    the emulated link: achieved against configured bandwidth, and pinned against pageable. On
+    both: the two directions at once, their sum over one direction alone (the duplex figure).
     """
     with open_link() as chosen:
         records = probe.link_sweep(chosen, quick=quick, repeats=3 if quick else 5)
         emulated = chosen.emulated
         configured = getattr(chosen, "bandwidth", None)
-    largest = max(r.params["size"] for r in records)
+        largest = max(r.params["size"] for r in records)
+        both = {r.params["direction"]: r.value for r in probe.bidirectional(chosen, largest, repeats=3 if quick else 5)}
     rows, ratios = [], {}
     nominal = machine.pcie_link().nominal_bytes_per_s if not emulated else None
     for direction in ("h2d", "d2h"):
@@ -60,6 +62,8 @@ def link(quick: bool = False) -> dict:
         rows.append({"contender": f"offloadlab pageable {direction}", "bytes_per_s": pageable.beta,
                      "latency_s": pageable.alpha})
         ratios[f"{direction} pinned / pageable"] = pinned.beta / pageable.beta
+        rows.append({"contender": f"offloadlab pinned {direction}, both directions at once",
+                     "bytes_per_s": both[direction]})
         if emulated:
             ratios[f"{direction} pinned / configured emulated bandwidth"] = pinned.beta / configured
             continue
@@ -70,6 +74,10 @@ def link(quick: bool = False) -> dict:
             ratios[f"{direction} pinned / nominal PCIe"] = pinned.beta / nominal
         else:
             ratios[f"{direction} pinned / nominal PCIe"] = None
+    one_way = {r["contender"].split()[-1]: r["bytes_per_s"] for r in rows if r["contender"].startswith(
+        "offloadlab pinned") and "," not in r["contender"]}
+    ratios["both directions at once / one direction (duplex; 2.0 is full duplex)"] = \
+        (both["h2d"] + both["d2h"]) / max(one_way["h2d"], one_way["d2h"])
     return {"benchmark": "link", "source": "emulated" if emulated else "measured", "rows": rows,
             "ratios": ratios, "provenance": machine.provenance(),
             "note": "" if emulated or nominal else "nominal PCIe rate unknown (NVML unavailable)"}
@@ -176,8 +184,12 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
 
 
 def offload(quick: bool = False) -> dict:
-    """Step time of a small GPT under CPUOffloadAdam (with and without delayed update) against
-    plain AdamW on the device and torchao's CPUOffloadOptimizer when installed."""
+    """Step time of a small GPT under CPUOffloadAdam (at step(), eager, delayed update) against
+    plain AdamW on the device and torchao's CPUOffloadOptimizer when installed.
+
+    Like with like: every contender runs with the same torch threads, and CPUOffloadAdam's CPU
+    update with as many OpenMP threads (without a GPU the "device" is those same cores).
+    """
     from .models import GPTConfig, TinyGPT, batches, markov_corpus
     from .offload import CPUOffloadAdam
 
@@ -190,10 +202,14 @@ def offload(quick: bool = False) -> dict:
     corpus = markov_corpus(config.vocab, 50_000)
     dtype = torch.bfloat16 if gpu else torch.float32  # CPUs without bf16 units emulate bf16 matmuls slowly
 
+    threads = torch.get_num_threads() if gpu else max(1, torch.get_num_threads() - 1)  # emulation: a core copies
+
     def timed(make_optimizer) -> float:
         torch.manual_seed(0)
         model = TinyGPT(config).to(device, dtype)
+        previous = torch.get_num_threads()
         optimizer = make_optimizer(model)
+        torch.set_num_threads(threads)
         data = batches(corpus, batch, config.seq)
 
         def one_step():
@@ -204,26 +220,32 @@ def offload(quick: bool = False) -> dict:
             if gpu:
                 torch.cuda.synchronize()
 
-        seconds = _median_seconds(one_step, steps)
-        if hasattr(optimizer, "close"):
-            optimizer.close()
+        try:
+            seconds = _median_seconds(one_step, steps)
+        finally:
+            if hasattr(optimizer, "close"):
+                optimizer.close()
+            torch.set_num_threads(previous)
         return seconds
 
     rows = [{"contender": "AdamW on the device", "seconds": timed(lambda m: torch.optim.AdamW(m.parameters()))},
-            {"contender": "CPUOffloadAdam", "seconds": timed(lambda m: CPUOffloadAdam(m.parameters()))},
+            {"contender": "CPUOffloadAdam (update at step)",
+             "seconds": timed(lambda m: CPUOffloadAdam(m.parameters(), threads=threads))},
+            {"contender": "CPUOffloadAdam, eager (accumulation_steps=1)",
+             "seconds": timed(lambda m: CPUOffloadAdam(m.parameters(), threads=threads, accumulation_steps=1))},
             {"contender": "CPUOffloadAdam, delayed update",
-             "seconds": timed(lambda m: CPUOffloadAdam(m.parameters(), delayed_update=True))}]
-    note = ""
+             "seconds": timed(lambda m: CPUOffloadAdam(m.parameters(), threads=threads, delayed_update=True))}]
+    note = f"every contender: {threads} torch threads; CPUOffloadAdam's CPU update: {threads} OpenMP threads"
     try:
         from torchao.optim import CPUOffloadOptimizer
     except Exception:
-        note = "torchao CPUOffloadOptimizer: absent (pip install torchao to compare)"
+        note += "; torchao CPUOffloadOptimizer: absent (pip install torchao to compare)"
     else:
         if gpu:
             rows.append({"contender": "torchao CPUOffloadOptimizer", "seconds": timed(
                 lambda m: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, fused=True))})
         else:
-            note = "torchao CPUOffloadOptimizer: needs a GPU"
+            note += "; torchao CPUOffloadOptimizer: needs a GPU"
     base = rows[0]["seconds"]
     ratios = {f"{r['contender']} / AdamW on the device": r["seconds"] / base for r in rows[1:]}
     return {"benchmark": "offload", "source": "measured" if gpu else "emulated", "rows": rows, "ratios": ratios,
@@ -233,9 +255,11 @@ def offload(quick: bool = False) -> dict:
 def prefetch(quick: bool = False) -> dict:
     """Layer streaming per variant: step time over max(compute, transfer), and link utilisation.
 
-    Eight layers of weights stream through a prefetcher while each layer's compute (calibrated
-    to twice its transfer) runs on the device; on a GPU, also a Linear stack under Accelerate's
-    ``cpu_offload`` against the same stack under :func:`~offloadlab.prefetch.stream_parameters`.
+    Eight layers of weights in pinned host memory stream through a prefetcher while each
+    layer's compute (calibrated to twice its transfer) is launched on the device's compute
+    stream; the pageable variant streams ordinary copies of the same weights. On a GPU, also a
+    Linear stack under Accelerate's ``cpu_offload`` against the same stack under
+    :class:`~offloadlab.streaming.StreamedModel`.
     """
     from .prefetch import Prefetcher
 
@@ -243,65 +267,77 @@ def prefetch(quick: bool = False) -> dict:
     with open_link() as chosen:
         gpu = not chosen.emulated
         layer_bytes = (64 if gpu else 4) * 2**20
-        weights = [torch.randn(layer_bytes // 4) for _ in range(layers)]
+        weights = [chosen.host_buffer(layer_bytes // 4).normal_() for _ in range(layers)]
+        pageable = [w.clone() for w in weights]
         peak = probe.fit_sweep(probe.link_sweep(chosen, directions=("h2d",), pinned=(True,), quick=True,
                                                 repeats=3)).beta
         t_layer_transfer = layer_bytes / peak
         rows_, hidden = (8192, 8192) if gpu else (256, 512)
+
+        def on_device(work, count=1) -> float:
+            """Seconds of ``count`` launches of ``work`` on the compute stream, on the link's clock."""
+            begin = chosen.mark()
+            for _ in range(count):
+                chosen.launch(work)
+            end = chosen.mark()
+            return end.time - begin.time
+
         probe_work = experiment.MatmulWork(rows_, hidden, 16, chosen.device)
-        per_product = _median_seconds(lambda: (probe_work(), torch.cuda.synchronize() if gpu else None), 3) / 16
+        per_product = statistics.median(on_device(probe_work) for _ in range(3)) / 16
         work = experiment.MatmulWork(rows_, hidden, max(1, math.ceil(2 * t_layer_transfer / per_product)), chosen.device)
 
         def one_pass(prefetcher) -> float:
             begin = chosen.mark()
             for _ in prefetcher:
-                work()
+                chosen.launch(work)
             end = chosen.mark()
             chosen.synchronize()
             return end.time - begin.time
 
-        compute_alone = _median_seconds(lambda: [work() for _ in range(layers)] and
-                                        (torch.cuda.synchronize() if gpu else None), 3)
+        compute_alone = statistics.median(on_device(work, layers) for _ in range(3))
         transfer_alone = layers * t_layer_transfer
         bound = max(compute_alone, transfer_alone)
         result_rows, ratios = [], {}
-        for name, variant in (("double buffered", {}), ("one buffer", {"buffers": 1}),
-                              ("pageable source", {"pinned": False}), ("synchronous copy", {"synchronous": True})):
-            prefetcher = Prefetcher(weights, chosen, **variant)
+        for name, sources, variant in (("double buffered", weights, {}), ("one buffer", weights, {"buffers": 1}),
+                                       ("pageable source", pageable, {"pinned": False}),
+                                       ("synchronous copy", weights, {"synchronous": True})):
+            prefetcher = Prefetcher(sources, chosen, **variant)
             one_pass(prefetcher)  # warm-up
-            seconds = statistics.median(one_pass(prefetcher) for _ in range(3 if quick else 5))
+            seconds = statistics.median(one_pass(prefetcher) for _ in range(5))
             copies = prefetcher.timeline()["H2D"]
             busy = sum(end - start for start, end, _ in copies)
             result_rows.append({"contender": name, "seconds": seconds, "ratio_to_bound": seconds / bound,
                                 "link_percent_of_peak": 100 * layers * layer_bytes / busy / peak})
-            ratios[f"{name}: step / max(compute, transfer)"] = seconds / bound
+            ratios[f"{name}: step / max(compute, transfer) (target ≤ 1.10 double buffered)"
+                   if name == "double buffered" else f"{name}: step / max(compute, transfer)"] = seconds / bound
         by_name = {r["contender"]: r["seconds"] for r in result_rows}
-        ratios["synchronous / double buffered (target ≥ 1.5)"] = by_name["synchronous copy"] / by_name["double buffered"]
+        ratios["synchronous / double buffered (target ≥ 1.4; ideal 1.5)"] = \
+            by_name["synchronous copy"] / by_name["double buffered"]
         ratios["double buffered: link bandwidth / pinned peak (GPU target ≥ 0.90)"] = \
             result_rows[0]["link_percent_of_peak"] / 100
         source = "measured" if gpu else "emulated"
-    note = ""
+    note = "median of 5 passes per variant"
     try:
         import accelerate  # noqa: F401
     except ImportError:
-        note = "Accelerate cpu_offload: absent (pip install accelerate to compare)"
+        note += "; Accelerate cpu_offload: absent (pip install accelerate to compare)"
     else:
         if gpu:
             ratios.update(_accelerate_comparison(quick))
         else:
-            note = "Accelerate cpu_offload: needs a GPU"
+            note += "; Accelerate cpu_offload: needs a GPU"
     return {"benchmark": "prefetch", "source": source, "rows": result_rows, "ratios": ratios,
             "compute_seconds": compute_alone, "transfer_seconds": transfer_alone, "peak_bytes_per_s": peak,
             "provenance": machine.provenance(), "note": note}
 
 
 def _accelerate_comparison(quick: bool) -> dict:
-    """Forward of a Linear stack under Accelerate's cpu_offload against stream_parameters (GPU)."""
+    """Forward of a Linear stack under Accelerate's cpu_offload against StreamedModel (GPU)."""
     from accelerate import cpu_offload
     from torch import nn
 
     from .link import CudaLink
-    from .prefetch import stream_parameters
+    from .streaming import StreamedModel
 
     def stack():
         torch.manual_seed(0)
@@ -316,10 +352,10 @@ def _accelerate_comparison(quick: bool) -> dict:
         t_theirs = _median_seconds(lambda: (theirs(x), torch.cuda.synchronize()), 3 if quick else 5)
     with CudaLink() as cuda:
         ours = stack()
-        stream_parameters(ours, cuda)
+        StreamedModel(ours, cuda)
         with torch.no_grad():
             t_ours = _median_seconds(lambda: (ours(x), torch.cuda.synchronize()), 3 if quick else 5)
-    return {"Accelerate cpu_offload / stream_parameters (forward)": t_theirs / t_ours}
+    return {"Accelerate cpu_offload / StreamedModel (forward)": t_theirs / t_ours}
 
 
 def format_result(result: dict) -> str:

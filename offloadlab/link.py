@@ -473,6 +473,7 @@ class _EmulatedStream:
                 if self.error is None:
                     self.error = error
             finally:
+                job = None  # let go of the copy's tensors now, not when the next job arrives
                 with self._idle:
                     self._pending -= 1
                     if self._pending == 0:

@@ -1,11 +1,28 @@
-"""The transfer engine: the emulated link on every machine, the CUDA link where there is a GPU."""
+"""The transfer engine: the emulated link on every machine, the CUDA link where there is a GPU.
 
+Ordering tests hold the emulated compute stream at a gate (a launched function waiting on an
+event) so that what must wait and what must not is decided by the engine, not by scheduling.
+"""
+
+import gc
+import json
+import threading
 import time
 
 import pytest
 import torch
 
+from offloadlab import trace
 from offloadlab.link import CudaLink, EmulatedLink, Marker, open_link, pinned_allocation_bytes
+
+WATCHDOG = 60  # seconds before a test that should never wait that long calls it a deadlock
+
+
+def gate(link):
+    """Hold the link's compute stream until the returned event is set."""
+    opened = threading.Event()
+    link.launch(opened.wait)
+    return opened
 
 
 @pytest.fixture
@@ -43,9 +60,9 @@ def test_never_faster_than_the_configured_bandwidth(link):
 def test_transfer_overlaps_compute_on_the_main_thread(link):
     src, dst = link.host_buffer(8 * 2**20), link.device_buffer(8 * 2**20)  # 32 MiB: ~34 ms at 1 GB/s
     a = torch.randn(256, 256)
+    before = link.mark()
     transfer = link.to_device(dst, src)
     issued = link.mark()
-    before = link.mark()
     while not transfer.done():  # compute for as long as the copy is in flight
         a = torch.tanh(a @ a)
     after = link.mark()
@@ -68,6 +85,106 @@ def test_timestamps_order_queued_transfers(link):
     src, dst = link.host_buffer(2**18), link.device_buffer(2**18)
     first, second = link.to_device(dst, src), link.to_device(dst, src)
     assert first.end <= second.start  # one copy engine per direction: transfers queue
+
+
+def test_a_copy_waits_for_the_compute_it_is_ordered_after(link):
+    src, dst = link.host_buffer(1024).fill_(1.0), link.device_buffer(1024).zero_()
+    opened = gate(link)
+    marker = link.mark()
+    for after in (marker, "compute"):
+        transfer = link.to_device(dst, src, after=after)
+        assert not marker.reached() and not transfer.done()  # the gate is shut: it cannot have started
+    opened.set()
+    assert transfer._landed.wait(WATCHDOG)
+    assert transfer.start >= marker.time and torch.equal(dst, src)
+
+
+def test_a_copy_after_nothing_runs_while_compute_is_held(link):
+    src, dst = link.host_buffer(1024).fill_(2.0), link.device_buffer(1024)
+    opened = gate(link)
+    transfer = link.to_device(dst, src, after=None)
+    assert transfer._landed.wait(WATCHDOG)  # landed with the compute stream still shut
+    assert torch.equal(dst, src)
+    opened.set()
+    link.synchronize()
+
+
+def test_the_emulation_catches_a_copy_not_ordered_after_its_reader(link):
+    """A consumer on the compute stream reads a buffer twice; a copy into it issued while the
+    consumer runs overwrites what it reads unless the copy is ordered after the consumer — as on a GPU."""
+    for after_consumer in (True, False):
+        buffer, new = link.device_buffer(1024).fill_(1.0), link.host_buffer(1024).fill_(9.0)
+        opened, seen = threading.Event(), []
+
+        def consumer():
+            first = buffer.clone()
+            opened.wait()
+            seen.append(torch.equal(buffer, first))
+
+        link.launch(consumer)
+        released = link.mark()
+        transfer = link.to_device(buffer, new, after=released if after_consumer else None)
+        if not after_consumer:
+            assert transfer._landed.wait(WATCHDOG)  # overwrites the buffer while the consumer still reads it
+        opened.set()
+        link.synchronize()
+        assert seen == [after_consumer]
+
+
+def test_one_engine_per_direction_a_held_copy_up_does_not_hold_a_copy_down(link):
+    up_src, up_dst = link.host_buffer(1024), link.device_buffer(1024)
+    down_src, down_dst = link.device_buffer(1024).fill_(3.0), link.host_buffer(1024)
+    opened = gate(link)
+    up = link.to_device(up_dst, up_src, after="compute")
+    down = link.to_host(down_dst, down_src, after=None)
+    assert down._landed.wait(WATCHDOG) and not up.done()  # full duplex: the d2h engine did not queue behind
+    opened.set()
+    link.synchronize()
+    assert up.done() and torch.equal(down_dst, down_src)
+
+
+def test_pinned_memory_belongs_to_its_owner_and_is_freed_with_it(link):
+    assert link.pinned_bytes == 0
+    buffer = link.host_buffer(1000)
+    view = buffer[10:20]
+    assert link.pinned_bytes == 4000 and link.is_pinned(view)
+    del buffer
+    gc.collect()
+    assert link.pinned_bytes == 4000  # a view keeps the memory alive (and pinned)
+    del view
+    gc.collect()
+    assert link.pinned_bytes == 0
+
+
+def test_scattered_upload_lands_every_target(link):
+    targets = [link.device_buffer(3), link.device_buffer((2, 2)), link.device_buffer(5)]
+    src = link.host_buffer(12).copy_(torch.arange(12.0))
+    staging = link.device_buffer(12)
+    views = [staging[0:3], staging[3:7].view(2, 2), staging[7:12]]
+    link.to_device_scattered(list(zip(targets, views)), src, staging).synchronize()
+    assert torch.equal(torch.cat([t.reshape(-1) for t in targets]), src)
+    with pytest.raises(ValueError, match="^targets: "):
+        link.to_device_scattered([(targets[0], torch.zeros(3))], src, staging)
+
+
+def test_launched_errors_come_back_at_synchronize(link):
+    link.launch(lambda: 1 / 0)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        link.synchronize()
+    link.synchronize()  # reported once
+
+
+def test_a_recording_becomes_a_chrome_trace(link, tmp_path):
+    with link.record() as recording:
+        link.to_device(link.device_buffer(256), link.host_buffer(256), label="weights")
+        link.to_host(link.host_buffer(256), link.device_buffer(256), label="grads")
+    lanes = recording.lanes()
+    assert [label for *_, label in lanes["H2D"]] == ["weights"] and len(lanes["D2H"]) == 1
+    path = trace.write_chrome_trace(lanes, tmp_path / "link.json")
+    events = json.loads(path.read_text())["traceEvents"]
+    copies = [e for e in events if e["ph"] == "X"]
+    assert {e["name"] for e in copies} == {"weights", "grads"} and all(e["dur"] >= 0 for e in copies)
+    assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} == {"H2D", "D2H"}
 
 
 def test_bad_arguments(link):
@@ -103,6 +220,8 @@ def test_reserves_a_core_and_gives_it_back():
     assert torch.get_num_threads() == before
     with pytest.raises(RuntimeError, match="closed"):
         link.to_device(torch.zeros(1), torch.zeros(1))
+    with pytest.raises(RuntimeError, match="closed"):
+        link.launch(print)
 
 
 def test_open_link_picks_the_machine():
@@ -147,6 +266,35 @@ def test_cuda_round_trip_with_exact_size_pinned_buffers():
         back = cuda.host_buffer(host.shape)
         cuda.to_host(back, device * 2).synchronize()
         assert torch.equal(back, host * 2)
+
+
+@pytest.mark.gpu
+def test_cuda_has_a_copy_stream_per_direction_and_they_run_at_once():
+    with CudaLink() as cuda:
+        assert cuda.h2d_stream != cuda.d2h_stream
+        n = 64 * 2**20  # 256 MiB each way
+        up_src, up_dst = cuda.host_buffer(n), cuda.device_buffer(n)
+        down_src, down_dst = cuda.device_buffer(n), cuda.host_buffer(n)
+        torch.cuda._sleep(2_000_000_000)  # hold the compute stream for a while
+        up = cuda.to_device(up_dst, up_src, after="compute")
+        down = cuda.to_host(down_dst, down_src, after=None)
+        down.synchronize()
+        assert not up.done()  # the copy down did not queue behind the held copy up
+        cuda.synchronize()
+        both_up = cuda.to_device(up_dst, up_src, after=None)
+        both_down = cuda.to_host(down_dst, down_src, after=None)
+        cuda.synchronize()
+        assert both_up.start < both_down.end and both_down.start < both_up.end  # they overlapped
+
+
+@pytest.mark.gpu
+def test_cuda_pinned_buffers_are_unregistered_when_dropped():
+    with CudaLink() as cuda:
+        buffer = cuda.host_buffer(2**20)
+        assert buffer.is_pinned() and cuda.pinned_bytes == 4 * 2**20
+        del buffer
+        gc.collect()
+        assert cuda.pinned_bytes == 0
 
 
 @pytest.mark.gpu

@@ -10,7 +10,9 @@ the device buffers that gather and scatter them, so each bucket moves as one cop
 
 :func:`export_state` and :func:`check_state` map this state to and from
 ``torch.optim.AdamW``'s state-dict layout (per parameter: ``step``, ``exp_avg``,
-``exp_avg_sq``, shaped like the parameter), plus the fp32 ``master`` weights.
+``exp_avg_sq``, shaped like the parameter), plus the fp32 ``master`` weights and the step they
+were saved at (``master_step``), so a master copy that went through another optimizer (which
+keeps it but moves ``step`` on) is recognised as stale and rebuilt from the weights.
 """
 
 from __future__ import annotations
@@ -191,8 +193,10 @@ class HostState:
         """Live views of parameter ``k`` of ``bucket``'s state, shaped like the parameter (AdamW's keys)."""
         s, e = bucket.ranges[k]
         shape = bucket.params[k].shape
-        return {"step": torch.tensor(float(bucket.steps[k])), "exp_avg": self.exp_avg[s:e].view(shape),
-                "exp_avg_sq": self.exp_avg_sq[s:e].view(shape), "master": self.master[s:e].view(shape)}
+        step = torch.tensor(float(bucket.steps[k]))
+        return {"step": step, "exp_avg": self.exp_avg[s:e].view(shape),
+                "exp_avg_sq": self.exp_avg_sq[s:e].view(shape), "master": self.master[s:e].view(shape),
+                "master_step": step.clone()}
 
 
 def export_state(host: HostState) -> dict:
@@ -273,7 +277,12 @@ def check_state(state_dict, param_groups) -> tuple[list[dict], dict]:
         if missing:
             raise ValueError(f"{where}expected step, exp_avg and exp_avg_sq; missing {', '.join(missing)}")
         checked = {"step": _step_count(saved["step"], where)}
+        # A master copy is only as new as the step it was saved at: after a trip through another
+        # optimizer (torch.optim.AdamW keeps unknown keys and moves "step" on) it is stale.
+        fresh = "master_step" in saved and _step_count(saved["master_step"], where) == checked["step"]
         for name in ("exp_avg", "exp_avg_sq", "master"):
+            if name == "master" and not fresh:
+                continue
             value = saved.get(name)
             if value is None and name == "master":
                 continue

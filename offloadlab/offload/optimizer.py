@@ -268,8 +268,11 @@ class CPUOffloadAdam(torch.optim.Optimizer):
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict from this class or from torch.optim.AdamW (whose master weights are
-        then taken from the current parameters) and send the weights to the device.
+        """Load a state dict from this class or from torch.optim.AdamW and send the weights to the device.
+
+        The fp32 master weights come from the state dict when it has current ones (saved by this
+        class at the same step), else from the current parameters (an AdamW state dict, or one
+        whose master copy went through AdamW and is stale).
 
         Everything is checked first — group sizes, every tensor's shape, flags this class does
         not implement (amsgrad, maximize, …) — so a refused state dict changes nothing.

@@ -1,0 +1,266 @@
+"""StreamedModel: a model's blocks stream their weights from pinned host memory, forward and backward."""
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from offloadlab.link import CudaLink, EmulatedLink
+from offloadlab.models import GPTConfig, TinyGPT
+from offloadlab.offload import CPUOffloadAdam
+from offloadlab.streaming import StreamedModel
+
+
+@pytest.fixture
+def link():
+    with EmulatedLink(bandwidth="4 GB/s", latency=0) as emulated:
+        yield emulated
+
+
+class Counting:
+    """The link, with every device buffer it hands out tracked (weakly) and every copy counted."""
+
+    def __init__(self, link):
+        self.link, self.device_buffers, self.copies = link, [], {"h2d": 0, "d2h": 0}
+
+    def __getattr__(self, name):
+        return getattr(self.link, name)
+
+    def device_buffer(self, shape, dtype=torch.float32):
+        buffer = self.link.device_buffer(shape, dtype)
+        self.device_buffers.append((weakref.ref(buffer), buffer.numel() * buffer.element_size()))
+        return buffer
+
+    def live_device_bytes(self):
+        return sum(n for ref, n in self.device_buffers if ref() is not None)
+
+    def to_device(self, *args, **kwargs):
+        self.copies["h2d"] += 1
+        return self.link.to_device(*args, **kwargs)
+
+    def to_host(self, *args, **kwargs):
+        self.copies["d2h"] += 1
+        return self.link.to_host(*args, **kwargs)
+
+
+class LayerDropGPT(TinyGPT):
+    """TinyGPT whose forward may skip blocks and checkpoint the others."""
+
+    def forward(self, idx, targets=None, skip=(), recompute=False):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+        for i, block in enumerate(self.blocks):
+            if i not in skip:
+                x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        logits = self.head(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def twins(config=GPTConfig(layers=4, hidden=64, heads=4, vocab=128, seq=32), cls=TinyGPT):
+    torch.manual_seed(0)
+    plain = cls(config)
+    return plain, copy.deepcopy(plain)
+
+
+def same_gradients(a_model, b_model) -> bool:
+    return all((a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad.to(a.grad.device))
+               for a, b in zip(a_model.parameters(), b_model.parameters()))
+
+
+def batch(vocab=128, seq=32):
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, vocab, (2, seq), generator=g), torch.randint(0, vocab, (2, seq), generator=g)
+
+
+def test_same_outputs_and_gradients_as_the_plain_model(link):
+    plain, streamed = twins()
+    handle = StreamedModel(streamed, link, buffers=2)
+    x, y = batch()
+    for _ in range(2):  # twice: the second pass reuses the host weights and buffers
+        plain.zero_grad(), streamed.zero_grad()
+        expected, got = plain(x, y), streamed(x, y)
+        expected.backward(), got.backward()
+        assert torch.equal(expected, got) and same_gradients(plain, streamed)
+    assert all(link.is_pinned(p) for block in handle.blocks for p in block.parameters())
+    with torch.no_grad():
+        assert torch.equal(plain(x, y), streamed(x, y))
+
+
+@pytest.mark.parametrize("variant", [dict(skip=(1, 2)), dict(recompute=True), dict(recompute=True, skip=(0,))],
+                         ids=str)
+def test_skipped_and_recomputed_blocks_get_their_own_weights(link, variant):
+    plain, streamed = twins(cls=LayerDropGPT)
+    StreamedModel(streamed, link)
+    x, y = batch()
+    expected, got = plain(x, y, **variant), streamed(x, y, **variant)
+    expected.backward(), got.backward()
+    assert torch.equal(expected, got) and same_gradients(plain, streamed)
+
+
+def test_device_memory_is_allocated_once_and_stays_within_the_budget(link):
+    counting = Counting(link)
+    plain, streamed = twins(GPTConfig(layers=8, hidden=64, heads=4, vocab=128, seq=32))
+    handle = StreamedModel(streamed, counting, buffers=2)
+    allocated = len(counting.device_buffers)
+    assert counting.live_device_bytes() == handle.device_budget
+    assert handle.device_budget == 2 * handle.block_bytes + 2 * handle.gradient_layouts[0].nbytes
+    seen = []
+
+    def check(*_):
+        seen.append(counting.live_device_bytes())
+        assert sum(b.holds > 0 for b in handle._weights) <= handle.buffers
+
+    for block in streamed.blocks:
+        block.register_forward_pre_hook(check)
+        block.register_full_backward_pre_hook(check)
+    x, y = batch()
+    for _ in range(2):
+        streamed(x, y).backward()
+    assert len(seen) == 2 * 2 * 8 and max(seen) <= handle.device_budget
+    assert len(counting.device_buffers) == allocated  # nothing allocated per forward or backward
+
+
+def test_gradients_go_down_in_one_copy_per_block_into_pinned_memory(link):
+    counting = Counting(link)
+    plain, streamed = twins()
+    handle = StreamedModel(streamed, counting)
+    x, y = batch()
+    counting.copies = {"h2d": 0, "d2h": 0}
+    with link.record() as recording:
+        streamed(x, y).backward()
+    assert counting.copies["d2h"] == len(handle.blocks)
+    assert all(t.pinned for t in recording.transfers)  # every copy, either way, from or into pinned memory
+    assert len(handle._host_gradients) == len(handle.blocks)
+
+
+def test_with_cpu_offload_adam_the_gradients_land_in_the_optimizer(link):
+    plain, streamed = twins()
+    handle = StreamedModel(streamed, link)
+    optimizer = CPUOffloadAdam(streamed.parameters(), lr=1e-2)
+    assert optimizer.link is link  # the streaming's link: one set of copy engines
+    x, y = batch()
+    streamed(x, y).backward()
+    optimizer.step()
+    assert handle._host_gradients == {}  # one trip: straight into the optimizer's host buffer
+    assert all(p.grad is None for block in handle.blocks for p in block.parameters())
+    optimizer.close()
+
+
+def three_steps(model, optimizer, x, y) -> None:
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(x, y).backward()
+        optimizer.step()
+    if hasattr(optimizer, "close"):
+        optimizer.close()
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "CPUOffloadAdam", "CPUOffloadAdam, eager"])
+def test_streamed_model_trains_exactly_like_the_plain_one(link, optimizer):
+    """Any optimizer (CPUOffloadAdam writing the host copy) gives the unstreamed model's weights."""
+    make = {"AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+            "CPUOffloadAdam": lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link),
+            "CPUOffloadAdam, eager": lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link,
+                                                               accumulation_steps=1)}[optimizer]
+    plain, streamed = twins(GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=16))
+    StreamedModel(streamed, link)
+    x, y = batch(64, 16)
+    for model in (plain, streamed):
+        three_steps(model, make(model), x, y)
+    for a, b in zip(plain.parameters(), streamed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_weights_loaded_by_copy_are_used_and_replaced_parameters_are_refused(link):
+    plain, streamed = twins()
+    handle = StreamedModel(streamed, link)
+    x, y = batch()
+    streamed(x, y)  # leaves blocks resident in device buffers
+    torch.manual_seed(1)
+    other = TinyGPT(plain.config)
+    streamed.load_state_dict(other.state_dict())  # copies into the streamed host memory
+    assert torch.equal(streamed(x, y), other(x, y))
+    streamed.load_state_dict(other.state_dict(), assign=True)
+    with pytest.raises(RuntimeError, match=r"block 'blocks.0' was replaced"):
+        streamed(x, y)
+    del handle
+
+
+class Nesting(torch.nn.Module):
+    """A block whose forward runs other streamed blocks while its own weights are in use."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.__dict__["others"] = []  # not submodules: their parameters stay their own
+
+    def forward(self, x):
+        for other in self.others:
+            x = other(x)
+        return self.linear(x)
+
+
+def test_every_buffer_held_is_a_clear_error(link):
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList(Nesting() for _ in range(3))
+    model.blocks[0].others.append(model.blocks[1])
+    model.blocks[1].others.append(model.blocks[2])  # three blocks in use at once
+    handle = StreamedModel(model, link, buffers=2)
+    with pytest.raises(RuntimeError, match="block 'blocks.2' needs a device buffer but all 2 hold blocks"):
+        model.blocks[0](torch.randn(2, 8))
+    del handle
+
+
+def test_bad_arguments(link):
+    with pytest.raises(ValueError, match="^blocks: "):
+        StreamedModel(torch.nn.Linear(2, 2), link)
+    with pytest.raises(ValueError, match="^buffers: "):
+        StreamedModel(TinyGPT(GPTConfig(layers=1, hidden=8, heads=2, vocab=8, seq=4)), link, buffers=1)
+    tied = TinyGPT(GPTConfig(layers=2, hidden=8, heads=2, vocab=8, seq=4))
+    tied.blocks[1].fc.weight = tied.blocks[0].fc.weight
+    with pytest.raises(ValueError, match="shared by blocks 'blocks.0' and 'blocks.1'"):
+        StreamedModel(tied, link)
+    model = TinyGPT(GPTConfig(layers=2, hidden=8, heads=2, vocab=8, seq=4))
+    optimizer = CPUOffloadAdam(model.parameters(), link=link)
+    with pytest.raises(ValueError, match="build the StreamedModel first"):
+        StreamedModel(model, link)
+    optimizer.close()
+    StreamedModel(model, link)
+    with pytest.raises(ValueError, match="already streamed"):
+        StreamedModel(model, link)
+    gc.collect()
+
+
+@pytest.mark.gpu
+def test_cuda_streaming_with_cpu_offload_adam():
+    config = GPTConfig(layers=4, hidden=256, heads=4, vocab=512, seq=64)
+    torch.manual_seed(0)
+    plain = TinyGPT(config).cuda()
+    streamed = copy.deepcopy(plain)
+    x = torch.randint(0, 512, (4, 64), device="cuda")
+    y = torch.randint(0, 512, (4, 64), device="cuda")
+    with CudaLink() as cuda:
+        StreamedModel(streamed, cuda)
+        for model in (plain, streamed):
+            three_steps(model, CPUOffloadAdam(model.parameters(), lr=1e-3, link=cuda), x, y)
+        for a, b in zip(plain.parameters(), streamed.parameters()):
+            torch.testing.assert_close(b.to("cuda"), a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_cuda_streaming_gradients_come_back_asynchronously():
+    config = GPTConfig(layers=8, hidden=512, heads=8, vocab=512, seq=128)
+    torch.manual_seed(0)
+    model = TinyGPT(config).cuda()
+    with CudaLink() as cuda:
+        handle = StreamedModel(model, cuda)
+        x = torch.randint(0, 512, (4, 128), device="cuda")
+        with cuda.record() as recording:
+            model(x, x).backward()
+        d2h = [t for t in recording.transfers if t.direction == "d2h"]
+        assert len(d2h) == len(handle.blocks) and all(t.pinned for t in d2h)
+        # the first blocks' gradients were on their way down while later blocks still computed backward
+        h2d = [t for t in recording.transfers if t.direction == "h2d"]
+        assert d2h[0].start < h2d[-1].end

@@ -4,10 +4,12 @@
 each do one job — :mod:`~offloadlab.offload.host_state` (buckets, the flat pinned buffers and the
 state-dict mapping), :mod:`~offloadlab.offload.intake` (gradients down, micro-batches summed),
 :mod:`~offloadlab.offload.worker` (the CPU update and the weights back up),
-:mod:`~offloadlab.offload.loss_scaler` (fp16 loss scaling) and
-:mod:`~offloadlab.offload.engine` (what ties them together and owns their lifetime).
+:mod:`~offloadlab.offload.loss_scaler` (fp16 loss scaling),
+:mod:`~offloadlab.offload.clipping` (the usual clipping call, refused where it would do nothing)
+and :mod:`~offloadlab.offload.engine` (what ties them together and owns their lifetime).
 """
 
+from . import clipping  # noqa: F401  (refuses torch's clipping where it would silently do nothing)
 from .loss_scaler import LossScaler
 from .optimizer import CPUOffloadAdam, managed
 

@@ -185,6 +185,22 @@ class HostState:
                    "accumulated_gradients": self.accumulated}
         return {k: b.numel() * b.element_size() for k, b in buffers.items() if b is not None}
 
+    @torch.no_grad()
+    def load(self, entries: dict) -> None:
+        """Set every parameter's state from ``entries`` ({param: entry checked by :func:`check_state`});
+        a parameter without one starts afresh. Master weights missing from an entry come from the
+        parameter itself, and the outgoing weights are made from the master weights."""
+        for bucket in self.buckets:
+            for k, p in enumerate(bucket.params):
+                s, e = bucket.ranges[k]
+                entry = entries.get(p, {})
+                bucket.steps[k] = entry.get("step", 0)
+                self.exp_avg[s:e].copy_(entry["exp_avg"].reshape(-1) if entry else 0)
+                self.exp_avg_sq[s:e].copy_(entry["exp_avg_sq"].reshape(-1) if entry else 0)
+                self.master[s:e].copy_(entry.get("master", p.detach()).reshape(-1))
+                if self.weights_out is not None:
+                    self.weights_out[s:e].copy_(self.master[s:e])
+
     def release(self) -> None:
         """Drop every buffer (the pinned memory is freed once no view of it is left)."""
         self.master = self.exp_avg = self.exp_avg_sq = self.grads = self.weights_out = self.accumulated = None
@@ -199,14 +215,27 @@ class HostState:
                 "master_step": step.clone()}
 
 
-def export_state(host: HostState) -> dict:
-    """{param: AdamW-layout entry (cloned tensors)} for every parameter updated at least once."""
+def export_state(host: HostState, param_groups: list) -> dict:
+    """The state dict of ``host`` in torch.optim.AdamW's layout: parameters numbered in group
+    order, an entry (cloned tensors) for every parameter updated at least once, and the groups'
+    hyperparameters with AdamW's flags, all off."""
+    index: dict[int, int] = {}
+    for group in param_groups:
+        for p in group["params"]:
+            index.setdefault(id(p), len(index))
+    groups = []
+    for group in param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed.update({flag: False for flag in UNSUPPORTED_FLAGS}, foreach=None, fused=None,
+                      decoupled_weight_decay=True)
+        packed["params"] = [index[id(p)] for p in group["params"]]
+        groups.append(packed)
     state = {}
     for bucket in host.buckets:
         for k, p in enumerate(bucket.params):
             if bucket.steps[k]:
-                state[p] = {key: value.clone() for key, value in host.entry(bucket, k).items()}
-    return state
+                state[index[id(p)]] = {key: value.clone() for key, value in host.entry(bucket, k).items()}
+    return {"state": state, "param_groups": groups}
 
 
 def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None:

@@ -22,10 +22,8 @@ When does the update run?
 
 Clipping: ``max_grad_norm`` in the constructor, or ``optimizer.clip_grad_norm_(max_norm)``
 between backward and step. The usual ``torch.nn.utils.clip_grad_norm_(model.parameters(), …)``
-would see no gradients (they have already left the model) and do nothing, so while this module is
-imported, calling it on parameters a live CPUOffloadAdam manages raises an error saying what to
-call instead (as does ``clip_grad_value_``). Code that imported ``clip_grad_norm_`` by name
-before importing offloadlab keeps the unchecked function: call ``optimizer.clip_grad_norm_``.
+would see no gradients (they have already left the model) and do nothing; it raises instead
+(:mod:`offloadlab.offload.clipping`).
 
 Lifecycle: :meth:`close` (or dropping the optimizer, or a new CPUOffloadAdam over the same
 parameters, which takes them over with a warning) removes the hooks, stops the worker and frees
@@ -35,7 +33,6 @@ the error and the optimizer is closed (the step was only partly applied).
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Mapping
@@ -245,21 +242,9 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self._engine.synchronize()
-        index: dict[int, int] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                index.setdefault(id(p), len(index))
-        groups = []
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed.update(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
-                          fused=None, decoupled_weight_decay=True)
-            packed["params"] = [index[id(p)] for p in group["params"]]
-            groups.append(packed)
-        state = {index[id(p)]: entry for p, entry in export_state(self._engine.host).items()}
+        state_dict = export_state(self._engine.host, self.param_groups)
         scaler = self._engine.scaler
-        state_dict = {"state": state, "param_groups": groups,
-                      "offload": scaler.state_dict() if scaler is not None else {}}
+        state_dict["offload"] = scaler.state_dict() if scaler is not None else {}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -289,42 +274,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         engine.synchronize()
         for own, values in zip(self.param_groups, hyper):
             own.update(values)
-        host = engine.host
-        with torch.no_grad():
-            for bucket in host.buckets:
-                for k, p in enumerate(bucket.params):
-                    s, e = bucket.ranges[k]
-                    entry = entries.get(p)
-                    bucket.steps[k] = entry["step"] if entry else 0
-                    host.exp_avg[s:e].copy_(entry["exp_avg"].reshape(-1) if entry else 0)
-                    host.exp_avg_sq[s:e].copy_(entry["exp_avg_sq"].reshape(-1) if entry else 0)
-                    master = entry.get("master") if entry else None
-                    host.master[s:e].copy_((master if master is not None else p.detach()).reshape(-1))
-                    if host.weights_out is not None:
-                        host.weights_out[s:e].copy_(host.master[s:e])
+        engine.host.load(entries)
         engine.upload_all()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-
-
-def _refusing_managed_parameters(clip):
-    """Wrap a torch.nn.utils clipping function so it refuses parameters a CPUOffloadAdam manages."""
-
-    @functools.wraps(clip)
-    def checked(parameters, *args, **kwargs):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if any(managed(p) for p in params):
-            raise RuntimeError(f"{clip.__name__}: these parameters belong to a CPUOffloadAdam, which has already "
-                               f"moved their gradients to host memory, so this call would change nothing; call "
-                               f"optimizer.clip_grad_norm_(max_norm) instead")
-        return clip(params, *args, **kwargs)
-
-    checked.__wrapped_by_offloadlab__ = True
-    return checked
-
-
-for _module in (torch.nn.utils, torch.nn.utils.clip_grad):
-    for _name in ("clip_grad_norm_", "clip_grad_value_"):
-        _original = getattr(_module, _name)
-        if not getattr(_original, "__wrapped_by_offloadlab__", False):
-            setattr(_module, _name, _refusing_managed_parameters(_original))

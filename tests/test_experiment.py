@@ -45,3 +45,12 @@ def test_bad_arguments(link):
         experiment.measure_crossover(link, batches=(0, 1))
     with pytest.raises(ValueError, match="^lanes: "):
         plots.timeline({})
+
+
+def test_overlap_timeline_is_a_chrome_trace(link, tmp_path):
+    from offloadlab import trace
+
+    result = experiment.measure_overlap(link, "1 MiB", experiment.MatmulWork(64, 128, 2, "cpu"), repeats=1)
+    events = trace.chrome_trace(result.timeline)["traceEvents"]
+    assert {e["cat"] for e in events if e["ph"] == "X"} == {"compute", "H2D"}
+    assert trace.write_chrome_trace(result.timeline, tmp_path / "overlap.json").stat().st_size > 0

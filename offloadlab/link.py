@@ -674,6 +674,7 @@ class CudaLink(Link):
         self.d2h_stream = torch.cuda.Stream(self.device)
         self._streams = {"h2d": self.h2d_stream, "d2h": self.d2h_stream}
         self._in_flight: collections.deque = collections.deque()
+        self._issuing = threading.Lock()  # copies are issued from several threads (an optimizer's worker)
         self._warned_fallback = False
         self._epoch = torch.cuda.Event(enable_timing=True)
         self._epoch.record(torch.cuda.current_stream(self.device))
@@ -706,6 +707,10 @@ class CudaLink(Link):
         return tensor.device.type == "cpu" and tensor.is_pinned()
 
     def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()) -> Transfer:
+        with self._issuing:
+            return self._issue_locked(direction, dst, src, nbytes, pinned, after, label, scatter)
+
+    def _issue_locked(self, direction, dst, src, nbytes, pinned, after, label, scatter) -> Transfer:
         stream = self._streams[direction]
         if after == "compute":
             stream.wait_stream(torch.cuda.current_stream(self.device))

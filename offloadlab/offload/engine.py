@@ -19,7 +19,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import cpu_adam
-from ..link import Link, open_link
+from ..link import CudaLink, Link, open_link
 from ..streaming import streamed_model_of
 from .host_state import HostState, check_hyperparameters, make_buckets
 from .intake import GradientIntake
@@ -87,11 +87,22 @@ class OffloadEngine:
         streamed = next((m for p in trainable if (m := streamed_model_of(p)) is not None), None)
         if link is None and streamed is not None:
             link = streamed.link  # its gradient copies land in our buffers: one link, one set of engines
-        self._own_link = link is None
-        self.link = link if link is not None else open_link(emulated=self.device.type != "cuda")
-        if self.link.device.type != self.device.type:
+        if link is not None and link.device.type != self.device.type:
             raise ValueError(f"link: expected a link to {self.device.type} for parameters there; "
-                             f"got one to {self.link.device.type}")
+                             f"got one to {link.device.type}")
+        self._own_link = link is None
+        self.link = link if link is not None else (CudaLink(self.device) if self.device.type == "cuda"
+                                                   else open_link(emulated=True))
+        try:
+            self._build(param_groups, trainable, accumulation_steps, max_grad_norm, threads, delayed_update,
+                        loss_scale, bucket_bytes, record_timeline)
+        except BaseException:
+            if self._own_link:
+                self.link.close()
+            raise
+
+    def _build(self, param_groups, trainable, accumulation_steps, max_grad_norm, threads, delayed_update,
+               loss_scale, bucket_bytes, record_timeline) -> None:
         self.threads = threads or cpu_adam.default_threads()
         self.max_grad_norm = max_grad_norm
         self.delayed_update = delayed_update
@@ -101,12 +112,13 @@ class OffloadEngine:
         eager = accumulation_steps is not None and max_grad_norm is None and not self.fp16 and not delayed_update
         self.accumulation_steps = accumulation_steps
         self.step_count = 0  # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
-        self._clip_now: float | None = None  # clip_grad_norm_'s max_norm for this step
+        self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
         cpu_adam.backend()  # build or load the kernel now, not on the worker in the middle of a backward
 
-        self._take_over(trainable)
+        buckets = make_buckets(param_groups, bucket_bytes)  # (checks streamed blocks first)
+        self._take_over(trainable)  # an earlier optimizer finishes its work before we copy the weights
         self.timeline = StepTimeline(record_timeline)
-        self.host = HostState(self.link, self.dtype, make_buckets(param_groups, bucket_bytes))
+        self.host = HostState(self.link, self.dtype, buckets)
         self.intake = GradientIntake(self.link, self.host, accumulation_steps if eager else None,
                                      ready=self._ready, record=self._record_arrival, usable=self._usable)
         self.worker = UpdateWorker(self.link, self.host, self.intake, self.threads,
@@ -226,10 +238,11 @@ class OffloadEngine:
     def _grad_scale(self, ready: list) -> float | None:
         """1 / loss scale × clipping factor; None when an fp16 overflow means skip the step."""
         scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        max_norm = self._clip_now if self._clip_now is not None else self.max_grad_norm
+        max_norm, norm = self._clip_now if self._clip_now is not None else (self.max_grad_norm, None)
         if max_norm is None and self.scaler is None:
             return scale
-        norm = self.gradient_norm(ready)
+        if norm is None:
+            norm = self.gradient_norm(ready)
         if not math.isfinite(norm):
             if self.scaler is not None:
                 return None
@@ -262,7 +275,7 @@ class OffloadEngine:
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(f"clip_grad_norm_: the total norm of the gradients is {norm}; "
                                f"set error_if_nonfinite=False to clip anyway")
-        self._clip_now = max_norm
+        self._clip_now = (max_norm, norm)
         return norm
 
     def discard(self) -> None:

@@ -113,10 +113,27 @@ def offloadlab(*args):
 def test_budget_command_reports_the_8_gb_ceiling():
     result = offloadlab("budget", "--link", "32 GB/s", "--window", "250 ms", "--json")
     assert result.returncode == 0 and json.loads(result.stdout)["ceiling_bytes"] == 8e9
-    verdict = offloadlab("budget", "--link", "32 GB/s", "--window", "250 ms", "--params", "10e9",
-                         "--offload", "optimizer", "--json")
-    payload = json.loads(verdict.stdout)
-    assert payload["traffic_bytes"] == 40e9 and payload["ratio"] == pytest.approx(5) and payload["fits"] is False
+
+
+@pytest.mark.parametrize("duplex, seconds, ratio", [(None, 0.625, 2.5), ("full", 0.625, 2.5), ("half", 1.25, 5),
+                                                    ("20 GB/s", 1.0, 4)])
+def test_budget_command_reports_bytes_per_direction(duplex, seconds, ratio):
+    args = ["budget", "--link", "32 GB/s", "--window", "250 ms", "--params", "10e9", "--offload", "optimizer",
+            "--json"] + (["--duplex", duplex] if duplex else [])
+    result = offloadlab(*args)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["bytes_per_direction"] == {"h2d": 20e9, "d2h": 20e9} and payload["traffic_bytes"] == 40e9
+    assert payload["transfer_s"] == pytest.approx(seconds) and payload["ratio"] == pytest.approx(ratio)
+    assert payload["fits"] is False and payload["duplex"] == (duplex if duplex in ("full", "half") else
+                                                              "measured" if duplex else "full")
+
+
+def test_budget_command_takes_a_recipe():
+    result = offloadlab("budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9", "--offload",
+                        "park-and-copy", "--recipe", "fp32-adam")
+    assert result.returncode == 0, result.stderr
+    assert "8 GB up, 8 GB down" in result.stdout and "fp32-adam" in result.stdout
 
 
 def test_plan_command_json_and_emit():
@@ -133,6 +150,10 @@ def test_plan_command_json_and_emit():
     (["budget", "--link", "0 GB/s", "--window", "1 s"], "bandwidth"),
     (["budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9"], "together"),
     (["budget", "--link", "32 GB/s", "--window", "soon"], "window"),
+    (["budget", "--link", "32 GB/s", "--window", "1 s", "--duplex", "both"], "duplex: expected 'full', 'half'"),
+    (["budget", "--link", "32 GB/s", "--window", "1 s", "--duplex", "64 GB/s"], "duplex: expected at most"),
+    (["budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9", "--offload", "optimizer",
+      "--recipe", "lion"], "recipe: expected one of"),
     (["plan", "--params", "1e9", "--gpu-memory", "80 GB", "--link", "60 GB/s", "--batch", "0"], "--batch"),
     (["plan", "--params", "1e9", "--gpu-memory", "lots", "--link", "60 GB/s"], "gpu_memory"),
     (["plan", "--params", "1e9", "--gpu-memory", "80 GB"], "--link"),

@@ -126,3 +126,62 @@ def test_a_correction_to_a_recipe_reaches_the_budget(monkeypatch):
 def test_budget_bad_input(call, fragment):
     with pytest.raises(ValueError, match=fragment):
         call()
+
+
+def _lane(step, name):
+    return {label: (start, end) for start, end, label in step.lanes[name]}
+
+
+def test_offload_step_waits_update_for_gradient_and_upload_for_update():
+    # Four layers: forward 1 s, backward 2 s, gradient down 0.5 s, CPU update 1 s, weights up 0.5 s each.
+    s = overlap.offload_step(4, 1, 2, gradient=0.5, update=1, upload=0.5)
+    grads, updates, uploads = _lane(s, "D2H"), _lane(s, "CPU"), _lane(s, "H2D")
+    for j in range(4):
+        assert updates[f"u{j}"][0] >= grads[f"g{j}"][1] and uploads[f"w{j}"][0] >= updates[f"u{j}"][1]
+    # Backward ends at 12 s with layer 0, whose gradient, update and upload then run in turn: 2 s exposed.
+    assert s.busy("compute") == 12 and s.step == pytest.approx(14) and s.waiting == pytest.approx(2)
+    # The old model, max(compute, transfer) + CPU, would have said 12 + 4 = 16 s.
+
+
+def test_offload_step_half_duplex_serialises_the_two_directions():
+    # Two layers, 1 s of compute each way; a gradient and an upload both ready at 4 s must take turns.
+    full = overlap.offload_step(2, 1, 1, gradient=1, update=0, upload=1)
+    half = overlap.offload_step(2, 1, 1, gradient=1, update=0, upload=1, duplex="half")
+    assert full.step == pytest.approx(6) and half.step == pytest.approx(7)
+    # On one engine the earlier-ready copy goes first; at a tie, the one issued first (the gradient).
+    assert _lane(half, "D2H")["g0"] == (4, 5) and _lane(half, "H2D")["w1"] == (5, 6)
+
+
+def test_delayed_update_hides_the_cpu_behind_the_next_step():
+    # CPU update 4 s per layer (16 s) against 12 s of compute: without delay the CPU starts with the
+    # first gradient, at 6.5 s, and the last upload ends at 23 s; with the delayed update the step is
+    # max(compute, CPU) + the uploads at the step boundary = 16 + 2 = 18 s.
+    eager = overlap.offload_step(4, 1, 2, gradient=0.5, update=4, upload=0.5)
+    delayed = overlap.offload_step(4, 1, 2, gradient=0.5, update=4, upload=0.5, delayed=True)
+    assert eager.step == pytest.approx(23) and delayed.step == pytest.approx(18)
+    # The update that overlaps this step's compute is the previous step's: it starts with the step.
+    assert min(start for start, _, _ in delayed.lanes["CPU"]) == pytest.approx(0)
+    # When the CPU is quick, delaying buys nothing here: the uploads it moves to the boundary are exposed.
+    quick = [overlap.offload_step(4, 1, 2, gradient=0.5, update=0.1, upload=0.5, delayed=d).step for d in (0, 1)]
+    assert quick[1] >= quick[0]
+
+
+def test_offload_step_fetches_parameters_into_two_buffers():
+    s = overlap.offload_step(4, 1, 2, gradient=0.5, update=1, fetch=0.5)
+    fetches = sorted(s.lanes["H2D"])
+    assert len(fetches) == 8                          # each layer up for forward and again for backward
+    computes = sorted(s.lanes["compute"])
+    for i in range(2, 8):                             # fetch i starts once compute i-2 has freed its buffer
+        assert fetches[i][0] >= computes[i - 2][1] - 1e-12
+    assert s.step == pytest.approx(0.5 + 12 + 0.5 + 1)  # first fetch, compute, last gradient and update
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(layers=0, forward=1, backward=1), "^layers: "),
+    (dict(layers=2, forward=-1, backward=1), "^forward: "),
+    (dict(layers=2, forward=1, backward=1, duplex="simplex"), "^duplex: "),
+    (dict(layers=2, forward=1, backward=1, fetch=1, delayed=True), "^delayed: "),
+])
+def test_offload_step_bad_input(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        overlap.offload_step(**kwargs)

@@ -62,16 +62,6 @@ class Recipe:
         """Bytes per parameter only the update touches: master weights, moments, scales."""
         return sum(b for k, b in self.bytes_per_param.items() if k in OPTIMIZER_KINDS)
 
-    @property
-    def host_update_bytes(self) -> float:
-        """Bytes per parameter a CPU needs to update where the state lives, besides the gradient.
-
-        The optimizer state, plus — for a recipe without fp32 master weights — a host copy of
-        the weights for the update to write (with a master copy, the master is that target).
-        """
-        has_master = "master_weights" in self.bytes_per_param
-        return self.optimizer_bytes + (0 if has_master else self.weight_bytes)
-
 
 # bitsandbytes' block-wise 8-bit Adam keeps one fp32 absmax per 2048-value block of each moment.
 _BLOCK = 2048

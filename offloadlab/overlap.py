@@ -182,7 +182,7 @@ class _Schedule:
 
 
 def offload_step(layers: int, forward, backward, *, gradient=0.0, update=0.0, upload=0.0, fetch=0.0,
-                 duplex: str = "full", delayed: bool = False) -> OffloadStep:
+                 duplex: str = "full", delayed: bool = False, after_backward: bool = False) -> OffloadStep:
     """Simulate a training step whose optimizer (and perhaps parameters) live in host memory.
 
     Per layer, in seconds: ``forward`` and ``backward`` compute; ``gradient``, the copy of its
@@ -203,6 +203,8 @@ def offload_step(layers: int, forward, backward, *, gradient=0.0, update=0.0, up
       the copies become ready;
     - without ``delayed``, the next step starts once every update and upload has finished, so
       whatever the CPU and the copies cannot fit behind backward is exposed;
+    - ``after_backward``: no update starts before every gradient has landed, as global-norm
+      clipping and fp16 overflow checks require (the norm needs them all);
     - with ``delayed`` (ZeRO-Offload's delayed parameter update), step t's update runs during
       step t+1's forward and backward, which use weights one step older. At the end of
       backward the step waits for that update, then uploads its weights: the weights they
@@ -253,7 +255,9 @@ def offload_step(layers: int, forward, backward, *, gradient=0.0, update=0.0, up
             gate = uploads or [end_of_backward]
             previous_updates, previous_uploads = updates, uploads
         else:
-            updates = [s.add("CPU", seconds["update"], [downs[j]], "CPU", f"u{j}") for j in reversed(range(layers))]
+            wait = [end_of_backward] + list(downs.values()) if after_backward else []
+            updates = [s.add("CPU", seconds["update"], [downs[j]] + wait, "CPU", f"u{j}")
+                       for j in reversed(range(layers))]
             uploads = [s.add(up, seconds["upload"], [u], "H2D", f"w{j}")
                        for u, j in zip(updates, reversed(range(layers)))] if seconds["upload"] else []
             gate = [end_of_backward] + updates + uploads

@@ -24,7 +24,7 @@ from . import budget, memory, overlap
 from .units import (format_bandwidth, format_duration, format_size, parse_bandwidth, parse_count, parse_size,
                     check_positive)
 
-__all__ = ["Workload", "Hardware", "Candidate", "Plan", "PlanReport", "candidates", "plan",
+__all__ = ["Workload", "Hardware", "Candidate", "Plan", "PlanReport", "candidates", "plan", "schedule",
            "deepspeed_config", "fsdp_snippet", "ASSUMED_COMPUTE", "ASSUMED_CPU_ADAM"]
 
 # Used only when the reader gives no measurement; every report names them as assumptions.
@@ -253,8 +253,39 @@ class Plan:
 _STREAMED = {0: [], 1: ["optimizer"], 2: ["optimizer", "gradients"], 3: ["optimizer", "gradients", "parameters"]}
 
 
+def schedule(work: Workload, hw: Hardware, offload: str, recompute: bool = False, *, duplex="full",
+             recipe: str = memory.DEFAULT_RECIPE, delayed: bool = False,
+             clipping: bool = False) -> overlap.OffloadStep:
+    """The step of one plan laid out layer by layer (:func:`offloadlab.overlap.offload_step`).
+
+    Each of the workload's layers gets an equal share of the parameters and of the compute
+    (forward 2 and backward 4 FLOP per parameter per token, 2 more with recomputation).
+    ``clipping``: no update starts before every gradient is in. A measured ``duplex`` rate runs
+    both copy engines at the rate each keeps while the other is busy: the cautious reading.
+    """
+    if offload not in OFFLOAD_LEVELS:
+        raise ValueError(f"offload: expected one of {', '.join(OFFLOAD_LEVELS)}; got {offload!r}")
+    level, r = OFFLOAD_LEVELS.index(offload), memory.get_recipe(recipe)
+    both, label = budget.both_directions_rate(hw.link, duplex)
+    engine = both if label == "measured" else hw.link
+    rate = hw.compute or ASSUMED_COMPUTE
+    per_token = work.params * work.tokens / rate / work.layers
+    per_layer = dict(layers=work.layers, forward=2 * per_token, backward=(6 if recompute else 4) * per_token,
+                     duplex="half" if label == "half" else "full", delayed=delayed, after_backward=clipping)
+    if level:
+        moved = budget.traffic(_STREAMED[level], recipe)
+        layer = work.layer_params()
+        per_layer["gradient"] = moved.d2h * layer / engine
+        per_layer["update"] = layer / (hw.cpu_adam or ASSUMED_CPU_ADAM)
+        if level == 3:
+            per_layer["fetch"] = r.weight_bytes * layer / engine
+        else:
+            per_layer["upload"] = moved.h2d * layer / engine
+    return overlap.offload_step(**per_layer)
+
+
 def _plan(work: Workload, hw: Hardware, offload: str, recompute: bool, duplex="full",
-          recipe: str = memory.DEFAULT_RECIPE) -> Plan:
+          recipe: str = memory.DEFAULT_RECIPE, clipping: bool = False) -> Plan:
     p, r = work.params, memory.get_recipe(recipe)
     level = OFFLOAD_LEVELS.index(offload)
     w, g, layer = r.weight_bytes, r.gradient_bytes, work.layer_params()
@@ -264,32 +295,21 @@ def _plan(work: Workload, hw: Hardware, offload: str, recompute: bool, duplex="f
         gpu += g * layer
     if level == 3:  # two layers of weights in flight: the one computing, the one arriving
         gpu += 2 * w * layer
-    # Host: the update's state, a landing buffer for gradients, and the 16-bit weights it writes
-    # (the buffer uploads read; with parameters offloaded, the copy the layers are fetched from).
-    host = (r.host_update_bytes + g + w) * p if level else 0.0
+    # Host: the optimizer state, a landing buffer for gradients, and a copy of the weights in their
+    # device dtype — what the update writes and the uploads (or, with parameters offloaded, the
+    # fetches) read; without fp32 master weights it is also what the update reads.
+    host = (r.optimizer_bytes + g + w) * p if level else 0.0
     moved = budget.traffic(_STREAMED[level], recipe) if level else None
     h2d, d2h = (moved.h2d * p, moved.d2h * p) if moved else (0.0, 0.0)
-    both, label = budget.both_directions_rate(hw.link, duplex)
-    rate = hw.compute or ASSUMED_COMPUTE
-    t_forward = 2 * p * work.tokens / rate
-    t_backward = (4 + (2 if recompute else 0)) * p * work.tokens / rate
+    both, _ = budget.both_directions_rate(hw.link, duplex)
+    t_compute = (8 if recompute else 6) * p * work.tokens / (hw.compute or ASSUMED_COMPUTE)
     t_cpu = p / (hw.cpu_adam or ASSUMED_CPU_ADAM) if level else 0.0
-    t_transfer = budget.link_seconds(h2d, d2h, hw.link, both)
-    # The schedule has an engine per direction (full duplex) or one for both (half); a measured
-    # rate runs both engines at the rate each keeps while the other is busy — the cautious reading.
-    engine = both if label == "measured" else hw.link
-    per_layer = dict(layers=work.layers, forward=t_forward / work.layers, backward=t_backward / work.layers,
-                     gradient=d2h / work.layers / engine, update=t_cpu / work.layers,
-                     duplex="half" if label == "half" else "full")
-    if level == 3:
-        per_layer["fetch"] = w * layer / engine
-    elif level:
-        per_layer["upload"] = h2d / work.layers / engine
-    t_step = overlap.offload_step(**per_layer).step if level else t_forward + t_backward
-    t_delayed = overlap.offload_step(**per_layer, delayed=True).step if level in (1, 2) else None
+    laid_out = dict(duplex=duplex, recipe=recipe, clipping=clipping)
+    t_step = schedule(work, hw, offload, recompute, **laid_out).step if level else t_compute
+    t_delayed = schedule(work, hw, offload, recompute, delayed=True, **laid_out).step if level in (1, 2) else None
     usable = hw.gpu_memory * (1 - WORKSPACE_FRACTION)
-    return Plan(offload, recompute, gpu, host, h2d, d2h, t_forward + t_backward, t_transfer, t_cpu,
-                t_step, t_delayed, usable, hw.host_memory)
+    return Plan(offload, recompute, gpu, host, h2d, d2h, t_compute, budget.link_seconds(h2d, d2h, hw.link, both),
+                t_cpu, t_step, t_delayed, usable, hw.host_memory)
 
 
 @dataclass
@@ -354,15 +374,17 @@ class PlanReport:
                 "assumptions": self.hardware.assumptions, "warnings": self.warnings}
 
 
-def plan(work: Workload, hw: Hardware, *, duplex="full", recipe: str = memory.DEFAULT_RECIPE) -> PlanReport:
+def plan(work: Workload, hw: Hardware, *, duplex="full", recipe: str = memory.DEFAULT_RECIPE,
+         clipping: bool = False) -> PlanReport:
     """Choose the least offload that fits; within a level, the faster activation choice.
 
     ``duplex`` is how the link's two directions share it ('full', 'half' or a measured rate;
-    see :mod:`offloadlab.budget`); ``recipe`` gives the bytes per parameter of each kind of state.
+    see :mod:`offloadlab.budget`); ``recipe`` gives the bytes per parameter of each kind of state;
+    ``clipping`` (global-norm gradient clipping) holds every update until backward is done.
     """
     recipe = memory.get_recipe(recipe).name
     budget.both_directions_rate(hw.link, duplex)  # refuse a bad duplex before planning
-    plans = [_plan(work, hw, level, recompute, duplex, recipe)
+    plans = [_plan(work, hw, level, recompute, duplex, recipe, clipping)
              for level in OFFLOAD_LEVELS for recompute in (False, True)]
     fitting = sorted((p for p in plans if p.fits), key=lambda p: (p.level, p.step))
     chosen = fitting[0] if fitting else None

@@ -185,3 +185,13 @@ def test_offload_step_fetches_parameters_into_two_buffers():
 def test_offload_step_bad_input(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         overlap.offload_step(**kwargs)
+
+
+def test_clipping_makes_the_updates_wait_for_backward_and_the_delayed_update_pays():
+    # Global-norm clipping needs every gradient before any update: the CPU's 4 s start at 12.5 s,
+    # when the last gradient lands, and the uploads trail them — 12.5 + 4 + 0.5 = 17 s.
+    clipped = overlap.offload_step(4, 1, 2, gradient=0.5, update=1, upload=0.5, after_backward=True)
+    assert min(start for start, _, _ in clipped.lanes["CPU"]) == pytest.approx(12.5)
+    assert clipped.step == pytest.approx(17)
+    # The delayed update hides those 4 s behind the next step: 12 + 2 s of uploads.
+    assert overlap.offload_step(4, 1, 2, gradient=0.5, update=1, upload=0.5, delayed=True).step == pytest.approx(14)

@@ -239,3 +239,21 @@ def test_bad_arguments(args, fragment):
     result = offloadlab(*args)
     assert result.returncode == 2 and fragment in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_clipping_holds_the_updates_until_backward_ends():
+    # Four layers, 1.2 s of compute (forward 0.4 s, backward 0.8 s), a 1 s CPU update, 0.05 s per
+    # layer each way on the link. Eager: the updates follow the gradients through backward and
+    # end 1.65 s in, the last upload 1.7 s. Clipped: they start when the last gradient lands
+    # (1.25 s) and the last upload ends at 2.3 s. Delayed: the update runs behind the next step's
+    # compute, and the 0.2 s of uploads at the boundary are what remains: 1.4 s.
+    work = planner.Workload(1e9, layers=4, hidden=1024, heads=8, batch=1, seq=1024)
+    hw = planner.Hardware("8 GB", "10 GB/s", compute=6 * 1e9 * 1024 / 1.2, cpu_adam=1e9)
+    pick = lambda r: next(p for p in r.plans if p.offload == "optimizer" and not p.recompute)  # noqa: E731
+    eager, clipped = pick(planner.plan(work, hw)), pick(planner.plan(work, hw, clipping=True))
+    assert eager.step == pytest.approx(1.7) and clipped.step == pytest.approx(2.3)
+    assert clipped.t_step_delayed == eager.t_step_delayed == pytest.approx(1.4)
+    laid_out = planner.schedule(work, hw, "optimizer", clipping=True)
+    assert laid_out.step == pytest.approx(clipped.step)
+    with pytest.raises(ValueError, match="^offload: "):
+        planner.schedule(work, hw, "everything")

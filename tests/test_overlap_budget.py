@@ -83,6 +83,8 @@ def test_a_measured_rate_for_both_directions_lies_between():
     # Asymmetric traffic: the overlapping part at the shared rate, the rest alone.
     assert budget.link_seconds(30e9, 10e9, 32e9, 20e9) == pytest.approx(10 / 20 + 20 / 32)
     assert budget.link_seconds(30e9, 10e9, 32e9, 16e9) == pytest.approx(40 / 32)  # half duplex: the sum
+    # Two measurements of one link differ a little: a both-ways rate just above the one-way rate is full duplex.
+    assert budget.both_directions_rate("2 GB/s", "2.1 GB/s") == (2e9, "measured")
 
 
 def test_traffic_comes_from_the_recipe():

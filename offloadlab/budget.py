@@ -32,10 +32,19 @@ from dataclasses import dataclass, field
 from . import memory
 from .units import format_bandwidth, format_duration, format_size, parse_bandwidth, parse_count, parse_duration
 
-__all__ = ["OFFLOAD_CHOICES", "DUPLEX_FORMS", "Traffic", "TRAFFIC", "traffic", "traffic_bytes", "ceiling",
+__all__ = ["OFFLOAD_CHOICES", "DUPLEX_FORMS", "PCIE_X16", "Traffic", "TRAFFIC", "traffic", "traffic_bytes", "ceiling",
            "both_directions_rate", "link_seconds", "Verdict", "verdict"]
 
 OFFLOAD_CHOICES = ("optimizer", "gradients", "parameters", "park-and-copy")
+# PCIe ×16 links, per direction: (nominal, achievable) bytes/s. Nominal is the line rate after
+# 128b/130b encoding (machine.pcie_bandwidth: gen 4 is 16 GT/s × 16 lanes × 128/130 ÷ 8); achievable
+# is what large pinned copies typically reach (bandwidthTest, nvbandwidth), the rest going to
+# packet headers and flow control. Worked budgets use the achievable figure; lab 2 measures yours.
+PCIE_X16 = {
+    "PCIe 4.0 ×16": (31.5e9, 25e9),
+    "PCIe 5.0 ×16": (63.0e9, 50e9),
+}
+
 # Two measurements of the same link differ by a few percent: a both-directions rate this much above
 # the one-direction rate is read as full duplex, not refused.
 MEASUREMENT_SLACK = 0.10

@@ -197,3 +197,11 @@ def test_clipping_makes_the_updates_wait_for_backward_and_the_delayed_update_pay
     assert clipped.step == pytest.approx(17)
     # The delayed update hides those 4 s behind the next step: 12 + 2 s of uploads.
     assert overlap.offload_step(4, 1, 2, gradient=0.5, update=1, upload=0.5, delayed=True).step == pytest.approx(14)
+
+
+def test_pcie_figures_nominal_beside_achievable():
+    from offloadlab import machine
+
+    for (name, (nominal, achievable)), generation in zip(budget.PCIE_X16.items(), (4, 5)):
+        assert nominal == pytest.approx(machine.pcie_bandwidth(generation, 16), rel=1e-3), name
+        assert 0.7 < achievable / nominal < 0.9

@@ -1,8 +1,10 @@
-"""The overlap-vs-stall condition, for one stage and for a pipeline of stages.
+"""The overlap-vs-stall condition: for one stage, a pipeline of stages, and a whole offloaded step.
 
 A stage moves X bytes over a link of bandwidth B (t_transfer = latency + X / B) while
 t_compute of independent work runs. If t_transfer ≤ t_compute the transfer is hidden;
-otherwise the GPU stalls for the difference. Pure arithmetic: seconds, bytes, bytes/s.
+otherwise the GPU stalls for the difference. :func:`pipeline` chains such stages through a
+prefetch buffer; :func:`offload_step` lays out a training step whose optimizer lives in host
+memory, with what waits for what. Pure arithmetic: seconds, bytes, bytes/s.
 """
 
 from __future__ import annotations
@@ -228,7 +230,6 @@ def offload_step(layers: int, forward, backward, *, gradient=0.0, update=0.0, up
     gate: list[int] = []          # what the next step's first compute waits for
     first: list[int] = []         # each step's first compute
     previous_updates: list[int] = []
-    previous_uploads: list[int] = []
     for _ in range(steps):
         order = [("F", j) for j in range(layers)] + [("B", j) for j in reversed(range(layers))]
         computes, last, downs = [], None, {}
@@ -253,7 +254,7 @@ def offload_step(layers: int, forward, backward, *, gradient=0.0, update=0.0, up
             updates = [s.add("CPU", seconds["update"], [downs[j], end_of_backward] + uploads, "CPU", f"u{j}")
                        for j in reversed(range(layers))]
             gate = uploads or [end_of_backward]
-            previous_updates, previous_uploads = updates, uploads
+            previous_updates = updates
         else:
             wait = [end_of_backward] + list(downs.values()) if after_backward else []
             updates = [s.add("CPU", seconds["update"], [downs[j]] + wait, "CPU", f"u{j}")

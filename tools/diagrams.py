@@ -48,7 +48,8 @@ def pcie_topology(path: Path) -> Path:
 
     # The host: CPU cores and DRAM behind one memory bus, reached by the GPU through the root complex.
     _box(ax, 0.15, 0.55, 4.0, 3.9, "host", face=HOST, size=10)
-    _box(ax, 0.35, 2.75, 1.75, 1.25, "CPU cores", ["the Adam update:", "reads 12 B + gradient,", "writes 12 B + weights"])
+    _box(ax, 0.35, 2.75, 1.75, 1.25, "CPU cores",
+         ["the Adam update:", "reads 12 B + gradient,", "writes 12 B + weights"])
     _box(ax, 0.35, 0.75, 3.6, 1.55, "host DRAM (pinned buffers)",
          ["fp32 master weights and moments", "gradients as they land", "16-bit weights on their way up"])
     _box(ax, 2.6, 2.75, 1.35, 1.25, "PCIe root", ["complex"])

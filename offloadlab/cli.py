@@ -47,7 +47,9 @@ def _cmd_state(args) -> int:
         print(f"  {kind:<20} {recipe.bytes_per_param[kind]:>6g} B/param  {format_size(size):>10}")
     print(f"  {'total':<20} {recipe.total:>6g} B/param  {format_size(breakdown.total_bytes):>10}")
     fits = memory.fitting_gpus(breakdown.total_bytes)
-    print("fits on: " + (", ".join(fits) + " cards" if fits else f"none of {', '.join(memory.GPU_SIZES)}"))
+    print("fits on: " + (", ".join(fits) + " cards" if fits else f"none of {', '.join(memory.GPU_SIZES)}")
+          + " (by the memory each card reports: "
+          + ", ".join(f"{name} → {format_size(size, binary=True)}" for name, size in memory.GPU_SIZES.items()) + ")")
     return 0
 
 
@@ -57,7 +59,7 @@ def _cmd_budget(args) -> int:
     if (args.params is None) != (args.offload is None):
         raise UsageError("offloadlab budget: give --params and --offload together, or neither")
     offload = args.offload.split(",") if args.offload else ()
-    result = budget.verdict(args.link, args.window, args.params, offload)
+    result = budget.verdict(args.link, args.window, args.params, offload, duplex=args.duplex, recipe=args.recipe)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.summary())
     return 0
 
@@ -150,10 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     state.set_defaults(run=_cmd_state)
 
     budget = commands.add_parser("budget", help="the per-step bandwidth budget and an offload's verdict")
-    budget.add_argument("--link", required=True, help="link bandwidth, e.g. '32 GB/s'")
+    budget.add_argument("--link", required=True, help="one direction's bandwidth, e.g. '25 GB/s'")
     budget.add_argument("--window", required=True, help="compute time to hide behind, e.g. '250 ms'")
     budget.add_argument("--params", help="parameter count, e.g. 10e9")
     budget.add_argument("--offload", help="comma-separated: optimizer, gradients, parameters, park-and-copy")
+    budget.add_argument("--duplex", default="full",
+                        help="full (default: each direction at the full rate at once), half (the directions share "
+                             "it), or the rate each direction keeps while both run, e.g. '20 GB/s'")
+    budget.add_argument("--recipe", default=memory.DEFAULT_RECIPE,
+                        help=f"bytes per parameter of each kind of state: one of {', '.join(memory.RECIPES)}")
     budget.add_argument("--json", action="store_true", help="print a JSON object")
     budget.set_defaults(run=_cmd_budget)
 

@@ -14,13 +14,19 @@ from dataclasses import dataclass
 
 from . import sharding
 
-__all__ = ["Setup", "setup", "deepspeed_config", "deepspeed_snippet", "fsdp_snippet"]
+__all__ = ["Setup", "setup", "offered", "deepspeed_config", "deepspeed_snippet", "fsdp_snippet"]
 
+NVME_PATH_PLACEHOLDER = "/local_nvme"  # written when the plan goes to NVMe and no path was given
 _STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
 # The planner's single-GPU offload levels as DeepSpeed runs them (partitioning is a no-op on one GPU).
 _LEVEL_STRATEGY = {"nothing": ("ddp", "none"), "optimizer": ("zero2", "optimizer"),
                    "optimizer+gradients": ("zero2", "optimizer"),
                    "optimizer+gradients+parameters": ("zero3", "optimizer+parameters")}
+
+
+def offered(strategy: str, offload: str) -> bool:
+    """Whether DeepSpeed and FSDP2 run this combination: they offload only sharded state."""
+    return sharding.valid(strategy, offload) and not (strategy == "ddp" and offload != "none")
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,7 @@ class Setup:
 
     def __post_init__(self):
         if self.strategy not in sharding.STRATEGIES or self.offload not in sharding.OFFLOADS \
-                or not sharding.valid(self.strategy, self.offload):
+                or not offered(self.strategy, self.offload):
             raise ValueError(f"offload: expected a combination the engines offer; got {self.strategy} with "
                              f"offload {self.offload!r}")
         for name in ("gpus", "micro_batch", "accumulation"):
@@ -82,8 +88,12 @@ def setup(report, **options) -> Setup:
     strategy, offload = getattr(chosen, "strategy", None), getattr(chosen, "sharded_offload", None)
     if strategy is None:  # a single-GPU offload level
         strategy, offload = _LEVEL_STRATEGY[chosen.offload]
+    elif strategy == "ddp" and offload != "none":  # engines shard what they offload: less host memory, same GPU
+        strategy = "zero1"
     gpus = getattr(report.hardware, "gpus_per_node", 1)
     options = {"micro_batch": report.work.batch, **options}
+    if getattr(chosen, "layout", None) is not None and chosen.layout.nvme_bytes:  # ZeRO-Infinity on the drive
+        options.update(offload_device="nvme", nvme_path=options.get("nvme_path") or NVME_PATH_PLACEHOLDER)
     return Setup(strategy, offload, chosen.recompute, gpus, **options)
 
 
@@ -164,6 +174,9 @@ def fsdp_snippet(config: Setup) -> str:
         "# FSDP2: parameters, gradients and optimizer state sharded over the ranks of the default process",
         "# group (run under torchrun, with the process group initialised and `model` built).",
     ]
+    if config.offload_device == "nvme":
+        lines += ["# The plan keeps the state on NVMe; FSDP2 cannot offload there, only to host memory, which the",
+                  "# plan found too small: use DeepSpeed (ZeRO-Infinity) for this run."]
     if config.offload == "optimizer":
         lines += ["# The plan offloads only the optimizer; FSDP2 offloads parameters, gradients and the optimizer",
                   "# together (CPUOffloadPolicy), which needs more link traffic than the plan assumed."]

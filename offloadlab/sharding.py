@@ -18,6 +18,9 @@ ZeRO-3 (and weights)        (w + 4 + 12) P/N + G     all-gather of weights for f
 FSDP2 (fully_shard)         (4 + 4 + 8) P/N + G      the same as ZeRO-3, in FSDP2's dtypes
 ==========================  =======================  ============================================
 
+Data parallelism can also offload on its own: each GPU keeps (w + g) P and its process keeps a
+whole copy of the optimizer state on the host and updates all of it — offloading without sharding.
+
 The "+ 4" is DeepSpeed's fp32 copy of a rank's gradient partition, which its optimizer reads;
 FSDP2 has no separate master copy because its sharded parameters *are* fp32 (its gradients, 4 B,
 and moments, 8 B, are sharded beside them) and it casts to 16 bits for the all-gather. G is the
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 
 from . import memory
 
-__all__ = ["STRATEGIES", "OFFLOADS", "Layout", "layout", "valid", "ring_bytes", "deepspeed_estimate"]
+__all__ = ["STRATEGIES", "OFFLOADS", "Layout", "layout", "nvme_layout", "valid", "ring_bytes", "deepspeed_estimate"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 OFFLOADS = ("none", "optimizer", "optimizer+parameters")
@@ -53,10 +56,11 @@ DEEPSPEED_BUFFER_FACTOR = 1.5  # DeepSpeed's estimators' allowance for host buff
 
 
 def valid(strategy: str, offload: str) -> bool:
-    """Whether an engine offers this combination (parameters offload only with full sharding,
-    FSDP2 offload only all at once, data parallel with no offload of its own)."""
+    """Whether this combination exists: parameters offload only with full sharding, FSDP2's offload
+    only all at once, and data parallel offloading at most the optimizer (every GPU a whole copy,
+    as offloadlab's CPUOffloadAdam under DDP does)."""
     if strategy == "ddp":
-        return offload == "none"
+        return offload in ("none", "optimizer")
     if strategy == "fsdp2":
         return offload in ("none", "optimizer+parameters")
     return offload != "optimizer+parameters" or strategy == "zero3"
@@ -90,6 +94,9 @@ class Layout:
     h2d_bytes: float
     d2h_bytes: float
     cpu_params: float
+    nvme_bytes: float = 0.0
+    nvme_during_passes: float = 0.0
+    nvme_after: float = 0.0
 
     @property
     def interconnect_bytes(self) -> float:
@@ -99,7 +106,8 @@ class Layout:
     def name(self) -> str:
         label = {"ddp": "data parallel", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
                  "fsdp2": "FSDP2"}[self.strategy]
-        return label if self.offload == "none" else f"{label} + offload {self.offload}"
+        where = " to NVMe" if self.nvme_bytes else ""
+        return label if self.offload == "none" else f"{label} + offload {self.offload}{where}"
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "name": self.name, "interconnect_bytes": self.interconnect_bytes}
@@ -130,8 +138,12 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
     h2d = d2h = cpu = host = 0.0
     after = 0.0
     if strategy == "ddp":
-        gpu, gathered = (w + g + optimizer) * p, 0.0
-        overlapped = ring_bytes("all-reduce", g * p, n)
+        gathered, overlapped = 0.0, ring_bytes("all-reduce", g * p, n)
+        if offload == "optimizer":  # a whole copy per GPU: state, gradient landing buffer, 16-bit weights
+            gpu, host = (w + g) * p, (optimizer + g + w) * p
+            d2h, h2d, cpu = g * p, w * p, p
+        else:
+            gpu = (w + g + optimizer) * p
     elif strategy in ("zero1", "zero2"):
         replicated = w + (g if strategy == "zero1" else 0)
         sharded = DEEPSPEED_FP32_GRADIENT + optimizer + (0 if strategy == "zero1" else g)
@@ -169,6 +181,30 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
             host = state * shard
             h2d, d2h, cpu = 2 * master * shard, master * shard, shard
     return Layout(strategy, offload, n, gpu, gathered, host, overlapped, after, h2d, d2h, cpu)
+
+
+# DeepSpeed's default NVMe staging, per process: 5 parameter buffers of 1e8 16-bit values, and the
+# optimizer swapper's 4 buffers of one fp32 sub-group (sub_group_size 1e9 parameters).
+NVME_STAGING_BYTES = 5 * 1e8 * 2 + 4 * 1e9 * 4
+
+
+def nvme_layout(params: float, gpus: int, *, largest_module: float = 0.0,
+                recipe: str = memory.DEFAULT_RECIPE) -> Layout:
+    """ZeRO-Infinity with NVMe: ZeRO-3 whose shards (16-bit weights, fp32 optimizer state and
+    gradients) live on the drive; the host keeps only pinned staging buffers (:data:`NVME_STAGING_BYTES`).
+
+    Per step each GPU's process reads its 16-bit shard for forward and again for backward while the
+    passes run, then reads its fp32 state, updates it on the CPU and writes the state and the new
+    16-bit shard back (DeepSpeed's default: reading, updating and writing one after another).
+    """
+    cpu = layout("zero3", "optimizer+parameters", params, gpus, largest_module=largest_module, recipe=recipe)
+    kinds = memory.get_recipe(recipe).bytes_per_param
+    w = kinds["weights"]
+    state = cpu.host_bytes - w * params / gpus  # fp32 optimizer state and gradient partition
+    shard = params / gpus
+    return Layout(cpu.strategy, cpu.offload, gpus, cpu.gpu_bytes, cpu.gathered_bytes, NVME_STAGING_BYTES,
+                  cpu.interconnect_overlapped, cpu.interconnect_after, cpu.h2d_bytes, cpu.d2h_bytes, cpu.cpu_params,
+                  nvme_bytes=cpu.host_bytes, nvme_during_passes=2 * w * shard, nvme_after=2 * state + w * shard)
 
 
 def deepspeed_estimate(stage: int, offload: str, params: float, largest_module: float, gpus: int,

@@ -10,7 +10,7 @@ from offloadlab.models import TinyGPT
 
 ALL_SETUPS = [engines.Setup(strategy, offload, recompute, gpus, micro_batch=2, accumulation=4, precision=precision)
               for strategy in sharding.STRATEGIES for offload in sharding.OFFLOADS
-              if sharding.valid(strategy, offload)
+              if engines.offered(strategy, offload)
               for recompute in (False, True) for gpus in (1, 8) for precision in ("bf16", "fp16")]
 
 
@@ -72,6 +72,7 @@ def test_optimizer_block_is_there_for_deepspeeds_cpu_adam():
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(strategy="zero2", offload="optimizer+parameters"), "^offload: expected a combination the engines offer"),
     (dict(strategy="fsdp2", offload="optimizer"), "^offload: "),
+    (dict(strategy="ddp", offload="optimizer"), "^offload: "),
     (dict(gpus=0), "^gpus: expected a positive integer; got 0$"),
     (dict(precision="fp8"), "^precision: "),
     (dict(strategy="zero3", offload="optimizer", offload_device="nvme"), "^nvme_path: "),

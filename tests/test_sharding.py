@@ -39,6 +39,12 @@ def test_hand_worked_offload_on_eight_gpus():
     assert (fsdp.h2d_bytes, fsdp.d2h_bytes) == pytest.approx((8 * SHARD, 4 * SHARD))  # fp32 shards move
 
 
+def test_offloading_alone_keeps_a_whole_copy_per_gpu():
+    alone = sharding.layout("ddp", "optimizer", P, N)
+    assert alone.gpu_bytes == 40e9 and alone.host_bytes == (12 + 2 + 2) * P  # state, gradient buffer, weights
+    assert alone.cpu_params == P and alone.interconnect_bytes == pytest.approx(2 * 7 / 8 * 20e9)
+
+
 def test_one_gpu_sends_nothing_and_holds_everything():
     for strategy in ("ddp", "zero1", "zero2", "zero3", "fsdp2"):
         one = sharding.layout(strategy, "none", P, 1)
@@ -46,7 +52,7 @@ def test_one_gpu_sends_nothing_and_holds_everything():
     assert sharding.layout("zero2", "none", P, 1).gpu_bytes == 20e9 + 18 * P
 
 
-@pytest.mark.parametrize("strategy, offload", [("ddp", "optimizer"), ("zero2", "optimizer+parameters"),
+@pytest.mark.parametrize("strategy, offload", [("ddp", "optimizer+parameters"), ("zero2", "optimizer+parameters"),
                                                ("fsdp2", "optimizer"), ("zero4", "none"), ("zero2", "disk")])
 def test_combinations_engines_do_not_offer_are_refused(strategy, offload):
     with pytest.raises(ValueError, match="^(strategy|offload): expected "):

@@ -82,12 +82,12 @@ class CollectiveCounter:
         self._originals.clear()
 
 
-def _train(model, optimizer, data, steps: int, rank: int, world: int) -> list[float]:
+def _train(model, optimizer, data, steps: int, rank: int, world: int, device="cpu") -> list[float]:
     """Train ``steps`` steps; each rank takes rows rank, rank + world, … of one global batch."""
     losses = []
     for _ in range(steps):
         inputs, targets = next(data)
-        loss = model(inputs[rank::world], targets[rank::world])
+        loss = model(inputs[rank::world].to(device), targets[rank::world].to(device))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    gpu = torch.cuda.is_available()
+    # NCCL needs a GPU per process; with fewer GPUs than processes the run stays on the CPU with gloo.
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", "1"))
     dist.init_process_group("nccl" if gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if gpu:
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         exec(compile(snippet, "<emitted FSDP2 snippet>", "exec"), scope)  # the emitted code, as a user runs it
         data = batches(markov_corpus(LAB_CONFIG.vocab, 20_000), GLOBAL_BATCH, LAB_CONFIG.seq, seed=1)
         with CollectiveCounter() as counter:
-            losses = _train(model, scope["optimizer"], data, args.steps, rank, world)
+            losses = _train(model, scope["optimizer"], data, args.steps, rank, world, "cuda" if gpu else "cpu")
         mean = torch.stack(losses).to("cuda" if gpu else "cpu")
         dist.all_reduce(mean)  # outside the counter: the global loss is ours, not training's
         if rank == 0:

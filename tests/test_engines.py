@@ -115,3 +115,16 @@ def test_emitted_fsdp2_snippet_trains_on_two_cpu_processes(tmp_path):
     assert run["tensor_bytes"]["reduce-scatter"] == steps * 2 * run["params"]
     assert run["calls"] == {"all-gather": steps * (2 * distributed.LAB_CONFIG.layers + 1),
                             "reduce-scatter": steps * (distributed.LAB_CONFIG.layers + 1)}
+
+
+@pytest.mark.gpu
+def test_emitted_fsdp2_snippet_trains_on_two_gpus_with_nccl(tmp_path):
+    """On a machine with two GPUs the same run uses NCCL and the GPUs (skipped with fewer)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    for offload in ("none", "optimizer+parameters"):
+        run = distributed.launch(offload, steps=4, out=tmp_path / f"{offload}.json")
+        assert run["backend"] == "nccl"
+        assert run["losses"] == pytest.approx(distributed.reference_losses(4), rel=1e-2)

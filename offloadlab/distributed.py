@@ -19,13 +19,12 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from . import engines, sharding
+from . import engines
 from .models import GPTConfig, TinyGPT, batches, markov_corpus
 
 __all__ = ["CollectiveCounter", "LAB_CONFIG", "launch", "reference_losses", "main"]

@@ -85,14 +85,16 @@ def setup(report, **options) -> Setup:
     chosen = report.chosen
     if chosen is None:
         raise ValueError("report: nothing fits, so there is no configuration to emit")
-    strategy, offload = getattr(chosen, "strategy", None), getattr(chosen, "sharded_offload", None)
-    if strategy is None:  # a single-GPU offload level
+    layout = getattr(chosen, "layout", None)  # a node plan carries its sharding layout
+    if layout is None:  # a single-GPU offload level
         strategy, offload = _LEVEL_STRATEGY[chosen.offload]
-    elif strategy == "ddp" and offload != "none":  # engines shard what they offload: less host memory, same GPU
+    else:
+        strategy, offload = layout.strategy, layout.offload
+    if strategy == "ddp" and offload != "none":  # engines shard what they offload: less host memory, same GPU
         strategy = "zero1"
     gpus = getattr(report.hardware, "gpus_per_node", 1)
     options = {"micro_batch": report.work.batch, **options}
-    if getattr(chosen, "layout", None) is not None and chosen.layout.nvme_bytes:  # ZeRO-Infinity on the drive
+    if layout is not None and layout.nvme_bytes:  # ZeRO-Infinity on the drive
         options.update(offload_device="nvme", nvme_path=options.get("nvme_path") or NVME_PATH_PLACEHOLDER)
     return Setup(strategy, offload, chosen.recompute, gpus, **options)
 

@@ -447,10 +447,6 @@ class NodePlan:
         return self.layout.strategy
 
     @property
-    def sharded_offload(self) -> str:
-        return self.layout.offload
-
-    @property
     def offload(self) -> str:
         return self.layout.offload
 

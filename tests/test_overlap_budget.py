@@ -83,6 +83,8 @@ def test_a_measured_rate_for_both_directions_lies_between():
     # Asymmetric traffic: the overlapping part at the shared rate, the rest alone.
     assert budget.link_seconds(30e9, 10e9, 32e9, 20e9) == pytest.approx(10 / 20 + 20 / 32)
     assert budget.link_seconds(30e9, 10e9, 32e9, 16e9) == pytest.approx(40 / 32)  # half duplex: the sum
+    # Two measurements of one link differ a little: a both-ways rate just above the one-way rate is full duplex.
+    assert budget.both_directions_rate("2 GB/s", "2.1 GB/s") == (2e9, "measured")
 
 
 def test_traffic_comes_from_the_recipe():
@@ -195,3 +197,11 @@ def test_clipping_makes_the_updates_wait_for_backward_and_the_delayed_update_pay
     assert clipped.step == pytest.approx(17)
     # The delayed update hides those 4 s behind the next step: 12 + 2 s of uploads.
     assert overlap.offload_step(4, 1, 2, gradient=0.5, update=1, upload=0.5, delayed=True).step == pytest.approx(14)
+
+
+def test_pcie_figures_nominal_beside_achievable():
+    from offloadlab import machine
+
+    for (name, (nominal, achievable)), generation in zip(budget.PCIE_X16.items(), (4, 5)):
+        assert nominal == pytest.approx(machine.pcie_bandwidth(generation, 16), rel=1e-3), name
+        assert 0.7 < achievable / nominal < 0.9

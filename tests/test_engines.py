@@ -96,7 +96,7 @@ def test_emitted_fsdp2_snippet_trains_on_two_cpu_processes(tmp_path):
     """The snippet as emitted (CPUOffloadPolicy, recomputation, bf16) on torchrun with gloo.
 
     Tolerance: each step's mean loss within 0.1 % of single-process fp32 AdamW on the same global
-    batch (measured: 2e-5 relative; bf16 weights and gradient reductions are the difference).
+    batch (measured here: at most 1.2e-4 relative; bf16 compute and reductions are the difference).
     """
     steps = 4
     run = distributed.launch("optimizer+parameters", recompute=True, steps=steps, out=tmp_path / "run.json")

@@ -31,6 +31,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _shipped_models() -> list[str]:
+    from . import architectures
+
+    return architectures.shipped()
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse calls this for unknown or missing arguments
         raise UsageError(f"{self.prog}: {message}")
@@ -64,29 +70,91 @@ def _cmd_budget(args) -> int:
     return 0
 
 
-def _cmd_plan(args) -> int:
+def _plan_workload(args):
+    """The workload of ``plan``: a shipped model, a local config.json, or a bare parameter count."""
+    from . import architectures, planner
+
+    given = [name for name, value in (("--params", args.params), ("--model", args.model),
+                                      ("--model-config", args.model_config)) if value is not None]
+    if len(given) != 1:
+        raise UsageError(f"offloadlab plan: expected exactly one of --params, --model or --model-config; "
+                         f"got {' and '.join(given) or 'none'}")
+    if args.params is not None:
+        return planner.Workload(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                batch=args.batch, seq=args.seq)
+    if any(v is not None for v in (args.layers, args.hidden, args.heads)):
+        raise UsageError("offloadlab plan: --layers/--hidden/--heads go with --params; a model config has its shape")
+    if args.model_config is not None and not Path(args.model_config).is_file():
+        raise UsageError(f"--model-config: expected a config.json file; got {args.model_config!r}")
+    architecture = architectures.load(args.model if args.model is not None else Path(args.model_config))
+    return planner.Workload.of_model(architecture, batch=args.batch, seq=args.seq)
+
+
+def _plan_hardware(args):
+    """The node of ``plan``: the flags, or an ``offloadlab probe --json`` record with the flags over it."""
     from . import planner
 
-    work = planner.Workload(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                            batch=args.batch, seq=args.seq)
-    hardware = planner.Hardware(args.gpu_memory, args.link, host_memory=args.host_memory,
-                                cpu_adam=args.cpu_adam, compute=args.compute, comm_fraction=args.comm_fraction)
+    given = dict(gpu_memory=args.gpu_memory, link=args.link, host_memory=args.host_memory, cpu_adam=args.cpu_adam,
+                 compute=args.compute, comm_fraction=args.comm_fraction, gpus_per_node=args.gpus_per_node,
+                 interconnect=args.interconnect, gpus_per_link=args.gpus_per_link, nvme=args.nvme)
+    if args.measured is None:
+        for flag in ("gpu_memory", "link"):
+            if given[flag] is None:
+                raise UsageError(f"offloadlab plan: --{flag.replace('_', '-')} is required (or --measured FILE)")
+        return planner.Hardware(**given)
+    try:
+        record = json.loads(Path(args.measured).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"--measured: expected an `offloadlab probe --json` file; got {args.measured!r} "
+                         f"({type(error).__name__})") from None
+    return planner.Hardware.from_probe(record, **given)
+
+
+def _cmd_plan(args) -> int:
+    from . import engines, planner
+
+    work = _plan_workload(args)
+    hardware = _plan_hardware(args)
+    if hardware.gpus_per_node == 1 and (args.interconnect is not None or args.gpus_per_link != 1):
+        raise UsageError("offloadlab plan: --interconnect and --gpus-per-link need --gpus-per-node above 1")
     report = planner.plan(work, hardware)
-    emitted = None
-    if args.emit == "deepspeed":
-        emitted = planner.deepspeed_config(report)
-    elif args.emit == "fsdp":
-        emitted = planner.fsdp_snippet(report)
+    emitted = {}
+    if args.emit:
+        options = dict(accumulation=args.accumulation, nvme_path=args.nvme_path)
+        if work.architecture is not None and work.architecture.family == "gpt2":
+            options["blocks"] = "model.transformer.h"
+        chosen = engines.setup(report, **options)
+        if args.emit == "deepspeed":
+            emitted = {"deepspeed": engines.deepspeed_config(chosen), "deepspeed_python": engines.deepspeed_snippet(chosen)}
+        else:
+            emitted = {"fsdp": engines.fsdp_snippet(chosen)}
     if args.json:
-        payload = report.to_dict()
-        if emitted is not None:
-            payload[args.emit] = emitted
+        payload = {"params": int(work.params) if float(work.params).is_integer() else work.params, "model": work.architecture.to_dict() if work.architecture else None,
+                   "gpus_per_node": hardware.gpus_per_node, "measured": list(hardware.sources),
+                   **report.to_dict(), **emitted}
         print(json.dumps(payload, indent=1))
         return 0
+    if work.architecture is not None:
+        a = work.architecture
+        print(f"model {a.name} ({a.family}): {a.params:,} parameters, exact from its config — {a.layers} layers, "
+              f"hidden {a.hidden}, {a.heads} heads ({a.kv_heads} key/value), MLP {a.intermediate}, vocabulary "
+              f"{a.vocab}, head {'tied' if a.tied_embeddings else 'untied'}")
+    if hardware.gpus_per_node > 1:
+        print(f"node: {hardware.gpus_per_node} GPUs; each gets an {hardware.gpus_per_node}th of host memory and CPU "
+              f"cores" + (f", and shares its link with {hardware.gpus_per_link - 1} other(s)"
+                          if hardware.gpus_per_link > 1 else ""))
+    for source in hardware.sources:
+        print(f"measured: {source}")
     print(report.explain())
-    if emitted is not None:
-        print(f"\n{args.emit}:")
-        print(json.dumps(emitted, indent=2) if isinstance(emitted, dict) else emitted)
+    on_drive = report.chosen is not None and getattr(getattr(report.chosen, "layout", None), "nvme_bytes", 0)
+    if emitted and on_drive and not args.nvme_path:
+        print(f"\nnote: the plan offloads to NVMe; the config names {engines.NVME_PATH_PLACEHOLDER} — pass "
+              f"--nvme-path with a folder on the drive")
+    if emitted and args.nvme_path and not on_drive:
+        print("\nnote: the plan fits in host memory, so the configuration offloads there and --nvme-path is unused")
+    for name, text in emitted.items():
+        print(f"\n{name}:")
+        print(json.dumps(text, indent=2) if isinstance(text, dict) else text)
     return 0
 
 
@@ -165,9 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
     budget.set_defaults(run=_cmd_budget)
 
     plan = commands.add_parser("plan", help="what to offload, in what order, and the predicted step")
-    plan.add_argument("--params", required=True, help="parameter count, e.g. 30e9")
-    plan.add_argument("--gpu-memory", required=True, help="GPU memory, e.g. '80 GB'")
-    plan.add_argument("--link", required=True, help="host↔GPU bandwidth, e.g. '60 GB/s'")
+    plan.add_argument("--params", help="parameter count, e.g. 30e9 (or --model / --model-config)")
+    plan.add_argument("--model", help="a shipped model config: " + ", ".join(_shipped_models()))
+    plan.add_argument("--model-config", metavar="PATH", help="a Hugging Face config.json to count exactly")
+    plan.add_argument("--gpu-memory", help="GPU memory, e.g. '80 GB' (or from --measured)")
+    plan.add_argument("--link", help="host↔GPU bandwidth per direction, e.g. '25 GB/s' (or from --measured)")
+    plan.add_argument("--measured", metavar="FILE", help="an `offloadlab probe --json` record of this machine")
+    plan.add_argument("--gpus-per-node", type=_positive_int, default=1,
+                      help="GPUs sharing the node's host memory and cores (default 1)")
+    plan.add_argument("--interconnect", help="GPU↔GPU bandwidth per direction, e.g. '450 GB/s' (default: assumed)")
+    plan.add_argument("--gpus-per-link", type=_positive_int, default=1,
+                      help="GPUs sharing one host link, e.g. 2 behind one PCIe switch (default 1)")
     plan.add_argument("--host-memory", help="host memory, e.g. '2 TB' (default: unlimited)")
     plan.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size (default 1)")
     plan.add_argument("--seq", type=_positive_int, default=2048, help="sequence length (default 2048)")
@@ -179,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--comm-fraction", type=float, default=0.0,
                       help="fraction of the step already spent communicating (0–1)")
     plan.add_argument("--emit", choices=["deepspeed", "fsdp"], help="also print an equivalent configuration")
+    plan.add_argument("--accumulation", type=_positive_int, default=1,
+                      help="micro-batches per optimizer step, for --emit (default 1)")
+    plan.add_argument("--nvme", help="plan on NVMe when host memory is short: the drive's sustained rate, e.g. '3 GB/s'")
+    plan.add_argument("--nvme-path", help="with --emit: the folder on the NVMe drive that an NVMe plan offloads to")
     plan.add_argument("--json", action="store_true", help="print a JSON object")
     plan.set_defaults(run=_cmd_plan)
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import budget, memory, overlap
+from . import budget, memory, overlap, sharding
+from .architectures import Architecture
 from .units import (format_bandwidth, format_duration, format_size, parse_bandwidth, parse_count, parse_size,
                     check_positive)
 
-__all__ = ["Workload", "Hardware", "Candidate", "Plan", "PlanReport", "candidates", "plan", "schedule",
-           "deepspeed_config", "fsdp_snippet", "ASSUMED_COMPUTE", "ASSUMED_CPU_ADAM"]
+__all__ = ["Workload", "Hardware", "Candidate", "Plan", "NodePlan", "PlanReport", "candidates", "plan", "schedule",
+           "deepspeed_config", "fsdp_snippet", "ASSUMED_COMPUTE", "ASSUMED_CPU_ADAM", "ASSUMED_INTERCONNECT"]
 
 # Used only when the reader gives no measurement; every report names them as assumptions.
 ASSUMED_COMPUTE = 200e12    # FLOP/s a modern training GPU sustains on bf16 matrix products
@@ -33,6 +34,8 @@ ASSUMED_CPU_ADAM = 100e9 / 28  # params/s: 100 GB/s of host memory at 28 B moved
 WORKSPACE_FRACTION = 0.10   # of GPU memory kept back for the framework, kernels and fragmentation
 HIDDEN_FRACTION = 0.10      # a plan whose GPU waits less than this share of its step counts as hidden
 OFFLOAD_LEVELS = ("nothing", "optimizer", "optimizer+gradients", "optimizer+gradients+parameters")
+ASSUMED_INTERCONNECT = 450e9  # bytes/s each way per GPU: NVLink inside a node, from the book's link table
+BYTES_MOVED_PER_ADAM_PARAM = 28  # host bytes one fused AdamW update reads and writes per parameter
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,14 @@ class Workload:
     heads: int | None = None
     batch: int = 1
     seq: int = 2048
+    architecture: Architecture | None = None
     shape_assumed: bool = field(default=False, init=False)
+
+    @classmethod
+    def of_model(cls, architecture: Architecture, batch: int = 1, seq: int = 2048) -> "Workload":
+        """A workload of a real model's exact parameter count and shape (see :mod:`offloadlab.architectures`)."""
+        return cls(architecture.params, architecture.layers, architecture.hidden, architecture.heads, batch, seq,
+                   architecture)
 
     def __post_init__(self):
         object.__setattr__(self, "params", parse_count(self.params, "params"))
@@ -75,7 +85,17 @@ class Workload:
         return self.layers * kept + full  # checkpoints, plus one layer rebuilt at a time
 
     def layer_params(self) -> float:
-        return self.params / self.layers
+        """Parameters of one transformer layer: exact for a real model, else an equal share of all."""
+        return self.architecture.layer_params if self.architecture else self.params / self.layers
+
+    def root_params(self) -> float:
+        """Parameters outside the layers (embeddings, final norm, head): 0 when only a count is known."""
+        return self.params - self.layers * self.layer_params() if self.architecture else 0.0
+
+    def largest_module_params(self) -> float:
+        """The largest single module (ZeRO-3 gathers one at a time): exact for a real model, else a
+        layer's MLP input projection, 4 h² of the GPT-like shape."""
+        return self.architecture.largest_module_params if self.architecture else 4 * self.hidden ** 2
 
 
 def typical_shape(params: float) -> tuple[int, int, int]:
@@ -98,6 +118,11 @@ class Hardware:
     cpu_adam: float | None = None
     compute: float | None = None
     comm_fraction: float = 0.0
+    gpus_per_node: int = 1
+    interconnect: float | None = None
+    gpus_per_link: int = 1
+    nvme: float | None = None  # sustained NVMe bandwidth (the lower of read and write); None: no NVMe tier
+    sources: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "gpu_memory", parse_size(self.gpu_memory, "gpu_memory"))
@@ -109,6 +134,71 @@ class Hardware:
                 object.__setattr__(self, name, check_positive(getattr(self, name), name))
         if not (isinstance(self.comm_fraction, (int, float)) and 0 <= self.comm_fraction < 1):
             raise ValueError(f"comm_fraction: expected a fraction in [0, 1); got {self.comm_fraction!r}")
+        for name in ("gpus_per_node", "gpus_per_link"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer; got {value!r}")
+        if self.gpus_per_link > self.gpus_per_node:
+            raise ValueError(f"gpus_per_link: expected at most gpus_per_node={self.gpus_per_node}; "
+                             f"got {self.gpus_per_link}")
+        if self.interconnect is not None:
+            object.__setattr__(self, "interconnect", parse_bandwidth(self.interconnect, "interconnect"))
+        if self.nvme is not None:
+            object.__setattr__(self, "nvme", parse_bandwidth(self.nvme, "nvme"))
+
+    def share(self) -> "Hardware":
+        """What one GPU of the node gets when every GPU trains at once: an Nth of host memory and of
+        the CPU-Adam throughput (the cores and their memory bandwidth), and its link divided among
+        the GPUs that share it. On a one-GPU node, the machine itself."""
+        n = self.gpus_per_node
+        if n == 1 and self.gpus_per_link == 1:
+            return self
+        return Hardware(self.gpu_memory, self.link / self.gpus_per_link,
+                        None if self.host_memory is None else self.host_memory / n,
+                        (self.cpu_adam or ASSUMED_CPU_ADAM) / n, self.compute, self.comm_fraction)
+
+    @classmethod
+    def from_probe(cls, record: dict, **given) -> "Hardware":
+        """Hardware from an ``offloadlab probe --json`` record; values in ``given`` (not None) win.
+
+        Taken from the record: GPU memory (the accelerator's reported capacity), host memory, the
+        host → GPU link (the α–β fit of the pinned sweep) and a CPU-Adam rate derived from the
+        measured host memory bandwidth at 28 bytes moved per parameter. ``sources`` says where each
+        came from; an emulated link (a machine without a GPU) is labelled so.
+        """
+        try:
+            machine, ladder = record["machine"], record["ladder"]
+            links = {row["name"]: row for row in ladder["links"]}
+            tiers = {row["name"]: row for row in ladder["tiers"]}
+        except (KeyError, TypeError):
+            raise ValueError("measured: expected an `offloadlab probe --json` record with 'machine' and 'ladder'; "
+                             "got something else") from None
+        values, sources = {}, {}
+        up = links.get("host → GPU")
+        if up and up.get("bandwidth_bytes_per_s"):
+            values["link"] = up["bandwidth_bytes_per_s"]
+            sources["link"] = f"link {format_bandwidth(values['link'])} ({up['source']}: α–β fit of the probe's sweep)"
+        gpu = (machine.get("accelerator") or {}).get("memory_bytes")
+        if gpu:
+            values["gpu_memory"] = gpu
+            sources["gpu_memory"] = f"GPU memory {format_size(gpu)} (as the card reports it)"
+        if machine.get("host_memory_bytes"):
+            values["host_memory"] = machine["host_memory_bytes"]
+            sources["host_memory"] = f"host memory {format_size(values['host_memory'])} (the probed machine's)"
+        host = tiers.get("host memory") or {}
+        if host.get("bandwidth_bytes_per_s"):
+            values["cpu_adam"] = host["bandwidth_bytes_per_s"] / BYTES_MOVED_PER_ADAM_PARAM
+            sources["cpu_adam"] = (f"CPU Adam {values['cpu_adam'] / 1e9:.2f} G params/s (derived: measured host "
+                                   f"memory bandwidth ÷ {BYTES_MOVED_PER_ADAM_PARAM} B per parameter)")
+        for name, value in given.items():
+            if value is not None:
+                values[name] = value
+                sources.pop(name, None)  # given explicitly: not from the record
+        for name in ("gpu_memory", "link"):
+            if name not in values:
+                raise ValueError(f"measured: the record has no {name.replace('_', ' ')}; "
+                                 f"pass --{name.replace('_', '-')}")
+        return cls(**values, sources=tuple(sources.values()))
 
     @property
     def assumptions(self) -> list[str]:
@@ -120,6 +210,9 @@ class Hardware:
             said.append(f"CPU Adam {ASSUMED_CPU_ADAM / 1e9:.1f} G params/s (assumed; pass --cpu-adam)")
         if self.host_memory is None:
             said.append("host memory unlimited (not given)")
+        if self.gpus_per_node > 1 and self.interconnect is None:
+            said.append(f"interconnect {format_bandwidth(ASSUMED_INTERCONNECT)} each way per GPU (assumed: NVLink; "
+                        f"pass --interconnect)")
         return said
 
 
@@ -312,6 +405,194 @@ def _plan(work: Workload, hw: Hardware, offload: str, recompute: bool, duplex="f
                 t_cpu, t_step, t_delayed, usable, hw.host_memory)
 
 
+_NVME_NOTE = ("host memory cannot hold the offloaded state, so the plan keeps it on NVMe (ZeRO-Infinity): each "
+              "step reads and writes it at the drive's speed, and a drive rated for a few full writes a day wears "
+              "out in weeks at that rate (chapter 8)")
+
+# The node's candidates, simplest first: on a tie the simpler one is chosen.
+NODE_CANDIDATES = [(strategy, offload) for strategy in sharding.STRATEGIES for offload in sharding.OFFLOADS
+                   if sharding.valid(strategy, offload)]
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One plan for one GPU of an N-GPU node: how state is sharded and offloaded, and its step.
+
+    Bytes are per GPU (``host_bytes`` is this GPU's share; the node holds N times as much). The
+    step model: collectives that run during forward and backward (weight gathers, gradient
+    reductions) and the link's traffic in those passes overlap compute, each on its own wire;
+    after backward come the CPU update of this GPU's shard on its Nth of the cores — DeepSpeed
+    copies each updated tile up while the next is computed, so that phase lasts as long as the
+    longer of the two — and ZeRO-1/2's all-gather of the new weights. The GPU's own Adam update
+    (memory-bound, milliseconds) is left out.
+    """
+
+    layout: sharding.Layout
+    recompute: bool
+    gpu_bytes: float
+    t_compute: float
+    t_interconnect: float
+    t_interconnect_after: float
+    t_transfer: float
+    t_upload_after: float
+    t_cpu: float
+    gpu_usable: float
+    host_memory: float | None
+    t_nvme_passes: float = 0.0
+    t_nvme_after: float = 0.0
+    t_step_delayed = None
+
+    @property
+    def strategy(self) -> str:
+        return self.layout.strategy
+
+    @property
+    def offload(self) -> str:
+        return self.layout.offload
+
+    @property
+    def host_bytes(self) -> float:
+        return self.layout.host_bytes
+
+    @property
+    def h2d_bytes(self) -> float:
+        return self.layout.h2d_bytes
+
+    @property
+    def d2h_bytes(self) -> float:
+        return self.layout.d2h_bytes
+
+    @property
+    def fits_gpu(self) -> bool:
+        return self.gpu_bytes <= self.gpu_usable
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_memory is None or self.host_bytes <= self.host_memory
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+    @property
+    def step(self) -> float:
+        """Predicted seconds per step: the overlapped passes, then the update and what follows it."""
+        passes = max(self.t_compute, self.t_interconnect, self.t_transfer, self.t_nvme_passes)
+        return passes + max(self.t_cpu + self.t_nvme_after, self.t_upload_after) + self.t_interconnect_after
+
+    @property
+    def waiting(self) -> float:
+        return self.step - self.t_compute
+
+    @property
+    def binding(self) -> str:
+        """What limits this plan: the memory it does not fit, or what its step waits on."""
+        if not self.fits_gpu:
+            return f"GPU memory: needs {format_size(self.gpu_bytes)} of the {format_size(self.gpu_usable)} usable"
+        if not self.fits_host:
+            return (f"host memory: needs {format_size(self.host_bytes)} per GPU of the "
+                    f"{format_size(self.host_memory)} that is each GPU's share")
+        if self.waiting <= HIDDEN_FRACTION * self.step:
+            return "compute: collectives and transfers hide behind it"
+        share = f"of a {format_duration(self.step)} step, {format_duration(self.t_compute)} of it compute"
+        waits = {"the interconnect": max(0.0, self.t_interconnect - self.t_compute) + self.t_interconnect_after,
+                 "the link": max(0.0, self.t_transfer - max(self.t_compute, self.t_interconnect))
+                 + max(0.0, self.t_upload_after - self.t_cpu),
+                 "the CPU": self.t_cpu,
+                 "the NVMe drive": max(0.0, self.t_nvme_passes - max(self.t_compute, self.t_interconnect,
+                                                                      self.t_transfer)) + self.t_nvme_after}
+        worst = max(waits, key=waits.get)
+        what = {"the interconnect": f"collectives take {format_duration(self.t_interconnect + self.t_interconnect_after)}",
+                "the link": f"transfers take {format_duration(self.t_transfer + self.t_upload_after)}",
+                "the CPU": f"its update of this GPU's shard takes {format_duration(self.t_cpu)} on an Nth of the cores",
+                "the NVMe drive": f"reading and writing the state takes "
+                                  f"{format_duration(self.t_nvme_passes + self.t_nvme_after)}"}
+        return f"{worst}: {what[worst]} {share}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout.name}, activations {'recomputed' if self.recompute else 'kept'}"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "strategy": self.strategy, "offload": self.offload, "recompute": self.recompute,
+                "gpus": self.layout.gpus, "gpu_bytes": self.gpu_bytes, "host_bytes_per_gpu": self.host_bytes,
+                "host_bytes_per_node": self.host_bytes * self.layout.gpus,
+                "bytes_per_direction": {"h2d": self.h2d_bytes, "d2h": self.d2h_bytes},
+                "interconnect_bytes_per_gpu": self.layout.interconnect_bytes,
+                "t_compute_s": self.t_compute, "t_interconnect_s": self.t_interconnect + self.t_interconnect_after,
+                "t_transfer_s": self.t_transfer + self.t_upload_after, "t_cpu_s": self.t_cpu,
+                "nvme_bytes_per_gpu": self.layout.nvme_bytes, "t_nvme_s": self.t_nvme_passes + self.t_nvme_after,
+                "step_s": self.step,
+                "waiting_s": self.waiting, "fits": self.fits, "fits_gpu": self.fits_gpu, "fits_host": self.fits_host,
+                "binding": self.binding}
+
+
+def _node_plan(work: Workload, hw: Hardware, strategy: str, offload: str, recompute: bool, duplex="full",
+               recipe: str = memory.DEFAULT_RECIPE, nvme: bool = False) -> NodePlan:
+    """One GPU's plan on an N-GPU node (data parallel: each GPU its own micro-batch of ``work``);
+    with ``nvme``, ZeRO-Infinity's layout on the node's NVMe drive (shared by its GPUs)."""
+    n, mine = hw.gpus_per_node, hw.share()
+    if nvme:
+        parts = sharding.nvme_layout(work.params, n, largest_module=work.largest_module_params(), recipe=recipe)
+    else:
+        parts = sharding.layout(strategy, offload, work.params, n, largest_module=work.largest_module_params(),
+                                block_params=work.layer_params(), root_params=work.root_params(), recipe=recipe)
+    gpu = parts.gpu_bytes + work.activation_bytes(recompute)
+    net = hw.interconnect or ASSUMED_INTERCONNECT
+    both, _ = budget.both_directions_rate(mine.link, duplex)
+    # With only the optimizer offloaded the new weights go up after the update; with parameters
+    # offloaded they stay on the host and come up with the next step's gathers.
+    after_update = parts.h2d_bytes if offload == "optimizer" else 0.0
+    t_compute = (8 if recompute else 6) * work.params * work.tokens / (hw.compute or ASSUMED_COMPUTE)
+    drive = (hw.nvme or float("inf")) / n  # the drive's sustained rate, shared by the node's GPUs
+    return NodePlan(parts, recompute, gpu, t_compute, parts.interconnect_overlapped / net,
+                    parts.interconnect_after / net,
+                    budget.link_seconds(parts.h2d_bytes - after_update, parts.d2h_bytes, mine.link, both),
+                    after_update / mine.link, parts.cpu_params / (mine.cpu_adam or ASSUMED_CPU_ADAM),
+                    hw.gpu_memory * (1 - WORKSPACE_FRACTION), mine.host_memory,
+                    parts.nvme_during_passes / drive, parts.nvme_after / drive)
+
+
+def _nvme_plans(work: Workload, hw: Hardware, duplex: str, recipe: str) -> list[NodePlan]:
+    """ZeRO-Infinity on NVMe, activations kept or recomputed: the tier after host memory."""
+    return [_node_plan(work, hw, "zero3", "optimizer+parameters", recompute, duplex, recipe, nvme=True)
+            for recompute in (False, True)]
+
+
+def _plan_node(work: Workload, hw: Hardware, duplex: str, recipe: str) -> tuple[list[NodePlan], NodePlan | None,
+                                                                                  NodePlan | None, list[str]]:
+    """Every sharding and offload choice on the node; the fastest that fits (the simpler on a tie)."""
+    plans = [_node_plan(work, hw, strategy, offload, recompute, duplex, recipe)
+             for strategy, offload in NODE_CANDIDATES for recompute in (False, True)]
+    fitting = sorted((p for p in plans if p.fits), key=lambda p: p.step)
+    warnings = []
+    if not fitting and hw.nvme:  # the next tier: NVMe, at its speed
+        plans += _nvme_plans(work, hw, duplex, recipe)
+        fitting = sorted((p for p in plans if p.fits), key=lambda p: p.step)
+        if fitting:
+            warnings.append(_NVME_NOTE)
+    chosen = fitting[0] if fitting else None
+    runner_up = fitting[1] if len(fitting) > 1 else None
+    if chosen is None:
+        least = min(plans, key=lambda p: p.gpu_bytes)
+        warnings.append(f"nothing fits on {hw.gpus_per_node} GPUs: {least.binding} even with {least.name}; "
+                        f"add GPUs or nodes, or offload to NVMe")
+    else:
+        alone = [p for p in fitting if p.strategy == "ddp"]
+        if alone and chosen.strategy != "ddp":
+            warnings.append(f"offloading alone ({alone[0].name}) would take {format_duration(alone[0].step)} a step "
+                            f"and {format_size(alone[0].host_bytes * hw.gpus_per_node)} of host memory: every GPU "
+                            f"keeps and updates a whole copy")
+        if chosen.t_cpu:
+            warnings.append("each rank's CPU update runs on its Nth of the cores: bind its threads and its pinned "
+                            "buffers to the NUMA node next to its GPU (numactl, or DeepSpeed's --bind_cores_to_rank); "
+                            "across sockets both slow down")
+        if hw.comm_fraction >= 0.3 and chosen.offload != "none":
+            warnings.append(f"offload is the wrong tool here: the run already spends {hw.comm_fraction:.0%} of its "
+                            f"step on communication; offload adds traffic — move less instead")
+    return plans, chosen, runner_up, warnings
+
+
 @dataclass
 class PlanReport:
     """The chosen plan, the runner-up, every plan considered, and what to say about them."""
@@ -354,6 +635,15 @@ class PlanReport:
             lines.append(f"  step ≈ {format_duration(c.step)}: compute {format_duration(c.t_compute)}, then the GPU "
                          f"waits {format_duration(c.waiting)} (link {format_duration(c.t_transfer)}, "
                          f"CPU update {format_duration(c.t_cpu)}, overlapped where the order allows)")
+            if isinstance(c, NodePlan):
+                n, net = c.layout.gpus, self.hardware.interconnect or ASSUMED_INTERCONNECT
+                lines.append(f"  each of the {n} GPUs: collectives carry {format_size(c.layout.interconnect_bytes)} per "
+                             f"step ((N−1)/N of each gathered or reduced tensor) over {format_bandwidth(net)}: "
+                             f"{format_duration(c.t_interconnect + c.t_interconnect_after)}; host "
+                             f"{format_size(c.host_bytes * n)} for the node")
+                if c.layout.nvme_bytes:
+                    lines.append(f"  NVMe: {format_size(c.layout.nvme_bytes * n)} on the drive, "
+                                 f"{format_duration(c.t_nvme_passes + c.t_nvme_after)} of reads and writes per step")
             if c.t_step_delayed is not None:
                 lines.append(f"  with a delayed parameter update (weights one step old): step ≈ "
                              f"{format_duration(c.t_step_delayed)}")
@@ -384,9 +674,19 @@ def plan(work: Workload, hw: Hardware, *, duplex="full", recipe: str = memory.DE
     """
     recipe = memory.get_recipe(recipe).name
     budget.both_directions_rate(hw.link, duplex)  # refuse a bad duplex before planning
+    if hw.gpus_per_node > 1:
+        node_plans, chosen, runner_up, warnings = _plan_node(work, hw, duplex, recipe)
+        return PlanReport(work, hw, node_plans, chosen, runner_up, candidates(work, recipe), warnings, duplex, recipe)
     plans = [_plan(work, hw, level, recompute, duplex, recipe, clipping)
              for level in OFFLOAD_LEVELS for recompute in (False, True)]
     fitting = sorted((p for p in plans if p.fits), key=lambda p: (p.level, p.step))
+    if not fitting and hw.nvme and any(p.fits_gpu for p in plans):  # host memory is short: the next tier, NVMe
+        on_drive = [p for p in _nvme_plans(work, hw, duplex, recipe) if p.fits]
+        if on_drive:
+            plans += on_drive
+            best, *rest = sorted(on_drive, key=lambda p: p.step)
+            return PlanReport(work, hw, plans, best, rest[0] if rest else None, candidates(work, recipe),
+                              [_NVME_NOTE], duplex, recipe)
     chosen = fitting[0] if fitting else None
     others = sorted((p for p in fitting[1:]), key=lambda p: p.step)
     runner_up = others[0] if others else None
@@ -402,7 +702,8 @@ def plan(work: Workload, hw: Hardware, *, duplex="full", recipe: str = memory.DE
             warnings.append(f"nothing fits: the GPU holds it once {least.offload} are offloaded "
                             f"({format_size(least.gpu_bytes)} of {format_size(least.gpu_usable)}), but host memory "
                             f"does not: that needs {format_size(least.host_bytes)} of host memory against "
-                            f"{format_size(hw.host_memory)}; the next tier, NVMe, can hold it at a lower speed")
+                            f"{format_size(hw.host_memory)}; the next tier, NVMe, can hold it at a lower speed"
+                            + ("" if hw.nvme else " (give the drive's bandwidth, --nvme, to plan on it)"))
     elif chosen.level == 0:
         warnings.append("offload is not needed: the whole state fits on the GPU")
     else:
@@ -415,48 +716,16 @@ def plan(work: Workload, hw: Hardware, *, duplex="full", recipe: str = memory.DE
     return PlanReport(work, hw, plans, chosen, runner_up, candidates(work, recipe), warnings, duplex, recipe)
 
 
+# Chapter 5 calls these two; the emission itself lives in offloadlab.engines, which new code calls.
 def deepspeed_config(report: PlanReport) -> dict:
-    """The DeepSpeed ZeRO configuration of the chosen plan (offload_optimizer / offload_param)."""
-    if report.chosen is None:
-        raise ValueError("report: nothing fits, so there is no configuration to emit")
-    level = report.chosen.level
-    zero = {"stage": 3 if level == 3 else (2 if level else 0)}
-    if level >= 1:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        zero["contiguous_gradients"] = True
-        zero["overlap_comm"] = True
-    if level == 3:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {"train_micro_batch_size_per_gpu": report.work.batch, "gradient_accumulation_steps": 1,
-            "bf16": {"enabled": True}, "zero_optimization": zero,
-            "activation_checkpointing": {"partition_activations": False,
-                                         "contiguous_memory_optimization": False} if report.chosen.recompute else {}}
+    """The DeepSpeed config of the chosen plan (see :func:`offloadlab.engines.deepspeed_config`)."""
+    from . import engines
+
+    return engines.deepspeed_config(engines.setup(report))
 
 
 def fsdp_snippet(report: PlanReport) -> str:
-    """An FSDP2 snippet with CPU offload for the chosen plan (parameters, gradients and optimizer)."""
-    if report.chosen is None:
-        raise ValueError("report: nothing fits, so there is no configuration to emit")
-    lines = [
-        "# FSDP2: shard each block and the root. CPUOffloadPolicy keeps parameters, gradients and",
-        "# optimizer state in pinned host memory and runs the optimizer step on the CPU: FSDP2 has",
-        "# only this all-in offload; for optimizer-only offload use DeepSpeed's offload_optimizer",
-        "# or offloadlab's CPUOffloadAdam.",
-        "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard",
-        "",
-        "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
-    ]
-    if report.chosen.level == 0:
-        lines.append("offload = None  # the plan needs no offload")
-    else:
-        lines.append("offload = CPUOffloadPolicy(pin_memory=True)")
-    lines += [
-        "kwargs = {'mp_policy': mp} if offload is None else {'mp_policy': mp, 'offload_policy': offload}",
-        "for block in model.blocks:",
-        "    fully_shard(block, **kwargs)",
-        "fully_shard(model, **kwargs)",
-        "optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)",
-    ]
-    if report.chosen.recompute:
-        lines.insert(3, "# activations: wrap each block with torch.utils.checkpoint (the plan recomputes them)")
-    return "\n".join(lines)
+    """The FSDP2 snippet of the chosen plan (see :func:`offloadlab.engines.fsdp_snippet`)."""
+    from . import engines
+
+    return engines.fsdp_snippet(engines.setup(report))

@@ -26,7 +26,7 @@ from .units import (format_bandwidth, format_duration, format_size, parse_bandwi
                     check_positive)
 
 __all__ = ["Workload", "Hardware", "Candidate", "Plan", "NodePlan", "PlanReport", "candidates", "plan", "schedule",
-           "deepspeed_config", "fsdp_snippet", "ASSUMED_COMPUTE", "ASSUMED_CPU_ADAM", "ASSUMED_INTERCONNECT"]
+           "ASSUMED_COMPUTE", "ASSUMED_CPU_ADAM", "ASSUMED_INTERCONNECT"]
 
 # Used only when the reader gives no measurement; every report names them as assumptions.
 ASSUMED_COMPUTE = 200e12    # FLOP/s a modern training GPU sustains on bf16 matrix products
@@ -717,15 +717,3 @@ def plan(work: Workload, hw: Hardware, *, duplex="full", recipe: str = memory.DE
 
 
 # Chapter 5 calls these two; the emission itself lives in offloadlab.engines, which new code calls.
-def deepspeed_config(report: PlanReport) -> dict:
-    """The DeepSpeed config of the chosen plan (see :func:`offloadlab.engines.deepspeed_config`)."""
-    from . import engines
-
-    return engines.deepspeed_config(engines.setup(report))
-
-
-def fsdp_snippet(report: PlanReport) -> str:
-    """The FSDP2 snippet of the chosen plan (see :func:`offloadlab.engines.fsdp_snippet`)."""
-    from . import engines
-
-    return engines.fsdp_snippet(engines.setup(report))

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from offloadlab import memory, planner
+from offloadlab import engines, memory, planner
 
 
 def report(params, gpu="80 GB", link="60 GB/s", host="2 TB", **kw):
@@ -41,7 +41,7 @@ def test_nothing_fits():
     host_too_small = report(30e9, host="64 GB", batch=1, seq=1024)
     assert host_too_small.chosen is None and "NVMe" in host_too_small.warnings[0]
     with pytest.raises(ValueError, match="^report: nothing fits"):
-        planner.deepspeed_config(host_too_small)
+        engines.deepspeed_config(engines.setup(host_too_small))
 
 
 def test_400b_fails_on_host_memory_not_on_the_gpu():
@@ -142,14 +142,14 @@ def test_typical_shape_matches_gpt3():
 
 
 def test_deepspeed_and_fsdp_emission():
-    optimizer_only = planner.deepspeed_config(report(7e9, batch=1, seq=1024, compute=400e12, cpu_adam=10e9))
+    optimizer_only = engines.deepspeed_config(engines.setup(report(7e9, batch=1, seq=1024, compute=400e12, cpu_adam=10e9)))
     zero = optimizer_only["zero_optimization"]
     assert zero["stage"] == 2 and zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert "offload_param" not in zero
     everything = report(40e9, layers=48, hidden=8192, heads=64, batch=1, seq=1024)
-    zero3 = planner.deepspeed_config(everything)["zero_optimization"]
+    zero3 = engines.deepspeed_config(engines.setup(everything))["zero_optimization"]
     assert zero3["stage"] == 3 and zero3["offload_param"]["pin_memory"] is True
-    snippet = planner.fsdp_snippet(everything)
+    snippet = engines.fsdp_snippet(engines.setup(everything))
     assert "CPUOffloadPolicy(pin_memory=torch.cuda.is_available())" in snippet
     compile(snippet, "<fsdp>", "exec")  # tests/test_engines.py validates and runs what engines emit
 

@@ -18,6 +18,7 @@ FLOP/s, parameters/s.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from . import budget, memory, overlap, sharding
@@ -26,7 +27,8 @@ from .units import (format_bandwidth, format_duration, format_size, parse_bandwi
                     check_positive)
 
 __all__ = ["Workload", "Hardware", "Candidate", "Plan", "NodePlan", "PlanReport", "candidates", "plan", "schedule",
-           "ASSUMED_COMPUTE", "ASSUMED_CPU_ADAM", "ASSUMED_INTERCONNECT"]
+           "ASSUMED_COMPUTE", "ASSUMED_CPU_ADAM", "ASSUMED_INTERCONNECT",
+           "ASSUMED_NVME"]
 
 # Used only when the reader gives no measurement; every report names them as assumptions.
 ASSUMED_COMPUTE = 200e12    # FLOP/s a modern training GPU sustains on bf16 matrix products
@@ -35,6 +37,10 @@ WORKSPACE_FRACTION = 0.10   # of GPU memory kept back for the framework, kernels
 HIDDEN_FRACTION = 0.10      # a plan whose GPU waits less than this share of its step counts as hidden
 OFFLOAD_LEVELS = ("nothing", "optimizer", "optimizer+gradients", "optimizer+gradients+parameters")
 ASSUMED_INTERCONNECT = 450e9  # bytes/s each way per GPU: NVLink inside a node, from the book's link table
+# Sustained bytes/s of a data-centre NVMe drive, the lower of read and write (writes sustain less than
+# the 7 GB/s read figure drives are sold on; chapter 8): used only to say what the next tier would
+# give when nothing fits in host memory and no drive was given.
+ASSUMED_NVME = 2e9
 BYTES_MOVED_PER_ADAM_PARAM = 28  # host bytes one fused AdamW update reads and writes per parameter
 
 
@@ -637,10 +643,11 @@ class PlanReport:
                          f"CPU update {format_duration(c.t_cpu)}, overlapped where the order allows)")
             if isinstance(c, NodePlan):
                 n, net = c.layout.gpus, self.hardware.interconnect or ASSUMED_INTERCONNECT
-                lines.append(f"  each of the {n} GPUs: collectives carry {format_size(c.layout.interconnect_bytes)} per "
-                             f"step ((N−1)/N of each gathered or reduced tensor) over {format_bandwidth(net)}: "
-                             f"{format_duration(c.t_interconnect + c.t_interconnect_after)}; host "
-                             f"{format_size(c.host_bytes * n)} for the node")
+                if n > 1:
+                    lines.append(f"  each of the {n} GPUs: collectives carry {format_size(c.layout.interconnect_bytes)} "
+                                 f"per step ((N−1)/N of each gathered or reduced tensor) over {format_bandwidth(net)}: "
+                                 f"{format_duration(c.t_interconnect + c.t_interconnect_after)}; host "
+                                 f"{format_size(c.host_bytes * n)} for the node")
                 if c.layout.nvme_bytes:
                     lines.append(f"  NVMe: {format_size(c.layout.nvme_bytes * n)} on the drive, "
                                  f"{format_duration(c.t_nvme_passes + c.t_nvme_after)} of reads and writes per step")
@@ -704,6 +711,14 @@ def plan(work: Workload, hw: Hardware, *, duplex="full", recipe: str = memory.DE
                             f"does not: that needs {format_size(least.host_bytes)} of host memory against "
                             f"{format_size(hw.host_memory)}; the next tier, NVMe, can hold it at a lower speed"
                             + ("" if hw.nvme else " (give the drive's bandwidth, --nvme, to plan on it)"))
+        if not hw.nvme and any(p.fits_gpu for p in plans):  # what the next tier would give, at an assumed rate
+            on_drive = [p for p in _nvme_plans(work, dataclasses.replace(hw, nvme=ASSUMED_NVME), duplex, recipe)
+                        if p.fits]
+            if on_drive:
+                best = min(on_drive, key=lambda p: p.step)
+                warnings.append(f"on an NVMe drive sustaining {format_bandwidth(ASSUMED_NVME)} (an assumption) it "
+                                f"would fit, at {format_duration(best.step)} a step ({best.name}); pass --nvme with "
+                                f"your drive's rate (`offloadlab probe --disk FOLDER` measures it) to plan on it")
     elif chosen.level == 0:
         warnings.append("offload is not needed: the whole state fits on the GPU")
     else:
@@ -714,6 +729,3 @@ def plan(work: Workload, hw: Hardware, *, duplex="full", recipe: str = memory.DE
             warnings.append("offload makes this run bandwidth-bound: a larger batch, a faster link or more GPUs "
                             "(sharding instead of offloading) would serve it better")
     return PlanReport(work, hw, plans, chosen, runner_up, candidates(work, recipe), warnings, duplex, recipe)
-
-
-# Chapter 5 calls these two; the emission itself lives in offloadlab.engines, which new code calls.

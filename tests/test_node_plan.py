@@ -78,6 +78,7 @@ def test_nvme_is_planned_only_when_the_drive_is_given():
     small_host = dict(host_memory="64 GB")
     without = planner.plan(eight_b, planner.Hardware("24 GB", "25 GB/s", **small_host))
     assert without.chosen is None and "--nvme" in without.warnings[0]
+    assert "assumption" in without.warnings[1] and "would fit" in without.warnings[1]  # the next tier's what-if
     drive = planner.plan(eight_b, planner.Hardware("24 GB", "25 GB/s", nvme="3 GB/s", **small_host))
     assert drive.chosen.layout.nvme_bytes == pytest.approx(18 * eight_b.params)  # ZeRO-3's 18 B on the drive
     assert drive.chosen.binding.startswith("the NVMe drive") and "NVMe" in drive.warnings[0]
@@ -121,6 +122,8 @@ def test_plan_a_real_model_exactly():
     payload = json.loads(offloadlab(*EIGHT_B, "--json").stdout)
     assert payload["params"] == 8_030_261_248 and payload["model"]["kv_heads"] == 8
     assert payload["chosen"] is None  # 96 GB of fp32 optimizer state cannot live in 64 GB of host memory
+    refused = offloadlab(*EIGHT_B, "--emit", "deepspeed")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "nothing fits" in refused.stderr
     text = offloadlab(*EIGHT_B, "--nvme", "3 GB/s", "--emit", "deepspeed")
     assert text.returncode == 0, text.stderr
     assert "8,030,261,248 parameters" in text.stdout and "to NVMe" in text.stdout

@@ -14,7 +14,7 @@ LAB_ROOT    := $(if $(filter 0,$(shell id -u)),--allow-root)
 OVERRIDES   := $(VENV)/share/jupyter/lab/settings/overrides.json
 MATHJAX     := book/_static/mathjax
 
-.PHONY: env lab test book book-student student gpu-check clean
+.PHONY: env lab test book book-student student gpu-check format clean
 
 ## env: create the environment if missing, install or update everything in it
 env:
@@ -48,6 +48,11 @@ student: env
 ## (and reference data in offloadlab/reference); without a GPU, the CPU parts only
 gpu-check: env
 	$(PY) -m offloadlab.gpucheck --out build/gpu-check
+
+## format: rewrite every chapter and lab to the exact text Jupytext writes for it, so that saving
+## in JupyterLab changes nothing (metadata and wrapping only; run it after merging edits)
+format: env
+	$(PY) tools/format_notebooks.py
 
 # MathJax served from the site itself, so pages render math offline (needs Node.js's npm once).
 $(MATHJAX)/tex-chtml.js:

@@ -24,9 +24,10 @@ env:
 	@# Open the Jupytext .md chapters as notebooks by default in JupyterLab.
 	install -D -m 644 etc/jupyterlab-overrides.json $(OVERRIDES)
 
-## lab: start JupyterLab on the book, chapter 1 open as a notebook
+## lab: start JupyterLab on the book; the URL it prints opens chapter 1 as a notebook
+## (etc/jupyter_server_config.json: rooted at book/, the site's build files hidden)
 lab: env
-	$(VENV)/bin/jupyter lab $(LAB_ROOT) book/01_memory_wall.md
+	$(VENV)/bin/jupyter lab $(LAB_ROOT) --config=etc/jupyter_server_config.json
 
 ## test: unit tests, every chapter and lab through nbval, the static site and its browser checks
 test: env $(MATHJAX)/tex-chtml.js

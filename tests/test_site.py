@@ -17,6 +17,8 @@ from tests.conftest import ROOT, SITE
 
 SCREENSHOTS = ROOT / "book" / "_build" / "screenshots"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 class _Sources(HTMLParser):
@@ -85,9 +87,7 @@ def test_every_page_renders_in_chromium(built_site, served):
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     problems = []
     with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         for path in pages(built_site):
             url = f"{served}/{path.relative_to(built_site).as_posix()}"

@@ -49,11 +49,11 @@ def notebooks(root: Path = ROOT) -> list[Path]:
 
 
 def lab_kernelspec() -> dict:
-    """The kernelspec JupyterLab writes for ipykernel's default Python kernel."""
+    """The kernelspec JupyterLab writes for ipykernel's default Python kernel, keys in Lab's order."""
     from ipykernel.kernelspec import KERNEL_NAME, get_kernel_dict
 
     spec = get_kernel_dict()
-    return {"display_name": spec["display_name"], "language": spec["language"], "name": KERNEL_NAME}
+    return {"name": KERNEL_NAME, "display_name": spec["display_name"], "language": spec["language"]}
 
 
 def hide_solutions(notebook) -> None:

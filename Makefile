@@ -14,7 +14,7 @@ LAB_ROOT    := $(if $(filter 0,$(shell id -u)),--allow-root)
 OVERRIDES   := $(VENV)/share/jupyter/lab/settings/overrides.json
 MATHJAX     := book/_static/mathjax
 
-.PHONY: env lab test book book-student student gpu-check format clean
+.PHONY: env lab test book book-student pdf student gpu-check format clean
 
 ## env: create the environment if missing, install or update everything in it
 env:
@@ -40,6 +40,12 @@ book: env $(MATHJAX)/tex-chtml.js
 ## book-student: the same site without the exercises' solutions, into book/_build/student
 book-student: env $(MATHJAX)/tex-chtml.js
 	OFFLOADLAB_STUDENT=1 $(PY) -m sphinx $(SPHINXOPTS) -b html book book/_build/student
+
+## pdf: the whole book as one PDF, book/_build/pdf/offloadlab.pdf: Chromium prints the single-page
+## build (needs Debian's chromium); a `make book` after it links the PDF from every page
+pdf: env $(MATHJAX)/tex-chtml.js
+	$(PY) -m sphinx $(SPHINXOPTS) -b singlehtml book book/_build/singlehtml
+	$(PY) tools/print_pdf.py book/_build/singlehtml book/_build/pdf/offloadlab.pdf
 
 ## student: the labs with their solutions replaced by stubs, into build/student (no nbgrader needed)
 student: env

@@ -159,6 +159,12 @@ def ship_the_pdf(app):
 
 
 def setup(app):
+    # myst-nb draws folded cells (the labs' answers, tag hide-input) for the html builder only;
+    # the single-page build that `make pdf` prints uses the same HTML for them.
+    from myst_nb.sphinx_ import HideCodeCellNode, depart_HideCellInput, visit_HideCellInput
+
+    app.add_node(HideCodeCellNode, override=True, html=(visit_HideCellInput, depart_HideCellInput),
+                 singlehtml=(visit_HideCellInput, depart_HideCellInput))
     app.connect("builder-inited", ship_the_pdf)
     app.connect("env-get-updated", number_exercises_per_page, priority=900)  # after Sphinx numbers them
     app.connect("doctree-resolved", alt_text_from_captions)

@@ -57,9 +57,11 @@ gpu-check: env
 	$(PY) -m offloadlab.gpucheck --out build/gpu-check
 
 ## format: rewrite every chapter and lab to the exact text Jupytext writes for it, so that saving
-## in JupyterLab changes nothing (metadata and wrapping only; run it after merging edits)
+## in JupyterLab changes nothing (metadata and wrapping only), and give each {ref} to a heading
+## its link text, which Lab shows in place of a warning (the site's text stays the same)
 format: env
 	$(PY) tools/format_notebooks.py
+	$(PY) tools/lab_references.py
 
 # MathJax served from the site itself, so pages render math offline (needs Node.js's npm once).
 $(MATHJAX)/tex-chtml.js:

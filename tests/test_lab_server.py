@@ -44,12 +44,12 @@ class LabServer:
 @pytest.fixture(scope="module")
 def lab_server(tmp_path_factory):
     """JupyterLab started with the Makefile's configuration and the settings `make env` installs."""
-    settings = tmp_path_factory.mktemp("lab-settings")
+    settings, workspaces = tmp_path_factory.mktemp("lab-settings"), tmp_path_factory.mktemp("lab-workspaces")
     shutil.copy(ROOT / "etc" / "jupyterlab-overrides.json", settings / "overrides.json")
     port = free_port()
     command = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
                f"--config={SERVER_CONFIG}", f"--IdentityProvider.token={TOKEN}", "--ServerApp.open_browser=False",
-               f"--LabApp.app_settings_dir={settings}"]
+               f"--LabApp.app_settings_dir={settings}", f"--LabApp.workspaces_dir={workspaces}"]
     if os.geteuid() == 0:
         command.append("--allow-root")
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -138,8 +138,8 @@ def lab_page(lab_server):
 
 
 def open_in_lab(page, base: str, path: str) -> None:
-    """Open ``path`` in Lab as a reader does, and wait until its kernel is idle."""
-    page.goto(f"{base}/lab/tree/{path}?token={TOKEN}", wait_until="domcontentloaded", timeout=120_000)
+    """Open ``path`` in Lab as a reader does, alone (a reset workspace), and wait until its kernel is idle."""
+    page.goto(f"{base}/lab/tree/{path}?reset&token={TOKEN}", wait_until="domcontentloaded", timeout=120_000)
     page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-MarkdownCell", timeout=120_000)
     page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator[data-status='idle']",
                            timeout=120_000)
@@ -178,3 +178,18 @@ def test_lab_solutions_are_folded_until_asked_for(lab_server, lab_page):
     hidden.first.click()  # a reader asks for the answer
     shown_answers.first.wait_for(timeout=10_000)
 
+
+
+def test_references_read_as_text_in_lab(lab_server, lab_page):
+    """jupyterlab-myst resolves no reference across notebooks (it still logs "Cross reference target
+    was not found"); a reference given its text shows that text as a link, not the label with a
+    warning sign."""
+    open_in_lab(lab_page, lab_server.base, "labs/lab03_hide_a_transfer.md")
+    notebook = lab_page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+    link = notebook.locator(".jp-MarkdownCell a", has_text="3. The overlap-vs-stall condition").first
+    link.wait_for(timeout=30_000)
+    link.scroll_into_view_if_needed()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    lab_page.screenshot(path=str(SCREENSHOTS / "lab03_references_in_jupyterlab.png"))
+    rendered = " ".join(notebook.locator(".jp-MarkdownCell").all_inner_texts())  # what the reader sees
+    assert "ch-overlap" not in rendered

@@ -37,6 +37,13 @@ def test_sources_are_formatted(path):
     assert format_notebooks.formatted(path) == path.read_text(encoding="utf-8"), "run `make format`"
 
 
+def test_references_to_headings_carry_their_text():
+    """So that JupyterLab, which resolves none across notebooks, shows words (tools/lab_references.py)."""
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "lab_references.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr + "run `make format`"
+
+
 def test_one_jupytext_configuration_for_book_and_labs():
     book, labs = (ROOT / d / "jupytext.toml" for d in ("book", "labs"))
     assert book.read_bytes() == labs.read_bytes()

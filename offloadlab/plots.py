@@ -49,7 +49,7 @@ def ladder(mine: dict, reference: dict | None = None, title: str = "The memory-t
     """
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(9.5, 4.8))
     labelled = set()
     for which, data in (("this machine", mine), ("reference", reference)):
         if not data:
@@ -71,10 +71,8 @@ def ladder(mine: dict, reference: dict | None = None, title: str = "The memory-t
              for which, data in (("this machine", mine), ("reference", reference)) if data
              for link in data["links"]
              if link.get("bandwidth_bytes_per_s") and "disk" not in link["name"] and "GPU → host" not in link["name"]]
-    for i, (rate, text, is_reference) in enumerate(sorted(lines)):
+    for rate, _, is_reference in lines:
         ax.axhline(rate / 1e9, color="grey" if is_reference else "tab:orange", ls=":" if is_reference else "--", lw=0.8)
-        ax.text(0.99, rate / 1e9, text, transform=ax.get_yaxis_transform(), ha="right",
-                va="bottom" if i % 2 else "top", fontsize=7, color="dimgrey")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.margins(x=0.3, y=0.15)
@@ -82,8 +80,38 @@ def ladder(mine: dict, reference: dict | None = None, title: str = "The memory-t
     ax.set_ylabel("bandwidth (GB/s)")
     ax.set_title(title)
     ax.legend(fontsize=8, loc="lower left")
+    _label_lines_at_the_right(fig, ax, [(rate / 1e9, text) for rate, text, _ in lines])
     fig.tight_layout()
     return fig
+
+
+def _label_lines_at_the_right(fig, ax, lines, fontsize: float = 7.0):
+    """Name horizontal lines (y, text) beside the axes, right of the plot, moved apart so no two overlap.
+
+    Links of similar bandwidth (PCIe gen 4 and 5, InfiniBand) lie close together on a log scale;
+    their names go in the margin, each at least one line of text above the one below it, with a
+    thin leader to its line.
+    """
+    if not lines:
+        return
+    ax.autoscale_view()
+    low, high = np.log10(ax.get_ylim())
+    fig.canvas.draw()
+    decades_per_pixel = (high - low) / max(ax.get_window_extent().height, 1.0)
+    gap = 1.35 * fontsize * fig.dpi / 72 * decades_per_pixel  # one line of text, in decades
+    placed, previous = [], -np.inf
+    for y, text in sorted(lines):
+        at = max(np.log10(y), previous + gap)
+        placed.append((y, 10 ** at, text))
+        previous = at
+    overflow = previous - high  # labels pushed above the top come back down, keeping their spacing
+    if overflow > 0:
+        placed = [(y, 10 ** (np.log10(at) - overflow), text) for y, at, text in placed]
+    transform = ax.get_yaxis_transform()
+    for y, at, text in placed:
+        ax.annotate(text, xy=(1.0, y), xycoords=transform, xytext=(1.03, at), textcoords=transform,
+                    va="center", ha="left", fontsize=fontsize, color="dimgrey", annotation_clip=False,
+                    arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "grey", "shrinkA": 0, "shrinkB": 0})
 
 
 _LANE_COLOURS = {"compute": "tab:blue", "H2D": "tab:orange", "D2H": "tab:green", "CPU": "tab:purple"}

@@ -99,3 +99,25 @@ def test_lane_colours_follow_the_stream():
 def test_bad_lanes(lanes, message):
     with pytest.raises(ValueError, match=message):
         plots.timeline(lanes)
+
+
+def overlapping(boxes):
+    return [(a, b) for i, (a, box_a) in enumerate(boxes) for b, box_b in boxes[i + 1:] if box_a.overlaps(box_b)]
+
+
+def test_ladder_names_every_link_without_overlap():
+    """Chapter 2: PCIe, InfiniBand and the measured link lie within a factor of two; their names must not collide."""
+    from offloadlab import ladder
+
+    mine = {"tiers": [{"name": "host memory", "capacity_bytes": 25e9, "bandwidth_bytes_per_s": 12e9, "source": "measured"},
+                      {"name": "disk under test", "capacity_bytes": 270e9, "bandwidth_bytes_per_s": 2.3e9, "source": "measured"}],
+            "links": [{"name": "host → GPU", "bandwidth_bytes_per_s": 2.1e9, "source": "emulated"}]}
+    fig = plots.ladder(mine, ladder.nominal(), "Your ladder beside the reference node")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    texts = [(t.get_text(), t.get_window_extent(renderer)) for t in ax.texts if t.get_text()]
+    link_names = [link["name"] for link in ladder.nominal()["links"] if link.get("bandwidth_bytes_per_s")]
+    assert sum(any(name in text for name in link_names) for text, _ in texts) >= 3
+    assert not overlapping(texts), overlapping(texts)
+    assert all(box.x1 <= fig.bbox.x1 + 1 for _, box in texts), "a name runs off the figure"

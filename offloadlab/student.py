@@ -39,6 +39,18 @@ def strip_solutions(source: str, first_exercise: int = 1) -> tuple[str, int]:
     return "\n".join(out), number
 
 
+def unfold(cell) -> None:
+    """Show a stub cell: the sources fold their worked answers (``make format``), a student's stub is not hidden."""
+    cell.metadata.get("jupyter", {}).pop("source_hidden", None)
+    if not cell.metadata.get("jupyter", True):
+        del cell.metadata["jupyter"]
+    tags = [t for t in cell.metadata.get("tags", []) if t != "hide-input"]
+    if tags:
+        cell.metadata["tags"] = tags
+    else:
+        cell.metadata.pop("tags", None)
+
+
 def release(source_dir: Path, target_dir: Path) -> list[Path]:
     """Write the student notebook of every Jupytext lab in ``source_dir`` into ``target_dir``."""
     import jupytext
@@ -56,6 +68,7 @@ def release(source_dir: Path, target_dir: Path) -> list[Path]:
         for cell in notebook.cells:
             if cell.cell_type == "code" and BEGIN in cell.source:
                 cell.source, number = strip_solutions(cell.source, number)
+                unfold(cell)
         out = target_dir / path.with_suffix(".ipynb").name
         jupytext.write(notebook, out)
         written.append(out)

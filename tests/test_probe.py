@@ -150,6 +150,16 @@ def test_probe_command_quick_json(tmp_path):
     assert again.returncode == 2 and "exists" in again.stderr and len(again.stderr.splitlines()) == 1
 
 
+def test_probe_prints_no_path_of_this_machine(tmp_path):
+    """The ladder's rows end up in the book's tables and figures, which must not show the build machine's folders."""
+    folder = tmp_path / "disk-under-test"
+    folder.mkdir()
+    result = _offloadlab("probe", "--quick", "--disk", str(folder))
+    assert result.returncode == 0, result.stderr
+    assert str(tmp_path) not in result.stdout and "disk-under-test" not in result.stdout
+    assert "disk under test" in result.stdout
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["probe", "--disk", "/no/such/folder"], "--disk"),
     (["probe", "--json", "/no/such/folder/out.json"], "--json"),

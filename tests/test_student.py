@@ -41,6 +41,9 @@ def test_every_lab_is_released_without_solutions(release):
         assert BEGIN not in sources and END not in sources, path.name
         assert 'raise NotImplementedError("exercise 1")' in sources, path.name
         assert "assert" in sources, path.name  # the answer checks stay
+        for cell in nbformat.read(path, as_version=4).cells:  # the stubs are not folded as the answers are
+            assert not cell.metadata.get("jupyter", {}).get("source_hidden"), path.name
+            assert "hide-input" not in cell.metadata.get("tags", []), path.name
 
 
 @pytest.mark.parametrize("lab", ["lab01_account_for_every_byte", "lab03_hide_a_transfer"])

@@ -104,8 +104,11 @@ def parse_duration(value, name: str = "duration", allow_zero: bool = False) -> f
 
 
 def parse_count(value, name: str = "count") -> float:
-    """A positive, finite count such as a number of parameters (10e9 or '1.3e9')."""
-    return _parse(value, name, {}, COUNT_FORMS, allow_zero=False)
+    """A finite count of at least 1, such as a number of parameters (10e9 or '1.3e9')."""
+    count = _parse(value, name, {}, COUNT_FORMS, allow_zero=False)
+    if count < 1:  # a fraction of a parameter is a slip (a missing exponent), not a model
+        raise _fail(name, value, COUNT_FORMS, "must be at least 1")
+    return count
 
 
 def check_positive(value, name: str) -> float:

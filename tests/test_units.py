@@ -69,6 +69,8 @@ def test_parse_duration(text, expected):
         (units.parse_duration, "0 s", "greater than zero"),
         (units.parse_count, "10 GB", "takes no unit"),
         (units.parse_count, 0, "greater than zero"),
+        (units.parse_count, "1e-3", "at least 1"),
+        (units.parse_count, 0.5, "at least 1"),
     ],
 )
 def test_bad_input_names_argument_and_forms(parse, bad, fragment):

@@ -114,19 +114,6 @@ def test_nominal_ladder_is_the_material():
     assert ladder.cliff(nominal) == pytest.approx(3350 / 60)
 
 
-def test_reference_files(tmp_path):
-    assert "nominal-ladder" in reference.available()
-    assert reference.load("nominal-ladder")["kind"] == "nominal"
-    with pytest.raises(ValueError, match="^name: expected one of"):
-        reference.load("../etc/passwd")
-    path = reference.save("test-run", "emulated", "CPU", {"date": "now"}, [{"quantity": "x"}], folder=tmp_path)
-    assert json.loads(path.read_text())["records"] == [{"quantity": "x"}]
-    with pytest.raises(ValueError, match="exists"):
-        reference.save("test-run", "emulated", "CPU", {}, [], folder=tmp_path)
-    with pytest.raises(ValueError, match="^kind: "):
-        reference.save("x", "guessed", "CPU", {}, [], folder=tmp_path)
-
-
 def _offloadlab(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True, cwd=cwd)
 

@@ -1,6 +1,8 @@
 """Probes, the α–β fit, the ladder, machine discovery and reference data."""
 
+import errno
 import json
+import os
 import subprocess
 import sys
 
@@ -82,6 +84,47 @@ def test_disk_probe(tmp_path):
         probe.disk_bandwidth(tmp_path, "8 MiB", block="1000 B")
     with pytest.raises(ValueError, match="^path: "):
         probe.disk_bandwidth(tmp_path / "missing")
+
+
+def test_disk_probe_never_follows_a_planted_link(tmp_path):
+    """A symlink planted where the probe writes must not make it overwrite another file."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    probe_folder = tmp_path / "shared"
+    probe_folder.mkdir()
+    for name in (f".offloadlab-disk-probe-{os.getpid()}", "probe.bin"):  # the old fixed name, and the new one
+        (probe_folder / name).symlink_to(victim)
+    probe.disk_bandwidth(probe_folder, "1 MiB", block="1 MiB")
+    assert victim.read_bytes() == b"precious"
+    assert sorted(p.name for p in probe_folder.iterdir()) == sorted([f".offloadlab-disk-probe-{os.getpid()}",
+                                                                      "probe.bin"])
+
+
+def test_disk_probe_on_a_full_or_read_only_disk(small_disk):
+    full = small_disk("2m")
+    with pytest.raises(OSError) as info:
+        probe.disk_bandwidth(full, "8 MiB", block="1 MiB")
+    assert info.value.errno == errno.ENOSPC
+    assert not list(full.iterdir()), "the probe must remove its scratch file and folder on a full disk"
+    with pytest.raises(OSError, match="has 2.1 MB free; the disk probe writes 8.39 MB"):
+        probe.check_disk_folder(full, "8 MiB")
+    read_only = small_disk("1m", read_only=True)
+    for attempt in (lambda: probe.check_disk_folder(read_only, "64 KiB"), lambda: probe.disk_bandwidth(read_only, "1 MiB", block="1 MiB")):
+        with pytest.raises(OSError, match=f"cannot create a scratch file in {read_only}: Read-only file system"):
+            attempt()
+
+
+def test_ladder_keeps_the_sweep_when_the_disk_fails_during_its_probe(tmp_path, monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(probe, "disk_bandwidth", disk_full)
+    measured = ladder.measure(quick=True, disk_folder=tmp_path)
+    assert measured["faults"] == [f"disk probe in {tmp_path}: No space left on device"]
+    by_quantity = {r.quantity: r for r in measured["records"]}
+    assert by_quantity["disk read bandwidth"].source == "not measured"
+    assert "No space left" in by_quantity["disk read bandwidth"].note
+    assert by_quantity["host copy bandwidth"].value > 0 and any(q.startswith("h2d") for q in by_quantity)
 
 
 def test_pcie_nominal_rates():

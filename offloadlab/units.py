@@ -113,14 +113,12 @@ def parse_count(value, name: str = "count") -> float:
 
 def check_positive(value, name: str) -> float:
     """``value`` as a float if it is a finite number greater than zero, else ValueError."""
-    return _checked(_split(value, name, "a positive number")[0], name, value,
-                    "a positive number", allow_zero=False)
+    return _parse(value, name, {}, "a positive number", allow_zero=False)
 
 
 def check_non_negative(value, name: str) -> float:
     """``value`` as a float if it is a finite number ≥ 0, else ValueError."""
-    return _checked(_split(value, name, "a number ≥ 0")[0], name, value,
-                    "a number ≥ 0", allow_zero=True)
+    return _parse(value, name, {}, "a number ≥ 0", allow_zero=True)
 
 
 def _scaled(number: float, steps: list[tuple[float, str]], digits: int) -> str:

@@ -30,7 +30,7 @@ FORMAT = "offloadlab-reference/1"
 USER_FOLDER_VARIABLE = "OFFLOADLAB_REFERENCE_DIR"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
-__all__ = ["FOLDER", "FORMAT", "user_folder", "available", "origin", "load", "target", "save"]
+__all__ = ["FOLDER", "FORMAT", "user_folder", "available", "origin", "load", "target", "save", "write"]
 
 
 def user_folder() -> Path:
@@ -113,6 +113,14 @@ def save(name: str, kind: str, label: str, provenance: dict, records: list[dict]
     """
     if kind not in ("measured", "emulated"):
         raise ValueError(f"kind: expected 'measured' or 'emulated'; got {kind!r}")
-    path = target(name, folder, overwrite)
+    return write(target(name, folder, overwrite), kind, label, provenance, records, overwrite)
+
+
+def write(path: Path, kind: str, label: str, provenance: dict, records: list[dict], overwrite: bool = False) -> Path:
+    """Write a reference to ``path``, which :func:`target` returned (before a long measurement).
+
+    Only OSError can happen here: FileExistsError if, without ``overwrite``, a file appeared at
+    ``path`` meanwhile (it is left as it is), or what the disk says.
+    """
     payload = {"format": FORMAT, "kind": kind, "label": label, "provenance": provenance, "records": records}
     return write_atomically(path, json.dumps(payload, indent=1, allow_nan=False) + "\n", replace=overwrite)

@@ -253,7 +253,16 @@ def _cmd_bench(args) -> int:
     from . import bench
 
     target = _output_target(args.json, args.force)  # refuse a bad --json before a long run
-    result = getattr(bench, args.name)(quick=args.quick)
+    if args.disk is not None and args.name != "nvme":
+        raise UsageError(f"--disk: only bench nvme uses a disk; got it with bench {args.name}")
+    if args.name == "nvme":
+        if not Path(args.disk or ".").is_dir():
+            raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
+        with _arguments():
+            bench.check_nvme_folder(args.disk or ".", quick=args.quick)  # OSError: a fault, found before the run
+        result = bench.nvme(quick=args.quick, folder=args.disk or ".")
+    else:
+        result = getattr(bench, args.name)(quick=args.quick)
     text = _dumps(result, indent=1) + "\n"
     saves = [] if target is None else [("--json", target, lambda path: files.write_atomically(path, text, args.force),
                                         f"wrote the result to {target}")]
@@ -316,10 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     probe.set_defaults(run=_cmd_probe)
 
     bench = commands.add_parser("bench", help="benchmarks against peers, reported as ratios")
-    bench.add_argument("name", choices=["link", "overlap", "adam", "offload", "prefetch"], help="what to benchmark")
+    bench.add_argument("name", choices=["link", "overlap", "adam", "offload", "prefetch", "nvme"],
+                       help="what to benchmark")
     bench.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     bench.add_argument("--json", metavar="FILE", help="write the result to FILE")
     bench.add_argument("--force", action="store_true", help="replace an existing --json file")
+    bench.add_argument("--disk", metavar="DIR", help="folder for bench nvme's scratch files (default: here)")
     bench.set_defaults(run=_cmd_bench)
     return parser
 

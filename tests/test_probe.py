@@ -86,6 +86,15 @@ def test_disk_probe(tmp_path):
         probe.disk_bandwidth(tmp_path / "missing")
 
 
+def test_disk_probe_at_a_queue_depth(tmp_path):
+    write, read = probe.disk_bandwidth(tmp_path, "8 MiB", block="1 MiB", queue_depth=4)
+    assert write.params["queue_depth"] == 4 and "4 blocks in flight" in read.method
+    assert write.value > 0 and read.value > 0
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="^queue_depth: "):
+        probe.disk_bandwidth(tmp_path, "8 MiB", queue_depth=0)
+
+
 def test_disk_probe_never_follows_a_planted_link(tmp_path):
     """A symlink planted where the probe writes must not make it overwrite another file."""
     victim = tmp_path / "victim"
@@ -211,3 +220,33 @@ def test_reference_figures_from_a_saved_probe(tmp_path):
     assert 1e9 < figures["h2d"] < 2.6e9 and figures["host memory"] > 0
     with pytest.raises(ValueError, match="nominal"):
         ladder.reference_figures("nominal-ladder")
+
+
+def test_bench_nvme_sets_the_tier_beside_raw_io(tmp_path):
+    from offloadlab import bench
+
+    result = bench.nvme(quick=True, folder=tmp_path, nbytes="4 MiB")
+    rates = {row["contender"]: row["bytes_per_s"] for row in result["rows"]}
+    for depth in (1, 4, 16):
+        for name in ("raw direct I/O", "FileTier, no checksums", "FileTier, crc32"):
+            assert rates[f"{name} write, depth {depth}"] > 0 and rates[f"{name} read, depth {depth}"] > 0
+    assert rates["probe read, depth 1, 4 MiB blocks"] > 0
+    assert any("crash-safety overhead" in name for name in result["ratios"])
+    assert all(value > 0 for value in result["ratios"].values())
+    json.dumps(result, allow_nan=False)
+    assert not list(tmp_path.iterdir()), "bench nvme must leave no files"
+
+
+@pytest.mark.parametrize("args, status, fragment", [
+    (["bench", "link", "--disk", "."], 2, "--disk: only bench nvme uses a disk"),
+    (["bench", "nvme", "--disk", "/no/such/folder"], 2, "--disk: expected an existing folder"),
+])
+def test_bench_nvme_arguments(args, status, fragment):
+    result = _offloadlab(*args)
+    assert result.returncode == status and fragment in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_nvme_refuses_a_read_only_disk_before_it_runs(small_disk):
+    result = _offloadlab("bench", "nvme", "--disk", str(small_disk("1m", read_only=True)))
+    assert result.returncode == 1 and "Read-only file system" in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and result.stdout == ""

@@ -108,6 +108,12 @@ def _sync(fd: int) -> None:
     (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
 
 
+def _checked_depth(depth) -> int:
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 1024:
+        raise ValueError(f"queue_depth: expected an integer from 1 to 1024; got {depth!r}")
+    return depth
+
+
 class BlockQueue:
     """Block reads and writes on one file, ``depth`` of them in flight at a time.
 
@@ -118,9 +124,7 @@ class BlockQueue:
     """
 
     def __init__(self, fd: int, depth: int, bounce_bytes: int, name: str = "file"):
-        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 1024:
-            raise ValueError(f"queue_depth: expected an integer from 1 to 1024; got {depth!r}")
-        self.fd, self.depth, self.name = fd, depth, name
+        self.fd, self.depth, self.name = fd, _checked_depth(depth), name
         self._bounce_bytes = _round_up(bounce_bytes, PAGE)
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="offloadlab-io")
@@ -280,6 +284,7 @@ class FileTier:
     def __init__(self, path, numel: int, dtype=torch.float32, *, init: torch.Tensor | None = None,
                  block_bytes: int = 1 << 20, queue_depth: int = 8, checksums: bool = True):
         layout = _new_layout(numel, dtype, block_bytes, init, checksums)
+        _checked_depth(queue_depth)
         path = Path(path)
         if not path.parent.is_dir():
             raise ValueError(f"path: folder {str(path.parent)!r} does not exist")
@@ -303,6 +308,7 @@ class FileTier:
                   block_bytes: int = 1 << 20, queue_depth: int = 8, checksums: bool = True) -> FileTier:
         """A tier whose file has no name: nothing to clean up, and nothing left however the process ends."""
         layout = _new_layout(numel, dtype, block_bytes, init, checksums)
+        _checked_depth(queue_depth)
         folder = Path(folder)
         if not folder.is_dir():
             raise ValueError(f"folder: expected an existing folder; got {str(folder)!r}")
@@ -319,6 +325,7 @@ class FileTier:
     @classmethod
     def open(cls, path, *, step: int | None = None, queue_depth: int = 8) -> FileTier:
         """Resume the tier in ``path`` at its newest committed step (or at ``step``, if it holds it)."""
+        _checked_depth(queue_depth)
         path = Path(path)
         tier = cls.__new__(cls)
         fd = tier._fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
@@ -341,6 +348,8 @@ class FileTier:
     def _start(self, fd: int, path: Path | None, layout: _Layout, queue_depth: int) -> None:
         """Take the lock, reserve the space (a new file), open the I/O descriptor and the queue."""
         self._fd, self.path, self._layout = fd, path, layout
+        identity = os.fstat(fd)
+        self._identity = (identity.st_dev, identity.st_ino)  # which file is ours, whatever its path names later
         self.numel, self.dtype, self.itemsize, self.block = layout.numel, layout.dtype, layout.itemsize, layout.block
         self.checksums = layout.checksums
         self._io_fd = None
@@ -472,13 +481,24 @@ class FileTier:
                              f"{self.numel}); got {start}+{src.numel()}")
         if self._pending is None:
             self._begin()
-        source, base = _bytes_of(src), src.data_ptr()
-        futures = [self._io.submit(self._write_block, self._pending, b,
+        source, base, pending = _bytes_of(src), src.data_ptr(), self._pending
+        futures = [self._io.submit(self._write_block, pending, b,
                                    source[(lo - start) * self.itemsize:(hi - start) * self.itemsize],
                                    base + (lo - start) * self.itemsize)
                    for b, lo, hi in pieces]
-        self._pending["futures"] += futures
+        with pending["lock"]:
+            pending["in_flight"].update(futures)
+        for future in futures:
+            future.add_done_callback(lambda done: self._settled(pending, done))
         return _gather(futures)
+
+    @staticmethod
+    def _settled(pending: dict, done: Future) -> None:
+        """Forget a finished write, keeping its error for commit (so a step holds no list of every block)."""
+        with pending["lock"]:
+            pending["in_flight"].discard(done)
+            if done.exception() is not None and pending["error"] is None:
+                pending["error"] = done.exception()
 
     def write(self, start: int, src: torch.Tensor) -> None:
         """Stage ``src`` as elements ``start`` … of the next step (see :meth:`write_async`)."""
@@ -492,7 +512,8 @@ class FileTier:
         _sync(self._io_fd)
         self._held = {s: held for s, held in self._held.items() if held[0] != slot}
         self._pending = {"slot": slot, "crcs": array("I", bytes(4 * self._layout.blocks)),
-                         "written": bytearray(self._layout.blocks), "futures": []}
+                         "written": bytearray(self._layout.blocks), "in_flight": set(), "error": None,
+                         "lock": threading.Lock()}
 
     def _write_block(self, pending: dict, block: int, data: memoryview, address: int) -> None:
         crc = zlib.crc32(data) if self.checksums else 0
@@ -517,7 +538,9 @@ class FileTier:
         pending = self._pending
         if pending is None:
             raise ValueError(f"commit: nothing was written since step {self.step}")
-        _gather(pending["futures"]).result()
+        self._wait(pending)
+        if pending["error"] is not None:
+            raise pending["error"]
         missing = [b for b, done in enumerate(pending["written"]) if not done]
         if missing:
             raise ValueError(f"commit: a step must write every element; blocks {_spans(missing)} of "
@@ -538,11 +561,18 @@ class FileTier:
         self._slot, self.step, self._crcs = slot, step, crcs
         self._held[step] = (slot, crcs)
 
+    @staticmethod
+    def _wait(pending: dict) -> None:
+        """Wait for every staged write still in flight (without raising their errors)."""
+        with pending["lock"]:
+            in_flight = list(pending["in_flight"])
+        for future in in_flight:
+            future.exception()
+
     def abort(self) -> None:
         """Discard the staged step (waiting for its writes to finish); the committed one stays current."""
         if self._pending is not None:
-            for future in self._pending["futures"]:
-                future.exception()  # wait; an error here is the one the caller is handling
+            self._wait(self._pending)
             self._pending = None
 
     def _rewind(self) -> None:
@@ -586,15 +616,15 @@ class FileTier:
 
     def remove(self) -> None:
         """Close, and delete the file if its path still names this tier's file (not another's)."""
-        if self.path is not None and getattr(self, "_fd", None) is not None:
-            mine = os.fstat(self._fd)
-            try:
-                theirs = os.stat(self.path, follow_symlinks=False)
-            except FileNotFoundError:
-                theirs = None
-            if theirs is not None and (theirs.st_dev, theirs.st_ino) == (mine.st_dev, mine.st_ino):
-                os.unlink(self.path)
         self._shut()
+        if self.path is None:
+            return
+        try:
+            theirs = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if (theirs.st_dev, theirs.st_ino) == self._identity:
+            os.unlink(self.path)
 
     def __enter__(self):
         return self

@@ -261,3 +261,15 @@ def test_probe_keeps_the_sweep_when_the_disk_fails_midway(tmp_path, user_referen
     assert any(r["quantity"].startswith("h2d") and r["value"] for r in records)
     assert reference.load("mine")["records"] == records and reference.origin("mine") == "user"
     assert f"wrote reference {user_references / 'mine.json'}" in captured.out
+
+
+def test_a_closed_pipe_does_not_cost_the_json_file(tmp_path):
+    """probe writes its file before it prints, so `probe --json f | head` keeps every record."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    out = tmp_path / "probe.json"
+    child = subprocess.run([sys.executable, "-m", "offloadlab", "probe", "--quick", "--disk", str(tmp_path),
+                            "--json", str(out)], stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    assert child.returncode == 141 and child.stderr == ""
+    assert any(r["quantity"] == "disk read bandwidth" for r in json.loads(out.read_text())["records"])

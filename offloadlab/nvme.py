@@ -105,7 +105,24 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 def _sync(fd: int) -> None:
-    (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
+    """Make what was written to ``fd`` durable: on the device, not only in its volatile cache."""
+    if hasattr(fcntl, "F_FULLFSYNC"):  # macOS: fsync alone leaves data in the drive's cache
+        fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+    else:
+        (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate ``nbytes`` for the file now, so that writing into them later cannot run out of space.
+    posix_fallocate where the platform has it (Linux); elsewhere (macOS) zeros are written."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, nbytes)
+        return
+    zeros = bytes(1 << 20)
+    for offset in range(0, nbytes, len(zeros)):
+        chunk = zeros[:min(len(zeros), nbytes - offset)]
+        if os.pwrite(fd, chunk, offset) != len(chunk):
+            raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def _checked_depth(depth) -> int:
@@ -360,7 +377,7 @@ class FileTier:
             raise OSError(errno.EBUSY, f"path: {name} is open in another FileTier (it holds the file's lock)") from None
         if os.fstat(fd).st_size == 0:  # a new file: reserve every byte now, so a full disk fails here
             try:
-                os.posix_fallocate(fd, 0, layout.total_bytes)
+                _reserve(fd, layout.total_bytes)
             except OSError as error:
                 raise OSError(error.errno, f"path: cannot reserve {format_size(layout.total_bytes)} for a tier of "
                                            f"{layout.numel} × {layout.dtype} (two slots): {error.strerror}") from None

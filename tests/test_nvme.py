@@ -267,6 +267,17 @@ def test_a_full_disk_fails_at_creation_and_never_mid_step(small_disk):
         tier.close()
 
 
+def test_without_posix_fallocate_the_space_is_reserved_by_writing(small_disk, monkeypatch):
+    """macOS has no posix_fallocate: the tier writes zeros instead, with the same guarantee."""
+    monkeypatch.delattr(os, "posix_fallocate")
+    disk = small_disk("2m")
+    with pytest.raises(OSError, match="path: cannot reserve 8.4 MB"):
+        FileTier(disk / "big.bin", 2**20)
+    assert not list(disk.iterdir())
+    with FileTier(disk / "small.bin", 2**16, init=torch.ones(2**16), block_bytes=BLOCK) as tier:
+        assert tier.step == 0 and torch.equal(_values(tier), torch.ones(2**16))
+
+
 def test_damage_is_detected_and_a_damaged_header_falls_back(tmp_path):
     n = 4096
     path = tmp_path / "t.bin"

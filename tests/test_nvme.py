@@ -40,7 +40,15 @@ def _memory_step(memory, grad, step):
     cpu_adam.adamw_step(*memory, grad, step=step, lr=1e-2)
 
 
-def test_round_trip_partial_reads_and_bounds(tmp_path):
+@pytest.fixture(params=["direct where possible", "page cache"])
+def io_path(request, monkeypatch):
+    """Run a test twice: with O_DIRECT as the file system allows, and as on one that refuses it."""
+    if request.param == "page cache":
+        monkeypatch.setattr(nvme, "_reopen_direct", lambda fd: (fd, False))
+    return request.param
+
+
+def test_round_trip_partial_reads_and_bounds(tmp_path, io_path):
     n = 3000  # not a whole number of blocks
     with FileTier(tmp_path / "t.bin", n, torch.bfloat16, block_bytes=BLOCK) as tier:
         assert tier.step == 0 and tier.steps == [0] and torch.equal(_values(tier), torch.zeros(n, dtype=torch.bfloat16))
@@ -90,7 +98,7 @@ def test_refuses_to_overwrite_and_bad_sizes_leave_nothing_behind(tmp_path):
         assert retry.step == 0
 
 
-def test_adam_over_files_equals_adam_in_memory_and_resumes(tmp_path):
+def test_adam_over_files_equals_adam_in_memory_and_resumes(tmp_path, io_path):
     n = 10_000
     tiers, memory = _state(tmp_path, n)
     out = torch.empty(n, dtype=torch.bfloat16)

@@ -210,13 +210,16 @@ def _cmd_probe(args) -> int:
     json_target = _output_target(args.json, args.force)
     if args.reference_dir is not None and not args.reference:
         raise UsageError("--reference-dir: give it with --reference NAME")
+    if args.reference_dir is not None and not Path(args.reference_dir).is_dir():
+        raise UsageError(f"--reference-dir: expected an existing folder; got {args.reference_dir!r}")
     reference_target = None
     if args.reference:
-        with _arguments():
-            try:
-                reference_target = reference.target(args.reference, args.reference_dir, overwrite=args.force)
-            except OSError as error:
-                raise Fault(f"--reference: {error.strerror or error}") from None
+        try:
+            reference_target = reference.target(args.reference, args.reference_dir, overwrite=args.force)
+        except ValueError as error:  # the name or the folder the user gave
+            raise UsageError(f"--reference: {str(error).removeprefix('name: ')}") from None
+        except OSError as error:
+            raise Fault(f"--reference: {error.strerror or error}") from None
     if not Path(args.disk).is_dir():
         raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
     measured = ladder.measure(quick=args.quick, disk_folder=args.disk)  # checks the disk before the sweeps

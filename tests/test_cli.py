@@ -234,6 +234,9 @@ def test_probe_checks_the_disk_and_the_reference_name_before_the_sweep(small_dis
     assert main(["probe", "--quick", "--reference", "nominal-ladder", "--force"]) == 2
     assert "'nominal-ladder' is a reference shipped with offloadlab" in capsys.readouterr().err
     assert main(["probe", "--quick", "--reference", "../x"]) == 2
+    assert "--reference: expected letters" in capsys.readouterr().err
+    assert main(["probe", "--quick", "--reference", "x", "--reference-dir", "/no/such/folder"]) == 2
+    assert "--reference-dir: expected an existing folder" in capsys.readouterr().err
     assert "--reference-dir: give it with --reference" in (main(["probe", "--reference-dir", "."]),
                                                            capsys.readouterr().err)[1]
     read_only = small_disk("1m", read_only=True)

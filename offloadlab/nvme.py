@@ -9,11 +9,12 @@ says elements.
 that records the step it holds and a crc32 of every block. A step writes its new values into the
 slot that does *not* hold the current version, then commits: it syncs the data and writes that
 slot's header. The committed version is never touched while the next one is written, so a crash
-at any moment — SIGKILL, power loss, a full or failing disk — leaves the previous step or the new
-one on disk, never a mixture, and :meth:`FileTier.open` resumes from it. This costs twice the
+at any moment — SIGKILL, power loss on a drive that honours its flushes, a full or failing disk —
+leaves the previous step or the new one on disk, never a mixture, and :meth:`FileTier.open` resumes from it. This costs twice the
 space and no extra I/O: every byte of a step is written once, which is what a per-step journal
 could not do (it writes every byte twice — a redo log first, then in place), and unlike writing a
-new file and renaming it, the space is reserved once (``posix_fallocate``) at creation, so a full
+new file and renaming it, the space is reserved once at creation (``posix_fallocate``; zeros
+written where the platform lacks it), so a full
 disk fails there with a clear error and never in the middle of a step. (On ext4 and XFS the
 first write into reserved space also converts it to written extents, so a tier's first two steps
 are slower than the rest.) Per step and file the protocol adds one 4 KiB write and sync before the
@@ -55,7 +56,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import math
 import mmap
 import os
 import struct

@@ -15,9 +15,9 @@ import torch
 
 from . import experiment, machine, probe
 from .link import open_link
-from .units import format_bandwidth, format_duration
+from .units import format_bandwidth, format_duration, parse_size
 
-__all__ = ["link", "overlap", "adam", "offload", "prefetch", "format_result"]
+__all__ = ["link", "overlap", "adam", "offload", "prefetch", "nvme", "check_nvme_folder", "format_result"]
 
 
 def _plain_copy_bandwidth(nbytes: int, direction: str, repeats: int) -> float:
@@ -356,6 +356,99 @@ def _accelerate_comparison(quick: bool) -> dict:
         with torch.no_grad():
             t_ours = _median_seconds(lambda: (ours(x), torch.cuda.synchronize()), 3 if quick else 5)
     return {"Accelerate cpu_offload / StreamedModel (forward)": t_theirs / t_ours}
+
+
+NVME_DEPTHS = (1, 4, 16)
+
+
+def _nvme_bytes(quick: bool, nbytes=None) -> int:
+    """Bytes of fp32 state bench nvme moves each way: a whole number of 1 MiB blocks."""
+    size = int(parse_size(nbytes or ("256 MiB" if quick else "1 GiB"), "nbytes"))
+    if size < 2**20:
+        raise ValueError(f"nbytes: expected at least 1 MiB; got {nbytes!r}")
+    return size - size % 2**20
+
+
+def check_nvme_folder(folder=".", quick: bool = False, nbytes=None) -> None:
+    """Refuse a folder bench nvme could not finish in, before it starts: ValueError for a missing
+    folder, OSError for a read-only one or one without room for two tiers (two slots each) and a probe file."""
+    probe.check_disk_folder(folder, 5 * _nvme_bytes(quick, nbytes))
+
+
+def nvme(quick: bool = False, folder=".", nbytes=None) -> dict:
+    """Optimizer state through the NVMe tier at queue depths 1, 4 and 16, against raw direct I/O.
+
+    Per depth, in one run and interleaved: the tier writes a step of fp32 state (all blocks, then
+    the commit with its syncs and header) and reads it back, with crc32 checksums and without; the
+    probe writes and reads a file of the same size in the same 1 MiB blocks at the same depth, with
+    none of that. All use O_DIRECT where the file system allows it. Both of a tier's slots are
+    written before timing, so the figures are its steady state (a first write into reserved space
+    also pays the file system's allocation). Ratios: the checksummed tier at its best depth
+    against the probe's own rate (``offloadlab probe``: depth 1, 4 MiB blocks; target ≥ 0.80 each
+    way), and its I/O time over the raw I/O time at the same depth — what crash safety costs
+    (target ≤ 1.10), split into the commit protocol and the checksums.
+    """
+    from .nvme import FileTier, aligned_empty
+
+    size = _nvme_bytes(quick, nbytes)
+    check_nvme_folder(folder, quick, size)
+    repeats = 2 if quick else 3
+    state = aligned_empty(size // 4)
+    state.normal_()
+    kinds = {"raw": "raw direct I/O", "plain": "FileTier, no checksums", "tier": "FileTier, crc32"}
+    seconds = {(kind, way, depth): [] for kind in kinds for way in ("write", "read") for depth in NVME_DEPTHS}
+    probed = {"write": [], "read": []}  # what `offloadlab probe` reports: depth 1, 4 MiB blocks
+    direct = True
+    for depth in NVME_DEPTHS:
+        with FileTier.temporary(folder, state.numel(), queue_depth=depth) as tier, \
+                FileTier.temporary(folder, state.numel(), queue_depth=depth, checksums=False) as plain:
+            direct = direct and tier.direct and plain.direct
+            for each in (tier, plain):
+                for _ in range(2):  # both slots once: the steady state a training run lives in
+                    each.write(0, state)
+                    each.commit()
+            for _ in range(repeats):
+                for kind, each in (("tier", tier), ("plain", plain)):
+                    start = time.perf_counter()
+                    each.write(0, state)
+                    each.commit()
+                    seconds[kind, "write", depth].append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    each.read(0, state)
+                    seconds[kind, "read", depth].append(time.perf_counter() - start)
+                write, read = probe.disk_bandwidth(folder, size, block="1 MiB", queue_depth=depth)
+                seconds["raw", "write", depth].append(write.params["median_seconds"])
+                seconds["raw", "read", depth].append(read.params["median_seconds"])
+                write, read = probe.disk_bandwidth(folder, size)
+                probed["write"].append(write.value)
+                probed["read"].append(read.value)
+    median = {key: statistics.median(values) for key, values in seconds.items()}
+    baseline = {way: statistics.median(values) for way, values in probed.items()}
+    rows = [{"contender": f"probe {way}, depth 1, 4 MiB blocks", "bytes_per_s": baseline[way]} for way in ("write", "read")]
+    rows += [{"contender": f"{name} {way}, depth {depth}", "bytes_per_s": size / median[kind, way, depth],
+              "queue_depth": depth}
+             for depth in NVME_DEPTHS for kind, name in kinds.items() for way in ("write", "read")]
+
+    def io_time(kind, depth):
+        return median[kind, "write", depth] + median[kind, "read", depth]
+
+    ratios = {}
+    for way in ("write", "read"):
+        best = min(NVME_DEPTHS, key=lambda d: median["tier", way, d])
+        ratios[f"tier {way} at its best depth ({best}) / probe {way} (target ≥ 0.80)"] = \
+            size / median["tier", way, best] / baseline[way]
+    best = min(NVME_DEPTHS, key=lambda d: io_time("tier", d))
+    ratios[f"tier I/O time / raw I/O time at depth {best}: crash-safety overhead (target ≤ 1.10)"] = \
+        io_time("tier", best) / io_time("raw", best)
+    ratios[f"commit protocol alone: no-checksum tier / raw at depth {best}"] = \
+        io_time("plain", best) / io_time("raw", best)
+    ratios[f"checksums alone: crc32 tier / no-checksum tier at depth {best}"] = \
+        io_time("tier", best) / io_time("plain", best)
+    for way in ("write", "read"):
+        ratios[f"tier {way}: depth 16 / depth 1"] = median["tier", way, 1] / median["tier", way, 16]
+    return {"benchmark": "nvme", "source": "measured", "rows": rows, "ratios": ratios, "bytes": size,
+            "folder": str(machine.disk(folder).path), "provenance": machine.provenance(),
+            "note": "" if direct else "O_DIRECT refused by this file system: the page cache may serve these rates"}
 
 
 def format_result(result: dict) -> str:

@@ -35,6 +35,7 @@ ASSUMED_COMPUTE = 200e12    # FLOP/s a modern training GPU sustains on bf16 matr
 ASSUMED_CPU_ADAM = 100e9 / 28  # params/s: 100 GB/s of host memory at 28 B moved per parameter
 WORKSPACE_FRACTION = 0.10   # of GPU memory kept back for the framework, kernels and fragmentation
 HIDDEN_FRACTION = 0.10      # a plan whose GPU waits less than this share of its step counts as hidden
+MAX_SIMULATED_LAYERS = 128  # planner.schedule simulates deeper models as this many groups of layers
 OFFLOAD_LEVELS = ("nothing", "optimizer", "optimizer+gradients", "optimizer+gradients+parameters")
 ASSUMED_INTERCONNECT = 450e9  # bytes/s each way per GPU: NVLink inside a node, from the book's link table
 # Sustained bytes/s of a data-centre NVMe drive, the lower of read and write (writes sustain less than
@@ -368,12 +369,15 @@ def schedule(work: Workload, hw: Hardware, offload: str, recompute: bool = False
     both, label = budget.both_directions_rate(hw.link, duplex)
     engine = both if label == "measured" else hw.link
     rate = hw.compute or ASSUMED_COMPUTE
-    per_token = work.params * work.tokens / rate / work.layers
-    per_layer = dict(layers=work.layers, forward=2 * per_token, backward=(6 if recompute else 4) * per_token,
+    # Deep models are simulated as at most MAX_SIMULATED_LAYERS equal groups of layers: the step
+    # changes by a fraction of one group's time, and the simulation stays fast for any depth.
+    layers = min(work.layers, MAX_SIMULATED_LAYERS)
+    per_token = work.params * work.tokens / rate / layers
+    per_layer = dict(layers=layers, forward=2 * per_token, backward=(6 if recompute else 4) * per_token,
                      duplex="half" if label == "half" else "full", delayed=delayed, after_backward=clipping)
     if level:
         moved = budget.traffic(_STREAMED[level], recipe)
-        layer = work.layer_params()
+        layer = work.params / layers
         per_layer["gradient"] = moved.d2h * layer / engine
         per_layer["update"] = layer / (hw.cpu_adam or ASSUMED_CPU_ADAM)
         if level == 3:

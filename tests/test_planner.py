@@ -216,7 +216,7 @@ def test_plan_command_json_and_emit():
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["budget", "--link", "0 GB/s", "--window", "1 s"], "bandwidth"),
+    (["budget", "--link", "0 GB/s", "--window", "1 s"], "--link"),
     (["budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9"], "together"),
     (["budget", "--link", "32 GB/s", "--window", "soon"], "window"),
     (["budget", "--link", "32 GB/s", "--window", "1 s", "--duplex", "both"], "duplex: expected 'full', 'half'"),
@@ -224,7 +224,7 @@ def test_plan_command_json_and_emit():
     (["budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9", "--offload", "optimizer",
       "--recipe", "lion"], "recipe: expected one of"),
     (["plan", "--params", "1e9", "--gpu-memory", "80 GB", "--link", "60 GB/s", "--batch", "0"], "--batch"),
-    (["plan", "--params", "1e9", "--gpu-memory", "lots", "--link", "60 GB/s"], "gpu_memory"),
+    (["plan", "--params", "1e9", "--gpu-memory", "lots", "--link", "60 GB/s"], "--gpu-memory"),
     (["plan", "--params", "1e9", "--gpu-memory", "80 GB"], "--link"),
     (["plan", "--params", "1e9", "--gpu-memory", "80 GB", "--link", "6 GB/s", "--emit", "xml"], "--emit"),
 ])

@@ -40,9 +40,11 @@ book: env $(MATHJAX)/tex-chtml.js
 book-student: env $(MATHJAX)/tex-chtml.js
 	OFFLOADLAB_STUDENT=1 $(PY) -m sphinx $(SPHINXOPTS) -b html book book/_build/student
 
-## student: the labs with their solutions replaced by stubs, into build/student (no nbgrader needed)
+## student: the labs with their solutions replaced by stubs, into build/student (no nbgrader needed),
+## and as nbgrader source notebooks, one assignment per lab, into build/nbgrader/source
 student: env
-	$(PY) -m offloadlab.student labs build/student
+	$(PY) -m offloadlab.student --force labs build/student
+	$(PY) -m offloadlab.student --force --nbgrader labs build/nbgrader/source
 
 ## gpu-check: every GPU test, notebook and benchmark on a CUDA machine, results in build/gpu-check
 ## (and reference data in offloadlab/reference); without a GPU, the CPU parts only

@@ -1,13 +1,14 @@
 """A real nbgrader round trip: release every lab, autograde a solved and an unsolved submission.
 
-The course is built the way the course page tells an instructor to: ``python -m
-offloadlab.student --nbgrader labs <course>/source``, then ``nbgrader generate_assignment``
-for each lab, then submissions under ``submitted/<student>/<lab>/`` and ``nbgrader
-autograde``. The solved submission is the source notebook itself (the worked answers); the
+The course is built the way the course page (book/course.md) tells an instructor to, with the
+``nbgrader_config.py`` it shows: ``python -m offloadlab.student --nbgrader labs
+<course>/source`` (what ``make student`` runs), then ``nbgrader generate_assignment`` for each
+lab, then submissions under ``submitted/<student>/<lab>/`` and ``nbgrader autograde``. The solved submission is the source notebook itself (the worked answers); the
 unsolved one is the released notebook as a student receives it.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,13 +21,14 @@ from offloadlab.student import BEGIN, END, STUB, assignment_name, find_labs, poi
 from tests.conftest import ROOT
 
 LABS = find_labs(ROOT / "labs")
-CONFIG = """\
-c = get_config()
-c.CourseDirectory.root = {root!r}
-c.CourseDirectory.course_id = "offloadlab"
-# The labs measure and train: give a cell minutes, not nbgrader's default 30 seconds.
-c.Execute.timeout = 600
-"""
+
+
+def course_page_config() -> str:
+    """The nbgrader_config.py the course page tells instructors to write, so the test uses that."""
+    page = (ROOT / "book" / "course.md").read_text(encoding="utf-8")
+    match = re.search(r"cat > nbgrader_config.py <<'EOF'\n(.*?)\nEOF\n", page, re.DOTALL)
+    assert match, "book/course.md no longer shows an nbgrader_config.py"
+    return match.group(1) + "\n"
 
 
 # nbgrader runs the `alembic` command to set up its gradebook: the environment's bin folder must be on
@@ -46,7 +48,8 @@ def nbgrader(course, *arguments):
 def course(tmp_path_factory):
     """An nbgrader course with every lab generated as an assignment."""
     root = tmp_path_factory.mktemp("course")
-    (root / "nbgrader_config.py").write_text(CONFIG.format(root=str(root)), encoding="utf-8")
+    (root / "nbgrader_config.py").write_text(course_page_config() + f"c.CourseDirectory.root = {str(root)!r}\n",
+                                             encoding="utf-8")
     result = subprocess.run([sys.executable, "-m", "offloadlab.student", "--nbgrader", str(ROOT / "labs"),
                              str(root / "source")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -10,8 +10,9 @@ The labs are Jupytext notebooks with three kinds of code cell:
 From them this module makes two things:
 
 - :func:`source_notebook` — the lab as an nbgrader *source* notebook: solutions kept, answer
-  and graded cells carrying nbgrader's metadata (ids, points), and a first code cell that puts
-  the answer checks in the student release (see :mod:`offloadlab.check`).
+  and graded cells carrying nbgrader's metadata (ids, points), answer cells unfolded (the book
+  may fold them), and a first code cell that puts the answer checks in the student release
+  (see :mod:`offloadlab.check`).
   ``nbgrader generate_assignment`` turns it into what students get.
 - :func:`release_notebook` — the same notebook with each solution replaced by nbgrader's own
   stub, exactly as ``generate_assignment`` does it, for instructors who hand labs out with
@@ -34,7 +35,7 @@ from pathlib import Path
 from .check import STUDENT_VARIABLE
 
 __all__ = ["BEGIN", "END", "STUB", "SWITCH", "assignment_name", "find_labs", "strip_solutions", "source_notebook",
-           "release_notebook", "write_release", "write_sources", "points"]
+           "unfold", "release_notebook", "write_release", "write_sources", "points"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 # nbgrader's default ClearSolutions.code_stub for Python, so both releases are the same text.
@@ -95,6 +96,7 @@ def source_notebook(path: Path):
                                  "(`:points:`) after it")
             answers += 1
             waiting_for_check = index
+            unfold(cell)
             cell.metadata["nbgrader"] = _nbgrader(f"answer-{answers}", solution=True)
         if points_given is not None:
             if cell.cell_type != "code" or is_answer:
@@ -117,6 +119,20 @@ def source_notebook(path: Path):
     for number, cell in enumerate(notebook.cells):
         cell["id"] = f"cell-{number}"  # jupytext draws random ids; these make releases reproducible
     return notebook
+
+
+def unfold(cell) -> None:
+    """Show an answer cell: the book folds its worked answers, but nbgrader copies a cell's metadata
+    into the release, and a student's stub must not start hidden."""
+    jupyter = cell.metadata.get("jupyter", {})
+    jupyter.pop("source_hidden", None)
+    if "jupyter" in cell.metadata and not jupyter:
+        del cell.metadata["jupyter"]
+    tags = [t for t in cell.metadata.get("tags", []) if t != "hide-input"]
+    if tags:
+        cell.metadata["tags"] = tags
+    else:
+        cell.metadata.pop("tags", None)
 
 
 def release_notebook(source):

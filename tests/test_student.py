@@ -38,6 +38,21 @@ def test_strip_solutions_uses_nbgraders_stub_at_the_markers_indent():
         strip_solutions(f"{BEGIN}\n{BEGIN}\n{END}\n")
 
 
+def test_answers_the_book_folds_are_unfolded_for_nbgrader_and_students(tmp_path):
+    folded = "---\njupyter:\n  source_hidden: true\ntags: [hide-input, keep]\n---\n"
+    path = lab(tmp_path, code(f"{BEGIN}\nx = 2\n{END}", folded) + code("assert x == 2", ":points: 1\n\n"))
+    notebook = source_notebook(path)
+    answer = next(c for c in notebook.cells if c.metadata.get("nbgrader", {}).get("solution"))
+    assert "jupyter" not in answer.metadata and answer.metadata.tags == ["keep"]
+    assert jupytext_metadata(path)["jupyter"] == {"source_hidden": True}  # the source itself is untouched
+
+
+def jupytext_metadata(path):
+    import jupytext
+
+    return jupytext.read(path).cells[0].metadata
+
+
 def test_source_notebook_marks_answers_checks_and_points(tmp_path):
     path = lab(tmp_path, "# Lab\n\n" + code("import math") + code(f"{BEGIN}\nx = 2\n{END}")
                + code("assert x == 2", ":points: 3\n\n"))
@@ -82,6 +97,8 @@ def test_every_lab_is_a_valid_assignment(path):
     sources = "\n".join(c.source for c in released.cells)
     assert BEGIN not in sources and END not in sources and STUB in sources
     assert released.cells[next(i for i, c in enumerate(released.cells) if c.cell_type == "code")].source == SWITCH
+    for cell in released.cells:  # nothing a student must write starts folded
+        assert not cell.metadata.get("jupyter", {}).get("source_hidden") and "hide-input" not in cell.metadata.get("tags", [])
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,13 @@ WRONG = {
         ("predicted_one_buffer = len(items) * max(copy_seconds, work_seconds)", "the double buffer's time",
          "predicted_one_buffer = copy_seconds + len(items) * work_seconds", "only the first copy exposed"),
     ],
+    "lab08": [
+        ("predicted_gather = 2 * 2 * P", "chapter 9's 2wP, the root counted twice",
+         "predicted_gather = 4 * (2 * config.layers * block + root)", "fp32 weights gathered"),
+        ("predicted_reduce = 4 * P", "fp32 gradients", "predicted_sent = predicted_reduce", "a rank sends the whole tensor"),
+        ("predicted_down, predicted_up = 2 * P, 2 * P", "bf16, but the model trains in fp32",
+         "predicted_down, predicted_up = 4 * P, 12 * P", "the fp32 state sent up too"),
+    ],
 }
 # Lab 1's answers are plain expressions; name the variable each one replaces.
 LAB01_ANSWERS = ["prediction_fp32_adam", "prediction_sgd", "prediction_bf16_adam", "prediction_extra_params"]

@@ -47,9 +47,11 @@ pdf: env $(MATHJAX)/tex-chtml.js
 	$(PY) -m sphinx $(SPHINXOPTS) -b singlehtml book book/_build/singlehtml
 	$(PY) tools/print_pdf.py book/_build/singlehtml book/_build/pdf/offloadlab.pdf
 
-## student: the labs with their solutions replaced by stubs, into build/student (no nbgrader needed)
+## student: the labs with their solutions replaced by stubs, into build/student (no nbgrader needed),
+## and as nbgrader source notebooks, one assignment per lab, into build/nbgrader/source
 student: env
-	$(PY) -m offloadlab.student labs build/student
+	$(PY) -m offloadlab.student --force labs build/student
+	$(PY) -m offloadlab.student --force --nbgrader labs build/nbgrader/source
 
 ## gpu-check: every GPU test, notebook and benchmark on a CUDA machine, results in build/gpu-check
 ## (and reference data in offloadlab/reference); without a GPU, the CPU parts only

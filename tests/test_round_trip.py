@@ -44,6 +44,18 @@ def test_references_to_headings_carry_their_text():
     assert result.returncode == 0, result.stdout + result.stderr + "run `make format`"
 
 
+def test_a_reference_keeps_up_with_its_heading():
+    sys.path.insert(0, str(ROOT / "tools"))
+    from lab_references import with_link_text
+
+    titles = {"ch-cpu-adam": "6. CPU Adam: the update that belongs on the CPU"}
+    stale = "see {ref}`6. CPU Adam: an older title <ch-cpu-adam>` and {ref}`ch-cpu-adam`"
+    assert with_link_text(stale, titles) == ("see {ref}`6. CPU Adam: the update that belongs on the CPU <ch-cpu-adam>` "
+                                            "and {ref}`6. CPU Adam: the update that belongs on the CPU <ch-cpu-adam>`")
+    mine = "the {ref}`optimizer chapter <ch-cpu-adam>`"  # a text written by hand is left alone
+    assert with_link_text(mine, titles) == mine
+
+
 def test_one_jupytext_configuration_for_book_and_labs():
     book, labs = (ROOT / d / "jupytext.toml" for d in ("book", "labs"))
     assert book.read_bytes() == labs.read_bytes()

@@ -5,8 +5,8 @@ another chapter (or even in the same one) has no target there and shows an orang
 and the bare label. The same reference written with its text, ``{ref}`2. The memory-tier ladder
 <ch-ladder>```, shows the text as a link in Lab, and on the site Sphinx prints the same words it
 would have taken from the heading. This rewrites each ``{ref}`` without text whose label marks a
-heading (``(label)=`` on the line above it) in book/ or labs/; other references are left alone.
-Idempotent; ``--check`` writes nothing and exits 1 when a file would change.
+heading (``(label)=`` on the line above it) in book/ or labs/, and refreshes the text of one it
+wrote before when the heading has changed since; other references are left alone. Idempotent; ``--check`` writes nothing and exits 1 when a file would change.
 
 Not fixable this way, and left as they are: ``{numref}`` to a figure drawn by a code cell (Lab
 does not number code-cell outputs) and ``{cite}`` (jupyterlab-myst reads no bibliography; Lab
@@ -27,6 +27,9 @@ from format_notebooks import notebooks, write_atomically  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = re.compile(r"^\(([^()\s]+)\)=\n#+ +(.+)$", re.M)
 BARE_REF = re.compile(r"\{ref\}`([^`<>]+)`")
+# A reference this tool gave its heading's text earlier ("6. CPU Adam: …", "Lab 4: …"): refreshed
+# when the heading changes, so no stale title stays behind. Hand-written link texts are left alone.
+HEADING_REF = re.compile(r"\{ref\}`((?:\d+\.|Lab \d+:) [^`<>]+) <([^`<>]+)>`")
 
 
 def heading_titles(paths) -> dict[str, str]:
@@ -40,7 +43,8 @@ def heading_titles(paths) -> dict[str, str]:
 
 
 def with_link_text(text: str, titles: dict[str, str]) -> str:
-    return BARE_REF.sub(lambda m: f"{{ref}}`{titles[m[1]]} <{m[1]}>`" if m[1] in titles else m[0], text)
+    text = BARE_REF.sub(lambda m: f"{{ref}}`{titles[m[1]]} <{m[1]}>`" if m[1] in titles else m[0], text)
+    return HEADING_REF.sub(lambda m: f"{{ref}}`{titles[m[2]]} <{m[2]}>`" if m[2] in titles else m[0], text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -307,9 +307,7 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: fl
             grad.data_ptr(), _KIND[grad.dtype], None if out is None else out.data_ptr(), _KIND[out_dtype], n,
             ctypes.byref(coefficients), threads), "adamw_step")
         return
-    g = grad.float()
-    if grad_scale != 1.0:
-        g.mul_(grad_scale)
+    g = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()  # a new tensor: the caller's stays as it is
     master.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)

@@ -249,6 +249,15 @@ def test_the_torch_step_is_torch_adamw_exactly():
         assert_same_bits(out, p.bfloat16(), "torch step: the copy")
 
 
+@pytest.mark.parametrize("variant", [None, cpu_adam.TORCH])
+def test_a_scaled_step_leaves_the_callers_gradient_alone(variant):
+    grad = torch.tensor([2.0, -4.0, 8.0])
+    p, m, v = torch.ones(3), torch.zeros(3), torch.zeros(3)
+    cpu_adam.adamw_step(p, m, v, grad, step=1, lr=0.1, grad_scale=0.5, variant=variant)
+    assert grad.tolist() == [2.0, -4.0, 8.0]
+    assert m.tolist() == pytest.approx([0.1, -0.2, 0.4])
+
+
 def test_backend_names_the_variant_and_where_it_came_from_without_paths(monkeypatch):
     monkeypatch.delenv(cpu_adam.VARIANT_ENV, raising=False)
     kernel = cpu_adam.load()

@@ -36,10 +36,13 @@ __all__ = ["Variant", "BuildError", "variants_for", "source_digest", "compiler_c
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("kernel.h", "cpu_adam.c", "dispatch.c")
 LIBRARY_NAME = "_cpu_adam.so"  # loaded with ctypes, not imported: no Python ABI in the name
-# -O3 vectorises the loops. No -ffast-math and no implicit contraction of a*b+c: every operation
-# rounds as torch's kernels round it (the source asks for the fused multiply-adds it needs).
+# -O3 vectorises the loops; -fno-trapping-math lets it compute both sides of a select (the
+# branch-free conversions), as torch's own build does; it changes no result, only whether
+# floating-point exception flags may be raised. No -ffast-math and no implicit contraction of
+# a*b+c: every operation rounds as torch's kernels round it (the source asks for the fused
+# multiply-adds it needs).
 COMPILE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-fno-math-errno",
-                 "-ffp-contract=off")
+                 "-fno-trapping-math", "-ffp-contract=off")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LIBRARIES = ("-lm",)
 # A compiler that has not finished in this long is stuck (a full build takes seconds).

@@ -67,6 +67,33 @@ def adamw(start, grads, *, lr, weight_decay, betas, eps, grad_scale):
     return weights.detach(), state["exp_avg"], state["exp_avg_sq"]
 
 
+def every_16_bit_value(dtype) -> torch.Tensor:
+    """All 65,536 values of a 16-bit dtype (bf16 or fp16), NaNs and infinities included."""
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def floats_where_rounding_is_decided(dtype) -> torch.Tensor:
+    """Every value of the 16-bit ``dtype`` as a float, the floats halfway between neighbours and
+    one ulp either side, the overflow and underflow edges, signed zeros, infinities, NaNs with
+    payloads, float subnormals, and a million random bit patterns (every exponent)."""
+    values = every_16_bit_value(dtype).float()
+    finite = values[values.isfinite()].unique()  # sorted, -0 and +0 once
+    midpoints = (finite[:-1].double() + finite[1:].double()).div(2).float()  # exact: one more bit
+    assert torch.equal(midpoints.double(), (finite[:-1].double() + finite[1:].double()) / 2)
+    largest, below = finite[-1].item(), finite[-2].item()
+    overflow = largest + (largest - below) / 2  # exact in float; rounds to infinity from here up
+    edges = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), overflow, -overflow, 2.0**-14, 2.0**-24,
+                          2.0**-25, 3 * 2.0**-25, 2.0**-126, 3.4e38, 65504.0, 65520.0, 65536.0, 1e-30])
+    assert edges[4].item() == overflow
+    near = torch.cat([midpoints, edges])
+    up, down = torch.full_like(near, float("inf")), torch.full_like(near, float("-inf"))
+    patterns = torch.tensor([0x7FC00000, 0x7F800001, 0xFFC00001, 0x7FBFFFFF, 0x7FE00000, 0x7F802000, 0x00000001,
+                             0x007FFFFF, 0x80000001, 0x7F7FFFFF], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    random = torch.randint(-(2**31), 2**31, (2**20,), generator=torch.Generator().manual_seed(0),
+                           dtype=torch.int64).to(torch.int32).view(torch.float32)
+    return torch.cat([values, near, near.nextafter(up), near.nextafter(down), patterns, random])
+
+
 def main(capability: str, inputs_file: str, out: str) -> None:
     """Save AdamW's results and both references for every case and every gradient dtype of
     ``inputs_file`` ({dtype: (start, grads)}), with torch's kernels for ``capability``."""

@@ -143,15 +143,11 @@ def test_every_variant_matches_torch_adamw_bit_for_bit(library, variant, case, t
             torch.testing.assert_close(p, adamw[0], rtol=1e-6, atol=hyper["lr"] * 1e-5)
 
 
-def every_16_bit_value(dtype) -> torch.Tensor:
-    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
-
-
 @pytest.mark.parametrize("dtype", LOW)
 def test_gradient_conversion_of_every_16_bit_value(library, dtype):
     """With beta1 = 0 and beta2 = 0 the step's moments are g and g² exactly: every finite
     gradient value arrives as torch converts it, and infinities and NaNs as AdamW treats them."""
-    grad = every_16_bit_value(dtype)
+    grad = adamw_reference.every_16_bit_value(dtype)
     expected = grad.float()
     finite = expected.isfinite()
     seen = {}
@@ -169,34 +165,12 @@ def test_gradient_conversion_of_every_16_bit_value(library, dtype):
         assert_same_bits(m, seen[library.runnable[0]][0], f"{variant} against {library.runnable[0]}")
 
 
-def floats_where_rounding_is_decided(dtype) -> torch.Tensor:
-    """Every value of the 16-bit ``dtype`` as a float, the floats halfway between neighbours and
-    one ulp either side, the overflow and underflow edges, signed zeros, infinities, NaNs with
-    payloads, float subnormals, and a million random bit patterns (every exponent)."""
-    values = every_16_bit_value(dtype).float()
-    finite = values[values.isfinite()].unique()  # sorted, -0 and +0 once
-    midpoints = (finite[:-1].double() + finite[1:].double()).div(2).float()  # exact: one more bit
-    assert torch.equal(midpoints.double(), (finite[:-1].double() + finite[1:].double()) / 2)
-    largest, below = finite[-1].item(), finite[-2].item()
-    overflow = largest + (largest - below) / 2  # exact in float; rounds to infinity from here up
-    edges = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), overflow, -overflow, 2.0**-14, 2.0**-24,
-                          2.0**-25, 3 * 2.0**-25, 2.0**-126, 3.4e38, 65504.0, 65520.0, 65536.0, 1e-30])
-    assert edges[4].item() == overflow
-    near = torch.cat([midpoints, edges])
-    up, down = torch.full_like(near, float("inf")), torch.full_like(near, float("-inf"))
-    patterns = torch.tensor([0x7FC00000, 0x7F800001, 0xFFC00001, 0x7FBFFFFF, 0x7FE00000, 0x7F802000, 0x00000001,
-                             0x007FFFFF, 0x80000001, 0x7F7FFFFF], dtype=torch.int64).to(torch.int32).view(torch.float32)
-    random = torch.randint(-(2**31), 2**31, (2**20,), generator=torch.Generator().manual_seed(0),
-                           dtype=torch.int64).to(torch.int32).view(torch.float32)
-    return torch.cat([values, near, near.nextafter(up), near.nextafter(down), patterns, random])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW])
 def test_weight_conversion_at_every_rounding_decision(library, dtype):
     """With lr = 0 and a zero gradient the weights do not move, so the copy is the conversion
     alone: round to nearest even, subnormals, overflow to infinity, as torch casts; a NaN stays
     a quiet NaN with its sign and leading payload bits, the same in every variant."""
-    master = floats_where_rounding_is_decided(torch.bfloat16 if dtype == torch.float32 else dtype)
+    master = adamw_reference.floats_where_rounding_is_decided(torch.bfloat16 if dtype == torch.float32 else dtype)
     nan = master.isnan()
     expected = master.to(dtype)
     quiet = (bits(master[nan]).to(torch.int64) & 0xFFFFFFFF) | 0x00400000  # arithmetic quiets a NaN

@@ -154,8 +154,8 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     repeats = 3 if quick else 5
     kernel = cpu_adam.load()
     variants = [kernel.variant]  # the best this CPU runs (or the one OFFLOADLAB_CPU_ADAM_VARIANT names)
-    if kernel.compiled and kernel.runnable[-1] != kernel.variant:
-        variants.append(kernel.runnable[-1])  # the portable one, for CPUs without wider instructions
+    if kernel.compiled and kernel.library.runnable[-1] != kernel.variant:
+        variants.append(kernel.library.runnable[-1])  # the portable one, for CPUs without wider instructions
     labels = {variant: f"offloadlab fused step, {variant} variant" if variant != cpu_adam.TORCH
               else "offloadlab step, torch fallback" for variant in variants}
     master, m, v = torch.randn(count), torch.zeros(count), torch.zeros(count)

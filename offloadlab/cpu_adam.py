@@ -30,10 +30,14 @@ safely on any other of its architecture. ``OFFLOADLAB_CPU_ADAM_VARIANT=<name>`` 
 it when constructed, so no compiler runs on a worker thread in the middle of a backward pass.
 :func:`backend` says which variant runs and where it came from.
 
-Every variant's moments and weights are bit-identical to ``torch.optim.AdamW`` on a CPU where
-torch's kernels use the same instructions: with fused multiply-adds where torch's AVX2, AVX512
-and Arm kernels have them, and without, in the x86-64 baseline, as torch's DEFAULT kernels
-(the ones ``ATEN_CPU_CAPABILITY=default`` selects, and a CPU without FMA runs) round.
+Numerics: every variant performs ``torch.optim.AdamW``'s operations in its order and rounding,
+so its moments are bit-identical to AdamW's on a CPU whose torch kernels round the same way —
+the variants with FMA fuse lerp_'s and addcmul_'s multiply-add as torch's AVX2, AVX512 and Arm
+kernels do; the x86-64 baseline rounds twice, as torch's DEFAULT kernels (those a CPU without
+FMA runs, and ``ATEN_CPU_CAPABILITY=default`` selects) do. The weights are bit-identical to the
+same operations with a correctly rounded square root. torch's x86 builds take the square root
+from MKL (``vsSqrt``), which is a unit in the last place off in about one case in six, so
+AdamW's weights differ from the kernel's at times by a rounding of the update.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import platform
 import threading
 import warnings
 from pathlib import Path
@@ -51,12 +56,13 @@ import torch
 
 from . import kernel_build
 
-__all__ = ["adamw_step", "grad_sum_of_squares", "backend", "load", "Kernel", "bytes_per_param",
+__all__ = ["adamw_step", "grad_sum_of_squares", "backend", "load", "Kernel", "Library", "bytes_per_param",
            "default_threads", "TORCH", "VARIANT_ENV"]
 
 TORCH = "torch"  # the name of the pure-torch step among the variants
 VARIANT_ENV = "OFFLOADLAB_CPU_ADAM_VARIANT"
 _KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # enum in csrc/kernel.h
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of gradients and of the weights' copy
 _STATUS = {1: "a gradient or copy dtype it has no loop for", 2: "a variant it does not hold",
            3: "a variant whose instructions this CPU lacks", 4: "not enough memory"}
 
@@ -69,27 +75,23 @@ class _Coefficients(ctypes.Structure):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Library:
-    """The kernel library this process found or built, or why there is none."""
+class Library:
+    """The kernel library this process found or built, or (``handle`` None) why there is none."""
 
-    handle: ctypes.CDLL | None
+    handle: ctypes.CDLL | None = dataclasses.field(repr=False, compare=False)
     origin: str = ""                 # where it came from, in words (no paths of this machine)
-    variants: tuple[str, ...] = ()   # the copies it holds, best first
+    variants: tuple[str, ...] = ()   # the copies of the kernel it holds, best first
     runnable: tuple[str, ...] = ()   # those this CPU can execute, best first
     problem: str = ""                # why there is none: every attempt, compiler output in full
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """The step :func:`adamw_step` runs: a variant of the compiled kernel, or ``"torch"``."""
+    """The step :func:`adamw_step` runs: a variant of the library's kernel, or ``"torch"``."""
 
     variant: str
-    chosen_by: str                   # "the best this CPU runs", or what named the variant
-    origin: str = ""
-    variants: tuple[str, ...] = ()
-    runnable: tuple[str, ...] = ()
-    problem: str = ""
-    _handle: ctypes.CDLL | None = dataclasses.field(default=None, repr=False, compare=False)
+    chosen_by: str                   # _BEST, or what named the variant
+    library: Library
 
     @property
     def compiled(self) -> bool:
@@ -97,21 +99,22 @@ class Kernel:
 
     def supports(self, grad_dtype: torch.dtype, out_dtype: torch.dtype | None) -> bool:
         """Whether the compiled kernel has a loop for this pair (the C code answers)."""
-        return self.compiled and bool(self._handle.offloadlab_adamw_supports(_KIND[grad_dtype], _KIND[out_dtype]))
+        return self.compiled and bool(self.library.handle.offloadlab_adamw_supports(_KIND[grad_dtype],
+                                                                                   _KIND[out_dtype]))
 
     def describe(self) -> str:
+        library = self.library
         if not self.compiled:
-            return f"torch fallback ({self.problem or 'chosen by ' + self.chosen_by})"
-        runs = ", ".join(self.runnable)
-        how = (f"the best of {', '.join(self.variants)} this CPU runs" if self.chosen_by == _BEST
-               else f"chosen by {self.chosen_by}; this CPU runs {runs}")
-        return f"compiled C kernel, {self.variant} variant ({how}), {self.origin}, OpenMP"
+            return f"torch fallback ({library.problem or 'chosen by ' + self.chosen_by})"
+        how = (f"the best of {', '.join(library.variants)} this CPU runs" if self.chosen_by == _BEST
+               else f"chosen by {self.chosen_by}; this CPU runs {', '.join(library.runnable)}")
+        return f"compiled C kernel, {self.variant} variant ({how}), {library.origin}, OpenMP"
 
 
 _BEST = "the best this CPU runs"
 _INSTALLED = Path(__file__).with_name(kernel_build.LIBRARY_NAME)  # where setup.py builds the library
 _lock = threading.Lock()
-_opened: _Library | None = None
+_opened: Library | None = None
 
 
 def default_threads() -> int:
@@ -133,7 +136,7 @@ def _cache_dir() -> tuple[Path, str]:
     return Path.home() / ".cache" / "offloadlab", "~/.cache/offloadlab"
 
 
-def _try_open(path: Path, origin: str, problems: list[str]) -> _Library | None:
+def _try_open(path: Path, origin: str, problems: list[str]) -> Library | None:
     """The library at ``path`` if it loads and was built from this package's sources."""
     try:
         handle = ctypes.CDLL(str(path))
@@ -156,10 +159,18 @@ def _try_open(path: Path, origin: str, problems: list[str]) -> _Library | None:
     count = range(handle.offloadlab_variant_count())
     variants = tuple(handle.offloadlab_variant_name(v).decode() for v in count)
     runnable = tuple(variants[v] for v in count if handle.offloadlab_variant_runs_here(v))
-    return _Library(handle, origin, variants, runnable)
+    return Library(handle, origin, variants, runnable)
 
 
-def _open() -> _Library:
+def _first_use_name(compiler: list[str]) -> str:
+    """The cached library's file name: a digest of all it is built from. The machine is part of
+    it, for home folders shared between x86-64 and Arm nodes whose compilers print the same."""
+    key = "\0".join([kernel_build.source_digest(), kernel_build.compiler_identity(compiler), " ".join(compiler),
+                     platform.machine()])
+    return f"cpu_adam-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def _open() -> Library:
     problems: list[str] = []
     if _INSTALLED.exists():
         if library := _try_open(_INSTALLED, "built at install time", problems):
@@ -169,9 +180,7 @@ def _open() -> _Library:
     folder, shown = _cache_dir()
     try:
         compiler = kernel_build.compiler_command()
-        key = hashlib.sha256("\0".join([kernel_build.source_digest(), kernel_build.compiler_identity(compiler),
-                                        " ".join(compiler)]).encode()).hexdigest()[:16]
-        path = folder / f"cpu_adam-{key}.so"
+        path = folder / _first_use_name(compiler)
         if not path.exists():
             kernel_build.build(path, compiler)
     except (kernel_build.BuildError, OSError) as error:
@@ -180,10 +189,10 @@ def _open() -> _Library:
         because = f", because {'; '.join(problems)}" if problems else ""
         if library := _try_open(path, f"compiled at first use into {shown}", problems):
             return dataclasses.replace(library, origin=library.origin + because)
-    return _Library(None, problem="; ".join(problems))
+    return Library(None, problem="; ".join(problems))
 
 
-def _library() -> _Library:
+def _library() -> Library:
     """The library, found or built on the first call (once per process, whichever thread asks)."""
     global _opened
     with _lock:
@@ -207,12 +216,10 @@ def load(variant: str | None = None) -> Kernel:
     if variant is None and os.environ.get(VARIANT_ENV):
         variant, source = os.environ[VARIANT_ENV], VARIANT_ENV
     if variant == TORCH:
-        return Kernel(TORCH, source)
+        return Kernel(TORCH, source, Library(None))
     library = _library()
-    found = dict(origin=library.origin, variants=library.variants, runnable=library.runnable,
-                 problem=library.problem, _handle=library.handle)
     if variant is None:
-        return Kernel(library.runnable[0] if library.handle else TORCH, _BEST, **found)
+        return Kernel(library.runnable[0] if library.handle else TORCH, _BEST, library)
     if library.handle is None:
         raise ValueError(f"{source}: expected {TORCH!r}, the only step without a compiled kernel; got {variant!r} "
                          f"({library.problem})")
@@ -221,7 +228,7 @@ def load(variant: str | None = None) -> Kernel:
     if variant not in library.runnable:
         raise ValueError(f"{source}: expected a variant this CPU runs ({', '.join(library.runnable + (TORCH,))}); "
                          f"got {variant!r}, whose instructions it lacks")
-    return Kernel(variant, source, **found)
+    return Kernel(variant, source, library)
 
 
 def backend(grad_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> str:
@@ -229,13 +236,12 @@ def backend(grad_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None
 
     With ``grad_dtype`` (and ``out_dtype``, the copy's dtype; ``None``: no copy), for that pair.
     """
-    kernel = load()
-    if grad_dtype is None or not kernel.compiled:
-        return kernel.describe()
-    _check_dtype("grad_dtype", grad_dtype, (torch.float32, torch.bfloat16, torch.float16))
+    if grad_dtype is not None:
+        _check_dtype("grad_dtype", grad_dtype, _DTYPES)
     if out_dtype is not None:
-        _check_dtype("out_dtype", out_dtype, (torch.float32, torch.bfloat16, torch.float16))
-    if not kernel.supports(grad_dtype, out_dtype):
+        _check_dtype("out_dtype", out_dtype, _DTYPES)
+    kernel = load()
+    if grad_dtype is not None and kernel.compiled and not kernel.supports(grad_dtype, out_dtype):
         return f"torch fallback (the compiled kernel has no loop for {grad_dtype} gradients and {out_dtype} copies)"
     return kernel.describe()
 
@@ -283,9 +289,9 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: fl
     _check("master", master, (torch.float32,), None)
     _check("exp_avg", exp_avg, (torch.float32,), n)
     _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
-    _check("grad", grad, (torch.float32, torch.bfloat16, torch.float16), n)
+    _check("grad", grad, _DTYPES, n)
     if out is not None:
-        _check("out", out, (torch.float32, torch.bfloat16, torch.float16), n)
+        _check("out", out, _DTYPES, n)
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step: expected the 1-based step count; got {step!r}")
     beta1, beta2 = betas
@@ -302,8 +308,8 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: fl
     if kernel.supports(grad.dtype, out_dtype):
         coefficients = _Coefficients(1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, bc2_sqrt,
                                      neg_step_size, grad_scale)
-        _raise_for(kernel._handle.offloadlab_adamw(
-            kernel.variants.index(kernel.variant), master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        _raise_for(kernel.library.handle.offloadlab_adamw(
+            kernel.library.variants.index(kernel.variant), master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
             grad.data_ptr(), _KIND[grad.dtype], None if out is None else out.data_ptr(), _KIND[out_dtype], n,
             ctypes.byref(coefficients), threads), "adamw_step")
         return
@@ -323,12 +329,12 @@ def grad_sum_of_squares(grad: torch.Tensor, threads: int | None = None, *, varia
     The compiled kernel adds in an order fixed by the buffer's length alone: the same result
     for any ``threads`` and in every variant.
     """
-    _check("grad", grad, (torch.float32, torch.bfloat16, torch.float16), None)
+    _check("grad", grad, _DTYPES, None)
     threads = _check_threads(threads)
     kernel = load(variant)
     if kernel.compiled:
         total = ctypes.c_double()
-        _raise_for(kernel._handle.offloadlab_sumsq(kernel.variants.index(kernel.variant), grad.data_ptr(),
+        _raise_for(kernel.library.handle.offloadlab_sumsq(kernel.library.variants.index(kernel.variant), grad.data_ptr(),
                                                    _KIND[grad.dtype], grad.numel(), threads, ctypes.byref(total)),
                    "grad_sum_of_squares")
         return total.value

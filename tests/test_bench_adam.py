@@ -30,8 +30,8 @@ def test_rows_for_the_best_and_the_baseline_variant_and_deepspeed_absent_with_it
     names = [row["contender"] for row in result["rows"]]
     expected = [f"offloadlab fused step, {kernel.variant} variant" if kernel.compiled else
                 "offloadlab step, torch fallback"]
-    if kernel.compiled and len(kernel.runnable) > 1:
-        expected.append(f"offloadlab fused step, {kernel.runnable[-1]} variant")
+    if kernel.compiled and len(kernel.library.runnable) > 1:
+        expected.append(f"offloadlab fused step, {kernel.library.runnable[-1]} variant")
     assert names == expected + ["torch AdamW foreach", "torch AdamW fused", "torch AdamW fused + bf16 cast"]
     assert all(row["seconds"] > 0 for row in result["rows"])
     assert result["note"] == ("DeepSpeedCPUAdam: absent (RuntimeError: ninja: build stopped: subcommand failed.)")

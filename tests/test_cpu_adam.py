@@ -63,7 +63,7 @@ def libraries(tmp_path_factory):
     """Kernel libraries by compiler, built on first request (a missing compiler fails under CI)."""
     built = {"package": cpu_adam._library()}
 
-    def get(compiler: str) -> cpu_adam._Library:
+    def get(compiler: str) -> cpu_adam.Library:
         if compiler not in built:
             if not shutil.which(compiler):
                 message = f"{compiler} is not installed (apt-get install gcc-11 clang libomp-dev)"
@@ -238,7 +238,7 @@ def test_backend_names_the_variant_and_where_it_came_from_without_paths(monkeypa
     text = cpu_adam.backend()
     if not kernel.compiled:
         pytest.skip(f"no compiled kernel here: {text}")
-    assert text.startswith(f"compiled C kernel, {kernel.runnable[0]} variant (the best of "), text
+    assert text.startswith(f"compiled C kernel, {kernel.library.runnable[0]} variant (the best of "), text
     assert "built at install time" in text or "compiled at first use into " in text, text
     assert not re.search(r"(^|[\s(=:])/", text) and str(ROOT) not in text, f"a path of this machine: {text}"
     for grad_dtype in (torch.float32, *LOW):  # the C code has a loop for every pair
@@ -252,7 +252,7 @@ def test_the_variant_can_be_chosen_and_a_wrong_choice_is_an_error(monkeypatch):
     kernel = cpu_adam.load()
     if not kernel.compiled:
         pytest.skip(f"no compiled kernel here: {cpu_adam.backend()}")
-    last = kernel.runnable[-1]
+    last = kernel.library.runnable[-1]
     monkeypatch.setenv(cpu_adam.VARIANT_ENV, last)
     assert cpu_adam.backend().startswith(f"compiled C kernel, {last} variant (chosen by {cpu_adam.VARIANT_ENV}; ")
     monkeypatch.setenv(cpu_adam.VARIANT_ENV, cpu_adam.TORCH)
@@ -265,10 +265,10 @@ def test_the_variant_can_be_chosen_and_a_wrong_choice_is_an_error(monkeypatch):
         cpu_adam.adamw_step(torch.zeros(2), torch.zeros(2), torch.zeros(2), torch.zeros(2), step=1, lr=0.1,
                             variant="sse9")
     # As on a CPU without the best variant's instructions:
-    monkeypatch.setattr(cpu_adam, "_opened", dataclasses.replace(cpu_adam._library(), runnable=kernel.runnable[1:]))
-    with pytest.raises(ValueError, match=rf"^variant: expected a variant this CPU runs .*; got '{kernel.runnable[0]}'"):
-        cpu_adam.load(kernel.runnable[0])
-    monkeypatch.setenv(cpu_adam.VARIANT_ENV, kernel.runnable[0])
+    monkeypatch.setattr(cpu_adam, "_opened", dataclasses.replace(cpu_adam._library(), runnable=kernel.library.runnable[1:]))
+    with pytest.raises(ValueError, match=rf"^variant: expected a variant this CPU runs .*; got '{kernel.library.runnable[0]}'"):
+        cpu_adam.load(kernel.library.runnable[0])
+    monkeypatch.setenv(cpu_adam.VARIANT_ENV, kernel.library.runnable[0])
     with pytest.raises(ValueError, match=rf"^{cpu_adam.VARIANT_ENV}: expected a variant this CPU runs"):
         cpu_adam.backend()
 
@@ -278,7 +278,7 @@ def test_the_library_refuses_a_variant_it_does_not_hold():
     if not kernel.compiled:
         pytest.skip(f"no compiled kernel here: {cpu_adam.backend()}")
     total = cpu_adam.ctypes.c_double()
-    status = kernel._handle.offloadlab_sumsq(len(kernel.variants), torch.zeros(1).data_ptr(), 1, 1, 1,
+    status = kernel.library.handle.offloadlab_sumsq(len(kernel.library.variants), torch.zeros(1).data_ptr(), 1, 1, 1,
                                              cpu_adam.ctypes.byref(total))
     assert status == 2  # STATUS_BAD_VARIANT in csrc/kernel.h
 
@@ -317,7 +317,7 @@ def test_first_use_builds_into_the_cache_once_and_reuses_it(monkeypatch, tmp_pat
     monkeypatch.delenv(cpu_adam.VARIANT_ENV, raising=False)
     monkeypatch.setattr(cpu_adam, "_opened", None)
     kernel = cpu_adam.load()
-    assert kernel.compiled and kernel.origin == ("compiled at first use into $OFFLOADLAB_CACHE, because no library "
+    assert kernel.compiled and kernel.library.origin == ("compiled at first use into $OFFLOADLAB_CACHE, because no library "
                                                  "was built at install time"), kernel
     built = list((tmp_path / "cache").iterdir())
     assert len(built) == 1 and built[0].name.startswith("cpu_adam-"), built
@@ -325,6 +325,15 @@ def test_first_use_builds_into_the_cache_once_and_reuses_it(monkeypatch, tmp_pat
     monkeypatch.setattr(cpu_adam, "_opened", None)  # as a new process
     assert cpu_adam.load().compiled and built[0].stat().st_mtime_ns == stamp
     assert list((tmp_path / "cache").iterdir()) == built
+
+
+def test_first_use_builds_for_other_machines_or_compilers_have_other_names(monkeypatch):
+    name = cpu_adam._first_use_name(["gcc"])
+    assert name == cpu_adam._first_use_name(["gcc"]) != cpu_adam._first_use_name(["gcc", "-O0"])
+    if shutil.which("clang"):
+        assert cpu_adam._first_use_name(["clang"]) != name
+    monkeypatch.setattr(cpu_adam.platform, "machine", lambda: "aarch64")  # same compiler text, other machine
+    assert cpu_adam._first_use_name(["gcc"]) != name
 
 
 def test_an_installed_library_from_other_sources_is_not_used(monkeypatch, tmp_path):

@@ -32,7 +32,7 @@ def arm(tmp_path_factory):
             pytest.fail(message + ": CI must test the Arm build")
         pytest.skip(message)
     kernel = cpu_adam.load()
-    fused = [variant for variant in kernel.runnable if variant not in UNFUSED]
+    fused = [variant for variant in kernel.library.runnable if variant not in UNFUSED]
     if not fused:
         pytest.skip("this CPU runs no fused-rounding variant to compare with")
     folder = tmp_path_factory.mktemp("arm")

@@ -28,8 +28,8 @@ from offloadlab import cpu_adam
 generator = torch.Generator().manual_seed(0)
 master = torch.randn(50_001, generator=generator)
 grads = [torch.randn(50_001, generator=generator).bfloat16() for _ in range(3)]
-results = {"file": offloadlab.__file__, "backend": cpu_adam.backend(), "variants": cpu_adam.load().runnable}
-for variant in cpu_adam.load().runnable:
+results = {"file": offloadlab.__file__, "backend": cpu_adam.backend(), "variants": cpu_adam.load().library.runnable}
+for variant in cpu_adam.load().library.runnable:
     p, m, v = master.clone(), torch.zeros_like(master), torch.zeros_like(master)
     out = torch.empty(master.numel(), dtype=torch.bfloat16)
     for step, grad in enumerate(grads, 1):
@@ -88,7 +88,7 @@ def assert_same_as_this_checkout(results):
     generator = torch.Generator().manual_seed(0)
     master = torch.randn(50_001, generator=generator)
     grads = [torch.randn(50_001, generator=generator).bfloat16() for _ in range(3)]
-    assert results["variants"] == cpu_adam.load().runnable
+    assert results["variants"] == cpu_adam.load().library.runnable
     for variant in results["variants"]:
         p, m, v = master.clone(), torch.zeros_like(master), torch.zeros_like(master)
         out = torch.empty(master.numel(), dtype=torch.bfloat16)
@@ -123,7 +123,7 @@ def test_a_wheel_carries_the_compiled_kernel_and_runs_it_without_a_compiler(tmp_
     # No compiler and an empty cache at run time: the kernel must be the one in the wheel.
     results = run_steps(python, tmp_path, CC="/no/such/compiler", OFFLOADLAB_CACHE=str(tmp_path / "cache"))
     assert results["file"].startswith(str(tmp_path / "venv")), results["file"]
-    assert results["backend"].startswith(f"compiled C kernel, {checkout_kernel.runnable[0]} variant"), \
+    assert results["backend"].startswith(f"compiled C kernel, {checkout_kernel.library.runnable[0]} variant"), \
         results["backend"]
     assert "built at install time" in results["backend"]
     assert not (tmp_path / "cache").exists()

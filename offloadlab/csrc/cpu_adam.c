@@ -4,7 +4,7 @@
  * in fp32, bf16 or fp16 for the trip back — every pair of gradient and copy type.
  *
  * The arithmetic is torch.optim.AdamW's (decoupled weight decay, bias correction), operation
- * for operation, so that every result is bit-identical to torch's CPU kernels:
+ * for operation and rounded as torch's CPU kernels round it:
  *   p = p * decay                                       (param.mul_)
  *   m = m + w * (g - m)          for w < 0.5            (exp_avg.lerp_(g, w), w = 1 - beta1)
  *   m = g - (1 - w) * (g - m)    otherwise
@@ -15,7 +15,8 @@
  * kernels for CPUs with FMA (its AVX2 and AVX512 builds, and Arm) round lerp's and addcmul's
  * multiply-add once; its DEFAULT build for x86-64 without FMA rounds twice. MULADD follows
  * the instruction set this copy is compiled for. Compiled with -ffp-contract=off and without
- * fast-math, so nothing else is fused or reordered.
+ * fast-math, so nothing else is fused or reordered. The square root is correctly rounded;
+ * torch's x86 builds take MKL's, which is an ulp off at times (so are the weights, then).
  *
  * This file is compiled once per instruction-set variant (see kernel.h and
  * offloadlab/kernel_build.py); dispatch.c picks one the running CPU supports.

@@ -183,11 +183,10 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     finally:
         torch.set_num_threads(previous)
     update_bandwidth = 3 * 4 * count / seconds.pop("in-place update a += b")
-    floor = cpu_adam.bytes_per_param() * count / update_bandwidth
-    rows = []
-    for name, value in seconds.items():
-        rows.append({"contender": name, "seconds": value, "params_per_s": count / value,
-                     "bytes_per_s": cpu_adam.bytes_per_param() * count / value, "percent_of_floor": 100 * floor / value})
+    floor = cpu_adam.bytes_per_param() * count / update_bandwidth  # seconds
+    moved = cpu_adam.bytes_per_param() * count
+    rows = [{"contender": name, "seconds": value, "params_per_s": count / value, "bytes_per_s": moved / value,
+             "percent_of_floor": 100 * floor / value} for name, value in seconds.items()]
     ours = seconds[labels[variants[0]]]
     baseline = seconds[labels[variants[1]]] if len(variants) > 1 else None
     cast = seconds["torch AdamW fused + bf16 cast"]
@@ -195,7 +194,8 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
         "offloadlab step / bandwidth floor (target ≤ 1.10)": ours / floor,
         "fused + cast / offloadlab step (target ≥ 1.5)": cast / ours,
         "fused + cast / offloadlab baseline step (target ≥ 1.0)": cast / baseline if baseline else None,
-        "DeepSpeedCPUAdam / offloadlab step (target ≥ 1.0)": seconds["DeepSpeedCPUAdam"] / ours if deepspeed else None,
+        "DeepSpeedCPUAdam / offloadlab step (target ≥ 1.0)":
+            seconds["DeepSpeedCPUAdam"] / ours if deepspeed else None,
     }
     return {"benchmark": "adam", "source": "measured", "rows": rows, "ratios": ratios,
             "params": count, "threads": threads, "floor_seconds": floor, "update_bandwidth": update_bandwidth,

@@ -261,6 +261,17 @@ def _check(name: str, t: torch.Tensor, dtypes, numel: int | None) -> None:
         raise ValueError(f"{name}: expected {numel} elements to match master; got {t.numel()}")
 
 
+def _check_disjoint(**buffers: torch.Tensor | None) -> None:
+    """The kernel reads and writes each buffer once per element: two of them sharing memory
+    would make the result depend on the order of those reads and writes."""
+    spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for name, t in buffers.items() if t is not None and t.numel()]
+    for i, (name, start, end) in enumerate(spans):
+        for other, other_start, other_end in spans[:i]:
+            if start < other_end and other_start < end:
+                raise ValueError(f"{name}: expected memory of its own; got memory shared with {other}")
+
+
 def _check_threads(threads) -> int:
     if threads is None:
         return default_threads()
@@ -299,6 +310,7 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: fl
         raise ValueError(f"betas: expected two numbers in [0, 1); got {betas!r}")
     if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and math.isfinite(grad_scale)):
         raise ValueError("lr: expected lr, eps and weight_decay ≥ 0 and a finite grad_scale")
+    _check_disjoint(master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad, out=out)
     threads = _check_threads(threads)
     # The scalars as torch.optim.AdamW computes them, in double precision (the kernel rounds each to float once).
     bc2_sqrt = (1 - beta2**step) ** 0.5
@@ -308,10 +320,11 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: fl
     if kernel.supports(grad.dtype, out_dtype):
         coefficients = _Coefficients(1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, bc2_sqrt,
                                      neg_step_size, grad_scale)
+        index = kernel.library.variants.index(kernel.variant)
         _raise_for(kernel.library.handle.offloadlab_adamw(
-            kernel.library.variants.index(kernel.variant), master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-            grad.data_ptr(), _KIND[grad.dtype], None if out is None else out.data_ptr(), _KIND[out_dtype], n,
-            ctypes.byref(coefficients), threads), "adamw_step")
+            index, master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), _KIND[grad.dtype],
+            None if out is None else out.data_ptr(), _KIND[out_dtype], n, ctypes.byref(coefficients), threads),
+            "adamw_step")
         return
     g = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()  # a new tensor: the caller's stays as it is
     master.mul_(1 - lr * weight_decay)
@@ -334,8 +347,8 @@ def grad_sum_of_squares(grad: torch.Tensor, threads: int | None = None, *, varia
     kernel = load(variant)
     if kernel.compiled:
         total = ctypes.c_double()
-        _raise_for(kernel.library.handle.offloadlab_sumsq(kernel.library.variants.index(kernel.variant), grad.data_ptr(),
-                                                   _KIND[grad.dtype], grad.numel(), threads, ctypes.byref(total)),
-                   "grad_sum_of_squares")
+        index = kernel.library.variants.index(kernel.variant)
+        _raise_for(kernel.library.handle.offloadlab_sumsq(index, grad.data_ptr(), _KIND[grad.dtype], grad.numel(),
+                                                          threads, ctypes.byref(total)), "grad_sum_of_squares")
         return total.value
     return float(grad.double().square().sum())

@@ -88,7 +88,8 @@ def test_arm_steps_match_bit_for_bit(arm, case):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         start, grads = adamw_reference.inputs(dtype)
         for out_dtype in (None, torch.float32, torch.bfloat16, torch.float16):
-            theirs, ours = run_arm(arm, start, grads, out_dtype, hyper), run_here(arm[1], start, grads, out_dtype, hyper)
+            theirs = run_arm(arm, start, grads, out_dtype, hyper)
+            ours = run_here(arm[1], start, grads, out_dtype, hyper)
             for name, a, b in zip(("weights", "exp_avg", "exp_avg_sq", "copy"), theirs, ours):
                 if b is not None:
                     assert_same_bits(a, b, f"neon against {arm[1]}, {dtype} gradients, {out_dtype} copy: {name}")

@@ -92,7 +92,9 @@ EXPORT const char *offloadlab_variant_name(int variant) {
     return variant >= 0 && variant < VARIANT_COUNT ? variants[variant].name : 0;
 }
 
-EXPORT int offloadlab_variant_runs_here(int variant) { return variant >= 0 && variant < VARIANT_COUNT && runnable[variant]; }
+EXPORT int offloadlab_variant_runs_here(int variant) {
+    return variant >= 0 && variant < VARIANT_COUNT && runnable[variant];
+}
 
 EXPORT int offloadlab_adamw_supports(int grad_kind, int out_kind) { return adamw_kinds_supported(grad_kind, out_kind); }
 

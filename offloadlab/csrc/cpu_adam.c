@@ -55,6 +55,14 @@
 /* Elements per tile: a thread converts a tile of gradient into fp32 on its stack, updates it,
  * and converts the weights out, while the tile is in L1 (3 × 4 KiB). */
 #define TILE 1024
+/* Elements per thread at least, as torch's grain size: waking a thread costs microseconds
+ * (hundreds on a busy machine), more than a small slice's whole step. */
+#define GRAIN (32 * TILE)
+
+static inline int threads_for(int64_t n, int threads) {
+    int64_t useful = n / GRAIN > 1 ? n / GRAIN : 1;
+    return threads < 1 ? 1 : threads > useful ? (int)useful : threads;
+}
 
 static inline uint32_t float_bits(float f) {
     uint32_t u;
@@ -184,7 +192,7 @@ static inline void update(float *restrict p, float *restrict m, float *restrict 
 int VARIANT_FUNCTION(offloadlab_adamw)(ADAMW_PARAMETERS) {
     if (!adamw_kinds_supported(grad_kind, out_kind)) return STATUS_BAD_KIND;
     const struct adamw_coefficients c = *coefficients;
-    if (threads < 1) threads = 1;
+    threads = threads_for(n, threads);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t start = 0; start < n; start += TILE) {
         _Alignas(64) float scratch[TILE];
@@ -221,7 +229,7 @@ static double chunk_sumsq(const void *grad, int kind, int64_t start, int64_t len
 
 int VARIANT_FUNCTION(offloadlab_sumsq)(SUMSQ_PARAMETERS) {
     if (!adamw_kinds_supported(grad_kind, KIND_NONE)) return STATUS_BAD_KIND;
-    if (threads < 1) threads = 1;
+    threads = threads_for(n, threads);
     int64_t chunks = (n + SUM_CHUNK - 1) / SUM_CHUNK;
     double *sums = malloc((size_t)(chunks > 0 ? chunks : 1) * sizeof(double));
     if (sums == NULL) return STATUS_NO_MEMORY;

@@ -1,7 +1,14 @@
-"""The AArch64 build of the kernel (its NEON variant), cross-compiled with the package's recipe and
-run under qemu-aarch64, against this machine's fused-rounding variant bit for bit: AArch64 has
-FMA, so its copy rounds as torch's Arm kernels and as the AVX2 and AVX-512 copies do. It is
-the check of the Arm code path (``__fp16`` conversions, the dispatcher) on an x86-64 machine."""
+"""The kernel library on CPUs this machine is not, emulated by qemu (user mode) and driven by
+tests/kernel_driver.c, against this machine's variants bit for bit:
+
+- the AArch64 build (its NEON variant), cross-compiled with the package's recipe: AArch64 has
+  FMA, so its copy must round as the AVX2 and AVX-512 copies do. The one check of the Arm path
+  (``__fp16`` conversions, the dispatcher's Arm branch) on an x86-64 machine;
+- the x86-64 build on a Haswell (AVX2, FMA, F16C, no AVX-512) and a Nehalem (no AVX): the
+  dispatcher offers only what each CPU has, the copies it offers compute what they compute
+  here, and the library refuses to enter a copy the CPU lacks instead of dying on an illegal
+  instruction.
+"""
 
 import os
 import shutil
@@ -16,30 +23,74 @@ from tests import adamw_reference
 from tests.conftest import ROOT
 from tests.test_cpu_adam import UNFUSED, X86, assert_same_bits
 
-CROSS_COMPILER, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", "/usr/aarch64-linux-gnu"
+CROSS_COMPILER, SYSROOT = "aarch64-linux-gnu-gcc", "/usr/aarch64-linux-gnu"
+QEMU_ARM, QEMU_X86 = "qemu-aarch64", "qemu-x86_64"
+DRIVER = ROOT / "tests" / "kernel_driver.c"
 KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+REFUSED = 3  # kernel_driver's exit status when the library refuses the call
 
-pytestmark = pytest.mark.skipif(not X86, reason="on an Arm machine, test_cpu_adam runs the NEON variant itself")
+pytestmark = pytest.mark.skipif(not X86, reason="emulates other CPUs from an x86-64 machine")
+
+
+def require(*tools: str) -> None:
+    missing = [tool for tool in tools if not shutil.which(tool)]
+    if missing:
+        message = f"{', '.join(missing)} not installed (apt-get install gcc-aarch64-linux-gnu qemu-user)"
+        if os.environ.get("CI"):
+            pytest.fail(message + ": CI must test the library on emulated CPUs")
+        pytest.skip(message)
 
 
 @pytest.fixture(scope="module")
 def arm(tmp_path_factory):
-    """(the library, the driver) built for AArch64, and this machine's variant to compare with."""
-    missing = [tool for tool in (CROSS_COMPILER, QEMU) if not shutil.which(tool)]
-    if missing:
-        message = f"{', '.join(missing)} not installed (apt-get install gcc-aarch64-linux-gnu qemu-user)"
-        if os.environ.get("CI"):
-            pytest.fail(message + ": CI must test the Arm build")
-        pytest.skip(message)
-    kernel = cpu_adam.load()
-    fused = [variant for variant in kernel.library.runnable if variant not in UNFUSED]
+    """A runner of the AArch64 library, and this machine's fused-rounding variant to compare with."""
+    require(CROSS_COMPILER, QEMU_ARM)
+    fused = [variant for variant in cpu_adam.load().library.runnable if variant not in UNFUSED]
     if not fused:
         pytest.skip("this CPU runs no fused-rounding variant to compare with")
     folder = tmp_path_factory.mktemp("arm")
     kernel_build.build(folder / "lib.so", [CROSS_COMPILER], machine="aarch64")
-    subprocess.run([CROSS_COMPILER, "-O2", str(ROOT / "tests" / "arm_driver.c"), "-o", str(folder / "driver"), "-ldl"],
+    subprocess.run([CROSS_COMPILER, "-O2", str(DRIVER), "-o", str(folder / "driver"), "-ldl"], check=True)
+    return Emulated([QEMU_ARM, "-L", SYSROOT], folder), fused[0]
+
+
+@pytest.fixture(scope="module")
+def x86(tmp_path_factory):
+    """A runner of this machine's library on an emulated CPU model, by name."""
+    require(QEMU_X86)
+    folder = tmp_path_factory.mktemp("x86")
+    kernel_build.build(folder / "lib.so")
+    subprocess.run([*kernel_build.compiler_command(), "-O2", str(DRIVER), "-o", str(folder / "driver"), "-ldl"],
                    check=True)
-    return folder, fused[0]
+    return lambda model: Emulated([QEMU_X86, "-cpu", model], folder)
+
+
+class Emulated:
+    """kernel_driver and a library built for it, run under qemu."""
+
+    def __init__(self, qemu: list[str], folder):
+        self.command, self.folder = [*qemu, str(folder / "driver"), str(folder / "lib.so")], folder
+
+    def variants(self) -> dict[str, bool]:
+        result = subprocess.run(self.command, capture_output=True, text=True, check=True)
+        return {name: runs == "1" for name, runs in (line.split() for line in result.stdout.splitlines())}
+
+    def run(self, variant, start, grads, out_dtype, hyper):
+        """(weights, exp_avg, exp_avg_sq, copy) after the steps, or the driver's exit status."""
+        n = start.numel()
+        with open(self.folder / "in.bin", "wb") as f:
+            f.write(np.array([n, len(grads), KIND[grads[0].dtype], KIND[out_dtype]], dtype=np.int64).tobytes())
+            f.write(raw(start) + raw(torch.zeros(n)) + raw(torch.zeros(n)))
+            for step, grad in enumerate(grads, 1):
+                f.write(coefficients(step, **hyper) + raw(grad))
+        number = list(self.variants()).index(variant)
+        result = subprocess.run([*self.command, str(number), str(self.folder / "in.bin"), str(self.folder / "out.bin")],
+                                capture_output=True, text=True)
+        if result.returncode:
+            return result.returncode
+        data = bytearray((self.folder / "out.bin").read_bytes())
+        p, m, v = (torch.frombuffer(data[i * 4 * n:(i + 1) * 4 * n], dtype=torch.float32) for i in range(3))
+        return p, m, v, None if out_dtype is None else torch.frombuffer(data[12 * n:], dtype=out_dtype)
 
 
 def coefficients(step, *, lr, weight_decay, betas, eps, grad_scale) -> bytes:
@@ -51,21 +102,6 @@ def coefficients(step, *, lr, weight_decay, betas, eps, grad_scale) -> bytes:
 
 def raw(t: torch.Tensor) -> bytes:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().tobytes()
-
-
-def run_arm(arm, start, grads, out_dtype, hyper):
-    folder, _ = arm
-    n = start.numel()
-    with open(folder / "in.bin", "wb") as f:
-        f.write(np.array([n, len(grads), KIND[grads[0].dtype], KIND[out_dtype]], dtype=np.int64).tobytes())
-        f.write(raw(start) + raw(torch.zeros(n)) + raw(torch.zeros(n)))
-        for step, grad in enumerate(grads, 1):
-            f.write(coefficients(step, **hyper) + raw(grad))
-    subprocess.run([QEMU, "-L", SYSROOT, str(folder / "driver"), str(folder / "lib.so"), str(folder / "in.bin"),
-                    str(folder / "out.bin")], check=True)
-    data = bytearray((folder / "out.bin").read_bytes())
-    p, m, v = (torch.frombuffer(data[i * 4 * n:(i + 1) * 4 * n], dtype=torch.float32) for i in range(3))
-    return p, m, v, None if out_dtype is None else torch.frombuffer(data[12 * n:], dtype=out_dtype)
 
 
 def run_here(variant, start, grads, out_dtype, hyper):
@@ -88,7 +124,7 @@ def test_arm_steps_match_bit_for_bit(arm, case):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         start, grads = adamw_reference.inputs(dtype)
         for out_dtype in (None, torch.float32, torch.bfloat16, torch.float16):
-            theirs = run_arm(arm, start, grads, out_dtype, hyper)
+            theirs = arm[0].run("neon", start, grads, out_dtype, hyper)
             ours = run_here(arm[1], start, grads, out_dtype, hyper)
             for name, a, b in zip(("weights", "exp_avg", "exp_avg_sq", "copy"), theirs, ours):
                 if b is not None:
@@ -102,12 +138,30 @@ def test_arm_conversions_match_bit_for_bit(arm):
         grad = adamw_reference.every_16_bit_value(dtype)
         hyper = dict(lr=0.0, weight_decay=0.0, betas=(0.0, 0.0), eps=1e-8, grad_scale=1.0)
         zeros = torch.zeros(grad.numel())
-        theirs, ours = run_arm(arm, zeros, [grad], None, hyper), run_here(arm[1], zeros, [grad], None, hyper)
+        theirs, ours = arm[0].run("neon", zeros, [grad], None, hyper), run_here(arm[1], zeros, [grad], None, hyper)
         for name, a, b in zip(("weights", "exp_avg", "exp_avg_sq"), theirs, ours):
             assert_same_apart_from_nan_payloads(a, b, f"{dtype} gradients: {name}")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         master = adamw_reference.floats_where_rounding_is_decided(torch.bfloat16 if dtype == torch.float32 else dtype)
         hyper = dict(lr=0.0, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, grad_scale=1.0)
         zeros = torch.zeros(master.numel())
-        theirs = run_arm(arm, master, [zeros], dtype, hyper)[3]
+        theirs = arm[0].run("neon", master, [zeros], dtype, hyper)[3]
         assert_same_bits(theirs, run_here(arm[1], master, [zeros], dtype, hyper)[3], f"float32 → {dtype} copy")
+
+
+@pytest.mark.parametrize("model, offered", [("Haswell", ["avx2", "baseline"]), ("Nehalem", ["baseline"])])
+def test_x86_cpus_without_some_instruction_sets(x86, model, offered):
+    emulated = x86(model)
+    variants = emulated.variants()
+    assert [name for name, runs in variants.items() if runs] == offered, variants
+    here = cpu_adam.load().library.runnable
+    start, grads = adamw_reference.inputs(torch.bfloat16)
+    hyper = adamw_reference.CASES["usual"]
+    for variant in variants:
+        result = emulated.run(variant, start, grads[:2], torch.bfloat16, hyper)
+        if variant not in offered:
+            assert result == REFUSED, f"{model}: the {variant} copy was entered: {result}"
+        elif variant in here:
+            for name, a, b in zip(("weights", "exp_avg", "exp_avg_sq", "copy"), result,
+                                  run_here(variant, start, grads[:2], torch.bfloat16, hyper)):
+                assert_same_bits(a, b, f"{variant} on an emulated {model} against this CPU: {name}")

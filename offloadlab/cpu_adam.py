@@ -26,9 +26,10 @@ safely on any other of its architecture. ``OFFLOADLAB_CPU_ADAM_VARIANT=<name>`` 
 (``baseline``, say, or ``torch`` for the pure-torch step; one the CPU lacks is an error), and
 ``CC`` chooses the compiler (a command with flags, as ``CC="gcc -O0"``, works).
 
-:func:`load` finds or builds the library *now*: :class:`~offloadlab.offload.CPUOffloadAdam` calls
-it when constructed, so no compiler runs on a worker thread in the middle of a backward pass.
-:func:`backend` says which variant runs and where it came from.
+:func:`load` finds or builds the library *now*; call it where a pause is harmless, as in an
+optimizer's constructor, so that no compiler runs later on a worker thread in the middle of a
+backward pass (the first :func:`adamw_step` would otherwise do it). :func:`backend` says which
+variant runs and where it came from.
 
 Numerics: every variant performs ``torch.optim.AdamW``'s operations in its order and rounding,
 so its moments are bit-identical to AdamW's on a CPU whose torch kernels round the same way —

@@ -37,9 +37,18 @@ templates_path = ["_templates"]
 myst_enable_extensions = ["amsmath", "colon_fence", "deflist", "dollarmath", "substitution"]
 myst_heading_anchors = 3
 
-# Execute every notebook; a failing cell fails the build. The cache keeps rebuilds fast.
+# One source, two builds: the reader's site shows solutions in dropdowns that
+# sphinx-togglebutton keeps collapsed until clicked; the student site (OFFLOADLAB_STUDENT=1,
+# `make book-student`) leaves them out — the exercises' solutions, the labs' worked answers (each
+# answer cell shows the stub students get) and the downloadable sources that hold them.
+hide_solutions = bool(os.environ.get("OFFLOADLAB_STUDENT"))
+
+# Execute every notebook; a failing cell fails the build. The cache keeps rebuilds fast. The
+# student site has a cache of its own: its labs run in student mode, where a check never shows
+# the expected value.
 nb_execution_mode = "cache"
-nb_execution_cache_path = str(Path(__file__).parent / "_build" / ".jupyter_cache")
+nb_execution_cache_path = str(Path(__file__).parent / "_build" /
+                              (".jupyter_cache-student" if hide_solutions else ".jupyter_cache"))
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_execution_timeout = 900
@@ -81,10 +90,7 @@ html_theme_options = {
     } if REPOSITORY_URL else {},
 }
 
-# One source, two builds: the reader's site shows solutions in dropdowns that
-# sphinx-togglebutton keeps collapsed until clicked; the student site (OFFLOADLAB_STUDENT=1,
-# `make book-student`) leaves them out.
-hide_solutions = bool(os.environ.get("OFFLOADLAB_STUDENT"))
+html_copy_source = not hide_solutions  # the .md sources hold the labs' worked answers
 
 # Copy buttons copy the code, not the prompts of shell or REPL examples.
 copybutton_prompt_text = r">>> |\.\.\. |\$ "
@@ -112,12 +118,27 @@ def publish_notebook_download(app, pagename, templatename, context, doctree):
     its header buttons are built and does the same for every build.
     """
     executed = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
-    if not executed.exists() or context.get("ipynb_source"):
-        return
+    if hide_solutions or not executed.exists() or context.get("ipynb_source"):
+        return  # (the student site offers no executed notebook: it would hold the worked answers)
     target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(executed, target)
     context["ipynb_source"] = f"{pagename}.ipynb"
+
+
+def stub_lab_answers(app, doctree, docname):
+    """On the student site, show each lab answer cell as students receive it: the worked answer
+    between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` replaced by the stub."""
+    from docutils import nodes
+
+    from offloadlab.student import BEGIN, strip_solutions
+
+    for block in doctree.findall(nodes.literal_block):
+        text = block.astext()
+        if any(line.strip() == BEGIN for line in text.splitlines()):
+            stubbed = strip_solutions(text)
+            block.rawsource = stubbed  # what the highlighter reads
+            block.children = [nodes.Text(stubbed)]
 
 
 def number_exercises_per_page(app, env):
@@ -168,5 +189,7 @@ def setup(app):
     app.connect("builder-inited", ship_the_pdf)
     app.connect("env-get-updated", number_exercises_per_page, priority=900)  # after Sphinx numbers them
     app.connect("doctree-resolved", alt_text_from_captions)
+    if hide_solutions:
+        app.connect("doctree-read", stub_lab_answers)
     app.connect("html-page-context", link_the_pdf)
     app.connect("html-page-context", publish_notebook_download, priority=502 if REPOSITORY_URL else 500)

@@ -126,7 +126,7 @@ def publish_notebook_download(app, pagename, templatename, context, doctree):
     context["ipynb_source"] = f"{pagename}.ipynb"
 
 
-def stub_lab_answers(app, doctree, docname):
+def stub_lab_answers(app, doctree):
     """On the student site, show each lab answer cell as students receive it: the worked answer
     between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` replaced by the stub."""
     from docutils import nodes

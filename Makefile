@@ -14,7 +14,7 @@ LAB_ROOT    := $(if $(filter 0,$(shell id -u)),--allow-root)
 OVERRIDES   := $(VENV)/share/jupyter/lab/settings/overrides.json
 MATHJAX     := book/_static/mathjax
 
-.PHONY: env lab test book book-student student gpu-check clean
+.PHONY: env lab test book book-student pdf student gpu-check format clean
 
 ## env: create the environment if missing, install or update everything in it
 env:
@@ -24,9 +24,10 @@ env:
 	@# Open the Jupytext .md chapters as notebooks by default in JupyterLab.
 	install -D -m 644 etc/jupyterlab-overrides.json $(OVERRIDES)
 
-## lab: start JupyterLab on the book, chapter 1 open as a notebook
+## lab: start JupyterLab on the book; the URL it prints opens chapter 1 as a notebook
+## (etc/jupyter_server_config.json: rooted at book/, the site's build files hidden)
 lab: env
-	$(VENV)/bin/jupyter lab $(LAB_ROOT) book/01_memory_wall.md
+	$(VENV)/bin/jupyter lab $(LAB_ROOT) --config=etc/jupyter_server_config.json
 
 ## test: unit tests, every chapter and lab through nbval, the static site and its browser checks
 test: env $(MATHJAX)/tex-chtml.js
@@ -40,14 +41,29 @@ book: env $(MATHJAX)/tex-chtml.js
 book-student: env $(MATHJAX)/tex-chtml.js
 	OFFLOADLAB_STUDENT=1 $(PY) -m sphinx $(SPHINXOPTS) -b html book book/_build/student
 
-## student: the labs with their solutions replaced by stubs, into build/student (no nbgrader needed)
+## pdf: the whole book as one PDF, book/_build/pdf/offloadlab.pdf: Chromium prints the single-page
+## build (needs Debian's chromium); a `make book` after it links the PDF from every page
+pdf: env $(MATHJAX)/tex-chtml.js
+	$(PY) -m sphinx $(SPHINXOPTS) -b singlehtml book book/_build/singlehtml
+	$(PY) tools/print_pdf.py book/_build/singlehtml book/_build/pdf/offloadlab.pdf
+
+## student: the labs with their solutions replaced by stubs, into build/student (no nbgrader needed),
+## and as nbgrader source notebooks, one assignment per lab, into build/nbgrader/source
 student: env
-	$(PY) -m offloadlab.student labs build/student
+	$(PY) -m offloadlab.student --force labs build/student
+	$(PY) -m offloadlab.student --force --nbgrader labs build/nbgrader/source
 
 ## gpu-check: every GPU test, notebook and benchmark on a CUDA machine, results in build/gpu-check
 ## (and reference data in offloadlab/reference); without a GPU, the CPU parts only
 gpu-check: env
 	$(PY) -m offloadlab.gpucheck --out build/gpu-check
+
+## format: rewrite every chapter and lab to the exact text Jupytext writes for it, so that saving
+## in JupyterLab changes nothing (metadata and wrapping only), and give each {ref} to a heading
+## its link text, which Lab shows in place of a warning (the site's text stays the same)
+format: env
+	$(PY) tools/format_notebooks.py
+	$(PY) tools/lab_references.py
 
 # MathJax served from the site itself, so pages render math offline (needs Node.js's npm once).
 $(MATHJAX)/tex-chtml.js:

@@ -3,10 +3,12 @@
 The package behind the offloadlab textbook and lab kit. Layers, bottom first (each imports
 only those below it):
 
-- base: ``units`` (sizes, bandwidths, times: parsing, validation, formatting);
+- base: ``units`` (sizes, bandwidths, times: parsing, validation, formatting), ``files`` (result
+  files checked before a run and written atomically);
 - models (pure arithmetic): ``memory``, ``overlap``, ``budget``, ``planner``;
 - machine and transfer engine: ``machine``, ``link`` (CUDA and emulated);
-- measurement: ``probe``, ``ladder``, ``experiment``, ``reference`` (shipped measurements);
+- measurement: ``probe``, ``ladder``, ``experiment``, ``reference`` (shipped
+  and the user's own reference measurements);
 - mechanisms: ``cpu_adam``, ``offload`` (``CPUOffloadAdam``), ``prefetch``, ``nvme``;
 - for the chapters and labs: ``models`` (a small GPT and its data), ``plots``, ``check``,
   ``student``, ``bench``, ``gpucheck`` and ``cli`` (the ``offloadlab`` command).

@@ -15,9 +15,9 @@ import torch
 
 from . import experiment, machine, probe
 from .link import open_link
-from .units import format_bandwidth, format_duration
+from .units import format_bandwidth, format_duration, parse_size
 
-__all__ = ["link", "overlap", "adam", "offload", "prefetch", "format_result"]
+__all__ = ["link", "overlap", "adam", "offload", "prefetch", "nvme", "check_nvme_folder", "format_result"]
 
 
 def _plain_copy_bandwidth(nbytes: int, direction: str, repeats: int) -> float:
@@ -116,71 +116,107 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _time_fused_step(count: int, threads: int, repeats: int) -> float:
-    """Median seconds of offloadlab's step, bf16 gradients in and bf16 weights out (buffers freed after)."""
-    from . import cpu_adam
+def _interleaved_medians(contenders: dict, repeats: int) -> dict:
+    """Median seconds of each contender, timed in rounds that run every contender once, after a
+    warm-up round: a slow spell of a shared machine then slows every contender alike."""
+    samples = {name: [] for name in contenders}
+    for round_ in range(repeats + 1):
+        for name, step in contenders.items():
+            start = time.perf_counter()
+            step()
+            if round_:
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
-    master, m, v = torch.randn(count), torch.zeros(count), torch.zeros(count)
-    grad, out = torch.randn(count).to(torch.bfloat16), torch.empty(count, dtype=torch.bfloat16)
-    steps = iter(range(1, 10**6))
-    return _median_seconds(lambda: cpu_adam.adamw_step(master, m, v, grad, out, step=next(steps), lr=1e-3,
-                                                       threads=threads), repeats)
+
+def _deepspeed_step(weights):
+    """DeepSpeedCPUAdam's step on ``weights``, or (None, why it is absent): its C++ extension is
+    compiled at first use, which can fail long after the import succeeded."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam([weights], lr=1e-3, adamw_mode=True)
+        optimizer.step()
+    except ModuleNotFoundError:
+        return None, "not installed: pip install deepspeed to compare"
+    except Exception as error:  # its extension failed to build or load
+        lines = [line for line in str(error).splitlines() if line.strip()] or [""]
+        return None, f"{type(error).__name__}: {lines[-1].strip()}"
+    return optimizer.step, ""
 
 
 def adam(quick: bool = False, params: float | None = None, threads: int | None = None) -> dict:
     """The CPU AdamW step against its peers and the memory-bandwidth floor, same threads, one run.
 
-    offloadlab's fused step (bf16 gradients in, bf16 weights out: 28 B/param) against torch
-    AdamW foreach and fused (fp32 gradients, 28 B/param), fused followed by a separate bf16
-    cast, and DeepSpeedCPUAdam when installed. The floor is the bytes the step must move over
-    the in-place-update bandwidth measured in the same run with the same threads.
+    offloadlab's fused step (bf16 gradients in, bf16 weights out: 28 B/param) in the best
+    variant this CPU runs and in the portable baseline, against torch AdamW foreach and fused
+    (fp32 gradients, 28 B/param) and fused followed by a separate bf16 cast; and, when it is
+    installed and its extension builds, DeepSpeedCPUAdam (its own OpenMP threads) alone and
+    followed by the cast. The peers' steps alone do not make the bf16 copy, so offloadlab's step
+    doing their job (fp32 gradients, no copy) is timed as well. The floor is the bytes the step
+    must move over the bandwidth of an in-place update ``a += b`` timed in the same rounds, with
+    the same threads. All contenders are timed round-robin.
     """
     from . import cpu_adam
 
     count = int(params or (16e6 if quick else 64e6))
     threads = threads or torch.get_num_threads()
     repeats = 3 if quick else 5
+    kernel = cpu_adam.load()
+    variants = [kernel.variant]  # the best this CPU runs (or the one OFFLOADLAB_CPU_ADAM_VARIANT names)
+    if kernel.compiled and kernel.library.runnable[-1] != kernel.variant:
+        variants.append(kernel.library.runnable[-1])  # the portable one, for CPUs without wider instructions
+    labels = {variant: f"offloadlab fused step, {variant} variant" if variant != cpu_adam.TORCH
+              else "offloadlab step, torch fallback" for variant in variants}
+    same_job = f"offloadlab step, {variants[0]}, fp32 gradients, no copy"
+    master, m, v = torch.randn(count), torch.zeros(count), torch.zeros(count)
+    grad, out16 = torch.randn(count).to(torch.bfloat16), torch.empty(count, dtype=torch.bfloat16)
+    weights = torch.randn(count, requires_grad=True)
+    weights.grad = torch.randn(count)
+    a, b = torch.ones(count), torch.ones(count)
+    steps = iter(range(1, 10**9))
+    contenders = {"in-place update a += b": lambda: a.add_(b)}
+    for variant in variants:
+        contenders[labels[variant]] = lambda variant=variant: cpu_adam.adamw_step(
+            master, m, v, grad, out16, step=next(steps), lr=1e-3, threads=threads, variant=variant)
+    contenders[same_job] = lambda: cpu_adam.adamw_step(master, m, v, weights.grad, step=next(steps), lr=1e-3,
+                                                       threads=threads, variant=variants[0])
+    foreach = torch.optim.AdamW([weights], lr=1e-3, foreach=True)
+    fused = torch.optim.AdamW([weights], lr=1e-3, fused=True)
+    contenders["torch AdamW foreach"] = foreach.step
+    contenders["torch AdamW fused"] = fused.step
+    contenders["torch AdamW fused + bf16 cast"] = lambda: (fused.step(), out16.copy_(weights.detach()))
+    deepspeed, deepspeed_absent = _deepspeed_step(weights)
+    if deepspeed:
+        contenders["DeepSpeedCPUAdam"] = deepspeed
+        contenders["DeepSpeedCPUAdam + bf16 cast"] = lambda: (deepspeed(), out16.copy_(weights.detach()))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        update = probe.host_memory_bandwidth(max(64 * 2**20, count * 4), threads=[threads], repeats=repeats)[1]
-        floor = cpu_adam.bytes_per_param() * count / update.value
-        ours = _time_fused_step(count, threads, repeats)
-        out16 = torch.empty(count, dtype=torch.bfloat16)
-        weights = torch.randn(count, requires_grad=True)
-        weights.grad = torch.randn(count)
-        rows = [{"contender": f"offloadlab fused step ({cpu_adam.backend().split(' from ')[0]})", "seconds": ours}]
-        for name, kwargs in (("torch AdamW foreach", {"foreach": True}), ("torch AdamW fused", {"fused": True})):
-            opt = torch.optim.AdamW([weights], lr=1e-3, **kwargs)
-            rows.append({"contender": name, "seconds": _median_seconds(opt.step, repeats)})
-            if kwargs.get("fused"):
-                rows.append({"contender": "torch AdamW fused + bf16 cast", "seconds": _median_seconds(
-                    lambda: (opt.step(), out16.copy_(weights.detach())), repeats)})
-            del opt
-        try:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-        except Exception:  # ImportError, or a build error of its extension
-            deepspeed_row = None
-        else:
-            opt = DeepSpeedCPUAdam([weights], lr=1e-3, adamw_mode=True)
-            deepspeed_row = {"contender": "DeepSpeedCPUAdam", "seconds": _median_seconds(opt.step, repeats)}
-            rows.append(deepspeed_row)
+        seconds = _interleaved_medians(contenders, repeats)
     finally:
         torch.set_num_threads(previous)
-    for row in rows:
-        row["params_per_s"] = count / row["seconds"]
-        row["bytes_per_s"] = cpu_adam.bytes_per_param() * count / row["seconds"]
-        row["percent_of_floor"] = 100 * floor / row["seconds"]
-    by_name = {r["contender"].split(" (")[0]: r["seconds"] for r in rows}
+    update_bandwidth = 3 * 4 * count / seconds.pop("in-place update a += b")
+    floor = cpu_adam.bytes_per_param() * count / update_bandwidth  # seconds
+    moved = cpu_adam.bytes_per_param() * count
+    rows = [{"contender": name, "seconds": value, "params_per_s": count / value, "bytes_per_s": moved / value,
+             "percent_of_floor": 100 * floor / value} for name, value in seconds.items()]
+    ours = seconds[labels[variants[0]]]
+    baseline = seconds[labels[variants[1]]] if len(variants) > 1 else None
+    cast = seconds["torch AdamW fused + bf16 cast"]
     ratios = {
-        "offloadlab step / bandwidth floor (target ≤ 1.15)": ours / floor,
-        "fused + cast / offloadlab step (target ≥ 1.2)": by_name["torch AdamW fused + bf16 cast"] / ours,
-        "DeepSpeedCPUAdam / offloadlab step (target ≥ 1.0)": deepspeed_row["seconds"] / ours if deepspeed_row else None,
+        "offloadlab step / bandwidth floor (target ≤ 1.10)": ours / floor,
+        "fused + cast / offloadlab step (target ≥ 1.5)": cast / ours,
+        "fused + cast / offloadlab baseline step (target ≥ 1.0)": cast / baseline if baseline else None,
+        "DeepSpeedCPUAdam + cast / offloadlab step (target ≥ 1.0)":
+            seconds["DeepSpeedCPUAdam + bf16 cast"] / ours if deepspeed else None,
+        "DeepSpeedCPUAdam / offloadlab step, same job (target ≥ 1.0)":
+            seconds["DeepSpeedCPUAdam"] / seconds[same_job] if deepspeed else None,
     }
     return {"benchmark": "adam", "source": "measured", "rows": rows, "ratios": ratios,
-            "params": count, "threads": threads, "floor_seconds": floor, "update_bandwidth": update.value,
+            "params": count, "threads": threads, "floor_seconds": floor, "update_bandwidth": update_bandwidth,
             "backend": cpu_adam.backend(), "provenance": machine.provenance(),
-            "note": "" if deepspeed_row else "DeepSpeedCPUAdam: absent (pip install deepspeed to compare)"}
+            "note": "" if deepspeed else f"DeepSpeedCPUAdam: absent ({deepspeed_absent})"}
 
 
 def offload(quick: bool = False) -> dict:
@@ -356,6 +392,99 @@ def _accelerate_comparison(quick: bool) -> dict:
         with torch.no_grad():
             t_ours = _median_seconds(lambda: (ours(x), torch.cuda.synchronize()), 3 if quick else 5)
     return {"Accelerate cpu_offload / StreamedModel (forward)": t_theirs / t_ours}
+
+
+NVME_DEPTHS = (1, 4, 16)
+
+
+def _nvme_bytes(quick: bool, nbytes=None) -> int:
+    """Bytes of fp32 state bench nvme moves each way: a whole number of 1 MiB blocks."""
+    size = int(parse_size(nbytes or ("256 MiB" if quick else "1 GiB"), "nbytes"))
+    if size < 2**20:
+        raise ValueError(f"nbytes: expected at least 1 MiB; got {nbytes!r}")
+    return size - size % 2**20
+
+
+def check_nvme_folder(folder=".", quick: bool = False, nbytes=None) -> None:
+    """Refuse a folder bench nvme could not finish in, before it starts: ValueError for a missing
+    folder, OSError for a read-only one or one without room for two tiers (two slots each) and a probe file."""
+    probe.check_disk_folder(folder, 5 * _nvme_bytes(quick, nbytes))
+
+
+def nvme(quick: bool = False, folder=".", nbytes=None) -> dict:
+    """Optimizer state through the NVMe tier at queue depths 1, 4 and 16, against raw direct I/O.
+
+    Per depth, in one run and interleaved: the tier writes a step of fp32 state (all blocks, then
+    the commit with its syncs and header) and reads it back, with crc32 checksums and without; the
+    probe writes and reads a file of the same size in the same 1 MiB blocks at the same depth, with
+    none of that. All use O_DIRECT where the file system allows it. Both of a tier's slots are
+    written before timing, so the figures are its steady state (a first write into reserved space
+    also pays the file system's allocation). Ratios: the checksummed tier at its best depth
+    against the probe's own rate (``offloadlab probe``: depth 1, 4 MiB blocks; target ≥ 0.80 each
+    way), and its I/O time over the raw I/O time at the same depth — what crash safety costs
+    (target ≤ 1.10), split into the commit protocol and the checksums.
+    """
+    from .nvme import FileTier, aligned_empty
+
+    size = _nvme_bytes(quick, nbytes)
+    check_nvme_folder(folder, quick, size)
+    repeats = 2 if quick else 3
+    state = aligned_empty(size // 4)
+    state.normal_()
+    kinds = {"raw": "raw direct I/O", "plain": "FileTier, no checksums", "tier": "FileTier, crc32"}
+    seconds = {(kind, way, depth): [] for kind in kinds for way in ("write", "read") for depth in NVME_DEPTHS}
+    probed = {"write": [], "read": []}  # what `offloadlab probe` reports: depth 1, 4 MiB blocks
+    direct = True
+    for depth in NVME_DEPTHS:
+        with FileTier.temporary(folder, state.numel(), queue_depth=depth) as tier, \
+                FileTier.temporary(folder, state.numel(), queue_depth=depth, checksums=False) as plain:
+            direct = direct and tier.direct and plain.direct
+            for each in (tier, plain):
+                for _ in range(2):  # both slots once: the steady state a training run lives in
+                    each.write(0, state)
+                    each.commit()
+            for _ in range(repeats):
+                for kind, each in (("tier", tier), ("plain", plain)):
+                    start = time.perf_counter()
+                    each.write(0, state)
+                    each.commit()
+                    seconds[kind, "write", depth].append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    each.read(0, state)
+                    seconds[kind, "read", depth].append(time.perf_counter() - start)
+                write, read = probe.disk_bandwidth(folder, size, block="1 MiB", queue_depth=depth)
+                seconds["raw", "write", depth].append(write.params["median_seconds"])
+                seconds["raw", "read", depth].append(read.params["median_seconds"])
+                write, read = probe.disk_bandwidth(folder, size)
+                probed["write"].append(write.value)
+                probed["read"].append(read.value)
+    median = {key: statistics.median(values) for key, values in seconds.items()}
+    baseline = {way: statistics.median(values) for way, values in probed.items()}
+    rows = [{"contender": f"probe {way}, depth 1, 4 MiB blocks", "bytes_per_s": baseline[way]} for way in ("write", "read")]
+    rows += [{"contender": f"{name} {way}, depth {depth}", "bytes_per_s": size / median[kind, way, depth],
+              "queue_depth": depth}
+             for depth in NVME_DEPTHS for kind, name in kinds.items() for way in ("write", "read")]
+
+    def io_time(kind, depth):
+        return median[kind, "write", depth] + median[kind, "read", depth]
+
+    ratios = {}
+    for way in ("write", "read"):
+        best = min(NVME_DEPTHS, key=lambda d: median["tier", way, d])
+        ratios[f"tier {way} at its best depth ({best}) / probe {way} (target ≥ 0.80)"] = \
+            size / median["tier", way, best] / baseline[way]
+    best = min(NVME_DEPTHS, key=lambda d: io_time("tier", d))
+    ratios[f"tier I/O time / raw I/O time at depth {best}: crash-safety overhead (target ≤ 1.10)"] = \
+        io_time("tier", best) / io_time("raw", best)
+    ratios[f"commit protocol alone: no-checksum tier / raw at depth {best}"] = \
+        io_time("plain", best) / io_time("raw", best)
+    ratios[f"checksums alone: crc32 tier / no-checksum tier at depth {best}"] = \
+        io_time("tier", best) / io_time("plain", best)
+    for way in ("write", "read"):
+        ratios[f"tier {way}: depth 16 / depth 1"] = median["tier", way, 1] / median["tier", way, 16]
+    return {"benchmark": "nvme", "source": "measured", "rows": rows, "ratios": ratios, "bytes": size,
+            "folder": str(machine.disk(folder).path), "provenance": machine.provenance(),
+            "note": "" if direct else "O_DIRECT refused by this file system: the page cache may serve these rates"}
 
 
 def format_result(result: dict) -> str:

@@ -1,16 +1,56 @@
-"""Answer checks for the labs: does the reader's answer agree with the measurement?
+"""Answer checks for the labs: does the reader's answer agree with what their machine produced?
 
-Each check prints one line — a tick, or a cross with the expected value and a hint — and
-returns a truthy :class:`Verdict` only when the answer agrees, so a lab cell can
-``assert check.answer(...)``.
+Each check prints one line — a tick, or a cross that says which way the answer is off and
+roughly by how much — and returns a :class:`Verdict` that is truthy only when the answer
+agrees, so a lab cell can ``assert check.answer(...)``.
+
+Two releases, one source. In the self-study book a failed check also shows the expected
+value, because a reader working alone learns from seeing it. In the student release (the
+notebooks ``make student`` and nbgrader hand out) it never does: the expected value is the
+answer to the exercise. A check knows it is in the student release when the environment
+variable ``OFFLOADLAB_STUDENT`` is set to anything but ``""`` or ``"0"``. An environment
+variable rather than an argument, because the release converter writes it into each student
+notebook (so a notebook is safe wherever it is opened), a JupyterHub can set it for every
+student at once, and ``make book-student`` already sets it for the student site.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import os
 from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
 
-__all__ = ["Verdict", "answer"]
+__all__ = ["Verdict", "answer", "exact", "student_release", "STUDENT_VARIABLE"]
+
+STUDENT_VARIABLE = "OFFLOADLAB_STUDENT"
+
+# Ratios between an answer and the expected value that usually mean a unit slipped, not a
+# wrong idea. Matched within UNIT_SLIP_WINDOW (relative), in either direction.
+UNIT_SLIPS = (
+    (8.0, "bits against bytes"),
+    (2**20 / 1e6, "MB against MiB"),
+    (2**30 / 1e9, "GB against GiB"),
+    (1e3, "a decimal prefix (kilo or milli)"),
+    (1e6, "a decimal prefix (mega or micro)"),
+    (1e9, "a decimal prefix (giga or nano)"),
+    (2.0**10, "a binary prefix (KiB)"),
+    (2.0**20, "a binary prefix (MiB)"),
+    (2.0**30, "a binary prefix (GiB)"),
+)
+UNIT_SLIP_WINDOW = 0.001
+
+# How far off an answer is, told roughly: (largest factor, words), first match wins.
+ROUGHLY = (
+    (1.1, "by less than 10 %"),
+    (1.5, "by 10 % to 50 %"),
+    (3.0, "by a factor of 1.5 to 3"),
+    (10.0, "by a factor of 3 to 10"),
+    (1000.0, "by a factor of 10 to 1000"),
+    (math.inf, "by more than a factor of 1000"),
+)
 
 
 @dataclass(frozen=True)
@@ -24,23 +64,122 @@ class Verdict:
         return self.passed
 
 
+def student_release() -> bool:
+    """True when checks must not show expected values (``OFFLOADLAB_STUDENT`` is set)."""
+    return os.environ.get(STUDENT_VARIABLE, "") not in ("", "0")
+
+
 def answer(name: str, yours, expected, rel_tol: float = 0.05, hint: str = "") -> Verdict:
-    """Compare ``yours`` with ``expected`` within a relative tolerance ``rel_tol`` (0.05 = 5 %)."""
-    if not (isinstance(rel_tol, (int, float)) and 0 <= rel_tol < 1):
+    """Check that ``yours`` is within ``rel_tol`` of ``expected``, relative to ``expected``.
+
+    The answer passes when ``|yours - expected| <= rel_tol * |expected|``: with
+    ``rel_tol=0.25`` an expected 100 accepts 75 to 125, so 133 fails. ``rel_tol=0`` asks for
+    the exact value. Numbers are compared exactly (integers of any size, floats as the
+    binary fractions they are). An answer that is not a finite real number — a bool, a
+    string, NaN, infinity, a tensor of several elements — fails with a line saying so.
+    ``expected`` must be a finite real number, since the lab computes it.
+    """
+    if not (isinstance(rel_tol, (int, float)) and not isinstance(rel_tol, bool) and 0 <= rel_tol < 1):
         raise ValueError(f"rel_tol: expected a fraction in [0, 1); got {rel_tol!r}")
+    target = _number(expected)
+    if target is None:
+        raise ValueError(f"expected: expected a finite real number; got {expected!r}")
     if yours is None or yours is Ellipsis:
-        verdict = Verdict(False, f"✗ {name}: no answer yet")
-    else:
-        try:
-            value = float(yours)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name}: expected a number as the answer; got {yours!r}") from None
-        ok = math.isclose(value, float(expected), rel_tol=rel_tol, abs_tol=0.0)
-        if ok:
-            verdict = Verdict(True, f"✓ {name}: {value:.4g} agrees with {float(expected):.4g}")
+        return _report(Verdict(False, f"✗ {name}: no answer yet"))
+    value = _number(yours)
+    if value is None:
+        return _report(Verdict(False, f"✗ {name}: expected a finite real number as the answer; got {yours!r}"))
+    tolerance = "exactly" if rel_tol == 0 else f"within {_percent(rel_tol)}"
+    if abs(value - target) <= Fraction(rel_tol) * abs(target):
+        if student_release():
+            line = f"✓ {name}: your answer agrees ({tolerance})"
         else:
-            extra = f" Hint: {hint}" if hint else ""
-            verdict = Verdict(False, f"✗ {name}: {value:.4g}, but the measurement says "
-                                     f"{float(expected):.4g} (tolerance {rel_tol:.0%}).{extra}")
+            line = f"✓ {name}: {_show(value)} agrees with {_show(target)} ({tolerance})"
+        return _report(Verdict(True, line))
+    if student_release():
+        must = "match exactly" if rel_tol == 0 else f"be {tolerance}"
+        line = f"✗ {name}: your answer is {_how_far_off(value, target)} (it must {must})."
+    else:
+        line = (f"✗ {name}: {_show(value)}, but {_show(target)} was expected ({tolerance}); yours is "
+                f"{_how_far_off(value, target)}.")
+    return _report(Verdict(False, line + _unit_slip(value, target) + (f" Hint: {hint}" if hint else "")))
+
+
+def exact(name: str, yours, expected, hint: str = "") -> Verdict:
+    """Check an answer that is not a quantity — a batch from a list, a name, ``None`` — for equality.
+
+    Numbers go through :func:`answer` with ``rel_tol=0``, so the reader still learns which way
+    a number is off. In the student release a wrong answer is not shown the expected one.
+    """
+    if _number(yours) is not None and _number(expected) is not None:
+        return answer(name, yours, expected, rel_tol=0, hint=hint)
+    if yours is Ellipsis:
+        return _report(Verdict(False, f"✗ {name}: no answer yet"))
+    if type(yours) is type(expected) and yours == expected:
+        shown = "your answer agrees" if student_release() else f"{yours!r} agrees"
+        return _report(Verdict(True, f"✓ {name}: {shown}"))
+    shown = f"{yours!r} is not it" if student_release() else f"{yours!r}, but {expected!r} was expected"
+    return _report(Verdict(False, f"✗ {name}: {shown}." + (f" Hint: {hint}" if hint else "")))
+
+
+def _number(x) -> Fraction | None:
+    """``x`` as an exact Fraction when it is a finite real number, else None.
+
+    Booleans are refused (``True`` is not the answer 1), and so are strings (``"3"`` is text).
+    Integers stay exact however large; anything with ``__float__`` (numpy and one-element
+    torch scalars) goes through float, unless its dtype is boolean.
+    """
+    if isinstance(x, (bool, str, bytes)) or "bool" in str(getattr(x, "dtype", "")):
+        return None
+    if isinstance(x, numbers.Integral):
+        return Fraction(int(x))
+    if isinstance(x, Fraction):
+        return x
+    try:
+        value = float(x)
+    except (TypeError, ValueError, OverflowError, RuntimeError):  # torch raises RuntimeError for many elements
+        return None
+    return Fraction(value) if math.isfinite(value) else None
+
+
+def _show(x: Fraction) -> str:
+    """Whole numbers in full (byte counts), others to six significant figures, at any size
+    (through Decimal: a float would overflow past 1e308)."""
+    if x.denominator == 1 and abs(x.numerator) < 10**15:
+        return f"{x.numerator:,}"
+    mantissa, _, exponent = f"{Decimal(x.numerator) / Decimal(x.denominator):.6g}".partition("e")
+    if "." in mantissa:
+        mantissa = mantissa.rstrip("0").rstrip(".")
+    return mantissa + (f"e{exponent}" if exponent else "")
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.3g} %"
+
+
+def _how_far_off(value: Fraction, target: Fraction) -> str:
+    """Which way and roughly how far, without the expected value: 'too high by 10 % to 50 %'."""
+    if target == 0:
+        return "too high" if value > 0 else "too low"
+    if value == 0 or (value > 0) != (target > 0):
+        return "of the wrong sign" if value != 0 else "zero, and the answer is not"
+    direction = "too high" if value > target else "too low"
+    factor = max(abs(value / target), abs(target / value))
+    return f"{direction} {next(words for limit, words in ROUGHLY if factor < limit)}"
+
+
+def _unit_slip(value: Fraction, target: Fraction) -> str:
+    """' Off by a factor of 8: bits against bytes?' when the ratio is a classic unit slip."""
+    if value == 0 or target == 0:
+        return ""
+    ratio = float(abs(value / target)) if abs(value) < abs(target) * 10**12 else math.inf
+    for factor, slip in UNIT_SLIPS:
+        for candidate in (factor, 1 / factor):
+            if abs(ratio / candidate - 1) <= UNIT_SLIP_WINDOW:
+                return f" That is a factor of {factor:.6g}: {slip}?"
+    return ""
+
+
+def _report(verdict: Verdict) -> Verdict:
     print(verdict.message)
     return verdict

@@ -1,24 +1,99 @@
 """The ``offloadlab`` command.
 
-Each subcommand prints a human-readable table by default and a JSON object with
-``--json``. Bad arguments print one line on stderr and exit with status 2.
+Each subcommand prints a human-readable table by default and a JSON object with ``--json``
+(strict JSON: every figure is finite, because every argument is bounded so that it stays so).
+
+Exit status, with at most one line on stderr and never a traceback for any of these:
+
+- 0: done.
+- 2: a usage error. A bad argument (malformed, out of its range, or one the command cannot
+  honour), found before anything runs: arguments are parsed and checked fully first.
+- 1: a fault of the machine: an output that cannot be written, a disk that is read-only, full or
+  failing. Outputs are checked before a long measurement; a measurement that ran is never lost:
+  if its file cannot be written, its JSON goes to stdout instead.
+- 141 (128 + SIGPIPE), silently: the reader of stdout went away (``| head``), as for any Unix
+  tool that dies of SIGPIPE; files the command writes are written first.
+- 130: interrupted (Ctrl-C).
+
+Anything else is a bug and ends with Python's traceback: an internal error is not dressed up as
+a usage error.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
-from . import memory
+from . import files, memory, units
 from .units import format_count, format_size
 
 USAGE_ERROR = 2
+FAULT = 1
+READER_GONE = 128 + 13  # what a shell reports for a writer killed by SIGPIPE
+INTERRUPTED = 128 + 2
 
 
 class UsageError(Exception):
     """A bad argument: reported as one line on stderr, exit status 2."""
+
+
+class Fault(Exception):
+    """A fault of the machine (a disk, a file system): one line on stderr, exit status 1."""
+
+
+@contextlib.contextmanager
+def _arguments():
+    """Mark where a command turns its arguments into the package's validated inputs.
+
+    The package's constructors and parsers raise ValueError naming the argument; inside this block
+    that is a usage error. Outside it a ValueError is a bug, and surfaces as one.
+    """
+    try:
+        yield
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _bounded(parse, low: float, high: float, limits: str):
+    """An argparse type: ``parse`` (from :mod:`units`), then ``low`` ≤ value ≤ ``high``.
+
+    The bounds are wide enough for any real machine and narrow enough that no figure derived from
+    the arguments (a time, a ratio) overflows to infinity or underflows to zero.
+    """
+    def convert(text: str) -> float:
+        try:
+            value = parse(text, "value")
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error).removeprefix("value: ")) from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {limits}; got {text!r}")
+        return value
+    return convert
+
+
+_SIZE = _bounded(units.parse_size, 1, 1e18, "a size from 1 B to 1000 PB, e.g. '80 GB'")
+_BANDWIDTH = _bounded(units.parse_bandwidth, 1, 1e15, "a bandwidth from 1 B/s to 1 PB/s, e.g. '32 GB/s'")
+_DURATION = _bounded(units.parse_duration, 1e-9, 1e9, "a duration from 1 ns to 1e9 s, e.g. '250 ms'")
+_PARAMS = _bounded(units.parse_count, 1, 1e15, "a parameter count from 1 to 1e15, e.g. 10e9")
+_FLOPS = _bounded(units.check_positive, 1, 1e21, "FLOP/s from 1 to 1e21, e.g. 400e12")
+_PARAMS_PER_S = _bounded(units.check_positive, 1, 1e15, "parameters per second from 1 to 1e15, e.g. 3e9")
+_FRACTION = _bounded(units.check_non_negative, 0, 0.999, "a fraction from 0 to 0.999")
+
+
+def _duplex(text: str):
+    """``full``, ``half``, or the rate each direction keeps while both run (a bandwidth)."""
+    if text in ("full", "half"):
+        return text
+    try:
+        return _BANDWIDTH(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'full', 'half' or the rate each direction keeps while both "
+                                         f"run, e.g. '20 GB/s'; got {text!r}") from None
 
 
 def _positive_int(text: str) -> int:
@@ -26,28 +101,54 @@ def _positive_int(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    if not 1 <= value <= 10**9:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to 10**9; got {text!r}")
     return value
 
 
+def _shipped_models() -> list[str]:
+    from . import architectures
+
+    return architectures.shipped()
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    """Comma-separated names, spaces around them ignored; an empty or repeated name is refused
+    (a repeat is a slip: counting it twice would double its traffic, dropping it would hide the slip)."""
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated names; got {text!r}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"expected each name once; got {text!r} ({', '.join(repeated)} repeated)")
+    return names
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse calls this for unknown or missing arguments
-        raise UsageError(f"{self.prog}: {message}")
+    def error(self, message):  # argparse calls this for every bad argument
+        raise UsageError(f"{self.prog}: {re.sub(r'^argument ', '', message)}")
+
+
+def _dumps(payload, indent: int = 2) -> str:
+    """Strict JSON: a non-finite number is a bug here (the arguments are bounded), so it raises."""
+    return json.dumps(payload, indent=indent, allow_nan=False)
 
 
 def _cmd_state(args) -> int:
-    breakdown = memory.state_bytes(args.params, args.recipe)
+    with _arguments():
+        breakdown = memory.state_bytes(args.params, args.recipe)
+        recipe = memory.get_recipe(args.recipe)
     if args.json:
-        print(json.dumps(breakdown.to_dict(), indent=2))
+        print(_dumps(breakdown.to_dict()))
         return 0
-    recipe = memory.get_recipe(args.recipe)
     print(f"{format_count(breakdown.params)} parameters, recipe {recipe.name}: {recipe.description}")
     for kind, size in breakdown.by_kind.items():
         print(f"  {kind:<20} {recipe.bytes_per_param[kind]:>6g} B/param  {format_size(size):>10}")
     print(f"  {'total':<20} {recipe.total:>6g} B/param  {format_size(breakdown.total_bytes):>10}")
     fits = memory.fitting_gpus(breakdown.total_bytes)
-    print("fits on: " + (", ".join(fits) + " cards" if fits else f"none of {', '.join(memory.GPU_SIZES)}"))
+    print("fits on: " + (", ".join(fits) + " cards" if fits else f"none of {', '.join(memory.GPU_SIZES)}")
+          + " (by the memory each card reports: "
+          + ", ".join(f"{name} → {format_size(size, binary=True)}" for name, size in memory.GPU_SIZES.items()) + ")")
     return 0
 
 
@@ -56,86 +157,208 @@ def _cmd_budget(args) -> int:
 
     if (args.params is None) != (args.offload is None):
         raise UsageError("offloadlab budget: give --params and --offload together, or neither")
-    offload = args.offload.split(",") if args.offload else ()
-    result = budget.verdict(args.link, args.window, args.params, offload)
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result.summary())
+    with _arguments():
+        result = budget.verdict(args.link, args.window, args.params, args.offload or (), duplex=args.duplex,
+                                recipe=args.recipe)
+    print(_dumps(result.to_dict()) if args.json else result.summary())
     return 0
+
+
+def _plan_workload(args):
+    """The workload of ``plan``: a shipped model, a local config.json, or a bare parameter count."""
+    from . import architectures, planner
+
+    given = [name for name, value in (("--params", args.params), ("--model", args.model),
+                                      ("--model-config", args.model_config)) if value is not None]
+    if len(given) != 1:
+        raise UsageError(f"offloadlab plan: expected exactly one of --params, --model or --model-config; "
+                         f"got {' and '.join(given) or 'none'}")
+    if args.params is not None:
+        return planner.Workload(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                batch=args.batch, seq=args.seq)
+    if any(v is not None for v in (args.layers, args.hidden, args.heads)):
+        raise UsageError("offloadlab plan: --layers/--hidden/--heads go with --params; a model config has its shape")
+    if args.model_config is not None and not Path(args.model_config).is_file():
+        raise UsageError(f"--model-config: expected a config.json file; got {args.model_config!r}")
+    architecture = architectures.load(args.model if args.model is not None else Path(args.model_config))
+    return planner.Workload.of_model(architecture, batch=args.batch, seq=args.seq)
+
+
+def _plan_hardware(args):
+    """The node of ``plan``: the flags, or an ``offloadlab probe --json`` record with the flags over it."""
+    from . import planner
+
+    given = dict(gpu_memory=args.gpu_memory, link=args.link, host_memory=args.host_memory, cpu_adam=args.cpu_adam,
+                 compute=args.compute, comm_fraction=args.comm_fraction, gpus_per_node=args.gpus_per_node,
+                 interconnect=args.interconnect, gpus_per_link=args.gpus_per_link, nvme=args.nvme)
+    if args.measured is None:
+        for flag in ("gpu_memory", "link"):
+            if given[flag] is None:
+                raise UsageError(f"offloadlab plan: --{flag.replace('_', '-')} is required (or --measured FILE)")
+        with _arguments():
+            return planner.Hardware(**given)
+    try:
+        record = json.loads(Path(args.measured).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"--measured: expected an `offloadlab probe --json` file; got {args.measured!r} "
+                         f"({type(error).__name__})") from None
+    with _arguments():
+        return planner.Hardware.from_probe(record, **given)
 
 
 def _cmd_plan(args) -> int:
-    from . import planner
+    from . import engines, planner
 
-    work = planner.Workload(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                            batch=args.batch, seq=args.seq)
-    hardware = planner.Hardware(args.gpu_memory, args.link, host_memory=args.host_memory,
-                                cpu_adam=args.cpu_adam, compute=args.compute, comm_fraction=args.comm_fraction)
+    with _arguments():
+        work = _plan_workload(args)
+    hardware = _plan_hardware(args)
+    if hardware.gpus_per_node == 1 and (args.interconnect is not None or args.gpus_per_link != 1):
+        raise UsageError("offloadlab plan: --interconnect and --gpus-per-link need --gpus-per-node above 1")
     report = planner.plan(work, hardware)
-    emitted = None
-    if args.emit == "deepspeed":
-        emitted = planner.deepspeed_config(report)
-    elif args.emit == "fsdp":
-        emitted = planner.fsdp_snippet(report)
+    emitted = {}
+    if args.emit:
+        options = dict(accumulation=args.accumulation, nvme_path=args.nvme_path)
+        if work.architecture is not None and work.architecture.family == "gpt2":
+            options["blocks"] = "model.transformer.h"
+        with _arguments():  # --emit cannot be honoured when nothing fits
+            chosen = engines.setup(report, **options)
+        if args.emit == "deepspeed":
+            emitted = {"deepspeed": engines.deepspeed_config(chosen), "deepspeed_python": engines.deepspeed_snippet(chosen)}
+        else:
+            emitted = {"fsdp": engines.fsdp_snippet(chosen)}
     if args.json:
-        payload = report.to_dict()
-        if emitted is not None:
-            payload[args.emit] = emitted
-        print(json.dumps(payload, indent=1))
+        payload = {"params": int(work.params) if float(work.params).is_integer() else work.params, "model": work.architecture.to_dict() if work.architecture else None,
+                   "gpus_per_node": hardware.gpus_per_node, "measured": list(hardware.sources),
+                   **report.to_dict(), **emitted}
+        print(_dumps(payload, indent=1))
         return 0
+    if work.architecture is not None:
+        a = work.architecture
+        print(f"model {a.name} ({a.family}): {a.params:,} parameters, exact from its config — {a.layers} layers, "
+              f"hidden {a.hidden}, {a.heads} heads ({a.kv_heads} key/value), MLP {a.intermediate}, vocabulary "
+              f"{a.vocab}, head {'tied' if a.tied_embeddings else 'untied'}")
+    if hardware.gpus_per_node > 1:
+        print(f"node: {hardware.gpus_per_node} GPUs; each gets an {hardware.gpus_per_node}th of host memory and CPU "
+              f"cores" + (f", and shares its link with {hardware.gpus_per_link - 1} other(s)"
+                          if hardware.gpus_per_link > 1 else ""))
+    for source in hardware.sources:
+        print(f"measured: {source}")
     print(report.explain())
-    if emitted is not None:
-        print(f"\n{args.emit}:")
-        print(json.dumps(emitted, indent=2) if isinstance(emitted, dict) else emitted)
+    on_drive = report.chosen is not None and getattr(getattr(report.chosen, "layout", None), "nvme_bytes", 0)
+    if emitted and on_drive and not args.nvme_path:
+        print(f"\nnote: the plan offloads to NVMe; the config names {engines.NVME_PATH_PLACEHOLDER} — pass "
+              f"--nvme-path with a folder on the drive")
+    if emitted and args.nvme_path and not on_drive:
+        print("\nnote: the plan fits in host memory, so the configuration offloads there and --nvme-path is unused")
+    for name, text in emitted.items():
+        print(f"\n{name}:")
+        print(_dumps(text) if isinstance(text, dict) else text)
     return 0
 
 
-def _json_target(path: str | None, force: bool) -> Path | None:
-    """The file --json names, refused up front if it exists (unless --force) or cannot be written."""
+def _output_target(path: str | None, force: bool, flag: str = "--json") -> Path | None:
+    """The file ``flag`` names, refused now — before a long measurement — if it could not be written
+    later: usage errors for a bad name, a folder, a missing folder or an existing file without
+    --force; a fault for a folder that refuses new files."""
     if path is None:
         return None
-    target = Path(path)
-    if target.exists() and not force:
-        raise UsageError(f"--json: {path} exists; pass --force to replace it")
-    if not target.parent.is_dir():
-        raise UsageError(f"--json: folder {target.parent} does not exist")
-    return target
+    with _arguments():
+        try:
+            return files.check_target(path, replace=force, name=flag, how_to_replace="--force")
+        except OSError as error:
+            raise Fault(f"{flag}: {error.strerror or error}") from None
+
+
+def _save(saves: list[tuple[str, Path, object, str]], text: str) -> tuple[list[str], list[str]]:
+    """Run each ``(flag, target, write, done)`` of ``saves``: ``write(target)`` saves a measurement.
+
+    Returns (lines saying what was written, fault lines). When the machine refuses a write, ``text``
+    — the same results as JSON — goes to stdout instead, so nothing measured is lost.
+    """
+    notes, faults = [], []
+    for flag, target, write, done in saves:
+        try:
+            write(target)
+        except OSError as error:
+            faults.append(f"{flag}: could not write {target} ({error.strerror or error}); the results are on stdout")
+        else:
+            notes.append(done)
+    if faults:
+        print(text)
+    return notes, faults
 
 
 def _cmd_probe(args) -> int:
     from . import ladder, reference
 
-    target = _json_target(args.json, args.force)
+    json_target = _output_target(args.json, args.force)
+    if args.reference_dir is not None and not args.reference:
+        raise UsageError("--reference-dir: give it with --reference NAME")
+    if args.reference_dir is not None and not Path(args.reference_dir).is_dir():
+        raise UsageError(f"--reference-dir: expected an existing folder; got {args.reference_dir!r}")
+    reference_target = None
+    if args.reference:
+        try:
+            reference_target = reference.target(args.reference, args.reference_dir, overwrite=args.force)
+        except ValueError as error:  # the name or the folder the user gave
+            raise UsageError(f"--reference: {str(error).removeprefix('name: ')}") from None
+        except OSError as error:
+            raise Fault(f"--reference: {error.strerror or error}") from None
     if not Path(args.disk).is_dir():
         raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
-    measured = ladder.measure(quick=args.quick, disk_folder=args.disk)
+    measured = ladder.measure(quick=args.quick, disk_folder=args.disk)  # checks the disk before the sweeps
     mine = ladder.of_machine(measured)
     info = measured["machine"]
+    records = [r.to_dict() for r in measured["records"]]
+    text = _dumps({"machine": info.to_dict(), "ladder": mine, "records": records}, indent=1) + "\n"
+    saves = []
+    if json_target is not None:
+        saves.append(("--json", json_target, lambda path: files.write_atomically(path, text, replace=args.force),
+                      f"wrote {len(records)} records to {json_target}"))
+    if reference_target is not None:
+        kind = "emulated" if info.accelerator.kind == "none" else "measured"
+        label = info.accelerator.name or info.cpu
+        saves.append(("--reference", reference_target, lambda path: reference.write(
+            path, kind, label, records[0]["provenance"], records, overwrite=args.force),
+            f"wrote reference {reference_target}"))
+    notes, faults = _save(saves, text)
+    faults = measured["faults"] + faults
     print(f"this machine: {info.cpu}, {info.logical_cores} cores, {format_size(info.host_memory_bytes)} RAM; "
           f"accelerator: {info.accelerator.name or 'none'}")
     print(ladder.table(mine))
     if info.accelerator.kind == "none":
         print("not measured here: GPU memory bandwidth and the real PCIe link (no GPU); "
               "the host↔GPU rows come from the emulated link")
-    records = [r.to_dict() for r in measured["records"]]
-    if target is not None:
-        payload = {"machine": info.to_dict(), "ladder": mine, "records": records}
-        target.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-        print(f"wrote {len(records)} records to {target}")
-    if args.reference:
-        kind = "emulated" if info.accelerator.kind == "none" else "measured"
-        label = info.accelerator.name or info.cpu
-        path = reference.save(args.reference, kind, label, records[0]["provenance"], records, overwrite=args.force)
-        print(f"wrote reference {path}")
+    for note in notes:
+        print(note)
+    if faults:
+        raise Fault("; ".join(faults))
     return 0
 
 
 def _cmd_bench(args) -> int:
     from . import bench
 
-    target = _json_target(args.json, args.force)  # refuse a bad --json before a long run
-    result = getattr(bench, args.name)(quick=args.quick)
+    target = _output_target(args.json, args.force)  # refuse a bad --json before a long run
+    if args.disk is not None and args.name != "nvme":
+        raise UsageError(f"--disk: only bench nvme uses a disk; got it with bench {args.name}")
+    if args.name == "nvme":
+        if not Path(args.disk or ".").is_dir():
+            raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
+        with _arguments():
+            bench.check_nvme_folder(args.disk or ".", quick=args.quick)  # OSError: a fault, found before the run
+        result = bench.nvme(quick=args.quick, folder=args.disk or ".")
+    else:
+        result = getattr(bench, args.name)(quick=args.quick)
+    text = _dumps(result, indent=1) + "\n"
+    saves = [] if target is None else [("--json", target, lambda path: files.write_atomically(path, text, args.force),
+                                        f"wrote the result to {target}")]
+    notes, faults = _save(saves, text)
     print(bench.format_result(result))
-    if target is not None:
-        target.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    for note in notes:
+        print(note)
+    if faults:
+        raise Fault("; ".join(faults))
     return 0
 
 
@@ -144,34 +367,52 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     state = commands.add_parser("state", help="bytes of training state for a model size")
-    state.add_argument("--params", required=True, help="parameter count, e.g. 10e9")
+    state.add_argument("--params", required=True, type=_PARAMS, help="parameter count, e.g. 10e9")
     state.add_argument("--recipe", default=memory.DEFAULT_RECIPE, help=f"one of {', '.join(memory.RECIPES)}")
     state.add_argument("--json", action="store_true", help="print a JSON object")
     state.set_defaults(run=_cmd_state)
 
     budget = commands.add_parser("budget", help="the per-step bandwidth budget and an offload's verdict")
-    budget.add_argument("--link", required=True, help="link bandwidth, e.g. '32 GB/s'")
-    budget.add_argument("--window", required=True, help="compute time to hide behind, e.g. '250 ms'")
-    budget.add_argument("--params", help="parameter count, e.g. 10e9")
-    budget.add_argument("--offload", help="comma-separated: optimizer, gradients, parameters, park-and-copy")
+    budget.add_argument("--link", required=True, type=_BANDWIDTH, help="one direction's bandwidth, e.g. '25 GB/s'")
+    budget.add_argument("--window", required=True, type=_DURATION, help="compute time to hide behind, e.g. '250 ms'")
+    budget.add_argument("--params", type=_PARAMS, help="parameter count, e.g. 10e9")
+    budget.add_argument("--offload", type=_name_list,
+                        help="comma-separated: optimizer, gradients, parameters, park-and-copy")
+    budget.add_argument("--duplex", default="full", type=_duplex,
+                        help="full (default: each direction at the full rate at once), half (the directions share "
+                             "it), or the rate each direction keeps while both run, e.g. '20 GB/s'")
+    budget.add_argument("--recipe", default=memory.DEFAULT_RECIPE,
+                        help=f"bytes per parameter of each kind of state: one of {', '.join(memory.RECIPES)}")
     budget.add_argument("--json", action="store_true", help="print a JSON object")
     budget.set_defaults(run=_cmd_budget)
 
     plan = commands.add_parser("plan", help="what to offload, in what order, and the predicted step")
-    plan.add_argument("--params", required=True, help="parameter count, e.g. 30e9")
-    plan.add_argument("--gpu-memory", required=True, help="GPU memory, e.g. '80 GB'")
-    plan.add_argument("--link", required=True, help="host↔GPU bandwidth, e.g. '60 GB/s'")
-    plan.add_argument("--host-memory", help="host memory, e.g. '2 TB' (default: unlimited)")
+    plan.add_argument("--params", type=_PARAMS, help="parameter count, e.g. 30e9 (or --model / --model-config)")
+    plan.add_argument("--model", help="a shipped model config: " + ", ".join(_shipped_models()))
+    plan.add_argument("--model-config", metavar="PATH", help="a Hugging Face config.json to count exactly")
+    plan.add_argument("--gpu-memory", type=_SIZE, help="GPU memory, e.g. '80 GB' (or from --measured)")
+    plan.add_argument("--link", type=_BANDWIDTH, help="host↔GPU bandwidth per direction, e.g. '25 GB/s' (or from --measured)")
+    plan.add_argument("--measured", metavar="FILE", help="an `offloadlab probe --json` record of this machine")
+    plan.add_argument("--gpus-per-node", type=_positive_int, default=1,
+                      help="GPUs sharing the node's host memory and cores (default 1)")
+    plan.add_argument("--interconnect", type=_BANDWIDTH, help="GPU↔GPU bandwidth per direction, e.g. '450 GB/s' (default: assumed)")
+    plan.add_argument("--gpus-per-link", type=_positive_int, default=1,
+                      help="GPUs sharing one host link, e.g. 2 behind one PCIe switch (default 1)")
+    plan.add_argument("--host-memory", type=_SIZE, help="host memory, e.g. '2 TB' (default: unlimited)")
     plan.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size (default 1)")
     plan.add_argument("--seq", type=_positive_int, default=2048, help="sequence length (default 2048)")
     plan.add_argument("--layers", type=_positive_int, help="transformer layers (with --hidden and --heads)")
     plan.add_argument("--hidden", type=_positive_int, help="hidden size")
     plan.add_argument("--heads", type=_positive_int, help="attention heads")
-    plan.add_argument("--compute", type=float, help="sustained FLOP/s of the GPU (default: assumed)")
-    plan.add_argument("--cpu-adam", type=float, help="CPU Adam throughput in params/s (default: assumed)")
-    plan.add_argument("--comm-fraction", type=float, default=0.0,
+    plan.add_argument("--compute", type=_FLOPS, help="sustained FLOP/s of the GPU (default: assumed)")
+    plan.add_argument("--cpu-adam", type=_PARAMS_PER_S, help="CPU Adam throughput in params/s (default: assumed)")
+    plan.add_argument("--comm-fraction", type=_FRACTION, default=0.0,
                       help="fraction of the step already spent communicating (0–1)")
     plan.add_argument("--emit", choices=["deepspeed", "fsdp"], help="also print an equivalent configuration")
+    plan.add_argument("--accumulation", type=_positive_int, default=1,
+                      help="micro-batches per optimizer step, for --emit (default 1)")
+    plan.add_argument("--nvme", type=_BANDWIDTH, help="plan on NVMe when host memory is short: the drive's sustained rate, e.g. '3 GB/s'")
+    plan.add_argument("--nvme-path", help="with --emit: the folder on the NVMe drive that an NVMe plan offloads to")
     plan.add_argument("--json", action="store_true", help="print a JSON object")
     plan.set_defaults(run=_cmd_plan)
 
@@ -179,27 +420,63 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--quick", action="store_true", help="small sizes: seconds on a CPU-only machine")
     probe.add_argument("--disk", default=".", help="folder whose disk to measure (default: here)")
     probe.add_argument("--json", metavar="FILE", help="write every record to FILE")
-    probe.add_argument("--reference", metavar="NAME", help="also save the records as reference data NAME")
+    probe.add_argument("--reference", metavar="NAME",
+                       help="also save the records as reference data NAME, in your reference folder "
+                            "($OFFLOADLAB_REFERENCE_DIR, else ~/.local/share/offloadlab/reference)")
+    probe.add_argument("--reference-dir", metavar="DIR",
+                       help="save the --reference file in DIR instead (make gpu-check: offloadlab/reference)")
     probe.add_argument("--force", action="store_true", help="replace an existing --json or --reference file")
     probe.set_defaults(run=_cmd_probe)
 
     bench = commands.add_parser("bench", help="benchmarks against peers, reported as ratios")
-    bench.add_argument("name", choices=["link", "overlap", "adam", "offload", "prefetch"], help="what to benchmark")
+    bench.add_argument("name", choices=["link", "overlap", "adam", "offload", "prefetch", "nvme"],
+                       help="what to benchmark")
     bench.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     bench.add_argument("--json", metavar="FILE", help="write the result to FILE")
     bench.add_argument("--force", action="store_true", help="replace an existing --json file")
+    bench.add_argument("--disk", metavar="DIR", help="folder for bench nvme's scratch files (default: here)")
     bench.set_defaults(run=_cmd_bench)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def _stdout_gone() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush cannot fail on the closed pipe
+    (the recipe of Python's signal documentation)."""
     try:
-        args = parser.parse_args(argv)
-        return args.run(args)
-    except (UsageError, ValueError) as error:
-        print(f"offloadlab: error: {error}", file=sys.stderr)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # stdout is not a file (captured in a test)
+        pass
+
+
+def _error(message: str) -> None:
+    print(f"offloadlab: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv``; returns the exit status (see the module's docstring)."""
+    try:
+        args = build_parser().parse_args(argv)
+        status = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows up here, inside the handlers below
+        return status
+    except UsageError as error:
+        _error(str(error))
         return USAGE_ERROR
+    except BrokenPipeError:  # before OSError, of which it is a kind
+        _stdout_gone()
+        return READER_GONE
+    except Fault as error:
+        _error(str(error))
+        return FAULT
+    except OSError as error:  # what the machine refused: a disk, a file system, a device
+        _error(f"{error.filename}: {error.strerror}" if error.filename and error.strerror else
+               error.strerror or str(error))
+        return FAULT
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

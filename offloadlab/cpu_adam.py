@@ -3,40 +3,119 @@
 The step is bandwidth-bound: each parameter reads its fp32 master weight, both fp32 moments
 and its gradient, and writes the three fp32 values and a low-precision copy of the weight —
 28 bytes per parameter with bf16 gradients and bf16 output. :func:`adamw_step` does that in
-one pass with a small C kernel (``_cpu_adam.c``) compiled on first use with the system C
-compiler and loaded through ctypes (the call releases the GIL, so it overlaps other
-threads). Without a compiler it falls back to a correct pure-torch step; :func:`backend`
-says which one runs and why.
+one pass with a C kernel (``csrc/cpu_adam.c``) called through ctypes on the tensors' memory;
+the call releases the GIL, so the step overlaps the training loop's other threads.
 
-Set ``OFFLOADLAB_NO_COMPILE=1`` to force the fallback; ``OFFLOADLAB_CACHE`` to choose where
-the compiled kernel is kept (default ``~/.cache/offloadlab``).
+Where the kernel comes from, in the order :func:`load` tries:
+
+1. **Built when the package is installed** (``pip install .``, ``pip install -e .``, a wheel),
+   by a plain setuptools ``Extension`` with the recipe in :mod:`offloadlab.kernel_build`. The
+   kernel needs no torch headers, so the build needs no torch: ``torch.utils.cpp_extension``
+   would make pip install torch (a multi-gigabyte CUDA build, from PyPI) into its isolated build
+   environment just to compile one C file. Without a C compiler the installation still succeeds.
+2. **Compiled at first use** with the same recipe into ``$OFFLOADLAB_CACHE`` (default
+   ``~/.cache/offloadlab``), when no installed library matches the package's sources (installed
+   without a compiler; an editable checkout whose C files changed since). The file's name is a
+   digest of the sources, the recipe and the compiler's version; it is written atomically.
+3. Otherwise a **pure-torch step**, correct and several times slower, with one warning saying
+   why (the compiler's whole error included).
+
+Either library holds a copy of the kernel per instruction set (AVX-512, AVX2 + FMA + F16C and
+plain x86-64; NEON on Arm) and runs the best the CPU supports, so one built on one machine runs
+safely on any other of its architecture. ``OFFLOADLAB_CPU_ADAM_VARIANT=<name>`` runs another
+(``baseline``, say, or ``torch`` for the pure-torch step; one the CPU lacks is an error), and
+``CC`` chooses the compiler (a command with flags, as ``CC="gcc -O0"``, works).
+
+:func:`load` finds or builds the library *now*; call it where a pause is harmless, as in an
+optimizer's constructor, so that no compiler runs later on a worker thread in the middle of a
+backward pass (the first :func:`adamw_step` would otherwise do it). :func:`backend` says which
+variant runs and where it came from.
+
+Numerics: every variant performs ``torch.optim.AdamW``'s operations in its order and rounding,
+so its moments are bit-identical to AdamW's on a CPU whose torch kernels round the same way —
+the variants with FMA fuse lerp_'s and addcmul_'s multiply-add as torch's AVX2, AVX512 and Arm
+kernels do; the x86-64 baseline rounds twice, as torch's DEFAULT kernels (those a CPU without
+FMA runs, and ``ATEN_CPU_CAPABILITY=default`` selects) do. The weights are bit-identical to the
+same operations with a correctly rounded square root. torch's x86 builds take the square root
+from MKL (``vsSqrt``), which is a unit in the last place off in about one case in six, so
+AdamW's weights differ from the kernel's at times by a rounding of the update.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import math
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
-from functools import lru_cache
+import threading
+import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["adamw_step", "grad_sum_of_squares", "backend", "bytes_per_param", "default_threads"]
+from . import kernel_build
 
-_SOURCE = Path(__file__).with_name("_cpu_adam.c")
-_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-# (gradient dtype, output dtype) pairs the C kernel has a loop for; others use the torch path.
-_COMPILED_PAIRS = {(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.float32),
-                   (torch.float32, None), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
-                   (torch.bfloat16, None), (torch.float16, None)}
-# No contraction of a*b+c into fused multiply-adds the source does not ask for: torch rounds each op.
-_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
+__all__ = ["adamw_step", "grad_sum_of_squares", "backend", "load", "Kernel", "Library", "bytes_per_param",
+           "default_threads", "TORCH", "VARIANT_ENV"]
+
+TORCH = "torch"  # the name of the pure-torch step among the variants
+VARIANT_ENV = "OFFLOADLAB_CPU_ADAM_VARIANT"
+_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # enum in csrc/kernel.h
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of gradients and of the weights' copy
+_STATUS = {1: "a gradient or copy dtype it has no loop for", 2: "a variant it does not hold",
+           3: "a variant whose instructions this CPU lacks", 4: "not enough memory"}
+
+
+class _Coefficients(ctypes.Structure):
+    """``struct adamw_coefficients`` of csrc/kernel.h: the step's scalars, rounded once to float."""
+
+    _fields_ = [(name, ctypes.c_float) for name in
+                ("decay", "lerp_weight", "beta2", "one_minus_b2", "eps", "bc2_sqrt", "neg_step_size", "grad_scale")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    """The kernel library this process found or built, or (``handle`` None) why there is none."""
+
+    handle: ctypes.CDLL | None = dataclasses.field(repr=False, compare=False)
+    origin: str = ""                 # where it came from, in words (no paths of this machine)
+    variants: tuple[str, ...] = ()   # the copies of the kernel it holds, best first
+    runnable: tuple[str, ...] = ()   # those this CPU can execute, best first
+    problem: str = ""                # why there is none: every attempt, compiler output in full
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """The step :func:`adamw_step` runs: a variant of the library's kernel, or ``"torch"``."""
+
+    variant: str
+    chosen_by: str                   # _BEST, or what named the variant
+    library: Library
+
+    @property
+    def compiled(self) -> bool:
+        return self.variant != TORCH
+
+    def supports(self, grad_dtype: torch.dtype, out_dtype: torch.dtype | None) -> bool:
+        """Whether the compiled kernel has a loop for this pair (the C code answers)."""
+        return self.compiled and bool(self.library.handle.offloadlab_adamw_supports(_KIND[grad_dtype],
+                                                                                   _KIND[out_dtype]))
+
+    def describe(self) -> str:
+        library = self.library
+        if not self.compiled:
+            return f"torch fallback ({library.problem or 'chosen by ' + self.chosen_by})"
+        how = (f"the best of {', '.join(library.variants)} this CPU runs" if self.chosen_by == _BEST
+               else f"chosen by {self.chosen_by}; this CPU runs {', '.join(library.runnable)}")
+        return f"compiled C kernel, {self.variant} variant ({how}), {library.origin}, OpenMP"
+
+
+_BEST = "the best this CPU runs"
+_INSTALLED = Path(__file__).with_name(kernel_build.LIBRARY_NAME)  # where setup.py builds the library
+_lock = threading.Lock()
+_opened: Library | None = None
 
 
 def default_threads() -> int:
@@ -51,54 +130,126 @@ def bytes_per_param(grad_dtype=torch.bfloat16, out_dtype=torch.bfloat16) -> int:
     return 24 + grad_bytes + out_bytes
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("OFFLOADLAB_CACHE", Path.home() / ".cache" / "offloadlab"))
+def _cache_dir() -> tuple[Path, str]:
+    """Where first-use builds are kept, and how to name that place without this machine's paths."""
+    if os.environ.get("OFFLOADLAB_CACHE"):
+        return Path(os.environ["OFFLOADLAB_CACHE"]), "$OFFLOADLAB_CACHE"
+    return Path.home() / ".cache" / "offloadlab", "~/.cache/offloadlab"
 
 
-def _compile(target: Path, compiler: str, march_native: bool) -> None:
-    flags = _FLAGS + (["-march=native"] if march_native else [])
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built), "-lm"],
-                       check=True, capture_output=True, text=True, timeout=120)
-        os.replace(built, target)  # atomic: concurrent first uses never see a half-written file
+def _try_open(path: Path, origin: str, problems: list[str]) -> Library | None:
+    """The library at ``path`` if it loads and was built from this package's sources."""
+    try:
+        handle = ctypes.CDLL(str(path))
+    except OSError as error:
+        problems.append(f"the library {origin} does not load: {str(error).replace(str(path), path.name)}")
+        return None
+    handle.offloadlab_source_digest.restype = ctypes.c_char_p
+    if handle.offloadlab_source_digest().decode() != kernel_build.source_digest():
+        problems.append(f"the library {origin} is out of date (built from other sources)")
+        return None
+    handle.offloadlab_variant_name.restype = ctypes.c_char_p
+    handle.offloadlab_variant_name.argtypes = [ctypes.c_int]
+    handle.offloadlab_variant_runs_here.argtypes = [ctypes.c_int]
+    handle.offloadlab_adamw_supports.argtypes = [ctypes.c_int, ctypes.c_int]
+    handle.offloadlab_adamw.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                        ctypes.POINTER(_Coefficients), ctypes.c_int]
+    handle.offloadlab_sumsq.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                                        ctypes.POINTER(ctypes.c_double)]
+    count = range(handle.offloadlab_variant_count())
+    variants = tuple(handle.offloadlab_variant_name(v).decode() for v in count)
+    runnable = tuple(variants[v] for v in count if handle.offloadlab_variant_runs_here(v))
+    return Library(handle, origin, variants, runnable)
 
 
-@lru_cache(maxsize=None)
-def _library():
-    """(ctypes library or None, a sentence saying which backend runs and why)."""
-    if os.environ.get("OFFLOADLAB_NO_COMPILE"):
-        return None, "torch fallback (OFFLOADLAB_NO_COMPILE is set)"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        return None, "torch fallback (no C compiler found)"
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + platform.machine().encode())
-    errors = []
-    for native in (True, False):
-        name = f"cpu_adam-{digest.hexdigest()[:16]}-{'native' if native else 'generic'}.so"
-        target = _cache_dir() / name
-        try:
-            if not target.exists():
-                _compile(target, compiler, native)
-            lib = ctypes.CDLL(str(target))
-            break
-        except (OSError, subprocess.SubprocessError) as error:
-            detail = getattr(error, "stderr", "") or str(error)
-            errors.append(detail.strip().splitlines()[-1] if detail.strip() else type(error).__name__)
+def _first_use_name(compiler: list[str]) -> str:
+    """The cached library's file name: a digest of all it is built from. The machine is part of
+    it, for home folders shared between x86-64 and Arm nodes whose compilers print the same."""
+    key = "\0".join([kernel_build.source_digest(), kernel_build.compiler_identity(compiler), " ".join(compiler),
+                     platform.machine()])
+    return f"cpu_adam-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def _open() -> Library:
+    problems: list[str] = []
+    if _INSTALLED.exists():
+        if library := _try_open(_INSTALLED, "built at install time", problems):
+            return library
     else:
-        return None, f"torch fallback (compiling the kernel failed: {errors[-1]})"
-    lib.offloadlab_adamw.restype = None
-    lib.offloadlab_adamw.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                                             ctypes.c_int64] + [ctypes.c_float] * 8 + [ctypes.c_int]
-    lib.offloadlab_sumsq.restype = ctypes.c_double
-    lib.offloadlab_sumsq.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
-    return lib, f"compiled C kernel ({'-march=native' if 'native' in name else 'generic'}, OpenMP) from {target}"
+        problems.append("no library was built at install time")
+    folder, shown = _cache_dir()
+    try:
+        compiler = kernel_build.compiler_command()
+        path = folder / _first_use_name(compiler)
+        if not path.exists():
+            kernel_build.build(path, compiler)
+    except (kernel_build.BuildError, OSError) as error:
+        problems.append(f"compiling it at first use failed: {error}")
+    else:
+        because = f", because {'; '.join(problems)}" if problems else ""
+        if library := _try_open(path, f"compiled at first use into {shown}", problems):
+            return dataclasses.replace(library, origin=library.origin + because)
+    return Library(None, problem="; ".join(problems))
 
 
-def backend() -> str:
-    """Which implementation :func:`adamw_step` uses here, in one sentence."""
-    return _library()[1]
+def _library() -> Library:
+    """The library, found or built on the first call (once per process, whichever thread asks)."""
+    global _opened
+    with _lock:
+        if _opened is None:
+            _opened = _open()
+            if _opened.handle is None:
+                warnings.warn(f"offloadlab.cpu_adam: no compiled kernel, so the slower pure-torch AdamW step "
+                              f"runs: {_opened.problem}", RuntimeWarning, stacklevel=4)
+        return _opened
+
+
+def load(variant: str | None = None) -> Kernel:
+    """Find or build the kernel library now, and choose the step to run.
+
+    ``variant`` names a variant this CPU runs, or ``"torch"`` for the pure-torch step; by
+    default ``$OFFLOADLAB_CPU_ADAM_VARIANT``, else the best variant this CPU runs (the torch
+    step when no library could be found or built). Raises ``ValueError`` for a variant that
+    is not in the library or whose instructions this CPU lacks.
+    """
+    source = "variant"
+    if variant is None and os.environ.get(VARIANT_ENV):
+        variant, source = os.environ[VARIANT_ENV], VARIANT_ENV
+    if variant == TORCH:
+        return Kernel(TORCH, source, Library(None))
+    library = _library()
+    if variant is None:
+        return Kernel(library.runnable[0] if library.handle else TORCH, _BEST, library)
+    if library.handle is None:
+        raise ValueError(f"{source}: expected {TORCH!r}, the only step without a compiled kernel; got {variant!r} "
+                         f"({library.problem})")
+    if variant not in library.variants:
+        raise ValueError(f"{source}: expected one of {', '.join(library.variants + (TORCH,))}; got {variant!r}")
+    if variant not in library.runnable:
+        raise ValueError(f"{source}: expected a variant this CPU runs ({', '.join(library.runnable + (TORCH,))}); "
+                         f"got {variant!r}, whose instructions it lacks")
+    return Kernel(variant, source, library)
+
+
+def backend(grad_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> str:
+    """Which step :func:`adamw_step` runs here, in one sentence, finding or building the kernel first.
+
+    With ``grad_dtype`` (and ``out_dtype``, the copy's dtype; ``None``: no copy), for that pair.
+    """
+    if grad_dtype is not None:
+        _check_dtype("grad_dtype", grad_dtype, _DTYPES)
+    if out_dtype is not None:
+        _check_dtype("out_dtype", out_dtype, _DTYPES)
+    kernel = load()
+    if grad_dtype is not None and kernel.compiled and not kernel.supports(grad_dtype, out_dtype):
+        return f"torch fallback (the compiled kernel has no loop for {grad_dtype} gradients and {out_dtype} copies)"
+    return kernel.describe()
+
+
+def _check_dtype(name: str, dtype, dtypes) -> None:
+    if dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}; got {dtype}")
 
 
 def _check(name: str, t: torch.Tensor, dtypes, numel: int | None) -> None:
@@ -106,29 +257,53 @@ def _check(name: str, t: torch.Tensor, dtypes, numel: int | None) -> None:
         raise ValueError(f"{name}: expected a torch.Tensor; got {type(t).__name__}")
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous host (cpu) tensor")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}; got {t.dtype}")
+    _check_dtype(name, t.dtype, dtypes)
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{name}: expected {numel} elements to match master; got {t.numel()}")
 
 
+def _check_disjoint(**buffers: torch.Tensor | None) -> None:
+    """The kernel reads and writes each buffer once per element: two of them sharing memory
+    would make the result depend on the order of those reads and writes."""
+    spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for name, t in buffers.items() if t is not None and t.numel()]
+    for i, (name, start, end) in enumerate(spans):
+        for other, other_start, other_end in spans[:i]:
+            if start < other_end and other_start < end:
+                raise ValueError(f"{name}: expected memory of its own; got memory shared with {other}")
+
+
+def _check_threads(threads) -> int:
+    if threads is None:
+        return default_threads()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads: expected a positive number of threads; got {threads!r}")
+    return threads
+
+
+def _raise_for(status: int, function: str) -> None:
+    if status:
+        raise RuntimeError(f"{function}: the compiled kernel refused the call: {_STATUS.get(status, status)}")
+
+
 def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: float, betas=(0.9, 0.999),
                eps: float = 1e-8, weight_decay: float = 1e-2, grad_scale: float = 1.0,
-               threads: int | None = None) -> None:
+               threads: int | None = None, variant: str | None = None) -> None:
     """One AdamW step in place on flat fp32 ``master``, ``exp_avg``, ``exp_avg_sq``.
 
     ``grad`` is fp32, bf16 or fp16 (as it arrived from the GPU) and is multiplied by
     ``grad_scale`` first (1 / loss scale, or a clipping factor); ``out``, if given, receives
     the updated weights in its own dtype (bf16, fp16 or fp32). ``step`` is the 1-based step
-    count used for bias correction; ``threads`` the OpenMP threads (default: all cores but one).
+    count used for bias correction; ``threads`` the OpenMP threads (default: all cores but
+    one); ``variant`` the step to run (see :func:`load`; default: the best this CPU runs).
     """
     n = master.numel()
     _check("master", master, (torch.float32,), None)
     _check("exp_avg", exp_avg, (torch.float32,), n)
     _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
-    _check("grad", grad, (torch.float32, torch.bfloat16, torch.float16), n)
+    _check("grad", grad, _DTYPES, n)
     if out is not None:
-        _check("out", out, (torch.float32, torch.bfloat16, torch.float16), n)
+        _check("out", out, _DTYPES, n)
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step: expected the 1-based step count; got {step!r}")
     beta1, beta2 = betas
@@ -136,18 +311,23 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: fl
         raise ValueError(f"betas: expected two numbers in [0, 1); got {betas!r}")
     if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and math.isfinite(grad_scale)):
         raise ValueError("lr: expected lr, eps and weight_decay ≥ 0 and a finite grad_scale")
-    bc2_sqrt = math.sqrt(1 - beta2**step)
+    _check_disjoint(master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad, out=out)
+    threads = _check_threads(threads)
+    # The scalars as torch.optim.AdamW computes them, in double precision (the kernel rounds each to float once).
+    bc2_sqrt = (1 - beta2**step) ** 0.5
     neg_step_size = -(lr / (1 - beta1**step))
-    lib = _library()[0]
-    if lib is not None and (grad.dtype, None if out is None else out.dtype) in _COMPILED_PAIRS:
-        lib.offloadlab_adamw(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
-                             _KIND[grad.dtype], None if out is None else out.data_ptr(),
-                             0 if out is None else _KIND[out.dtype], n, 1 - lr * weight_decay, 1 - beta1, beta2,
-                             1 - beta2, eps, bc2_sqrt, neg_step_size, grad_scale, threads or default_threads())
+    kernel = load(variant)
+    out_dtype = None if out is None else out.dtype
+    if kernel.supports(grad.dtype, out_dtype):
+        coefficients = _Coefficients(1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, bc2_sqrt,
+                                     neg_step_size, grad_scale)
+        index = kernel.library.variants.index(kernel.variant)
+        _raise_for(kernel.library.handle.offloadlab_adamw(
+            index, master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), _KIND[grad.dtype],
+            None if out is None else out.data_ptr(), _KIND[out_dtype], n, ctypes.byref(coefficients), threads),
+            "adamw_step")
         return
-    g = grad.float()
-    if grad_scale != 1.0:
-        g.mul_(grad_scale)
+    g = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()  # a new tensor: the caller's stays as it is
     master.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -157,10 +337,19 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: fl
         out.copy_(master)
 
 
-def grad_sum_of_squares(grad: torch.Tensor, threads: int | None = None) -> float:
-    """Σ g² of a host gradient buffer, in double precision (inf or nan if any element is)."""
-    _check("grad", grad, (torch.float32, torch.bfloat16, torch.float16), None)
-    lib = _library()[0]
-    if lib is not None:
-        return lib.offloadlab_sumsq(grad.data_ptr(), _KIND[grad.dtype], grad.numel(), threads or default_threads())
+def grad_sum_of_squares(grad: torch.Tensor, threads: int | None = None, *, variant: str | None = None) -> float:
+    """Σ g² of a host gradient buffer, in double precision (inf or nan if any element is).
+
+    The compiled kernel adds in an order fixed by the buffer's length alone: the same result
+    for any ``threads`` and in every variant.
+    """
+    _check("grad", grad, _DTYPES, None)
+    threads = _check_threads(threads)
+    kernel = load(variant)
+    if kernel.compiled:
+        total = ctypes.c_double()
+        index = kernel.library.variants.index(kernel.variant)
+        _raise_for(kernel.library.handle.offloadlab_sumsq(index, grad.data_ptr(), _KIND[grad.dtype], grad.numel(),
+                                                          threads, ctypes.byref(total)), "grad_sum_of_squares")
+        return total.value
     return float(grad.double().square().sum())

@@ -64,7 +64,8 @@ def run(out: Path, quick: bool = False) -> int:
                                                     "ladder": ladder.of_machine(measured),
                                                     "records": records}, indent=1), encoding="utf-8")
         name = "gpu-" + re.sub(r"[^A-Za-z0-9]+", "-", provenance["gpu"] or "unknown").strip("-").lower()
-        path = reference.save(name, "measured", provenance["gpu"], provenance, records, overwrite=True)
+        path = reference.save(name, "measured", provenance["gpu"], provenance, records, folder=reference.FOLDER,
+                              overwrite=True)  # into the checkout, to be committed
         steps.append({"step": "link probe (reference data)", "ok": True, "seconds": 0.0,
                       "summary": f"{len(records)} records → {path.name}", "log": str(out / "probe.json")})
     for name in BENCHMARKS:
@@ -78,7 +79,8 @@ def run(out: Path, quick: bool = False) -> int:
         (out / f"bench-{name}.json").write_text(json.dumps(results[name], indent=1), encoding="utf-8")
         if gpu:
             reference.save(f"bench-{name}-" + re.sub(r"[^A-Za-z0-9]+", "-", provenance["gpu"]).strip("-").lower(),
-                           "measured", provenance["gpu"], provenance, [results[name]], overwrite=True)
+                           "measured", provenance["gpu"], provenance, [results[name]], folder=reference.FOLDER,
+                           overwrite=True)
         steps.append({"step": f"bench {name} ({results[name]['source']})", "ok": True,
                       "seconds": time.perf_counter() - started, "summary": _headline(results[name]),
                       "log": str(out / f"bench-{name}.json")})

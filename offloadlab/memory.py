@@ -3,7 +3,7 @@
 Pure arithmetic (no torch needed) for recipes, transformer parameter counts and
 activation estimates, plus :func:`measure_state`, which counts the bytes a real
 torch model and optimizer hold so the arithmetic can be checked against reality.
-All sizes are in bytes.
+All sizes are in bytes; "GB" means 10**9 bytes and "GiB" 2**30, as in :mod:`offloadlab.units`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ __all__ = [
     "RECIPES",
     "DEFAULT_RECIPE",
     "GPU_SIZES",
+    "KINDS",
+    "OPTIMIZER_KINDS",
     "StateBreakdown",
     "get_recipe",
     "state_bytes",
@@ -28,6 +30,8 @@ __all__ = [
 
 # Kinds of persistent training state, in the order tables list them.
 KINDS = ("weights", "gradients", "master_weights", "first_moment", "second_moment", "quantization_scales")
+# The kinds only the optimizer's update reads and writes: what optimizer offload moves off the GPU.
+OPTIMIZER_KINDS = ("master_weights", "first_moment", "second_moment", "quantization_scales")
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,21 @@ class Recipe:
     def total(self) -> float:
         """Bytes of persistent state per parameter."""
         return sum(self.bytes_per_param.values())
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes per parameter of the weights the forward and backward passes read."""
+        return self.bytes_per_param["weights"]
+
+    @property
+    def gradient_bytes(self) -> float:
+        """Bytes per parameter of the gradient the backward pass produces."""
+        return self.bytes_per_param["gradients"]
+
+    @property
+    def optimizer_bytes(self) -> float:
+        """Bytes per parameter only the update touches: master weights, moments, scales."""
+        return sum(b for k, b in self.bytes_per_param.items() if k in OPTIMIZER_KINDS)
 
 
 # bitsandbytes' block-wise 8-bit Adam keeps one fp32 absmax per 2048-value block of each moment.
@@ -85,8 +104,17 @@ RECIPES: dict[str, Recipe] = {
 }
 DEFAULT_RECIPE = "mixed-adam"
 
-# Common accelerator memory sizes, in bytes (decimal GB as vendors quote them).
-GPU_SIZES = {"24 GB": 24e9, "40 GB": 40e9, "80 GB": 80e9, "141 GB": 141e9}
+_MiB = 2**20
+# Memory of common training cards as the card reports it (torch.cuda.get_device_properties(i)
+# .total_memory), in bytes, keyed by the size the vendor names. An "80 GB" card carries 80 GiB of
+# HBM, of which the driver keeps some back: it reports about 79.2 GiB, 85.0e9 bytes. Figures are
+# from the cards named, with ECC on; drivers move them by a few hundred MiB.
+GPU_SIZES = {
+    "24 GB": 24_563 * _MiB,        # GeForce RTX 4090: 23.99 GiB
+    "40 GB": 42_298_834_944,       # A100-SXM4-40GB: 39.39 GiB
+    "80 GB": 81_049 * _MiB,        # A100 80GB PCIe: 79.15 GiB (H100 80GB HBM3: 81,090 MiB)
+    "141 GB": 143_156 * _MiB,      # H200: 139.8 GiB
+}
 
 
 def get_recipe(name: str) -> Recipe:
@@ -117,6 +145,7 @@ class StateBreakdown:
             "by_kind_bytes": self.by_kind,
             "total_bytes": self.total_bytes,
             "fits": {name: self.total_bytes <= size for name, size in GPU_SIZES.items()},
+            "gpu_reported_bytes": GPU_SIZES,
         }
 
 
@@ -128,7 +157,7 @@ def state_bytes(params, recipe: str = DEFAULT_RECIPE) -> StateBreakdown:
 
 
 def fitting_gpus(total_bytes: float) -> list[str]:
-    """Names of the common GPU sizes whose memory holds ``total_bytes``."""
+    """Names of the common GPU sizes whose reported memory holds ``total_bytes``."""
     return [name for name, size in GPU_SIZES.items() if total_bytes <= size]
 
 

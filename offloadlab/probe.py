@@ -11,10 +11,14 @@ Units: bandwidths in bytes/s, times in seconds, sizes in bytes.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import statistics
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -34,6 +38,7 @@ __all__ = [
     "bidirectional",
     "fit_alpha_beta",
     "fit_sweep",
+    "check_disk_folder",
     "disk_bandwidth",
     "default_sizes",
     "cpu_adam_throughput",
@@ -276,64 +281,153 @@ def _drop_cached_pages(fd: int) -> bool:
     return False
 
 
-def disk_bandwidth(folder=".", nbytes="256 MiB", block="4 MiB") -> list[Measurement]:
-    """Sequential write and read of a temporary file in ``folder``, page cache kept out.
+_SCRATCH_PREFIX = ".offloadlab-disk-probe-"
 
-    The write is timed up to and including ``fsync``. Before the read the file's cached
-    pages are dropped (``posix_fadvise(DONTNEED)``) and, where the file system allows it,
-    the read uses ``O_DIRECT`` so it comes from the device. The file is removed afterwards.
+
+def check_disk_folder(folder=".", nbytes="256 MiB") -> None:
+    """Refuse now what would make :func:`disk_bandwidth` fail later, before a long run starts.
+
+    ValueError for a ``folder`` that does not exist; OSError for one that refuses new files (a
+    read-only file system) or has less than ``nbytes`` free.
+    """
+    disk = machine.disk(folder)
+    if not os.path.isdir(disk.path):
+        raise ValueError(f"folder: expected a folder; got {str(folder)!r}")
+    size = int(parse_size(nbytes, "nbytes"))
+    os.rmdir(_scratch_folder(disk.path))
+    if disk.free_bytes < size:
+        raise OSError(errno.ENOSPC, f"the disk holding {disk.path} has {format_size(disk.free_bytes)} free; "
+                                    f"the disk probe writes {format_size(size)}")
+
+
+def _scratch_folder(where: str) -> str:
+    """A new folder only this process can enter, so no name inside it can have been planted."""
+    try:
+        return tempfile.mkdtemp(prefix=_SCRATCH_PREFIX, dir=where)
+    except OSError as error:
+        raise OSError(error.errno, f"cannot create a scratch file in {where}: {error.strerror}") from None
+
+
+def _open_direct(path: str, flags: int) -> tuple[int, bool]:
+    """``path`` opened with O_DIRECT where the file system allows it (tmpfs and others refuse)."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o600), True
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o600), False
+
+
+def _at_depth(count: int, depth: int, one) -> float:
+    """Seconds to run ``one(i)`` for blocks i = 0 … count-1 with ``depth`` of them in flight
+    (threads issuing positional reads or writes; depth 1 runs them in order in this thread)."""
+    start = time.perf_counter()
+    if depth == 1:
+        for i in range(count):
+            one(i)
+    else:
+        with ThreadPoolExecutor(depth) as pool:
+            for _ in pool.map(one, range(count)):  # raises the first error; the pool waits for the rest
+                pass
+    return time.perf_counter() - start
+
+
+def _timed_write(fd: int, buffer, count: int, depth: int) -> float:
+    """Seconds to write ``buffer`` at every block of the file, through fsync. A regular file takes a
+    write short only when the disk is full (or the file at its size limit)."""
+    chunk = len(buffer)
+
+    def one(i):
+        if os.pwrite(fd, buffer, i * chunk) < chunk:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    start = time.perf_counter()
+    _at_depth(count, depth, one)
+    os.fsync(fd)
+    return time.perf_counter() - start
+
+
+def _timed_read(fd: int, chunk: int, count: int, depth: int) -> float:
+    """Seconds to read every block of the file, each thread into its own page-aligned buffer."""
+    buffers = threading.local()
+
+    def one(i):
+        if not hasattr(buffers, "one"):
+            buffers.one = mmap.mmap(-1, chunk)
+        if os.preadv(fd, [buffers.one], i * chunk) < chunk:  # never loop on a file that came up short
+            raise OSError(errno.EIO, "the scratch file came back shorter than it was written")
+
+    return _at_depth(count, depth, one)
+
+
+def _read_all(path: str, chunk: int, count: int, depth: int) -> tuple[float, bool]:
+    """Seconds to read ``path``, and whether O_DIRECT was used."""
+    fd, direct = _open_direct(path, os.O_RDONLY)
+    try:
+        return _timed_read(fd, chunk, count, depth), direct
+    except OSError as error:
+        if not (direct and error.errno == errno.EINVAL):
+            raise
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_RDONLY)  # O_DIRECT accepted at open but refused for the read
+    try:
+        return _timed_read(fd, chunk, count, depth), False
+    finally:
+        os.close(fd)
+
+
+def disk_bandwidth(folder=".", nbytes="256 MiB", block="4 MiB", queue_depth: int = 1) -> list[Measurement]:
+    """Write and read of a scratch file in ``folder``, page cache kept out: the disk's raw rate.
+
+    Blocks of ``block`` bytes go in file order, ``queue_depth`` of them in flight (threads issuing
+    ``pwrite``/``preadv``; 1: one after the other). Both directions use ``O_DIRECT`` where the file
+    system allows it. The file is written once untimed, so the timed write overwrites allocated
+    space as a device does: a first write into a fresh or ``posix_fallocate``-reserved file also
+    pays the file system's allocation (ext4's conversion of reserved extents makes it several times
+    slower at depth 1), which is the file system's cost, not the disk's. The timed write runs up to
+    and including ``fsync``; before the read the file's cached pages are dropped
+    (``posix_fadvise(DONTNEED)``). The scratch file is created with ``O_EXCL|O_NOFOLLOW`` inside a
+    new private folder and removed afterwards, also when the disk fills up or fails: that OSError
+    is raised, and nothing is left behind.
     """
     where = machine.disk(folder).path
     size = int(parse_size(nbytes, "nbytes"))
     chunk = int(parse_size(block, "block"))
     if chunk % 4096:
         raise ValueError(f"block: expected a multiple of 4 KiB; got {block!r}")
-    size -= size % chunk
-    if size == 0:
+    if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or not 1 <= queue_depth <= 1024:
+        raise ValueError(f"queue_depth: expected an integer from 1 to 1024; got {queue_depth!r}")
+    count = size // chunk
+    if count == 0:
         raise ValueError(f"nbytes: expected at least one block ({format_size(chunk, binary=True)}); got {nbytes!r}")
     buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT requires
     buffer.write(os.urandom(chunk))
-    path = os.path.join(where, f".offloadlab-disk-probe-{os.getpid()}")
+    scratch = _scratch_folder(where)
+    path = os.path.join(scratch, "probe.bin")
     try:
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        start = time.perf_counter()
-        for _ in range(size // chunk):
-            os.write(fd, buffer)
-        os.fsync(fd)
-        write_seconds = time.perf_counter() - start
-        dropped = _drop_cached_pages(fd)
-        os.close(fd)
-
-        method = "sequential read"
+        fd, direct = _open_direct(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-            method += ", O_DIRECT" if hasattr(os, "O_DIRECT") else ""
-        except OSError:  # tmpfs and some others refuse O_DIRECT
-            fd = os.open(path, os.O_RDONLY)
-        try:
-            start = time.perf_counter()
-            while os.readv(fd, [buffer]) > 0:
-                pass
-            read_seconds = time.perf_counter() - start
-        except OSError:  # O_DIRECT accepted at open but not for this read
+            _timed_write(fd, buffer, count, queue_depth)  # allocates the file: untimed
+            write_seconds = _timed_write(fd, buffer, count, queue_depth)
+            dropped = _drop_cached_pages(fd)
+        finally:
             os.close(fd)
-            fd = os.open(path, os.O_RDONLY)
-            method = "sequential read"
-            start = time.perf_counter()
-            while os.readv(fd, [buffer]) > 0:
-                pass
-            read_seconds = time.perf_counter() - start
-        os.close(fd)
+        read_seconds, read_direct = _read_all(path, chunk, count, queue_depth)
     finally:
         if os.path.exists(path):
             os.remove(path)
+        os.rmdir(scratch)
         buffer.close()
-    read_method = method + (", cached pages dropped first" if dropped else ", page cache may serve the read")
-    params = {"folder": where, "block": chunk}
+    order = "sequential" if queue_depth == 1 else f"in file order, {queue_depth} blocks in flight"
+    write_method = f"{order} write" + (", O_DIRECT" if direct else "") + ", timed through fsync"
+    read_method = f"{order} read" + (", O_DIRECT" if read_direct else "") + \
+        (", cached pages dropped first" if dropped else ", page cache may serve the read")
+    params = {"folder": where, "block": chunk, "queue_depth": queue_depth}
     return [
-        _bandwidth_record("disk write bandwidth", size, [write_seconds], "measured",
-                          "sequential write, timed through fsync", params),
-        _bandwidth_record("disk read bandwidth", size, [read_seconds], "measured", read_method, params),
+        _bandwidth_record("disk write bandwidth", count * chunk, [write_seconds], "measured", write_method, params),
+        _bandwidth_record("disk read bandwidth", count * chunk, [read_seconds], "measured", read_method, params),
     ]
 
 

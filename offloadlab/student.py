@@ -1,33 +1,63 @@
-"""The student release of the labs: solutions replaced by stubs, answer checks kept.
+"""The labs as assignments: nbgrader source notebooks, and the student release without nbgrader.
 
-Lab solutions sit between nbgrader's ``### BEGIN SOLUTION`` and ``### END SOLUTION`` lines,
-so an instructor can hand the sources to nbgrader directly. Without nbgrader,
-``python -m offloadlab.student labs build/student`` (``make student``) writes each lab as a
-notebook (``.ipynb``) whose solution code is replaced by
-``raise NotImplementedError("exercise N")``, N counting the lab's exercises from 1.
+The labs are Jupytext notebooks with three kinds of code cell:
+
+- an *answer* cell holds the worked answer between a ``### BEGIN SOLUTION`` line and a
+  ``### END SOLUTION`` line (nbgrader's own markers);
+- a *graded* cell checks the answer; its MyST options say what it is worth (``:points: 2``);
+- every other cell sets up, measures or explains, and is the same for everybody.
+
+From them this module makes two things:
+
+- :func:`source_notebook` — the lab as an nbgrader *source* notebook: solutions kept, answer
+  and graded cells carrying nbgrader's metadata (ids, points), answer cells unfolded (the book
+  may fold them), and a first code cell that puts the answer checks in the student release
+  (see :mod:`offloadlab.check`).
+  ``nbgrader generate_assignment`` turns it into what students get.
+- :func:`release_notebook` — the same notebook with each solution replaced by nbgrader's own
+  stub, exactly as ``generate_assignment`` does it, for instructors who hand labs out with
+  nbgitpuller and no nbgrader. Both releases have the same cells (tests/test_nbgrader.py).
+
+``python -m offloadlab.student LABS_DIR TARGET_DIR`` writes the student release of every lab
+as ``TARGET_DIR/<lab>.ipynb``; with ``--nbgrader`` it writes the source notebooks as
+``TARGET_DIR/<assignment>/<lab>.ipynb``, ready to be an nbgrader course's ``source/`` folder
+(each lab is one assignment, named by its number: ``lab01``). Existing notebooks are replaced
+only with ``--force``.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
 import sys
 from pathlib import Path
 
-__all__ = ["strip_solutions", "release"]
+from .check import STUDENT_VARIABLE
+
+__all__ = ["BEGIN", "END", "STUB", "SWITCH", "assignment_name", "find_labs", "strip_solutions", "source_notebook",
+           "unfold", "release_notebook", "write_release", "write_sources", "points"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+# nbgrader's default ClearSolutions.code_stub for Python, so both releases are the same text.
+STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
+# The first code cell of every student notebook: checks stop showing expected values.
+SWITCH = ("# Student release: the answer checks say which way an answer is off, not what it should be.\n"
+          "import os\n"
+          f'os.environ["{STUDENT_VARIABLE}"] = "1"')
+NBGRADER_SCHEMA = 3
 
 
-def strip_solutions(source: str, first_exercise: int = 1) -> tuple[str, int]:
-    """``source`` with every solution block replaced by a stub; returns (text, next exercise number)."""
-    lines, out, number, inside = source.splitlines(), [], first_exercise, False
-    for lineno, line in enumerate(lines, 1):
+def strip_solutions(source: str) -> str:
+    """``source`` with every solution region replaced by :data:`STUB`, indented like its marker."""
+    out, inside = [], False
+    for lineno, line in enumerate(source.splitlines(), 1):
         marker = line.strip()
         if marker == BEGIN:
             if inside:
                 raise ValueError(f"source: line {lineno}: {BEGIN} inside another solution")
             indent = line[: len(line) - len(line.lstrip())]
-            out.append(f'{indent}raise NotImplementedError("exercise {number}")  # your answer here')
-            number, inside = number + 1, True
+            out += [indent + stub_line for stub_line in STUB.splitlines()]
+            inside = True
         elif marker == END:
             if not inside:
                 raise ValueError(f"source: line {lineno}: {END} without {BEGIN}")
@@ -36,38 +66,162 @@ def strip_solutions(source: str, first_exercise: int = 1) -> tuple[str, int]:
             out.append(line)
     if inside:
         raise ValueError(f"source: {BEGIN} without {END}")
-    return "\n".join(out), number
+    return "\n".join(out)
 
 
-def release(source_dir: Path, target_dir: Path) -> list[Path]:
-    """Write the student notebook of every Jupytext lab in ``source_dir`` into ``target_dir``."""
+def assignment_name(path: Path) -> str:
+    """The nbgrader assignment a lab becomes: its number, ``lab03`` for ``lab03_hide_a_transfer.md``."""
+    return Path(path).stem.split("_", 1)[0]
+
+
+def source_notebook(path: Path):
+    """The lab at ``path`` (a Jupytext notebook) as an nbgrader source notebook; ValueError names
+    the cell of a lab that nbgrader would reject or grade wrongly."""
     import jupytext
+    import nbformat
 
-    source_dir, target_dir = Path(source_dir), Path(target_dir)
+    path = Path(path)
+    notebook = jupytext.read(path)
+    answers = checks = 0
+    waiting_for_check = None  # the answer cell no graded cell has followed yet
+    for index, cell in enumerate(notebook.cells, 1):
+        where = f"{path.name}: cell {index}"
+        _refuse_stray_markers(cell, where)
+        points_given = cell.metadata.pop("points", None)
+        is_answer = cell.cell_type == "code" and BEGIN in cell.source
+        if is_answer:
+            strip_solutions(cell.source)  # raises on unbalanced markers
+            if waiting_for_check is not None:
+                raise ValueError(f"{path.name}: cell {waiting_for_check}: an answer cell with no graded cell "
+                                 "(`:points:`) after it")
+            answers += 1
+            waiting_for_check = index
+            unfold(cell)
+            cell.metadata["nbgrader"] = _nbgrader(f"answer-{answers}", solution=True)
+        if points_given is not None:
+            if cell.cell_type != "code" or is_answer:
+                raise ValueError(f"{where}: points: expected on a code cell that checks an answer, "
+                                 "not on an answer or a Markdown cell")
+            if isinstance(points_given, bool) or not isinstance(points_given, (int, float)) or points_given <= 0:
+                raise ValueError(f"{where}: points: expected a positive number; got {points_given!r}")
+            checks += 1
+            waiting_for_check = None
+            cell.metadata["nbgrader"] = _nbgrader(f"check-{checks}", grade=True, points=points_given)
+    if waiting_for_check is not None:
+        raise ValueError(f"{path.name}: cell {waiting_for_check}: an answer cell with no graded cell "
+                         "(`:points:`) after it")
+    if not checks:
+        raise ValueError(f"{path.name}: expected at least one graded cell (`:points:` in its options)")
+    first_code = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code")
+    switch = nbformat.v4.new_code_cell(SWITCH)
+    switch.metadata["nbgrader"] = _nbgrader("student-release", locked=True)
+    notebook.cells.insert(first_code, switch)
+    for number, cell in enumerate(notebook.cells):
+        cell["id"] = f"cell-{number}"  # jupytext draws random ids; these make releases reproducible
+    return notebook
+
+
+def unfold(cell) -> None:
+    """Show an answer cell: the book folds its worked answers, but nbgrader copies a cell's metadata
+    into the release, and a student's stub must not start hidden."""
+    jupyter = cell.metadata.get("jupyter", {})
+    jupyter.pop("source_hidden", None)
+    if "jupyter" in cell.metadata and not jupyter:
+        del cell.metadata["jupyter"]
+    tags = [t for t in cell.metadata.get("tags", []) if t != "hide-input"]
+    if tags:
+        cell.metadata["tags"] = tags
+    else:
+        cell.metadata.pop("tags", None)
+
+
+def release_notebook(source):
+    """The student notebook of a source notebook: each solution replaced by :data:`STUB`."""
+    notebook = copy.deepcopy(source)
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and BEGIN in cell.source:
+            cell.source = strip_solutions(cell.source)
+    return notebook
+
+
+def points(notebook) -> float:
+    """Total points of a source notebook's graded cells."""
+    return sum(c.metadata.get("nbgrader", {}).get("points", 0) for c in notebook.cells
+               if c.metadata.get("nbgrader", {}).get("grade"))
+
+
+def find_labs(source_dir: Path) -> list[Path]:
+    """The Jupytext labs in ``source_dir``, in order."""
+    source_dir = Path(source_dir)
     if not source_dir.is_dir():
         raise ValueError(f"source_dir: expected a folder of labs; got {str(source_dir)!r}")
-    target_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for path in sorted(source_dir.glob("*.md")):
-        if "jupytext:" not in path.read_text(encoding="utf-8")[:2000]:
-            continue
-        notebook = jupytext.read(path)
-        number = 1
-        for cell in notebook.cells:
-            if cell.cell_type == "code" and BEGIN in cell.source:
-                cell.source, number = strip_solutions(cell.source, number)
-        out = target_dir / path.with_suffix(".ipynb").name
-        jupytext.write(notebook, out)
-        written.append(out)
-    return written
+    found = [p for p in sorted(source_dir.glob("lab*.md"))
+             if "jupytext:" in p.read_text(encoding="utf-8")[:2000]]
+    if not found:
+        raise ValueError(f"source_dir: expected Jupytext labs (lab*.md) in {str(source_dir)!r}; found none")
+    return found
+
+
+def write_release(source_dir: Path, target_dir: Path, overwrite: bool = False) -> list[Path]:
+    """Write the student notebook of every lab in ``source_dir`` as ``target_dir/<lab>.ipynb``."""
+    notebooks = {Path(target_dir) / path.with_suffix(".ipynb").name: release_notebook(source_notebook(path))
+                 for path in find_labs(source_dir)}
+    return _write(notebooks, overwrite)
+
+
+def write_sources(source_dir: Path, target_dir: Path, overwrite: bool = False) -> list[Path]:
+    """Write every lab's nbgrader source notebook as ``target_dir/<assignment>/<lab>.ipynb``."""
+    notebooks = {Path(target_dir) / assignment_name(path) / path.with_suffix(".ipynb").name: source_notebook(path)
+                 for path in find_labs(source_dir)}
+    return _write(notebooks, overwrite)
+
+
+def _write(notebooks: dict, overwrite: bool) -> list[Path]:
+    """Write every notebook, or none: an existing file (a student's work, an instructor's edits)
+    is replaced only with ``overwrite``."""
+    import nbformat
+
+    existing = [str(out) for out in notebooks if out.exists()]
+    if existing and not overwrite:
+        raise ValueError(f"target_dir: {existing[0]} exists; remove it or pass overwrite=True (--force)")
+    for out, notebook in notebooks.items():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(notebook, out)
+    return list(notebooks)
+
+
+def _nbgrader(grade_id: str, solution: bool = False, grade: bool = False, points: float = 0,
+              locked: bool = False) -> dict:
+    """nbgrader's cell metadata (schema 3). Graded cells are locked: nbgrader restores them before grading."""
+    metadata = {"grade": grade, "grade_id": grade_id, "locked": locked or grade, "schema_version": NBGRADER_SCHEMA,
+                "solution": solution, "task": False}
+    if grade:
+        metadata["points"] = points
+    return metadata
+
+
+def _refuse_stray_markers(cell, where: str) -> None:
+    """nbgrader treats any line *containing* a marker as one, even in prose: allow only marker lines in code."""
+    for lineno, line in enumerate(cell.source.splitlines(), 1):
+        for marker in (BEGIN, END):
+            bare = marker.removeprefix("### ")
+            if bare in line and not (cell.cell_type == "code" and line.strip() == marker):
+                raise ValueError(f"{where}: line {lineno}: {bare!r} outside a marker line of a code cell "
+                                 "(nbgrader would cut the cell there)")
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m offloadlab.student LABS_DIR TARGET_DIR", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python -m offloadlab.student",
+                                     description="Write the labs as student notebooks or as nbgrader source notebooks.")
+    parser.add_argument("labs_dir", type=Path, help="the folder of Jupytext labs (labs/)")
+    parser.add_argument("target_dir", type=Path, help="where the notebooks go")
+    parser.add_argument("--nbgrader", action="store_true",
+                        help="write nbgrader source notebooks (solutions kept) as TARGET_DIR/<assignment>/<lab>.ipynb")
+    parser.add_argument("--force", action="store_true", help="replace notebooks that already exist")
+    options = parser.parse_args(argv)
     try:
-        for path in release(Path(argv[0]), Path(argv[1])):
+        write = write_sources if options.nbgrader else write_release
+        for path in write(options.labs_dir, options.target_dir, overwrite=options.force):
             print(f"wrote {path}")
     except ValueError as error:
         print(f"offloadlab.student: error: {error}", file=sys.stderr)

@@ -104,20 +104,21 @@ def parse_duration(value, name: str = "duration", allow_zero: bool = False) -> f
 
 
 def parse_count(value, name: str = "count") -> float:
-    """A positive, finite count such as a number of parameters (10e9 or '1.3e9')."""
-    return _parse(value, name, {}, COUNT_FORMS, allow_zero=False)
+    """A finite count of at least 1, such as a number of parameters (10e9 or '1.3e9')."""
+    count = _parse(value, name, {}, COUNT_FORMS, allow_zero=False)
+    if count < 1:  # a fraction of a parameter is a slip (a missing exponent), not a model
+        raise _fail(name, value, COUNT_FORMS, "must be at least 1")
+    return count
 
 
 def check_positive(value, name: str) -> float:
     """``value`` as a float if it is a finite number greater than zero, else ValueError."""
-    return _checked(_split(value, name, "a positive number")[0], name, value,
-                    "a positive number", allow_zero=False)
+    return _parse(value, name, {}, "a positive number", allow_zero=False)
 
 
 def check_non_negative(value, name: str) -> float:
     """``value`` as a float if it is a finite number ≥ 0, else ValueError."""
-    return _checked(_split(value, name, "a number ≥ 0")[0], name, value,
-                    "a number ≥ 0", allow_zero=True)
+    return _parse(value, name, {}, "a number ≥ 0", allow_zero=True)
 
 
 def _scaled(number: float, steps: list[tuple[float, str]], digits: int) -> str:

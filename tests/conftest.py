@@ -1,5 +1,6 @@
 """Shared fixtures: the repository root and the built static site."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A factory for small file systems: ``small_disk("2m")`` mounts a tmpfs of that size
+    (``read_only=True`` for a read-only one) and returns its folder; unmounted afterwards.
+
+    Filling a disk or refusing writes for real needs a file system of our own; mounting one needs
+    root (or CAP_SYS_ADMIN), which CI has. Elsewhere the test is skipped, saying why.
+    """
+    mounted = []
+
+    def mount(size: str, read_only: bool = False) -> Path:
+        folder = tmp_path / f"disk{len(mounted)}"
+        folder.mkdir()
+        options = f"size={size}" + (",ro" if read_only else "")
+        if shutil.which("mount") is None:
+            pytest.skip("cannot mount a small tmpfs here: no mount command")
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here (needs root): {result.stderr.strip() or result.returncode}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in reversed(mounted):
+        subprocess.run(["umount", "-l", str(folder)], check=True)

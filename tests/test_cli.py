@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -45,3 +46,233 @@ def test_bad_arguments_print_one_line_and_exit_2(args, fragment):
     assert len(lines) == 1 and lines[0].startswith("offloadlab: error:")
     assert fragment in lines[0]
     assert "Traceback" not in result.stderr
+
+
+# The error contract: 2 for a bad argument, 1 for a fault of the machine, one line, never a traceback.
+
+def _one_line_error(result, status):
+    assert result.returncode == status, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("offloadlab: error:"), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["budget", "--link", "1e-300", "--window", "1e-300", "--params", "10e9", "--offload", "optimizer"], "--link"),
+    (["budget", "--link", "32 GB/s", "--window", "1e-300 s"], "--window"),
+    (["plan", "--params", "30e9", "--gpu-memory", "80 GB", "--link", "1e-300", "--json"], "--link"),
+    (["plan", "--params", "1e300", "--gpu-memory", "80 GB", "--link", "32 GB/s"], "--params"),
+    (["plan", "--params", "30e9", "--gpu-memory", "80 GB", "--link", "32 GB/s", "--compute", "nan"], "--compute"),
+    (["plan", "--params", "30e9", "--gpu-memory", "80 GB", "--link", "32 GB/s", "--compute", "5 GB"], "--compute"),
+    (["plan", "--params", "30e9", "--gpu-memory", "80 GB", "--link", "32 GB/s", "--batch", "1" + "0" * 400], "--batch"),
+    (["state", "--params", "1e-3"], "--params"),
+    (["state", "--params", "1e400"], "--params"),
+    (["budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9", "--offload", "optimizer,optimizer"],
+     "optimizer repeated"),
+    (["budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9", "--offload", "optimizer,"],
+     "comma-separated"),
+    (["budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9", "--offload", "optimizer, warp"], "warp"),
+])
+def test_out_of_range_and_overflowing_arguments_are_usage_errors(args, fragment):
+    assert fragment in _one_line_error(run(*args), 2)
+
+
+def test_offload_names_may_have_spaces_after_commas():
+    spaced = run("budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9", "--offload",
+                 "optimizer, gradients", "--json")
+    tight = run("budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9", "--offload",
+                "optimizer,gradients", "--json")
+    assert spaced.returncode == 0, spaced.stderr
+    assert json.loads(spaced.stdout) == json.loads(tight.stdout)
+
+
+def _strict(text):
+    def refuse(constant):
+        raise AssertionError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("link, window", [("1 B/s", "1 ns"), ("1 PB/s", "1e9 s"), ("1 B/s", "1e9 s")])
+def test_json_stays_strict_at_the_bounds(link, window):
+    budget = run("budget", "--link", link, "--window", window, "--params", "1e15", "--offload", "park-and-copy",
+                 "--json")
+    assert budget.returncode == 0, budget.stderr
+    assert _strict(budget.stdout)["traffic_bytes"] > 0
+    plan = run("plan", "--params", "1e15", "--gpu-memory", "1000 PB", "--link", link, "--compute", "1", "--json")
+    assert plan.returncode == 0, plan.stderr
+    _strict(plan.stdout)
+    text = run("plan", "--params", "1e15", "--gpu-memory", "80 GB", "--link", link, "--compute", "1")
+    assert text.returncode == 0 and " inf " not in text.stdout and "nan" not in text.stdout
+
+
+def test_an_internal_value_error_is_a_bug_not_a_usage_error(monkeypatch):
+    from offloadlab import planner
+
+    def broken(*args, **kwargs):
+        raise ValueError("an internal slip")
+
+    monkeypatch.setattr(planner, "plan", broken)
+    with pytest.raises(ValueError, match="an internal slip"):
+        main(["plan", "--params", "30e9", "--gpu-memory", "80 GB", "--link", "32 GB/s"])
+
+
+def test_a_closed_pipe_ends_quietly_with_sigpipe_status():
+    """The reader has gone before the first write (deterministic: its end is closed first)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    child = subprocess.run([sys.executable, "-m", "offloadlab", "plan", "--params", "30e9", "--gpu-memory", "80 GB",
+                            "--link", "32 GB/s"], stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    assert child.returncode == 141 and child.stderr == ""
+
+
+def test_head_reads_one_line_without_a_traceback():
+    shell = subprocess.run(["bash", "-c", f"'{sys.executable}' -m offloadlab plan --params 30e9 --gpu-memory '80 GB' "
+                            "--link '32 GB/s' --json | head -1; echo \"status ${PIPESTATUS[0]}\""],
+                           capture_output=True, text=True)
+    assert shell.stdout.splitlines()[0] == "{"
+    assert shell.stdout.splitlines()[-1] in ("status 0", "status 141")  # 0 if it all fitted in the pipe first
+    assert shell.stderr == ""
+
+
+def test_interrupt_and_machine_faults_are_one_line(monkeypatch, capsys):
+    from offloadlab import memory
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(memory, "fitting_gpus", interrupted)
+    assert main(["state", "--params", "1e9"]) == 130
+    assert capsys.readouterr().err == "offloadlab: error: interrupted\n"
+
+    def io_error(*args, **kwargs):
+        raise OSError(5, "Input/output error", "/dev/nvme0n1")
+
+    monkeypatch.setattr(memory, "fitting_gpus", io_error)
+    assert main(["state", "--params", "1e9"]) == 1
+    assert capsys.readouterr().err == "offloadlab: error: /dev/nvme0n1: Input/output error\n"
+
+
+# Output files: checked before a long run, written whole, and a measurement that ran is never lost.
+
+@pytest.fixture
+def quick_bench(monkeypatch):
+    """bench link as a stand-in that returns at once, counting its runs (the plumbing is under test)."""
+    from offloadlab import bench
+
+    runs = []
+
+    def fake_link(quick=False):
+        runs.append(quick)
+        return {"benchmark": "link", "source": "emulated", "rows": [], "ratios": {"x / y": 1.5}, "provenance": {}}
+
+    monkeypatch.setattr(bench, "link", fake_link)
+    return runs
+
+
+def test_bad_json_targets_are_refused_before_the_run(tmp_path, quick_bench, capsys):
+    (tmp_path / "old.json").write_text("mine")
+    for target, force, fragment in (("", False, "--json: expected a file name; got ''"),
+                                    (str(tmp_path), True, "which is a folder"),
+                                    (str(tmp_path / "old.json"), False, "exists; choose another name or pass --force"),
+                                    (str(tmp_path / "no" / "x.json"), False, "does not exist")):
+        assert main(["bench", "link", "--json", target] + (["--force"] if force else [])) == 2
+        assert fragment in capsys.readouterr().err
+    assert quick_bench == [] and (tmp_path / "old.json").read_text() == "mine"
+
+
+def test_a_read_only_json_folder_is_a_fault_found_before_the_run(small_disk, quick_bench, capsys):
+    read_only = small_disk("1m", read_only=True)
+    assert main(["bench", "link", "--json", str(read_only / "out.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--json: cannot create a file in" in err and "Read-only file system" in err
+    assert quick_bench == []
+
+
+def test_results_go_to_stdout_when_the_disk_fills_before_they_are_written(small_disk, quick_bench, capsys):
+    disk = small_disk("1m")
+    with pytest.raises(OSError):  # fill it: the check before the run still passes (an empty file fits)
+        (disk / "filler").write_bytes(b"x" * 2**21)
+    assert main(["bench", "link", "--json", str(disk / "out.json")]) == 1
+    captured = capsys.readouterr()
+    assert quick_bench == [False]
+    assert json.loads(captured.out[:captured.out.index("\nbenchmark link")])["ratios"] == {"x / y": 1.5}
+    assert captured.err.count("\n") == 1 and "--json: could not write" in captured.err
+    assert "No space left on device" in captured.err and "the results are on stdout" in captured.err
+    assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+
+def test_json_is_written_whole_and_replaced_only_with_force(tmp_path, quick_bench, capsys):
+    out = tmp_path / "out.json"
+    assert main(["bench", "link", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["ratios"] == {"x / y": 1.5}
+    out.write_text("edited by hand")
+    assert main(["bench", "link", "--json", str(out)]) == 2 and out.read_text() == "edited by hand"
+    assert main(["bench", "link", "--json", str(out), "--force"]) == 0 and json.loads(out.read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
+@pytest.fixture
+def user_references(tmp_path, monkeypatch):
+    from offloadlab import reference
+
+    folder = tmp_path / "references"
+    monkeypatch.setenv(reference.USER_FOLDER_VARIABLE, str(folder))
+    return folder
+
+
+def test_probe_checks_the_disk_and_the_reference_name_before_the_sweep(small_disk, user_references, monkeypatch,
+                                                                       capsys):
+    from offloadlab import probe, reference
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the sweep ran before a check that should have stopped it")
+
+    monkeypatch.setattr(probe, "link_sweep", must_not_run)
+    packaged = (reference.FOLDER / "nominal-ladder.json").read_bytes()
+    assert main(["probe", "--quick", "--reference", "nominal-ladder", "--force"]) == 2
+    assert "'nominal-ladder' is a reference shipped with offloadlab" in capsys.readouterr().err
+    assert main(["probe", "--quick", "--reference", "../x"]) == 2
+    assert "--reference: expected letters" in capsys.readouterr().err
+    assert main(["probe", "--quick", "--reference", "x", "--reference-dir", "/no/such/folder"]) == 2
+    assert "--reference-dir: expected an existing folder" in capsys.readouterr().err
+    assert "--reference-dir: give it with --reference" in (main(["probe", "--reference-dir", "."]),
+                                                           capsys.readouterr().err)[1]
+    read_only = small_disk("1m", read_only=True)
+    assert main(["probe", "--quick", "--disk", str(read_only)]) == 1
+    assert f"cannot create a scratch file in {read_only}: Read-only file system" in capsys.readouterr().err
+    full = small_disk("1m")
+    assert main(["probe", "--quick", "--disk", str(full)]) == 1
+    assert "the disk probe writes 67.1 MB" in capsys.readouterr().err
+    assert (reference.FOLDER / "nominal-ladder.json").read_bytes() == packaged
+
+
+def test_probe_keeps_the_sweep_when_the_disk_fails_midway(tmp_path, user_references, monkeypatch, capsys):
+    from offloadlab import probe, reference
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(probe, "disk_bandwidth", disk_full)
+    out = tmp_path / "probe.json"
+    assert main(["probe", "--quick", "--disk", str(tmp_path), "--json", str(out), "--reference", "mine"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "disk probe in" in captured.err and "No space left" in captured.err
+    records = json.loads(out.read_text())["records"]
+    assert {r["quantity"] for r in records if r["source"] == "not measured"} >= {"disk read bandwidth"}
+    assert any(r["quantity"].startswith("h2d") and r["value"] for r in records)
+    assert reference.load("mine")["records"] == records and reference.origin("mine") == "user"
+    assert f"wrote reference {user_references / 'mine.json'}" in captured.out
+
+
+def test_a_closed_pipe_does_not_cost_the_json_file(tmp_path):
+    """probe writes its file before it prints, so `probe --json f | head` keeps every record."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    out = tmp_path / "probe.json"
+    child = subprocess.run([sys.executable, "-m", "offloadlab", "probe", "--quick", "--disk", str(tmp_path),
+                            "--json", str(out)], stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    assert child.returncode == 141 and child.stderr == ""
+    assert any(r["quantity"] == "disk read bandwidth" for r in json.loads(out.read_text())["records"])

@@ -1,18 +1,24 @@
-"""JupyterLab, started as `make lab` starts it, serves chapter 1 as a notebook and opens .md as notebooks."""
+"""JupyterLab as `make lab` starts it: lands on chapter 1, shows the reader's material, and saving changes nothing."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.nbval_markdown import is_text_notebook
+from tests.test_site import BROWSER_ARGS, CHROMIUM, SCREENSHOTS
 
 TOKEN = "offloadlab-test"
+SERVER_CONFIG = ROOT / "etc" / "jupyter_server_config.json"
+NOTEBOOKS = sorted(p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p))
 
 
 def free_port() -> int:
@@ -21,46 +27,169 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class LabServer:
+    """A running JupyterLab: its base URL and the lines it has logged so far."""
+
+    def __init__(self, base: str, log: list[str]):
+        self.base, self.log = base, log
+
+    def request(self, path: str, body: dict | None = None, method: str = "GET") -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.base + path, data=data, method=method,
+                                         headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.load(response)
+
+
 @pytest.fixture(scope="module")
-def lab_server():
+def lab_server(tmp_path_factory):
+    """JupyterLab started with the Makefile's configuration and the settings `make env` installs."""
+    settings, workspaces = tmp_path_factory.mktemp("lab-settings"), tmp_path_factory.mktemp("lab-workspaces")
+    shutil.copy(ROOT / "etc" / "jupyterlab-overrides.json", settings / "overrides.json")
     port = free_port()
     command = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-               f"--IdentityProvider.token={TOKEN}", "--ServerApp.open_browser=False"]
+               f"--config={SERVER_CONFIG}", f"--IdentityProvider.token={TOKEN}", "--ServerApp.open_browser=False",
+               f"--LabApp.app_settings_dir={settings}", f"--LabApp.workspaces_dir={workspaces}"]
     if os.geteuid() == 0:
         command.append("--allow-root")
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(process.stderr), daemon=True)
+    reader.start()
+    server = LabServer(f"http://127.0.0.1:{port}", log)
     try:
-        for _ in range(120):
+        for _ in range(240):
             try:
-                get(base, "/api/status")
+                server.request("/api/status")
                 break
             except OSError:
                 if process.poll() is not None:
-                    pytest.fail(f"JupyterLab exited: {process.stderr.read().decode()[-2000:]}")
+                    reader.join(5)
+                    pytest.fail("JupyterLab exited:\n" + "".join(log)[-2000:])
                 time.sleep(0.5)
         else:
-            pytest.fail("JupyterLab did not answer within 60 s")
-        yield base
+            pytest.fail("JupyterLab did not answer within 120 s")
+        yield server
     finally:
         process.terminate()
         process.wait(timeout=30)
 
 
-def get(base: str, path: str) -> dict:
-    request = urllib.request.Request(base + path, headers={"Authorization": f"token {TOKEN}"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.load(response)
+def lab_path(path) -> str:
+    """The path JupyterLab, rooted at book/, gives a chapter or lab (labs through the book/labs link)."""
+    relative = path.relative_to(ROOT)
+    return relative.relative_to("book").as_posix() if relative.parts[0] == "book" else relative.as_posix()
 
 
-def test_chapter_one_opens_as_a_notebook(lab_server):
-    model = get(lab_server, "/api/contents/book/01_memory_wall.md?type=notebook&content=1")
+def test_the_printed_url_opens_chapter_one(lab_server):
+    urls = [line for line in lab_server.log if "http://127.0.0.1" in line]
+    assert urls and "/lab/tree/01_memory_wall.md?token=" in urls[0], lab_server.log[-5:]
+    model = lab_server.request("/api/contents/01_memory_wall.md?type=notebook&content=1")
     assert model["type"] == "notebook"
-    cells = model["content"]["cells"]
-    assert any(c["cell_type"] == "code" and "state_bytes(10e9" in c["source"] for c in cells)
+    assert any(c["cell_type"] == "code" and "state_bytes(10e9" in c["source"] for c in model["content"]["cells"])
 
 
-def test_markdown_files_default_to_the_notebook_viewer(lab_server):
-    settings = get(lab_server, "/lab/api/settings/@jupyterlab/docmanager-extension:plugin")
-    viewers = settings["schema"]["properties"]["defaultViewers"]["default"]
-    assert viewers.get("markdown") == "Jupytext Notebook"
+def test_the_file_browser_shows_the_readers_material_only(lab_server):
+    names = {item["name"] for item in lab_server.request("/api/contents/")["content"]}
+    assert {"01_memory_wall.md", "09_wrong_tool.md", "labs", "glossary.md"} <= names
+    assert not names & {"conf.py", "_static", "_build", "references.bib", "jupytext.toml"}, names
+    labs = {item["name"] for item in lab_server.request("/api/contents/labs")["content"]}
+    assert "lab01_account_for_every_byte.md" in labs and "jupytext.toml" not in labs
+
+
+def test_markdown_opens_as_a_notebook_and_no_news(lab_server):
+    viewers = lab_server.request("/lab/api/settings/@jupyterlab/docmanager-extension:plugin")
+    assert viewers["schema"]["properties"]["defaultViewers"]["default"].get("markdown") == "Jupytext Notebook"
+    news = lab_server.request("/lab/api/settings/@jupyterlab/apputils-extension:notification")["schema"]["properties"]
+    assert news["fetchNews"]["default"] == "false" and news["checkForUpdates"]["default"] is False
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_saving_through_the_contents_api_changes_no_byte(lab_server, path):
+    """What the Lab frontend saves: the notebook it was given, with the running kernel's metadata added."""
+    original = path.read_bytes()
+    spec = lab_server.request("/api/kernelspecs")["kernelspecs"]["python3"]["spec"]
+    model = lab_server.request(f"/api/contents/{lab_path(path)}?type=notebook&content=1")
+    notebook = model["content"]
+    notebook["metadata"]["kernelspec"] = {"name": "python3", "display_name": spec["display_name"], "language": spec["language"]}
+    notebook["metadata"]["language_info"] = {"name": "python", "version": sys.version.split()[0], "mimetype": "text/x-python",
+                                             "file_extension": ".py", "pygments_lexer": "ipython3",
+                                             "codemirror_mode": {"name": "ipython", "version": 3}, "nbconvert_exporter": "python"}
+    try:
+        lab_server.request(f"/api/contents/{lab_path(path)}", {"type": "notebook", "format": "json", "content": notebook}, "PUT")
+        assert path.read_bytes() == original, f"saving {path.name} in Lab rewrites it: run `make format`"
+    finally:
+        if path.read_bytes() != original:
+            path.write_bytes(original)
+
+
+@pytest.fixture(scope="module")
+def lab_page(lab_server):
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    playwright = pytest.importorskip("playwright.sync_api")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        yield page
+        browser.close()
+
+
+def open_in_lab(page, base: str, path: str) -> None:
+    """Open ``path`` in Lab as a reader does, alone (a reset workspace), and wait until its kernel is idle."""
+    page.goto(f"{base}/lab/tree/{path}?reset&token={TOKEN}", wait_until="domcontentloaded", timeout=120_000)
+    page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-MarkdownCell", timeout=120_000)
+    page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=120_000)
+
+
+@pytest.mark.parametrize("path", [ROOT / "book" / "03_overlap_condition.md", ROOT / "labs" / "lab02_measure_your_link.md"],
+                         ids=lambda p: p.name)
+def test_open_and_save_in_the_browser_leaves_the_file_alone(lab_server, lab_page, path):
+    original = path.read_bytes()
+    before = path.stat().st_mtime_ns
+    try:
+        open_in_lab(lab_page, lab_server.base, lab_path(path))
+        lab_page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook").click()
+        lab_page.keyboard.press("Control+s")
+        lab_page.wait_for_function("() => !document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden).jp-mod-dirty, "
+                                   ".lm-TabBar-tab.lm-mod-current.jp-mod-dirty')", timeout=60_000)
+        deadline = time.monotonic() + 30
+        while path.stat().st_mtime_ns == before and time.monotonic() < deadline:
+            time.sleep(0.2)  # the save reached the disk (no timing is asserted)
+        assert path.stat().st_mtime_ns != before, "Lab did not save the file"
+        assert path.read_bytes() == original, f"saving {path.name} in Lab rewrote it"
+    finally:
+        if path.read_bytes() != original:
+            path.write_bytes(original)
+
+
+def test_lab_solutions_are_folded_until_asked_for(lab_server, lab_page):
+    open_in_lab(lab_page, lab_server.base, "labs/lab01_account_for_every_byte.md")
+    notebook = lab_page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+    hidden = notebook.locator(".jp-CodeCell .jp-Cell-inputWrapper .jp-InputPlaceholder")
+    shown_answers = notebook.locator(".jp-CodeCell .cm-content", has_text="BEGIN SOLUTION")
+    assert hidden.count() >= 1 and shown_answers.count() == 0  # of the cells Lab has drawn so far
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    hidden.first.scroll_into_view_if_needed()
+    lab_page.screenshot(path=str(SCREENSHOTS / "lab01_in_jupyterlab.png"))
+    hidden.first.click()  # a reader asks for the answer
+    shown_answers.first.wait_for(timeout=10_000)
+
+
+
+def test_references_read_as_text_in_lab(lab_server, lab_page):
+    """jupyterlab-myst resolves no reference across notebooks (it still logs "Cross reference target
+    was not found"); a reference given its text shows that text as a link, not the label with a
+    warning sign."""
+    open_in_lab(lab_page, lab_server.base, "labs/lab03_hide_a_transfer.md")
+    notebook = lab_page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+    link = notebook.locator(".jp-MarkdownCell a", has_text="3. The overlap-vs-stall condition").first
+    link.wait_for(timeout=30_000)
+    link.scroll_into_view_if_needed()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    lab_page.screenshot(path=str(SCREENSHOTS / "lab03_references_in_jupyterlab.png"))
+    rendered = " ".join(notebook.locator(".jp-MarkdownCell").all_inner_texts())  # what the reader sees
+    assert "ch-overlap" not in rendered

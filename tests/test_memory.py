@@ -29,6 +29,31 @@ def test_mixed_adam_breakdown_and_the_160_gb_wall():
     assert payload["total_bytes"] == 160e9 and payload["fits"]["141 GB"] is False
 
 
+def test_card_sizes_are_what_the_cards_report_not_their_names():
+    # An "80 GB" card carries 80 GiB of HBM and reports about 79.2 GiB: more than 80e9 bytes.
+    eighty = memory.GPU_SIZES["80 GB"]
+    assert 79 * 2**30 < eighty < 80 * 2**30 and eighty > 80e9
+    assert 39 * 2**30 < memory.GPU_SIZES["40 GB"] < 40 * 2**30
+    assert 139 * 2**30 < memory.GPU_SIZES["141 GB"] < 141e9 + 10e9
+    # So 160 GB of state is 1.9 times an 80 GB card, not 2, and the card holds 5.3 B parameters.
+    assert round(160e9 / eighty, 2) == 1.88 and round(eighty / 16 / 1e9, 1) == 5.3
+    assert memory.state_bytes(10e9).to_dict()["gpu_reported_bytes"]["80 GB"] == eighty
+
+
+@pytest.mark.parametrize("name, weight, gradient, optimizer", [
+    ("mixed-adam", 2, 2, 12),
+    ("fp32-adam", 4, 4, 8),
+    ("bf16-adam", 2, 2, 4),
+    ("sgd-momentum", 4, 4, 4),
+    ("adam-8bit", 2, 2, 6 + 8 / 2048),
+])
+def test_bytes_each_part_of_the_step_touches(name, weight, gradient, optimizer):
+    recipe = memory.get_recipe(name)
+    assert (recipe.weight_bytes, recipe.gradient_bytes) == (weight, gradient)
+    assert recipe.optimizer_bytes == pytest.approx(optimizer)
+    assert recipe.optimizer_bytes + weight + gradient == pytest.approx(recipe.total)
+
+
 def test_bad_recipe_and_params():
     with pytest.raises(ValueError, match="^recipe: expected one of mixed-adam"):
         memory.get_recipe("adamw")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from offloadlab import planner
+from offloadlab import engines, memory, planner
 
 
 def report(params, gpu="80 GB", link="60 GB/s", host="2 TB", **kw):
@@ -36,12 +36,27 @@ def test_needs_parameter_offload():
 
 
 def test_nothing_fits():
-    gpu_too_small = report(400e9, batch=1, seq=2048)
-    assert gpu_too_small.chosen is None and "nothing fits" in gpu_too_small.warnings[0]
+    gpu_too_small = report(400e9, batch=1, seq=2048, gpu="24 GB")
+    assert gpu_too_small.chosen is None and "even with everything offloaded" in gpu_too_small.warnings[0]
     host_too_small = report(30e9, host="64 GB", batch=1, seq=1024)
     assert host_too_small.chosen is None and "NVMe" in host_too_small.warnings[0]
     with pytest.raises(ValueError, match="^report: nothing fits"):
-        planner.deepspeed_config(host_too_small)
+        engines.deepspeed_config(engines.setup(host_too_small))
+
+
+def test_400b_fails_on_host_memory_not_on_the_gpu():
+    r = report(400e9, batch=1, seq=2048)
+    everything = next(p for p in r.plans if p.level == 3 and p.recompute)
+    assert everything.fits_gpu and round(everything.gpu_bytes / 1e9) == 31
+    assert everything.host_bytes == 6.4e12 and not everything.fits_host
+    assert everything.binding == "host memory: needs 6.4 TB of 2 TB"
+    assert r.chosen is None and "6.4 TB of host memory against 2 TB" in r.warnings[0]
+
+
+def test_binding_of_a_plan_that_does_not_fit_is_the_memory():
+    r = report(10e9, gpu="80 GB", link="25 GB/s", batch=1, seq=2048)
+    nothing = next(p for p in r.plans if p.level == 0 and not p.recompute)
+    assert not nothing.fits and nothing.binding.startswith("GPU memory: needs")
 
 
 def test_wrong_tool():
@@ -52,13 +67,74 @@ def test_wrong_tool():
     assert any("bandwidth-bound" in w for w in bound.warnings)
 
 
-def test_least_offload_is_chosen_and_plans_are_consistent():
+def test_one_layer_step_is_compute_then_gradient_update_upload_in_turn():
+    # One layer: nothing overlaps. 6 × 1e9 × 1024 FLOP at 1 PFLOP/s = 6.144 ms of compute; then 2 GB
+    # down at 10 GB/s (0.2 s), 1e9 parameters updated at 1e9/s (1 s), 2 GB up (0.2 s).
+    r = report(1e9, gpu="8 GB", link="10 GB/s", layers=1, hidden=1024, heads=8, batch=1, seq=1024,
+               compute=1e15, cpu_adam=1e9)
+    optimizer = next(p for p in r.plans if p.offload == "optimizer" and not p.recompute)
+    assert optimizer.t_compute == pytest.approx(6.144e-3)
+    assert optimizer.step == pytest.approx(6.144e-3 + 0.2 + 1 + 0.2)
+    assert (optimizer.h2d_bytes, optimizer.d2h_bytes) == (2e9, 2e9) and optimizer.t_transfer == pytest.approx(0.2)
+    # The old model, max(compute, transfer) + CPU, said 1.2 s: it hid the upload the update produces.
+    assert optimizer.step > max(optimizer.t_compute, optimizer.t_transfer) + optimizer.t_cpu
+
+
+def test_steps_respect_the_order_of_gradient_update_upload():
+    r = report(10e9, batch=1, seq=1024)
+    for p in r.plans:
+        if p.level == 0:
+            assert p.step == pytest.approx(p.t_compute)
+            continue
+        # No faster than the busiest resource, no slower than everything one after the other.
+        assert max(p.t_compute, p.t_cpu, p.t_transfer / 2) <= p.step <= p.t_compute + p.t_transfer + p.t_cpu
+        if p.t_step_delayed is not None:
+            assert p.t_step_delayed >= max(p.t_compute, p.t_cpu)
+
+
+def test_30b_plan_is_cpu_bound():
+    r = report(30e9, gpu=memory.GPU_SIZES["80 GB"], batch=1, seq=2048)
+    c = r.chosen
+    assert c.offload == "optimizer+gradients" and c.recompute
+    assert c.binding.startswith("the CPU") and c.t_cpu / c.step > 0.9
+    assert c.host_bytes == 16 * 30e9  # 12 B of state, a 2 B gradient landing buffer, 2 B of outgoing weights
+
+
+def test_half_duplex_slows_the_step_only_where_the_link_binds():
+    work = planner.Workload(13e9, batch=1, seq=512)
+    hw = planner.Hardware("80 GB", "4 GB/s", host_memory="2 TB", compute=400e12)
+    full, half = planner.plan(work, hw), planner.plan(work, hw, duplex="half")
+    assert half.chosen.t_transfer == pytest.approx(2 * full.chosen.t_transfer)
+    assert half.chosen.step > full.chosen.step and half.duplex == "half"
+    with pytest.raises(ValueError, match="^duplex: "):
+        planner.plan(work, hw, duplex="simplex")
+
+
+def test_a_correction_to_a_recipe_reaches_the_planner(monkeypatch):
+    fp32_grads = memory.Recipe("fp32-grads", "16-bit weights, fp32 gradients and state",
+                               {"weights": 2, "gradients": 4, "master_weights": 4, "first_moment": 4,
+                                "second_moment": 4})
+    monkeypatch.setitem(memory.RECIPES, "fp32-grads", fp32_grads)
+    work, hw = planner.Workload(1e9, batch=1, seq=1024), planner.Hardware("80 GB", "10 GB/s")
+    r = planner.plan(work, hw, recipe="fp32-grads")
+    optimizer = next(p for p in r.plans if p.offload == "optimizer" and not p.recompute)
+    assert optimizer.d2h_bytes == 4e9 and optimizer.host_bytes == (12 + 4 + 2) * 1e9
+    assert r.ranking[0].frees_bytes == 12e9 and r.recipe == "fp32-grads"
+
+
+def test_candidates_are_priced_given_the_ones_before():
+    ranked = {c.name: c for c in planner.candidates(planner.Workload(30e9, batch=1, seq=2048))}
+    assert ranked["optimizer states"].payoff_per_traffic == 3           # 12 B freed for 4 B moved
+    assert ranked["gradients"].traffic_bytes == 0                        # already going down
+    assert ranked["parameters"].payoff_per_traffic == 1                  # 2 B freed, 2 B more up
+    assert ranked["activations (offload)"].payoff_per_traffic == 0.5
+
+
+def test_least_offload_is_chosen():
     r = report(10e9, batch=1, seq=1024)
     levels = [p.level for p in r.plans if p.fits]
     assert r.chosen.level == min(levels)
-    for p in r.plans:
-        assert p.step == pytest.approx(max(p.t_compute, p.t_transfer) + p.t_cpu)
-    assert "plan:" in r.explain() and "assumed:" in r.explain()
+    assert "plan:" in r.explain() and "assumed:" in r.explain() and "delayed parameter update" in r.explain()
 
 
 def test_typical_shape_matches_gpt3():
@@ -66,23 +142,16 @@ def test_typical_shape_matches_gpt3():
 
 
 def test_deepspeed_and_fsdp_emission():
-    optimizer_only = planner.deepspeed_config(report(7e9, batch=1, seq=1024, compute=400e12, cpu_adam=10e9))
+    optimizer_only = engines.deepspeed_config(engines.setup(report(7e9, batch=1, seq=1024, compute=400e12, cpu_adam=10e9)))
     zero = optimizer_only["zero_optimization"]
     assert zero["stage"] == 2 and zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert "offload_param" not in zero
     everything = report(40e9, layers=48, hidden=8192, heads=64, batch=1, seq=1024)
-    zero3 = planner.deepspeed_config(everything)["zero_optimization"]
+    zero3 = engines.deepspeed_config(engines.setup(everything))["zero_optimization"]
     assert zero3["stage"] == 3 and zero3["offload_param"]["pin_memory"] is True
-    snippet = planner.fsdp_snippet(everything)
-    assert "CPUOffloadPolicy(pin_memory=True)" in snippet
-    compile(snippet, "<fsdp>", "exec")
-
-
-def test_emitted_deepspeed_section_validates_with_deepspeed():
-    config = pytest.importorskip("deepspeed.runtime.zero.config")
-    emitted = planner.deepspeed_config(report(40e9, layers=48, hidden=8192, heads=64, batch=1, seq=1024))
-    parsed = config.DeepSpeedZeroConfig(**emitted["zero_optimization"])
-    assert parsed.stage == 3 and parsed.offload_param is not None and parsed.offload_optimizer is not None
+    snippet = engines.fsdp_snippet(engines.setup(everything))
+    assert "CPUOffloadPolicy(pin_memory=torch.cuda.is_available())" in snippet
+    compile(snippet, "<fsdp>", "exec")  # tests/test_engines.py validates and runs what engines emit
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -113,10 +182,27 @@ def offloadlab(*args):
 def test_budget_command_reports_the_8_gb_ceiling():
     result = offloadlab("budget", "--link", "32 GB/s", "--window", "250 ms", "--json")
     assert result.returncode == 0 and json.loads(result.stdout)["ceiling_bytes"] == 8e9
-    verdict = offloadlab("budget", "--link", "32 GB/s", "--window", "250 ms", "--params", "10e9",
-                         "--offload", "optimizer", "--json")
-    payload = json.loads(verdict.stdout)
-    assert payload["traffic_bytes"] == 40e9 and payload["ratio"] == pytest.approx(5) and payload["fits"] is False
+
+
+@pytest.mark.parametrize("duplex, seconds, ratio", [(None, 0.625, 2.5), ("full", 0.625, 2.5), ("half", 1.25, 5),
+                                                    ("20 GB/s", 1.0, 4)])
+def test_budget_command_reports_bytes_per_direction(duplex, seconds, ratio):
+    args = ["budget", "--link", "32 GB/s", "--window", "250 ms", "--params", "10e9", "--offload", "optimizer",
+            "--json"] + (["--duplex", duplex] if duplex else [])
+    result = offloadlab(*args)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["bytes_per_direction"] == {"h2d": 20e9, "d2h": 20e9} and payload["traffic_bytes"] == 40e9
+    assert payload["transfer_s"] == pytest.approx(seconds) and payload["ratio"] == pytest.approx(ratio)
+    assert payload["fits"] is False and payload["duplex"] == (duplex if duplex in ("full", "half") else
+                                                              "measured" if duplex else "full")
+
+
+def test_budget_command_takes_a_recipe():
+    result = offloadlab("budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9", "--offload",
+                        "park-and-copy", "--recipe", "fp32-adam")
+    assert result.returncode == 0, result.stderr
+    assert "8 GB up, 8 GB down" in result.stdout and "fp32-adam" in result.stdout
 
 
 def test_plan_command_json_and_emit():
@@ -130,11 +216,15 @@ def test_plan_command_json_and_emit():
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["budget", "--link", "0 GB/s", "--window", "1 s"], "bandwidth"),
+    (["budget", "--link", "0 GB/s", "--window", "1 s"], "--link"),
     (["budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9"], "together"),
     (["budget", "--link", "32 GB/s", "--window", "soon"], "window"),
+    (["budget", "--link", "32 GB/s", "--window", "1 s", "--duplex", "both"], "duplex: expected 'full', 'half'"),
+    (["budget", "--link", "32 GB/s", "--window", "1 s", "--duplex", "64 GB/s"], "duplex: expected at most"),
+    (["budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9", "--offload", "optimizer",
+      "--recipe", "lion"], "recipe: expected one of"),
     (["plan", "--params", "1e9", "--gpu-memory", "80 GB", "--link", "60 GB/s", "--batch", "0"], "--batch"),
-    (["plan", "--params", "1e9", "--gpu-memory", "lots", "--link", "60 GB/s"], "gpu_memory"),
+    (["plan", "--params", "1e9", "--gpu-memory", "lots", "--link", "60 GB/s"], "--gpu-memory"),
     (["plan", "--params", "1e9", "--gpu-memory", "80 GB"], "--link"),
     (["plan", "--params", "1e9", "--gpu-memory", "80 GB", "--link", "6 GB/s", "--emit", "xml"], "--emit"),
 ])
@@ -142,3 +232,21 @@ def test_bad_arguments(args, fragment):
     result = offloadlab(*args)
     assert result.returncode == 2 and fragment in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_clipping_holds_the_updates_until_backward_ends():
+    # Four layers, 1.2 s of compute (forward 0.4 s, backward 0.8 s), a 1 s CPU update, 0.05 s per
+    # layer each way on the link. Eager: the updates follow the gradients through backward and
+    # end 1.65 s in, the last upload 1.7 s. Clipped: they start when the last gradient lands
+    # (1.25 s) and the last upload ends at 2.3 s. Delayed: the update runs behind the next step's
+    # compute, and the 0.2 s of uploads at the boundary are what remains: 1.4 s.
+    work = planner.Workload(1e9, layers=4, hidden=1024, heads=8, batch=1, seq=1024)
+    hw = planner.Hardware("8 GB", "10 GB/s", compute=6 * 1e9 * 1024 / 1.2, cpu_adam=1e9)
+    pick = lambda r: next(p for p in r.plans if p.offload == "optimizer" and not p.recompute)  # noqa: E731
+    eager, clipped = pick(planner.plan(work, hw)), pick(planner.plan(work, hw, clipping=True))
+    assert eager.step == pytest.approx(1.7) and clipped.step == pytest.approx(2.3)
+    assert clipped.t_step_delayed == eager.t_step_delayed == pytest.approx(1.4)
+    laid_out = planner.schedule(work, hw, "optimizer", clipping=True)
+    assert laid_out.step == pytest.approx(clipped.step)
+    with pytest.raises(ValueError, match="^offload: "):
+        planner.schedule(work, hw, "everything")

@@ -1,6 +1,8 @@
 """Probes, the α–β fit, the ladder, machine discovery and reference data."""
 
+import errno
 import json
+import os
 import subprocess
 import sys
 
@@ -84,6 +86,56 @@ def test_disk_probe(tmp_path):
         probe.disk_bandwidth(tmp_path / "missing")
 
 
+def test_disk_probe_at_a_queue_depth(tmp_path):
+    write, read = probe.disk_bandwidth(tmp_path, "8 MiB", block="1 MiB", queue_depth=4)
+    assert write.params["queue_depth"] == 4 and "4 blocks in flight" in read.method
+    assert write.value > 0 and read.value > 0
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="^queue_depth: "):
+        probe.disk_bandwidth(tmp_path, "8 MiB", queue_depth=0)
+
+
+def test_disk_probe_never_follows_a_planted_link(tmp_path):
+    """A symlink planted where the probe writes must not make it overwrite another file."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    probe_folder = tmp_path / "shared"
+    probe_folder.mkdir()
+    for name in (f".offloadlab-disk-probe-{os.getpid()}", "probe.bin"):  # the old fixed name, and the new one
+        (probe_folder / name).symlink_to(victim)
+    probe.disk_bandwidth(probe_folder, "1 MiB", block="1 MiB")
+    assert victim.read_bytes() == b"precious"
+    assert sorted(p.name for p in probe_folder.iterdir()) == sorted([f".offloadlab-disk-probe-{os.getpid()}",
+                                                                      "probe.bin"])
+
+
+def test_disk_probe_on_a_full_or_read_only_disk(small_disk):
+    full = small_disk("2m")
+    with pytest.raises(OSError) as info:
+        probe.disk_bandwidth(full, "8 MiB", block="1 MiB")
+    assert info.value.errno == errno.ENOSPC
+    assert not list(full.iterdir()), "the probe must remove its scratch file and folder on a full disk"
+    with pytest.raises(OSError, match="has 2.1 MB free; the disk probe writes 8.39 MB"):
+        probe.check_disk_folder(full, "8 MiB")
+    read_only = small_disk("1m", read_only=True)
+    for attempt in (lambda: probe.check_disk_folder(read_only, "64 KiB"), lambda: probe.disk_bandwidth(read_only, "1 MiB", block="1 MiB")):
+        with pytest.raises(OSError, match=f"cannot create a scratch file in {read_only}: Read-only file system"):
+            attempt()
+
+
+def test_ladder_keeps_the_sweep_when_the_disk_fails_during_its_probe(tmp_path, monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(probe, "disk_bandwidth", disk_full)
+    measured = ladder.measure(quick=True, disk_folder=tmp_path)
+    assert measured["faults"] == [f"disk probe in {tmp_path}: No space left on device"]
+    by_quantity = {r.quantity: r for r in measured["records"]}
+    assert by_quantity["disk read bandwidth"].source == "not measured"
+    assert "No space left" in by_quantity["disk read bandwidth"].note
+    assert by_quantity["host copy bandwidth"].value > 0 and any(q.startswith("h2d") for q in by_quantity)
+
+
 def test_pcie_nominal_rates():
     assert machine.pcie_bandwidth(4, 16) == pytest.approx(31.5e9, rel=0.001)
     assert machine.pcie_bandwidth(5, 16) == pytest.approx(63.0e9, rel=0.001)
@@ -114,19 +166,6 @@ def test_nominal_ladder_is_the_material():
     assert ladder.cliff(nominal) == pytest.approx(3350 / 60)
 
 
-def test_reference_files(tmp_path):
-    assert "nominal-ladder" in reference.available()
-    assert reference.load("nominal-ladder")["kind"] == "nominal"
-    with pytest.raises(ValueError, match="^name: expected one of"):
-        reference.load("../etc/passwd")
-    path = reference.save("test-run", "emulated", "CPU", {"date": "now"}, [{"quantity": "x"}], folder=tmp_path)
-    assert json.loads(path.read_text())["records"] == [{"quantity": "x"}]
-    with pytest.raises(ValueError, match="exists"):
-        reference.save("test-run", "emulated", "CPU", {}, [], folder=tmp_path)
-    with pytest.raises(ValueError, match="^kind: "):
-        reference.save("x", "guessed", "CPU", {}, [], folder=tmp_path)
-
-
 def _offloadlab(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True, cwd=cwd)
 
@@ -148,6 +187,16 @@ def test_probe_command_quick_json(tmp_path):
     assert "emulated" in result.stdout or torch.cuda.is_available()
     again = _offloadlab("probe", "--quick", "--disk", str(tmp_path), "--json", str(out))
     assert again.returncode == 2 and "exists" in again.stderr and len(again.stderr.splitlines()) == 1
+
+
+def test_probe_prints_no_path_of_this_machine(tmp_path):
+    """The ladder's rows end up in the book's tables and figures, which must not show the build machine's folders."""
+    folder = tmp_path / "disk-under-test"
+    folder.mkdir()
+    result = _offloadlab("probe", "--quick", "--disk", str(folder))
+    assert result.returncode == 0, result.stderr
+    assert str(tmp_path) not in result.stdout and "disk-under-test" not in result.stdout
+    assert "disk under test" in result.stdout
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -181,3 +230,33 @@ def test_reference_figures_from_a_saved_probe(tmp_path):
     assert 1e9 < figures["h2d"] < 2.6e9 and figures["host memory"] > 0
     with pytest.raises(ValueError, match="nominal"):
         ladder.reference_figures("nominal-ladder")
+
+
+def test_bench_nvme_sets_the_tier_beside_raw_io(tmp_path):
+    from offloadlab import bench
+
+    result = bench.nvme(quick=True, folder=tmp_path, nbytes="4 MiB")
+    rates = {row["contender"]: row["bytes_per_s"] for row in result["rows"]}
+    for depth in (1, 4, 16):
+        for name in ("raw direct I/O", "FileTier, no checksums", "FileTier, crc32"):
+            assert rates[f"{name} write, depth {depth}"] > 0 and rates[f"{name} read, depth {depth}"] > 0
+    assert rates["probe read, depth 1, 4 MiB blocks"] > 0
+    assert any("crash-safety overhead" in name for name in result["ratios"])
+    assert all(value > 0 for value in result["ratios"].values())
+    json.dumps(result, allow_nan=False)
+    assert not list(tmp_path.iterdir()), "bench nvme must leave no files"
+
+
+@pytest.mark.parametrize("args, status, fragment", [
+    (["bench", "link", "--disk", "."], 2, "--disk: only bench nvme uses a disk"),
+    (["bench", "nvme", "--disk", "/no/such/folder"], 2, "--disk: expected an existing folder"),
+])
+def test_bench_nvme_arguments(args, status, fragment):
+    result = _offloadlab(*args)
+    assert result.returncode == status and fragment in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_nvme_refuses_a_read_only_disk_before_it_runs(small_disk):
+    result = _offloadlab("bench", "nvme", "--disk", str(small_disk("1m", read_only=True)))
+    assert result.returncode == 1 and "Read-only file system" in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and result.stdout == ""

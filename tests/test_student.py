@@ -1,4 +1,4 @@
-"""The student release: solutions replaced by stubs, answer checks kept, stops at the first exercise."""
+"""The student release and the nbgrader source notebooks made from the labs."""
 
 import subprocess
 import sys
@@ -8,20 +8,97 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from offloadlab.student import BEGIN, END, strip_solutions
+from offloadlab.student import (BEGIN, END, STUB, SWITCH, assignment_name, points, release_notebook,
+                                source_notebook, strip_solutions)
 from tests.conftest import ROOT
 
+LABS = sorted((ROOT / "labs").glob("lab*.md"))
+HEADER = "---\njupytext:\n  text_representation:\n    extension: .md\n    format_name: myst\n---\n\n"
 
-def test_strip_solutions_numbers_and_indents():
+
+def lab(tmp_path, body: str):
+    path = tmp_path / "lab09_test.md"
+    path.write_text(HEADER + body, encoding="utf-8")
+    return path
+
+
+def code(source: str, options: str = "") -> str:
+    return f"```{{code-cell}} ipython3\n{options}{source}\n```\n\n"
+
+
+def test_strip_solutions_uses_nbgraders_stub_at_the_markers_indent():
     source = f"x = 1\n{BEGIN}\nanswer = 42\n{END}\ndef f():\n    {BEGIN}\n    return 1\n    {END}\n"
-    stripped, following = strip_solutions(source, first_exercise=3)
-    assert 'raise NotImplementedError("exercise 3")' in stripped
-    assert '    raise NotImplementedError("exercise 4")' in stripped
-    assert "answer = 42" not in stripped and "return 1" not in stripped and following == 5
+    stripped = strip_solutions(source)
+    assert stripped == "x = 1\n" + STUB + "\ndef f():\n" + "\n".join("    " + s for s in STUB.splitlines())
     with pytest.raises(ValueError, match="without"):
         strip_solutions(f"{BEGIN}\nx = 1\n")
     with pytest.raises(ValueError, match="without"):
         strip_solutions(f"x = 1\n{END}\n")
+    with pytest.raises(ValueError, match="inside another"):
+        strip_solutions(f"{BEGIN}\n{BEGIN}\n{END}\n")
+
+
+def test_answers_the_book_folds_are_unfolded_for_nbgrader_and_students(tmp_path):
+    folded = "---\njupyter:\n  source_hidden: true\ntags: [hide-input, keep]\n---\n"
+    path = lab(tmp_path, code(f"{BEGIN}\nx = 2\n{END}", folded) + code("assert x == 2", ":points: 1\n\n"))
+    notebook = source_notebook(path)
+    answer = next(c for c in notebook.cells if c.metadata.get("nbgrader", {}).get("solution"))
+    assert "jupyter" not in answer.metadata and answer.metadata.tags == ["keep"]
+    assert jupytext_metadata(path)["jupyter"] == {"source_hidden": True}  # the source itself is untouched
+
+
+def jupytext_metadata(path):
+    import jupytext
+
+    return jupytext.read(path).cells[0].metadata
+
+
+def test_source_notebook_marks_answers_checks_and_points(tmp_path):
+    path = lab(tmp_path, "# Lab\n\n" + code("import math") + code(f"{BEGIN}\nx = 2\n{END}")
+               + code("assert x == 2", ":points: 3\n\n"))
+    notebook = source_notebook(path)
+    cells = notebook.cells
+    assert cells[1].source == SWITCH and cells[1].metadata.nbgrader["locked"]  # before the first code cell
+    assert cells[3].metadata.nbgrader == {"grade": False, "grade_id": "answer-1", "locked": False,
+                                          "schema_version": 3, "solution": True, "task": False}
+    assert cells[4].metadata.nbgrader == {"grade": True, "grade_id": "check-1", "locked": True, "points": 3,
+                                          "schema_version": 3, "solution": False, "task": False}
+    assert "points" not in cells[4].metadata and "nbgrader" not in cells[2].metadata
+    assert points(notebook) == 3 and [c.id for c in cells] == [f"cell-{i}" for i in range(5)]
+    assert BEGIN not in "".join(c.source for c in release_notebook(notebook).cells)
+    assert BEGIN in cells[3].source  # the source keeps its solution; the release is a copy
+    nbformat.validate(notebook)
+
+
+@pytest.mark.parametrize("body, complaint", [
+    ("Write it between `### BEGIN SOLUTION` and the end.\n\n" + code("assert True", ":points: 1\n\n"),
+     "cell 1: line 1: 'BEGIN SOLUTION' outside a marker line"),
+    (code(f"x = 1  # {BEGIN}\n{END}") + code("assert x", ":points: 1\n\n"), "outside a marker line"),
+    (code(f"{BEGIN}\nx = 1\n{END}") + code(f"{BEGIN}\ny = 1\n{END}") + code("assert x", ":points: 1\n\n"),
+     "cell 1: an answer cell with no graded cell"),
+    (code(f"{BEGIN}\nx = 1\n{END}"), "cell 1: an answer cell with no graded cell"),
+    (code("x = 1"), "expected at least one graded cell"),
+    (code("assert True", ":points: 0\n\n"), "points: expected a positive number; got 0"),
+    (code("assert True", ":points: many\n\n"), "points: expected a positive number; got 'many'"),
+    (code(f"{BEGIN}\nx = 1\n{END}", ":points: 1\n\n"), "not on an answer or a Markdown cell"),
+])
+def test_source_notebook_refuses_what_nbgrader_would_cut_or_grade_wrongly(tmp_path, body, complaint):
+    with pytest.raises(ValueError, match="lab09_test.md: " if "cell" in complaint else complaint) as info:
+        source_notebook(lab(tmp_path, body))
+    assert complaint in str(info.value)
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
+def test_every_lab_is_a_valid_assignment(path):
+    notebook = source_notebook(path)
+    nbformat.validate(notebook)
+    assert points(notebook) > 0 and assignment_name(path) == path.stem[:5]
+    released = release_notebook(notebook)
+    sources = "\n".join(c.source for c in released.cells)
+    assert BEGIN not in sources and END not in sources and STUB in sources
+    assert released.cells[next(i for i, c in enumerate(released.cells) if c.cell_type == "code")].source == SWITCH
+    for cell in released.cells:  # nothing a student must write starts folded
+        assert not cell.metadata.get("jupyter", {}).get("source_hidden") and "hide-input" not in cell.metadata.get("tags", [])
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +111,14 @@ def release(tmp_path_factory):
 
 
 def test_every_lab_is_released_without_solutions(release):
-    labs = sorted(p.stem for p in (ROOT / "labs").glob("lab*.md"))
-    assert sorted(p.stem for p in release.glob("*.ipynb")) == labs
-    for path in release.glob("*.ipynb"):
-        sources = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
-        assert BEGIN not in sources and END not in sources, path.name
-        assert 'raise NotImplementedError("exercise 1")' in sources, path.name
-        assert "assert" in sources, path.name  # the answer checks stay
+    assert sorted(p.stem for p in release.glob("*.ipynb")) == [p.stem for p in LABS]
+    for path in LABS:
+        released = nbformat.read(release / f"{path.stem}.ipynb", as_version=4)
+        assert released == release_notebook(source_notebook(path)), path.name
+        worked = "\n".join(line.strip() for cell in source_notebook(path).cells for line in cell.source.splitlines())
+        inside = worked.split(BEGIN)[1].split(END)[0].strip()  # the first worked answer's text
+        assert inside and inside not in "\n".join(c.source for c in released.cells), path.name
+        assert any("check." in c.source or "assert" in c.source for c in released.cells)  # the checks stay
 
 
 @pytest.mark.parametrize("lab", ["lab01_account_for_every_byte", "lab03_hide_a_transfer"])
@@ -49,14 +127,37 @@ def test_student_notebook_runs_up_to_its_first_exercise(release, lab):
     client = NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(release)}})
     with pytest.raises(CellExecutionError) as info:
         client.execute()
-    assert "NotImplementedError" in str(info.value) and "exercise 1" in str(info.value)
+    assert "NotImplementedError" in str(info.value)
     code = [c for c in notebook.cells if c.cell_type == "code"]
     failed = next(i for i, c in enumerate(code) if any(o.get("ename") == "NotImplementedError" for o in c.get("outputs", [])))
-    assert 'NotImplementedError("exercise 1")' in code[failed].source
+    assert code[failed].metadata.nbgrader["grade_id"] == "answer-1"
     assert all(c.get("execution_count") for c in code[:failed])  # everything before it ran
 
 
-def test_bad_arguments():
-    result = subprocess.run([sys.executable, "-m", "offloadlab.student", "no-such-folder", "out"], cwd=ROOT,
+def test_existing_notebooks_are_replaced_only_with_force(tmp_path):
+    command = [sys.executable, "-m", "offloadlab.student", "labs", str(tmp_path)]
+    assert subprocess.run(command, cwd=ROOT, capture_output=True).returncode == 0
+    mine = tmp_path / f"{LABS[0].stem}.ipynb"
+    mine.write_text("a student's work", encoding="utf-8")
+    refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert refused.returncode == 2 and "exists" in refused.stderr and "--force" in refused.stderr
+    assert mine.read_text(encoding="utf-8") == "a student's work"
+    assert subprocess.run(command + ["--force"], cwd=ROOT, capture_output=True).returncode == 0
+    assert nbformat.read(mine, as_version=4).cells
+
+
+def test_nbgrader_sources_are_one_assignment_per_lab(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "offloadlab.student", "--nbgrader", "labs", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for path in LABS:
+        written = nbformat.read(tmp_path / path.stem[:5] / f"{path.stem}.ipynb", as_version=4)
+        assert written == source_notebook(path) and BEGIN in "".join(c.source for c in written.cells)
+
+
+@pytest.mark.parametrize("arguments, complaint", [(["no-such-folder", "out"], "source_dir"),
+                                                   (["tests", "out"], "found none"), ([], "usage")])
+def test_bad_arguments(arguments, complaint, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "offloadlab.student", *arguments], cwd=ROOT,
                             capture_output=True, text=True)
-    assert result.returncode == 2 and "source_dir" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and complaint in result.stderr and "Traceback" not in result.stderr

@@ -69,6 +69,10 @@ def test_parse_duration(text, expected):
         (units.parse_duration, "0 s", "greater than zero"),
         (units.parse_count, "10 GB", "takes no unit"),
         (units.parse_count, 0, "greater than zero"),
+        (units.parse_count, "1e-3", "at least 1"),
+        (units.parse_count, 0.5, "at least 1"),
+        (units.check_positive, "5 GB", "takes no unit"),
+        (units.check_non_negative, "0.5 s", "takes no unit"),
     ],
 )
 def test_bad_input_names_argument_and_forms(parse, bad, fragment):

@@ -113,7 +113,7 @@ class OffloadEngine:
         self.accumulation_steps = accumulation_steps
         self.step_count = 0  # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
         self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
-        cpu_adam.backend()  # build or load the kernel now, not on the worker in the middle of a backward
+        cpu_adam.load()  # find or build the kernel now, not on the worker in the middle of a backward
 
         buckets = make_buckets(param_groups, bucket_bytes)  # (checks streamed blocks first)
         self._take_over(trainable)  # an earlier optimizer finishes its work before we copy the weights

@@ -1,0 +1,117 @@
+"""Writing result files safely: checked before a long run, never half-written, never replaced by surprise.
+
+:func:`check_target` says, before a measurement starts, whether a file can be written at a path
+later; :func:`write_atomically` writes it: into a new temporary file beside the target, flushed to
+the disk, then renamed onto the target, so a reader (or a crash) sees the old file or the new one,
+never a mixture. Without ``replace`` an existing file is never overwritten, even one that appeared
+while the measurement ran.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from pathlib import Path
+
+__all__ = ["check_target", "write_atomically"]
+
+# File systems without hard links (FAT, some FUSE mounts) refuse os.link with one of these.
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
+
+
+def check_target(path, replace: bool = False, name: str = "path", how_to_replace: str = "replace=True") -> Path:
+    """``path`` as a Path if a file can be written there later.
+
+    ValueError (naming ``name``) for what the caller asked wrongly: an empty name, a folder, a
+    missing parent folder, an existing file without ``replace`` (the message suggests
+    ``how_to_replace``). OSError when the folder exists but
+    refuses a new file (read-only file system, no permission, no free inodes): found by creating
+    and removing a temporary file in it, which also works for root, whom permission bits do not stop.
+    """
+    if not str(path):
+        raise ValueError(f"{name}: expected a file name; got ''")
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{name}: expected a file name; got {str(path)!r}, which is a folder")
+    if not target.parent.is_dir():
+        raise ValueError(f"{name}: folder {str(target.parent)!r} does not exist")
+    if (target.exists() or target.is_symlink()) and not replace:
+        raise ValueError(f"{name}: {str(path)!r} exists; choose another name or pass {how_to_replace} to replace it")
+    fd, scratch = _create_scratch(target)
+    os.close(fd)
+    os.unlink(scratch)
+    return target
+
+
+def _create_scratch(target: Path) -> tuple[int, Path]:
+    """A new, empty, uniquely named file beside ``target`` (mode 0o666 less the umask, as open() makes)."""
+    for _ in range(16):
+        scratch = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        except FileExistsError:
+            continue
+        except OSError as error:
+            raise OSError(error.errno, f"cannot create a file in {str(target.parent)!r}: {error.strerror}") from None
+        return fd, scratch
+    raise FileExistsError(errno.EEXIST, f"no free temporary name beside {str(target)!r}")
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (where the platform lets a folder be opened and synced)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot sync a folder; the rename itself has happened
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path, data: bytes | str, replace: bool = False) -> Path:
+    """Write ``data`` (str as UTF-8) to ``path`` all at once; returns the path.
+
+    Without ``replace`` an existing ``path`` is left as it is and FileExistsError is raised. Any
+    OSError (a full disk, an I/O error) leaves no temporary file and ``path`` untouched; only a
+    process killed while writing leaves its hidden ``.NAME.XXXXXXXX.tmp`` file behind.
+    """
+    target = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    fd, scratch = _create_scratch(target)
+    try:
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if replace:
+            os.replace(scratch, target)
+        else:
+            _link_new(scratch, target)
+    except BaseException:
+        scratch.unlink(missing_ok=True)
+        raise
+    _sync_folder(target.parent)
+    return target
+
+
+def _link_new(scratch: Path, target: Path) -> None:
+    """Give ``scratch`` the name ``target`` only if no file has it (os.link refuses an existing name)."""
+    try:
+        os.link(scratch, target)
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, f"{str(target)!r} appeared meanwhile; it was left as it is") from None
+    except OSError as error:
+        if error.errno not in _NO_HARD_LINKS:
+            raise
+        if target.exists() or target.is_symlink():  # no hard links here: check, then rename
+            raise FileExistsError(errno.EEXIST, f"{str(target)!r} appeared meanwhile; it was left as it is") from None
+        os.replace(scratch, target)
+        return
+    os.unlink(scratch)

@@ -1,0 +1,52 @@
+"""Result files: checked before a run, written whole, never replacing a file by surprise."""
+
+import errno
+import os
+
+import pytest
+
+from offloadlab import files
+
+
+def test_check_target_refuses_what_cannot_be_written(tmp_path):
+    assert files.check_target(tmp_path / "new.json") == tmp_path / "new.json"
+    with pytest.raises(ValueError, match="^out: expected a file name; got ''$"):
+        files.check_target("", name="out")
+    with pytest.raises(ValueError, match="which is a folder"):
+        files.check_target(tmp_path, name="out")
+    with pytest.raises(ValueError, match="does not exist"):
+        files.check_target(tmp_path / "missing" / "x.json", name="out")
+    (tmp_path / "old.json").write_text("mine")
+    with pytest.raises(ValueError, match="exists; choose another name or pass --force"):
+        files.check_target(tmp_path / "old.json", name="out", how_to_replace="--force")
+    assert files.check_target(tmp_path / "old.json", replace=True) == tmp_path / "old.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
+
+
+def test_write_atomically_never_replaces_by_surprise(tmp_path):
+    target = tmp_path / "out.json"
+    files.write_atomically(target, "first\n")
+    with pytest.raises(FileExistsError):
+        files.write_atomically(target, "second\n")
+    assert target.read_text() == "first\n"
+    files.write_atomically(target, "second\n", replace=True)
+    assert target.read_text() == "second\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # like open(), not mkstemp's 0o600
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_scratch(tmp_path, monkeypatch):
+    target = tmp_path / "out.json"
+    target.write_text("precious")
+
+    def disk_full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        files.write_atomically(target, "new", replace=True)
+    monkeypatch.undo()
+    assert target.read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]

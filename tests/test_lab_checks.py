@@ -1,0 +1,148 @@
+"""Every graded check in every lab passes the worked answer and fails two plausible wrong ones.
+
+Each lab runs once, as the student release's source notebook (so the checks are in the student
+release and must not show expected values), in a real kernel on this machine's real (or
+emulated) measurements. After each graded cell has passed with the worked answer, the test
+runs each wrong answer below in the same kernel, runs the graded cell again and expects it to
+fail; then it runs the answer cell again, so the rest of the lab sees the worked answer.
+
+``WRONG`` lists, for every graded cell of a lab in order, two mistakes a student could make,
+as code that replaces the answer. A lab with a graded cell missing here fails the test.
+"""
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from offloadlab.student import source_notebook
+from tests.conftest import ROOT
+
+WRONG = {
+    "lab01": [
+        ("P * (4 + 4 + 4)", "fp32 AdamW without the gradients",
+         "P * (4 + 4 + 4 + 4 + 4)", "fp32 AdamW with a master copy it does not keep"),
+        ("P * (4 + 4)", "SGD without its momentum", "P * (4 + 4 + 4 + 4)", "SGD with Adam's two moments"),
+        ("P * (2 + 2 + 4 + 4)", "fp32 moments on a bf16 model", "P * (2 + 2 + 4 + 4 + 4)", "the mixed-precision recipe"),
+        ("config.vocab * config.hidden + config.vocab", "a bias the head does not have",
+         "2 * config.vocab * config.hidden", "both matrices counted as new"),
+    ],
+    "lab02": [
+        ("my_bandwidth = record.params['bytes_per_repeat'] * 8 / record.params['median_seconds']", "bits, not bytes",
+         "my_bandwidth = record.params['bytes_per_repeat'] / record.params['median_seconds'] / 2**30", "GiB/s"),
+        ("my_beta = 2e9", "the emulated link's default rate, copied instead of fitted",
+         "my_beta = float(np.mean(sizes / times))", "the average of the measured rates"),
+        ("my_half_size = 20e-6 * 2e9", "the emulated link's default settings, copied",
+         "my_half_size = fit.alpha * fit.beta / 2", "α set equal to twice n/β"),
+        ("def my_time(size):\n    return size / fit.beta", "α left out",
+         "def my_time(size):\n    return 1.3 * (fit.alpha + size / fit.beta)", "30 % too long"),
+        ("my_exchange_seconds = exchange / h2d_both + exchange / d2h_both", "one direction after the other",
+         "my_exchange_seconds = 3 * 2**30 / min(h2d_both, d2h_both)", "3 GiB instead of 3 GB"),
+    ],
+    "lab03": [
+        ("predicted_batch = math.floor(t_transfer / seconds_per_sample)", "rounded down",
+         "predicted_batch = math.ceil(seconds_per_sample / t_transfer)", "the ratio upside down"),
+        ("def predicted_step(b):\n    return b * seconds_per_sample + t_transfer", "no overlap",
+         "def predicted_step(b):\n    return min(b * seconds_per_sample, t_transfer)", "the shorter of the two"),
+        ("measured_batch = max((b for b, r in zip(cross.batches, cross.results) if r.t_both > 1.10 * r.t_compute),\n"
+         "                     default=None)", "the last batch that still stalls",
+         "measured_batch = predicted_batch", "the prediction, not the measurement"),
+    ],
+    "lab04": [
+        ("predicted_host = P * 12", "only the fp32 state",
+         "predicted_host = P * (12 + w + (0 if low != torch.float32 else w))", "the outgoing buffer the wrong way round"),
+        ("plain_device = 12 * P", "plain AdamW without gradients",
+         "offload_device = 2 * w * P", "gradients kept on the device"),
+    ],
+    "lab05": [
+        ("def my_prefetch(items, link):  # never waits for its copies\n"
+         "    buffers = [link.device_buffer(items[0].numel()) for _ in range(2)]\n"
+         "    for i, item in enumerate(items):\n"
+         "        link.to_device(buffers[i % 2], item, after=None)\n"
+         "        yield buffers[i % 2]", "no wait",
+         "def my_prefetch(items, link):  # one buffer, refilled while the consumer still uses it\n"
+         "    buffer = link.device_buffer(items[0].numel())\n"
+         "    transfer = link.to_device(buffer, items[0], after=None)\n"
+         "    for i in range(len(items)):\n"
+         "        transfer.wait()\n"
+         "        if i + 1 < len(items):\n"
+         "            transfer = link.to_device(buffer, items[i + 1], after=None)\n"
+         "        yield buffer", "one buffer, copied into while in use"),
+        ("def my_prefetch(items, link):  # right data, but each copy starts when its item is asked for\n"
+         "    buffer = link.device_buffer(items[0].numel())\n"
+         "    for item in items:\n"
+         "        link.to_device(buffer, item).wait()\n"
+         "        yield buffer", "no prefetch",
+         "def my_prefetch(items, link):  # two buffers, each copy issued after the consumer is done\n"
+         "    buffers = [link.device_buffer(items[0].numel()) for _ in range(2)]\n"
+         "    for i, item in enumerate(items):\n"
+         "        link.to_device(buffers[i % 2], item, after=link.mark()).wait()\n"
+         "        yield buffers[i % 2]", "two buffers, no prefetch"),
+        ("predicted_one_buffer = len(items) * max(copy_seconds, work_seconds)", "the double buffer's time",
+         "predicted_one_buffer = copy_seconds + len(items) * work_seconds", "only the first copy exposed"),
+    ],
+    "lab08": [
+        ("predicted_gather = 2 * 2 * P", "chapter 9's 2wP, the root counted twice",
+         "predicted_gather = 4 * (2 * config.layers * block + root)", "fp32 weights gathered"),
+        ("predicted_reduce = 4 * P", "fp32 gradients", "predicted_sent = predicted_reduce", "a rank sends the whole tensor"),
+        ("predicted_down, predicted_up = 2 * P, 2 * P", "bf16, but the model trains in fp32",
+         "predicted_down, predicted_up = 4 * P, 12 * P", "the fp32 state sent up too"),
+    ],
+}
+# Lab 1's answers are plain expressions; name the variable each one replaces.
+LAB01_ANSWERS = ["prediction_fp32_adam", "prediction_sgd", "prediction_bf16_adam", "prediction_extra_params"]
+
+
+def wrong_answers(lab: str):
+    """[(code, description), (code, description)] for each graded cell of ``lab``, in order."""
+    table = []
+    for number, (first, why_first, second, why_second) in enumerate(WRONG[lab]):
+        if lab == "lab01":
+            first, second = (f"{LAB01_ANSWERS[number]} = {code}" for code in (first, second))
+        table.append([(first, why_first), (second, why_second)])
+    return table
+
+
+def graded(cell) -> bool:
+    return cell.metadata.get("nbgrader", {}).get("grade", False)
+
+
+def answer(cell) -> bool:
+    return cell.metadata.get("nbgrader", {}).get("solution", False)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "labs").glob("lab*.md")), ids=lambda p: p.stem)
+def test_every_check_passes_the_answer_and_fails_two_wrong_ones(path):
+    lab = path.stem.split("_")[0]
+    assert lab in WRONG, f"{path.name}: add two wrong answers for each of its graded cells to WRONG"
+    notebook = source_notebook(path)
+    mistakes = wrong_answers(lab)
+    assert len(mistakes) == sum(graded(c) for c in notebook.cells), \
+        f"{path.name}: WRONG must list two wrong answers for each graded cell"
+    client = NotebookClient(notebook, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    failures, last_answer, checks = [], None, iter(mistakes)
+    with client.setup_kernel():
+        for index, cell in enumerate(notebook.cells):
+            if cell.cell_type != "code":
+                continue
+            client.execute_cell(cell, index)  # the worked answer: every cell must pass
+            if answer(cell):
+                last_answer = cell
+            if not graded(cell):
+                continue
+            for code, why in next(checks):
+                client.execute_cell(nbformat.v4.new_code_cell(code), index)
+                retry = nbformat.v4.new_code_cell(cell.source)
+                try:
+                    client.execute_cell(retry, index)
+                    failures.append(f"{cell.metadata.nbgrader.grade_id} passed a wrong answer: {why}")
+                except CellExecutionError:
+                    error = next(o for o in retry.outputs if o.output_type == "error")
+                    shown = "".join(o.get("text", "") for o in retry.outputs if o.output_type == "stream")
+                    if error.ename != "AssertionError":
+                        failures.append(f"{cell.metadata.nbgrader.grade_id}, {why}: {error.ename}: {error.evalue}")
+                    if "was expected" in shown:
+                        failures.append(f"{cell.metadata.nbgrader.grade_id} showed a student the answer: {shown}")
+                client.execute_cell(last_answer, index)  # back to the worked answer
+    assert not failures, "\n".join(failures)

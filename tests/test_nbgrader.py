@@ -1,0 +1,109 @@
+"""A real nbgrader round trip: release every lab, autograde a solved and an unsolved submission.
+
+The course is built the way the course page (book/course.md) tells an instructor to, with the
+``nbgrader_config.py`` it shows: ``python -m offloadlab.student --nbgrader labs
+<course>/source`` (what ``make student`` runs), then ``nbgrader generate_assignment`` for each
+lab, then submissions under ``submitted/<student>/<lab>/`` and ``nbgrader autograde``. The solved submission is the source notebook itself (the worked answers); the
+unsolved one is the released notebook as a student receives it.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from offloadlab.student import BEGIN, END, STUB, assignment_name, find_labs, points, release_notebook, source_notebook
+from tests.conftest import ROOT
+
+LABS = find_labs(ROOT / "labs")
+
+
+def course_page_config() -> str:
+    """The nbgrader_config.py the course page tells instructors to write, so the test uses that."""
+    page = (ROOT / "book" / "course.md").read_text(encoding="utf-8")
+    match = re.search(r"cat > nbgrader_config.py <<'EOF'\n(.*?)\nEOF\n", page, re.DOTALL)
+    assert match, "book/course.md no longer shows an nbgrader_config.py"
+    return match.group(1) + "\n"
+
+
+# nbgrader runs the `alembic` command to set up its gradebook: the environment's bin folder must be on
+# PATH, as it is in an activated environment (CI and `make test` call the interpreter by its path).
+ENVIRONMENT = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+
+
+def nbgrader(course, *arguments):
+    """Run the nbgrader command line in ``course``; its output when it succeeds."""
+    result = subprocess.run([sys.executable, "-m", "nbgrader", *arguments], cwd=course, capture_output=True, text=True,
+                            env=ENVIRONMENT)
+    assert result.returncode == 0, f"nbgrader {' '.join(arguments)} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory):
+    """An nbgrader course with every lab generated as an assignment."""
+    root = tmp_path_factory.mktemp("course")
+    (root / "nbgrader_config.py").write_text(course_page_config() + f"c.CourseDirectory.root = {str(root)!r}\n",
+                                             encoding="utf-8")
+    result = subprocess.run([sys.executable, "-m", "offloadlab.student", "--nbgrader", str(ROOT / "labs"),
+                             str(root / "source")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for path in LABS:
+        nbgrader(root, "generate_assignment", assignment_name(path))
+    return root
+
+
+def released(course, path):
+    return nbformat.read(course / "release" / assignment_name(path) / f"{path.stem}.ipynb", as_version=4)
+
+
+def cells(notebook):
+    return [(c.cell_type, c.source) for c in notebook.cells]
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
+def test_nbgrader_releases_what_make_student_releases_and_no_solution(course, path):
+    release = released(course, path)
+    assert cells(release) == cells(release_notebook(source_notebook(path)))
+    text = "\n".join(c.source for c in release.cells)
+    assert BEGIN not in text and END not in text and STUB in text
+    worked = [c.source.split(BEGIN)[1].split(END)[0].strip() for c in source_notebook(path).cells if BEGIN in c.source]
+    assert worked and not any(answer in text for answer in worked)
+
+
+def submit(course, student, path, notebook):
+    folder = course / "submitted" / student / assignment_name(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    nbformat.write(notebook, folder / f"{path.stem}.ipynb")
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
+def test_autograde_gives_full_points_to_the_solved_lab_and_zero_to_the_unsolved(course, path):
+    from nbgrader.api import Gradebook
+
+    lab = assignment_name(path)
+    submit(course, "solved", path, nbformat.read(course / "source" / lab / f"{path.stem}.ipynb", as_version=4))
+    submit(course, "unsolved", path, released(course, path))
+    log = nbgrader(course, "autograde", lab, "--create")
+    complaints = [line for line in log.splitlines() if "App | ERROR]" in line or "App | WARNING]" in line]
+    assert not complaints, "\n".join(complaints)
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        solved = gradebook.find_submission_notebook(path.stem, lab, "solved")
+        unsolved = gradebook.find_submission_notebook(path.stem, lab, "unsolved")
+        checks = gradebook.find_notebook(path.stem, lab).grade_cells
+        assert solved.max_score == sum(c.max_score for c in checks) == points(source_notebook(path)) > 0
+        lost = {g.cell.name: g.score for g in solved.grades if g.score != g.max_score}
+        assert solved.score == solved.max_score and not solved.failed_tests, f"the solved {lab} lost points: {lost}"
+        assert unsolved.score == 0, {g.cell.name: g.score for g in unsolved.grades if g.score}
+        assert len(unsolved.grades) == len(checks) and all(g.failed_tests for g in unsolved.grades)
+        for submission in (solved, unsolved):
+            assert not submission.flagged and not submission.needs_manual_grade
+    for student in ("solved", "unsolved"):
+        graded = nbformat.read(course / "autograded" / student / lab / f"{path.stem}.ipynb", as_version=4)
+        assert all(c.get("execution_count") for c in graded.cells if c.cell_type == "code"), student
+    shutil.rmtree(course / "submitted")  # the next lab starts with no submissions

@@ -1,0 +1,178 @@
+"""Planning a real model on a real node: shares of the node, sharding against offloading, the command."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from offloadlab import architectures, planner
+
+P = 10e9
+WORK = planner.Workload(P, layers=40, hidden=4096, heads=32, batch=1, seq=512)  # 512 tokens a GPU
+
+
+def node(gpus=8, **kw):
+    return planner.Hardware("80 GB", "25 GB/s", host_memory=kw.pop("host", "2 TB"), compute=200e12,
+                            cpu_adam=kw.pop("cpu_adam", 8e9), gpus_per_node=gpus,
+                            interconnect=kw.pop("interconnect", "450 GB/s"), **kw)
+
+
+def by_name(report, name):
+    return next(p for p in report.plans if p.name == name)
+
+
+def test_each_gpu_gets_an_nth_of_the_node():
+    share = node(8, host="2 TB", gpus_per_link=2).share()
+    assert share.host_memory == 250e9 and share.cpu_adam == 1e9 and share.link == 12.5e9
+    assert node(1).share() == node(1)
+
+
+def test_hand_worked_zero2_and_zero3_steps_on_eight_gpus():
+    """6 · 10e9 · 512 / 200e12 = 153.6 ms of compute. ZeRO-2 reduce-scatters 7/8 · 20 GB during
+    backward (38.9 ms at 450 GB/s, hidden) and all-gathers the new weights after the update
+    (38.9 ms, exposed): 192.5 ms. ZeRO-3 moves 1.5 × as much, all of it during the passes
+    (116.7 ms < 153.6 ms): 153.6 ms."""
+    report = planner.plan(WORK, node())
+    zero2, zero3 = by_name(report, "ZeRO-2, activations kept"), by_name(report, "ZeRO-3, activations kept")
+    assert zero2.t_compute == pytest.approx(0.1536)
+    assert zero2.t_interconnect == pytest.approx(17.5e9 / 450e9) == zero2.t_interconnect_after
+    assert zero2.step == pytest.approx(0.1536 + 17.5e9 / 450e9)
+    assert zero3.t_interconnect == pytest.approx(52.5e9 / 450e9) and zero3.t_interconnect_after == 0
+    assert zero3.step == pytest.approx(0.1536)
+    assert by_name(report, "data parallel, activations kept").fits_gpu is False  # 160 GB of state
+    assert report.chosen.step == pytest.approx(0.1536) and report.chosen.strategy in ("zero3", "fsdp2")
+    assert report.chosen.binding.startswith("compute")
+
+
+def test_a_slow_interconnect_binds():
+    """Over 10 GB/s, ZeRO-3's 52.5 GB take 5.25 s against 153.6 ms of compute."""
+    report = planner.plan(WORK, node(interconnect="10 GB/s"))
+    zero3 = by_name(report, "ZeRO-3, activations kept")
+    assert zero3.step == pytest.approx(5.25) and zero3.binding.startswith("the interconnect")
+
+
+def test_offloading_alone_updates_a_whole_copy_on_an_eighth_of_the_cores():
+    """Sharded offload updates P/8 parameters at 1/8 of the node's rate: P / 8e9 = 1.25 s, as if one
+    GPU had the whole node. Offloading alone updates all P at 1/8 of the rate: 10 s."""
+    report = planner.plan(WORK, node())
+    shared = by_name(report, "ZeRO-2 + offload optimizer, activations kept")
+    alone = by_name(report, "data parallel + offload optimizer, activations kept")
+    assert shared.t_cpu == pytest.approx(1.25) and alone.t_cpu == pytest.approx(10.0)
+    assert alone.host_bytes == 16 * P and shared.host_bytes == 16 * P / 8
+
+
+def test_host_memory_is_shared_by_the_node():
+    """70 B, ZeRO-3 with the optimizer offloaded on 8 GPUs: 16 · 70.55e9 / 8 = 141 GB of host memory per
+    GPU, more than an eighth of 1 TB; with 2 TB it fits."""
+    model = planner.Workload.of_model(architectures.load("llama-3.1-70b"), batch=1, seq=1024)
+    name = "ZeRO-3 + offload optimizer, activations recomputed"
+    short = by_name(planner.plan(model, node(host="1 TB")), name)
+    assert short.host_bytes == pytest.approx(16 * model.params / 8) and short.fits_gpu
+    assert not short.fits_host and short.binding.startswith("host memory: needs 141 GB per GPU of the 125 GB")
+    assert by_name(planner.plan(model, node(host="2 TB")), name).fits
+
+
+def test_nvme_is_planned_only_when_the_drive_is_given():
+    eight_b = planner.Workload.of_model(architectures.load("llama-3.1-8b"))
+    small_host = dict(host_memory="64 GB")
+    without = planner.plan(eight_b, planner.Hardware("24 GB", "25 GB/s", **small_host))
+    assert without.chosen is None and "--nvme" in without.warnings[0]
+    assert "assumption" in without.warnings[1] and "would fit" in without.warnings[1]  # the next tier's what-if
+    drive = planner.plan(eight_b, planner.Hardware("24 GB", "25 GB/s", nvme="3 GB/s", **small_host))
+    assert drive.chosen.layout.nvme_bytes == pytest.approx(18 * eight_b.params)  # ZeRO-3's 18 B on the drive
+    assert drive.chosen.binding.startswith("the NVMe drive") and "NVMe" in drive.warnings[0]
+
+
+def test_probe_record_feeds_the_hardware(tmp_path):
+    record = {"machine": {"host_memory_bytes": 64e9, "logical_cores": 16,
+                          "accelerator": {"kind": "cuda", "memory_bytes": 85e9}},
+              "ladder": {"tiers": [{"name": "host memory", "bandwidth_bytes_per_s": 56e9, "source": "measured"}],
+                         "links": [{"name": "host → GPU", "bandwidth_bytes_per_s": 24e9, "source": "measured"}]}}
+    hw = planner.Hardware.from_probe(record)
+    assert (hw.gpu_memory, hw.link, hw.host_memory, hw.cpu_adam) == (85e9, 24e9, 64e9, 2e9)
+    assert any("derived" in s for s in hw.sources) and hw.assumptions == [
+        f"compute {planner.ASSUMED_COMPUTE / 1e12:.0f} TFLOP/s (assumed; measure yours or pass --compute)"]
+    given = planner.Hardware.from_probe(record, gpu_memory="80 GB", gpus_per_node=2)
+    assert given.gpu_memory == 80e9 and given.gpus_per_node == 2
+    assert not any(s.startswith("GPU memory") for s in given.sources)
+    with pytest.raises(ValueError, match="^measured: expected an `offloadlab probe --json` record"):
+        planner.Hardware.from_probe({"records": []})
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(gpus_per_node=0), "^gpus_per_node: expected a positive integer; got 0$"),
+    (dict(gpus_per_node=2, gpus_per_link=4), "^gpus_per_link: expected at most gpus_per_node=2; got 4$"),
+    (dict(gpus_per_node=2, interconnect="fast"), "^interconnect: "),
+    (dict(nvme="0 GB/s"), "^nvme: "),
+])
+def test_node_bad_input(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        planner.Hardware("80 GB", "25 GB/s", **kwargs)
+
+
+def offloadlab(*args):
+    return subprocess.run([sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True)
+
+
+EIGHT_B = ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "24 GB", "--link", "25 GB/s", "--host-memory", "64 GB"]
+
+
+def test_plan_a_real_model_exactly():
+    payload = json.loads(offloadlab(*EIGHT_B, "--json").stdout)
+    assert payload["params"] == 8_030_261_248 and payload["model"]["kv_heads"] == 8
+    assert payload["chosen"] is None  # 96 GB of fp32 optimizer state cannot live in 64 GB of host memory
+    refused = offloadlab(*EIGHT_B, "--emit", "deepspeed")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "nothing fits" in refused.stderr
+    text = offloadlab(*EIGHT_B, "--nvme", "3 GB/s", "--emit", "deepspeed")
+    assert text.returncode == 0, text.stderr
+    assert "8,030,261,248 parameters" in text.stdout and "to NVMe" in text.stdout
+    assert '"device": "nvme"' in text.stdout and "--nvme-path" in text.stdout
+    fsdp = offloadlab(*EIGHT_B, "--nvme", "3 GB/s", "--emit", "fsdp")
+    assert "FSDP2 cannot offload there" in fsdp.stdout and "model.model.layers" in fsdp.stdout
+
+
+def test_plan_a_local_config_on_a_node(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text((architectures.CONFIG_FOLDER / "qwen2-7b.json").read_text())
+    result = offloadlab("plan", "--model-config", str(config), "--gpu-memory", "80 GB", "--link", "25 GB/s",
+                        "--host-memory", "1 TB", "--gpus-per-node", "8", "--interconnect", "450 GB/s", "--json",
+                        "--emit", "deepspeed")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["params"] == 7_615_616_512 and payload["gpus_per_node"] == 8
+    assert payload["chosen"]["gpus"] == 8 and payload["deepspeed"]["train_batch_size"] == 8
+
+
+def test_plan_from_a_probe_record(tmp_path):
+    measured = tmp_path / "probe.json"
+    probe = offloadlab("probe", "--quick", "--disk", str(tmp_path), "--json", str(measured))
+    assert probe.returncode == 0, probe.stderr
+    result = offloadlab("plan", "--params", "1e9", "--measured", str(measured), "--gpu-memory", "24 GB")
+    assert result.returncode == 0, result.stderr
+    assert "measured: link" in result.stdout and "emulated" in result.stdout  # no GPU here: the link was emulated
+    no_gpu = offloadlab("plan", "--params", "1e9", "--measured", str(measured))
+    assert no_gpu.returncode == 2 and "measured: the record has no gpu memory; pass --gpu-memory" in no_gpu.stderr
+
+
+def test_the_issue_16_command_no_longer_calls_an_oversized_plan_a_fit():
+    payload = json.loads(offloadlab("plan", "--params", "10e9", "--gpu-memory", "80 GB", "--link", "25 GB/s",
+                                    "--json").stdout)
+    kept = next(p for p in payload["plans"] if p["name"] == "offload nothing, activations kept")
+    assert kept["fits"] is False and kept["binding"].startswith("GPU memory: needs 201 GB")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--params", "1e9", "--model", "gpt2"], "expected exactly one of --params, --model or --model-config; "
+                                             "got --params and --model"),
+    (["--model", "llama-9"], "model: expected one of gemma-2b"),
+    (["--model-config", "/nonexistent/config.json"], "--model-config: expected a config.json file"),
+    (["--model", "gpt2", "--layers", "2"], "--layers/--hidden/--heads go with --params"),
+    (["--params", "1e9", "--interconnect", "450 GB/s"], "need --gpus-per-node above 1"),
+    (["--params", "1e9", "--gpus-per-node", "0"], "--gpus-per-node"),
+    (["--params", "1e9", "--measured", "/nonexistent.json"], "--measured: expected an `offloadlab probe --json` file"),
+])
+def test_plan_bad_arguments(args, fragment):
+    result = offloadlab("plan", "--gpu-memory", "80 GB", "--link", "25 GB/s", *args)
+    assert result.returncode == 2 and fragment in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

@@ -1,0 +1,123 @@
+"""The book's figures: timelines whose every lane shows its work, one axis per variant on a common scale."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.colors import to_rgb  # noqa: E402
+
+from offloadlab import plots  # noqa: E402
+
+
+def prefetch_run(offset: float, layers: int = 8, compute: float = 0.010, copy: float = 0.0002, serial: bool = False):
+    """Lanes of one recorded prefetch pass starting at ``offset`` s: short copies, longer compute."""
+    h2d, computes, t = [], [], offset
+    for i in range(layers):
+        h2d.append((t, t + copy, f"w{i}"))
+        start = t + copy if serial or i == 0 else t
+        computes.append((start, start + compute, f"layer {i}"))
+        t = start + compute
+    return {"H2D": h2d, "compute": computes}
+
+
+def chapter_seven_variants() -> dict:
+    """Four variants measured one after the other on one clock, as chapter 7 records them."""
+    variants, t = {}, 0.340
+    for name, serial in (("double buffered", False), ("one buffer", True), ("pageable", True), ("synchronous", True)):
+        variants[name] = prefetch_run(t, serial=serial)
+        t = max(end for lane in variants[name].values() for _, end, _ in lane) + 0.150
+    return variants
+
+
+def coloured_pixels(fig, ax, row: int, colour: str) -> int:
+    """How many pixels along lane ``row`` of ``ax`` are drawn in ``colour``."""
+    fig.canvas.draw()
+    image = np.asarray(fig.canvas.buffer_rgba())[:, :, :3].astype(int)
+    box = ax.get_window_extent()
+    _, y = ax.transData.transform((0, row))
+    line = image[image.shape[0] - int(round(y)), int(box.x0) + 1:int(box.x1) - 1]
+    return int((np.abs(line - np.array(to_rgb(colour)) * 255).max(axis=1) < 12).sum())
+
+
+def assert_every_lane_shows_its_work(fig, variants: dict):
+    axes = fig.axes
+    for ax, lanes in zip(axes, variants.values() if len(axes) > 1 else [dict(variants)]):
+        for row, name in enumerate(lanes):
+            colour = plots.lane_colour(name)
+            assert coloured_pixels(fig, ax, row, colour) > 0, f"lane {name!r} ({ax.get_title()!r}) looks empty"
+
+
+def test_the_flat_form_shows_every_lane_even_with_short_copies():
+    """Chapter 7's call before small multiples: eight lanes on one absolute clock, copies of 0.2 ms."""
+    flat = {}
+    for name, lanes in chapter_seven_variants().items():
+        flat[f"H2D, {name}"], flat[f"compute, {name}"] = lanes["H2D"], lanes["compute"]
+    fig = plots.timeline(flat, "Prefetch variants", source="emulated")
+    assert len(fig.axes) == 1
+    assert_every_lane_shows_its_work(fig, flat)
+
+
+def test_variants_get_one_axis_each_from_their_own_zero_on_one_scale():
+    variants = chapter_seven_variants()
+    fig = plots.timeline(variants, "Prefetch variants", source="emulated")
+    assert len(fig.axes) == len(variants)
+    assert len({ax.get_xlim() for ax in fig.axes}) == 1  # one scale for all
+    ends = []
+    for ax, lanes in zip(fig.axes, variants.values()):
+        bars = [patch for patch in ax.patches]
+        assert min(bar.get_x() for bar in bars) == pytest.approx(0.0)  # each starts at its own zero
+        ends.append(max(bar.get_x() + bar.get_width() for bar in bars))
+        step_ms = (max(e for lane in lanes.values() for _, e, _ in lane) - min(s for lane in lanes.values() for s, _, _ in lane)) * 1e3
+        assert ends[-1] == pytest.approx(step_ms, rel=1e-6)
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["H2D", "compute"]
+    assert ends[0] < ends[-1]  # double buffered is visibly shorter than synchronous
+    assert_every_lane_shows_its_work(fig, variants)
+    assert "(emulated)" in fig._suptitle.get_text()
+
+
+def test_an_instant_interval_still_shows():
+    fig = plots.timeline({"compute": [(0.0, 1.0, "step")], "D2H": [(0.5, 0.5, "flag")]})
+    assert_every_lane_shows_its_work(fig, {"compute": [], "D2H": []})
+
+
+def test_lane_colours_follow_the_stream():
+    assert plots.lane_colour("H2D, one buffer") == plots.lane_colour("H2D (hidden)") == plots.lane_colour("H2D")
+    assert plots.lane_colour("compute") != plots.lane_colour("H2D")
+    assert plots.lane_colour("something else") == "tab:grey"
+
+
+@pytest.mark.parametrize("lanes, message", [
+    ({}, "lanes: expected a non-empty mapping"),
+    ([("compute", [])], "lanes: expected a non-empty mapping"),
+    ({"a": {"compute": []}, "H2D": []}, "not a mix"),
+    ({"a": {}}, "variant 'a' has no lanes"),
+    ({"compute": [(2.0, 1.0, "x")]}, "interval 'x' in 'compute' ends before it starts"),
+    ({"v": {"H2D": [(2.0, 1.0, "y")]}}, "interval 'y' in 'H2D' of 'v' ends before it starts"),
+])
+def test_bad_lanes(lanes, message):
+    with pytest.raises(ValueError, match=message):
+        plots.timeline(lanes)
+
+
+def overlapping(boxes):
+    return [(a, b) for i, (a, box_a) in enumerate(boxes) for b, box_b in boxes[i + 1:] if box_a.overlaps(box_b)]
+
+
+def test_ladder_names_every_link_without_overlap():
+    """Chapter 2: PCIe, InfiniBand and the measured link lie within a factor of two; their names must not collide."""
+    from offloadlab import ladder
+
+    mine = {"tiers": [{"name": "host memory", "capacity_bytes": 25e9, "bandwidth_bytes_per_s": 12e9, "source": "measured"},
+                      {"name": "disk under test", "capacity_bytes": 270e9, "bandwidth_bytes_per_s": 2.3e9, "source": "measured"}],
+            "links": [{"name": "host → GPU", "bandwidth_bytes_per_s": 2.1e9, "source": "emulated"}]}
+    fig = plots.ladder(mine, ladder.nominal(), "Your ladder beside the reference node")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    texts = [(t.get_text(), t.get_window_extent(renderer)) for t in ax.texts if t.get_text()]
+    link_names = [link["name"] for link in ladder.nominal()["links"] if link.get("bandwidth_bytes_per_s")]
+    assert sum(any(name in text for name in link_names) for text, _ in texts) >= 3
+    assert not overlapping(texts), overlapping(texts)
+    assert all(box.x1 <= fig.bbox.x1 + 1 for _, box in texts), "a name runs off the figure"

@@ -86,8 +86,8 @@ def _nbytes(t: torch.Tensor) -> int:
 class Marker:
     """A point in the compute stream, recorded by :meth:`Link.mark`."""
 
-    def __init__(self, link: "Link", event=None):
-        self._link, self._event = link, event
+    def __init__(self, link: "Link", event=None, stream=None):
+        self._link, self._event, self._stream = link, event, stream
         self._when: float | None = None
         self._reached = threading.Event()  # the emulated compute stream sets it
 
@@ -326,7 +326,15 @@ class Link(ABC):
 
     @abstractmethod
     def mark(self) -> Marker:
-        """Record the current point of the compute stream."""
+        """Record the current point of the compute stream (on a GPU: the calling thread's current stream)."""
+
+    @abstractmethod
+    def mark_on(self, marker: Marker) -> Marker:
+        """Record the current point of the stream ``marker`` was recorded on, from any thread.
+
+        A worker thread's own current stream is not the one training runs on; this is how it
+        orders a copy after everything training has issued so far.
+        """
 
     @abstractmethod
     def now(self) -> float:
@@ -552,6 +560,9 @@ class EmulatedLink(Link):
     def mark(self) -> Marker:
         return self._compute.mark()
 
+    def mark_on(self, marker: Marker) -> Marker:
+        return self._compute.mark()  # the emulation has one compute stream
+
     def synchronize(self) -> None:
         self._compute.drain()
         for engine in self._engines.values():
@@ -739,9 +750,15 @@ class CudaLink(Link):
         return time.perf_counter() - self._epoch_host
 
     def mark(self) -> Marker:
+        return self._record(torch.cuda.current_stream(self.device))
+
+    def mark_on(self, marker: Marker) -> Marker:
+        return self._record(marker._stream)
+
+    def _record(self, stream) -> Marker:
         event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return Marker(self, event=event)
+        event.record(stream)
+        return Marker(self, event=event, stream=stream)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

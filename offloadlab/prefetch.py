@@ -114,7 +114,10 @@ class Prefetcher:
         staged = pinned and not all(link.is_pinned(t) for group in self.sources for t in group)
         self._staging = [link.host_buffer(self.slot_bytes, torch.uint8) for _ in range(buffers)] if staged else None
         self._staging_reads: list = [[] for _ in range(buffers)]  # the copies still reading each staging buffer
-        self._released = [None] * buffers  # per buffer: the consumer's last release marker (kept across passes)
+        # Per buffer: the consumer's last release marker, kept across passes. It starts at a marker
+        # recorded now, after the buffers were allocated: on a GPU their memory may be what kernels
+        # still queued on the compute stream were using, and the first copy into them must wait.
+        self._released = [link.mark()] * buffers
         self._in_use: int | None = None
         self._pass = None
         self._records: list = []

@@ -82,6 +82,8 @@ class OffloadEngine:
                  accumulation_steps: int | None, delayed_update: bool, loss_scale, bucket_bytes: int,
                  record_timeline: bool):
         self.closed: str | None = None
+        self.param_groups = param_groups  # the optimizer's own list of groups (the engine does not refer to it)
+        self.zero_filled = False  # zero_grad(set_to_none=False): parameters without a gradient get a zero one
         trainable = [p for g in param_groups for p in g["params"] if p.requires_grad]
         self.device, self.dtype = self._check_params(trainable, link)
         streamed = next((m for p in trainable if (m := streamed_model_of(p)) is not None), None)
@@ -165,10 +167,13 @@ class OffloadEngine:
             raise ValueError(f"params: expected {self.dtype} parameters on {self.device} like the others; "
                              f"got {dtype} on {device}")
         self.synchronize()
+        self.intake.settle()
+        self.link.synchronize()  # every gradient in flight has landed before the buffers are copied over
         self._take_over(trainable)
         buckets = make_buckets([group], self.bucket_bytes, start_index=len(self.host.buckets), start=self.host.numel)
         self.host.extend(buckets)
         self.intake.add(buckets)
+        self.worker.resize()
         for p in trainable:
             _OWNERS[p] = self
 
@@ -200,9 +205,13 @@ class OffloadEngine:
     def step(self) -> None:
         """Finish this step's updates (or, with a delayed update, apply the last step's and start this one's)."""
         self.check_usable()
+        self.intake.settle()
+        self._check_unmanaged_gradients()
         if self.delayed_update:
             previous = [b for b in self.host.buckets if b.submitted]
             self._finish(previous, upload=True)
+        if self.zero_filled:
+            self._zero_gradients_where_missing()
         ready = [b for b in self.host.buckets if any(b.arrivals) and not b.submitted]
         scale = self._grad_scale(ready)
         self._clip_now = None
@@ -218,6 +227,28 @@ class OffloadEngine:
             self._finish([b for b in self.host.buckets if b.submitted], upload=False)
         if self.scaler is not None:
             self.scaler.update(overflowed=False)
+
+    def _check_unmanaged_gradients(self) -> None:
+        """AdamW would update a parameter of its groups that has a gradient; one this optimizer does
+        not hold state for (it did not require grad when the optimizer was made) is an error."""
+        held = {id(p) for b in self.host.buckets for p in b.params}
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.grad is not None and id(p) not in held:
+                    raise RuntimeError(f"CPUOffloadAdam: param_groups[{i}]['params'][{j}] has a gradient, but it "
+                                       f"did not require grad when the optimizer was made, so it has no state here; "
+                                       f"give it to the optimizer with add_param_group once it is trainable")
+
+    def _zero_gradients_where_missing(self) -> None:
+        """zero_grad(set_to_none=False) leaves zero gradients, and AdamW steps every parameter that has
+        had a gradient with them: do the same for those that got none this step."""
+        for bucket in self.host.buckets:
+            if bucket.submitted:
+                continue
+            for k, (s, e) in enumerate(bucket.ranges):
+                if bucket.arrivals[k] == 0 and bucket.steps[k] > 0:
+                    self.host.grads[s:e].zero_()
+                    bucket.arrivals[k], bucket.folded[k] = 1, 0
 
     def _finish(self, buckets: list, upload: bool) -> None:
         """Wait for the buckets' CPU updates; send their weights up (delayed update) and order the
@@ -253,8 +284,8 @@ class OffloadEngine:
 
     def gradient_norm(self, buckets: list | None = None) -> float:
         """The global L2 norm of this step's gradients (loss scale divided out), once they have landed."""
-        if buckets is None:
-            buckets = [b for b in self.host.buckets if any(b.arrivals) and not b.submitted]
+        if buckets is None:  # (with a delayed update the last step's are still submitted: theirs have landed)
+            buckets = [b for b in self.host.buckets if any(b.arrivals)]
         total = 0.0
         for bucket in buckets:
             self.intake.landed(bucket.downloads)
@@ -278,10 +309,12 @@ class OffloadEngine:
         self._clip_now = (max_norm, norm)
         return norm
 
-    def discard(self) -> None:
+    def discard(self, set_to_none: bool = True) -> None:
         """Forget gradients received since the last step (zero_grad)."""
         if self.closed is not None:
             return
+        self.zero_filled = not set_to_none
+        self.intake.settle()
         for bucket in self.host.buckets:
             if not bucket.submitted:  # a submitted bucket's gradients already belong to an update
                 self.intake.discard(bucket)

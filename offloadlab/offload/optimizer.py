@@ -205,7 +205,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard gradients received since the last step (device gradients are already gone)."""
         super().zero_grad(set_to_none=set_to_none)
-        self._engine.discard()
+        self._engine.discard(set_to_none)
 
     def synchronize(self) -> None:
         """Finish every pending update and weight copy (for a delayed update: apply it now)."""

@@ -293,6 +293,8 @@ class Link(ABC):
             if dst.device.type != self.device.type or dst.shape != view.shape or dst.dtype != view.dtype:
                 raise ValueError(f"targets: expected device tensors shaped like their views of staging; "
                                  f"got {tuple(dst.shape)} {dst.dtype} for {tuple(view.shape)} {view.dtype}")
+            if dst.requires_grad:
+                raise ValueError("targets: expected tensors autograd does not track (a parameter's .data)")
         transfer = self._issue("h2d", staging, src, nbytes, self.is_pinned(src), after, str(label), list(targets))
         for recording in self._recordings:
             recording.transfers.append(transfer)
@@ -405,12 +407,15 @@ class _EmulatedTransfer(Transfer):
         super().__init__(link, direction, nbytes, pinned, label)
         self._landed = threading.Event()
         self._start = self._end = None
+        self._error: BaseException | None = None  # a copy that failed on its engine: raised to whoever waits
 
     def done(self) -> bool:
         return self._landed.is_set()
 
     def synchronize(self) -> None:
         self._landed.wait()
+        if self._error is not None:
+            raise RuntimeError(f"the {self.direction} copy {self.label!r} failed: {self._error!r}") from self._error
 
     wait = synchronize  # see Transfer.wait: the emulation makes the host wait as well
 
@@ -488,6 +493,32 @@ class _EmulatedStream:
                         self._idle.notify_all()
 
 
+class _CoreReservation:
+    """One core kept free of torch's threads while any emulated link is open (a count, so that
+    links opened and closed in any order — a notebook cell run twice — leave torch as they found it)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._restore = None
+
+    def take(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._restore = torch.get_num_threads()
+                torch.set_num_threads(max(1, min(self._restore, (os.cpu_count() or 2) - 1)))
+            self._holders += 1
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                torch.set_num_threads(self._restore)
+
+
+_CORE_RESERVATION = _CoreReservation()
+
+
 class EmulatedLink(Link):
     """A host↔device link for machines without a GPU, paced to a bandwidth and latency.
 
@@ -526,10 +557,9 @@ class EmulatedLink(Link):
             raise ValueError(f"pageable_fraction: expected a fraction in (0, 1]; got {pageable_fraction!r}")
         self.pageable_fraction = float(pageable_fraction)
         self._epoch = time.perf_counter()
-        self._restore_threads = None
-        if reserve_core and (os.cpu_count() or 1) > 1:
-            self._restore_threads = torch.get_num_threads()
-            torch.set_num_threads(max(1, min(self._restore_threads, (os.cpu_count() or 2) - 1)))
+        self._reserving = reserve_core and (os.cpu_count() or 1) > 1
+        if self._reserving:
+            _CORE_RESERVATION.take()
         self._compute = _EmulatedStream(self, "emulated-compute")
         self._engines = {d: _EmulatedStream(self, f"emulated-{d}") for d in _DIRECTIONS}
 
@@ -583,8 +613,8 @@ class EmulatedLink(Link):
             self._closed = True
             for stream in (self._compute, *self._engines.values()):
                 stream.stop()
-            if self._restore_threads is not None:
-                torch.set_num_threads(self._restore_threads)
+            if self._reserving:
+                _CORE_RESERVATION.give_back()
 
     def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()) -> Transfer:
         transfer = _EmulatedTransfer(self, direction, nbytes, pinned, label)
@@ -600,6 +630,15 @@ class EmulatedLink(Link):
 
     def _move(self, transfer: _EmulatedTransfer, dst, src, bandwidth: float, after: Marker | None,
               scatter=()) -> None:
+        try:
+            self._paced_copy(transfer, dst, src, bandwidth, after, scatter)
+        except BaseException as error:  # the copy's waiter gets it (as a failed CUDA copy raises)
+            transfer._error = error
+            transfer._start = transfer._end = self.now()
+            transfer._landed.set()
+
+    def _paced_copy(self, transfer: _EmulatedTransfer, dst, src, bandwidth: float, after: Marker | None,
+                    scatter) -> None:
         if after is not None:
             after._reached.wait()  # the engine does not start before the compute it is ordered after
         started = time.perf_counter()
@@ -610,8 +649,9 @@ class EmulatedLink(Link):
             end = min(offset + _CHUNK_BYTES, data.size)
             out[offset:end] = data[offset:end]
             _sleep_until(started + self.latency + end / bandwidth)
-        for target, view in scatter:  # device-to-device copies: at device memory speed, not paced
-            target.copy_(view)
+        with torch.no_grad():  # device-to-device copies: at device memory speed, not paced
+            for target, view in scatter:
+                target.copy_(view)
         transfer._end = time.perf_counter() - self._epoch
         transfer._landed.set()
 
@@ -732,7 +772,8 @@ class CudaLink(Link):
             transfer._begin.record(stream)
             dst.copy_(src, non_blocking=True)
             if scatter:
-                torch._foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])
+                with torch.no_grad():
+                    torch._foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])
             transfer._finish.record(stream)
         (dst if direction == "h2d" else src).record_stream(stream)
         for target, _ in scatter:

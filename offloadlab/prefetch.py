@@ -17,6 +17,8 @@ moves as one copy; :class:`~offloadlab.streaming.StreamedModel` uses it for a mo
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .link import Link
@@ -83,9 +85,11 @@ class Prefetcher:
     ``buffers`` items however many items there are, and is released with the prefetcher);
     with ``pinned=False`` it is copied straight from pageable memory, synchronously.
 
-    Iterating again starts a new pass over the same buffers; an unfinished pass (a ``break``)
-    is closed first. After a pass, :meth:`timeline` gives the recorded copies and consumer
-    intervals in seconds on the link's clock.
+    Iterating again starts a new pass over the same buffers, once the last pass is over: run to
+    its end, or left with a ``break`` (its iterator dropped). Two passes at once would share the
+    buffers, and are refused. On a GPU the last copies of a pass may still be reading pinned
+    sources after it: ``link.synchronize()`` before rewriting them. After a pass,
+    :meth:`timeline` gives the recorded copies and consumer intervals in seconds on the link's clock.
     """
 
     def __init__(self, items, link: Link, buffers: int = 2, depth: int | None = None,
@@ -136,10 +140,13 @@ class Prefetcher:
         return len(self.sources)
 
     def __iter__(self):
-        if self._pass is not None:
-            self._pass.close()  # an abandoned pass hands its buffer back before a new one starts
-        self._pass = self._run()
-        return self._pass
+        running = self._pass() if self._pass is not None else None
+        if running is not None and running.gi_frame is not None:
+            raise RuntimeError("Prefetcher: a pass over its buffers is still in progress; finish it (or leave it "
+                               "with break) before starting another")
+        generator = self._run()
+        self._pass = weakref.ref(generator)  # a pass left with break is dropped, and closes (its finally) at once
+        return generator
 
     def _issue(self, index: int):
         """Start item ``index``'s copy into its buffer, once the buffer's last consumer is done."""

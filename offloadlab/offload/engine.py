@@ -21,12 +21,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import cpu_adam
 from ..link import CudaLink, Link, open_link
 from ..streaming import streamed_model_of
-from .host_state import HostState, check_hyperparameters, make_buckets
+from .host_state import HostState, check_group, make_buckets
 from .intake import GradientIntake
 from .loss_scaler import LossScaler
 from .worker import UpdateWorker
 
-__all__ = ["OffloadEngine", "StepTimeline", "managed", "DEVICE_DTYPES"]
+__all__ = ["OffloadEngine", "StepTimeline", "managed", "owner", "DEVICE_DTYPES"]
 
 DEVICE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -35,8 +35,13 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementw
 
 def managed(param: torch.Tensor) -> bool:
     """True when a live (not closed) CPUOffloadAdam manages ``param``."""
+    return owner(param) is not None
+
+
+def owner(param: torch.Tensor) -> "OffloadEngine | None":
+    """The live engine that manages ``param``, or None."""
     engine = _OWNERS.get(param)
-    return engine is not None and engine.closed is None
+    return engine if engine is not None and engine.closed is None else None
 
 
 class StepTimeline:
@@ -109,7 +114,8 @@ class OffloadEngine:
         self.max_grad_norm = max_grad_norm
         self.delayed_update = delayed_update
         self.fp16 = self.dtype == torch.float16
-        self.scaler = LossScaler.from_argument(loss_scale) if self.fp16 else None
+        scaler = LossScaler.from_argument(loss_scale)  # checked whatever the dtype: a typo is a typo
+        self.scaler = scaler if self.fp16 else None
         self.bucket_bytes = bucket_bytes
         eager = accumulation_steps is not None and max_grad_norm is None and not self.fp16 and not delayed_update
         self.accumulation_steps = accumulation_steps
@@ -158,7 +164,7 @@ class OffloadEngine:
     def add_group(self, group: dict) -> None:
         """Manage a new parameter group (torch.optim.Optimizer.add_param_group)."""
         self.check_usable()
-        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        check_group(group, f"param_groups[{len(self.param_groups) - 1}]: ")
         trainable = [p for p in group["params"] if p.requires_grad]
         if not trainable:
             return
@@ -190,11 +196,11 @@ class OffloadEngine:
                                f"checkpoint into it) to go on training")
 
     def _fail(self) -> None:
-        error = self.worker.error
-        self.close(reason=f"the CPU update failed in step {self.step_count + 1} and the step was only partly "
-                          f"applied: {error!r}")
+        error, step = self.worker.error, self.worker.failed_step
+        self.close(reason=f"the CPU update of step {step} failed, and the step may have been partly applied: "
+                          f"{error!r}")
         raise RuntimeError(f"CPUOffloadAdam: the CPU update failed ({error!r}); the optimizer is closed, because "
-                           f"step {self.step_count + 1} was only partly applied — reload a checkpoint") from error
+                           f"step {step} may have been only partly applied — reload a checkpoint") from error
 
     def _ready(self, bucket) -> None:  # eager: the bucket's last micro-batch is in
         self.worker.submit(bucket, 1.0, self.step_count + 1)
@@ -205,6 +211,8 @@ class OffloadEngine:
     def step(self) -> None:
         """Finish this step's updates (or, with a delayed update, apply the last step's and start this one's)."""
         self.check_usable()
+        for i, group in enumerate(self.param_groups):  # a scheduler's bad value is refused, not run
+            check_group(group, f"param_groups[{i}]: ")
         self.intake.settle()
         self._check_unmanaged_gradients()
         if self.delayed_update:
@@ -318,6 +326,12 @@ class OffloadEngine:
         for bucket in self.host.buckets:
             if not bucket.submitted:  # a submitted bucket's gradients already belong to an update
                 self.intake.discard(bucket)
+
+    def forget(self, params) -> None:
+        """Forget gradients of ``params`` received since the last step (a module's zero_grad)."""
+        if self.closed is None:
+            self.intake.settle()
+            self.intake.discard_params(params)
 
     def synchronize(self) -> None:
         """Finish every pending update and weight copy (for a delayed update: apply it now)."""

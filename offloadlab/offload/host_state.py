@@ -26,7 +26,7 @@ from ..link import Link
 from ..prefetch import Layout
 
 __all__ = ["Bucket", "HostState", "identity", "make_buckets", "export_state", "check_state", "check_hyperparameters",
-           "UNSUPPORTED_FLAGS"]
+           "check_group", "UNSUPPORTED_FLAGS"]
 
 # AdamW options CPUOffloadAdam does not implement: a state dict or group that turns one on is refused.
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -270,6 +270,14 @@ def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None
         raise ValueError(f"{where}eps: expected a number ≥ 0; got {eps!r}")
     if not (number(weight_decay) and weight_decay >= 0):
         raise ValueError(f"{where}weight_decay: expected a number ≥ 0; got {weight_decay!r}")
+
+
+def check_group(group: dict, where: str = "") -> None:
+    """A param group's hyperparameters, and no AdamW option turned on that this class does not implement."""
+    for flag in UNSUPPORTED_FLAGS:
+        if group.get(flag):
+            raise ValueError(f"{where}{flag}: CPUOffloadAdam does not implement it; got {group[flag]!r}")
+    check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
 
 
 def _step_count(value, where: str) -> int:

@@ -175,6 +175,15 @@ class GradientIntake:
         """Forget the gradients received since the last step (after their copies have landed)."""
         self.landed(self.take(bucket)[2])
 
+    def discard_params(self, params) -> None:
+        """Forget the gradients of these parameters received since the last step (``module.zero_grad``)."""
+        for p in params:
+            where = self._where.get(id(p))
+            if where is not None and not where[0].submitted:
+                bucket, k = where
+                self.landed(bucket.downloads)
+                bucket.arrivals[k] = bucket.folded[k] = 0
+
 
 class _BlockSink:
     """What a StreamedModel sends one streamed block's gradients to: this intake's bucket for it."""

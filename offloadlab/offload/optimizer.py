@@ -23,7 +23,7 @@ When does the update run?
 Clipping: ``max_grad_norm`` in the constructor, or ``optimizer.clip_grad_norm_(max_norm)``
 between backward and step. The usual ``torch.nn.utils.clip_grad_norm_(model.parameters(), …)``
 would see no gradients (they have already left the model) and do nothing; it raises instead
-(:mod:`offloadlab.offload.clipping`).
+(:mod:`offloadlab.offload.torch_calls`).
 
 Lifecycle: :meth:`close` (or dropping the optimizer, or a new CPUOffloadAdam over the same
 parameters, which takes them over with a warning) removes the hooks, stops the worker and frees
@@ -40,7 +40,7 @@ from collections.abc import Mapping
 import torch
 
 from .engine import OffloadEngine, managed
-from .host_state import check_hyperparameters, check_state, export_state
+from .host_state import check_group, check_hyperparameters, check_state, export_state
 
 __all__ = ["CPUOffloadAdam", "managed"]
 
@@ -60,7 +60,10 @@ class _StateView(Mapping):
         return {p: (bucket, k) for bucket in host.buckets for k, p in enumerate(bucket.params) if bucket.steps[k]}
 
     def __getitem__(self, param):
-        bucket, k = self._entries()[param]
+        entries = self._entries()
+        if param not in entries:
+            return {}  # as torch.optim's defaultdict(dict) answers for a parameter without state yet
+        bucket, k = entries[param]
         return self._engine.host.entry(bucket, k)
 
     def __iter__(self):
@@ -102,9 +105,13 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes: expected a positive whole number of bytes; got {bucket_bytes!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        seen: set[int] = set()
         for i, group in enumerate(self.param_groups):
-            check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                                  f"param_groups[{i}]: ")
+            check_group(group, f"param_groups[{i}]: ")
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError(f"params: expected each parameter once; param_groups[{i}] repeats one")
+                seen.add(id(p))
         self._engine = OffloadEngine(self.param_groups, link=link, threads=threads, max_grad_norm=max_grad_norm,
                                      accumulation_steps=accumulation_steps, delayed_update=bool(delayed_update),
                                      loss_scale=loss_scale, bucket_bytes=bucket_bytes,
@@ -214,7 +221,8 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     def close(self) -> None:
         """Finish pending work, remove the hooks, stop the worker, free the host memory and close a
         link made here. Using the optimizer afterwards raises."""
-        self._finalizer()
+        self._finalizer.detach()
+        self._engine.close()
 
     @property
     def closed(self) -> bool:

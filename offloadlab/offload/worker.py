@@ -38,6 +38,7 @@ class UpdateWorker:
         self.link, self.host, self.intake, self.threads = link, host, intake, threads
         self.upload_after_update, self._record = upload_after_update, record
         self.error: BaseException | None = None
+        self.failed_step: int | None = None  # the step whose update raised
         self._staging = None  # device buffer the weights of one bucket land in before the scatter
         self.resize()
         self._jobs: queue.Queue = queue.Queue()
@@ -79,7 +80,7 @@ class UpdateWorker:
                 if self.error is None:
                     self._update(*job)
             except BaseException as error:  # re-raised on the caller's thread by the optimizer
-                self.error = error
+                self.error, self.failed_step = error, job[5]
             finally:
                 bucket.updated.set()
 

@@ -66,13 +66,15 @@ class _Buffer:
 
 
 class _SavedWeight:
-    """What backward keeps instead of a streamed weight: where to find it again."""
+    """What backward keeps instead of a streamed weight (or, under autocast, its cast): where to
+    find it again, and the dtype it was cast to (None: not cast)."""
 
-    __slots__ = ("block", "which", "size", "stride", "offset", "version")
+    __slots__ = ("block", "which", "size", "stride", "offset", "version", "cast")
 
-    def __init__(self, block, which, size, stride, offset, version):
+    def __init__(self, block, which, size, stride, offset, version, cast=None):
         self.block, self.which, self.size, self.stride, self.offset = block, which, size, stride, offset
         self.version = version  # the host weight's version counter when forward saved it
+        self.cast = cast
 
 
 class _Fetch(torch.autograd.Function):
@@ -224,12 +226,17 @@ class StreamedModel:
             track = torch.is_grad_enabled()
             fetched = {name: _Fetch.apply(p, view, self, index, k) if track and p.requires_grad else view
                        for k, ((name, p), view) in enumerate(zip(self._params[index], views))}
+            # autocast's copy of a trainable weight is recognised by the node it was cast from
+            nodes = {id(t.grad_fn): k for k, t in enumerate(fetched.values()) if t.grad_fn is not None}
             first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad),
                          None) if track else None
             if first is not None:  # its gradient is the block's last in backward: the buffer may go then
                 first.register_hook(functools.partial(self._input_gradient_done, index))
-            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, index, buffer),
-                                                          self._unpack):
+            # Hooks already in force (activation checkpointing's) keep handling everything but the
+            # streamed weights: ours would otherwise hide the block's activations from them.
+            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, index, buffer, nodes, outer),
+                                                          functools.partial(self._unpack, outer)):
                 with _reparametrize_module(block, fetched):
                     return type(block).forward(block, *args, **kwargs)
         finally:
@@ -330,20 +337,37 @@ class StreamedModel:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._armed = task
 
-    def _pack(self, index: int, buffer: _Buffer, t: torch.Tensor):
+    def _pack(self, index: int, buffer: _Buffer, nodes: dict, outer, t: torch.Tensor):
+        cast = self._cast_of_weight(index, nodes, t)
+        if cast is not None:
+            return cast
         if t.device.type != self.link.device.type or \
                 t.untyped_storage().data_ptr() != buffer.memory.untyped_storage().data_ptr():
-            return t
+            return t if outer is None else outer[0](t)
         byte = t.storage_offset() * t.element_size()
         for which, (_, dtype, offset) in enumerate(self.layouts[index].specs):
             if dtype == t.dtype and offset <= byte < self.layouts[index].byte_range(which)[1]:
                 return _SavedWeight(index, which, t.size(), t.stride(), t.storage_offset() - offset // t.element_size(),
                                     self._params[index][which][1]._version)
-        return t
+        return t if outer is None else outer[0](t)
 
-    def _unpack(self, saved):
+    def _cast_of_weight(self, index: int, nodes: dict, t: torch.Tensor) -> _SavedWeight | None:
+        """A tensor autocast made from one of the block's trainable weights (or a view of one),
+        saved as where to fetch and cast it again: otherwise every block's cast weights would stay
+        on the device until backward."""
+        source = t._base if t._base is not None else t
+        fn = source.grad_fn
+        if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+            return None
+        which = nodes.get(id(fn.next_functions[0][0]))
+        if which is None or source.shape != self._params[index][which][1].shape or not source.is_contiguous():
+            return None
+        return _SavedWeight(index, which, t.size(), t.stride(), t.storage_offset() - source.storage_offset(),
+                            self._params[index][which][1]._version, cast=source.dtype)
+
+    def _unpack(self, outer, saved):
         if not isinstance(saved, _SavedWeight):
-            return saved
+            return saved if outer is None else outer[1](saved)
         self._arm()
         index = saved.block
         name, param = self._params[index][saved.which]
@@ -355,6 +379,9 @@ class StreamedModel:
         if buffer is None:
             buffer = self._backward_holds[index] = self._acquire(index, -1)
         view = self.layouts[index].views(buffer.memory)[saved.which]
+        if saved.cast is not None:
+            cast = view.to(saved.cast)
+            return cast.as_strided(saved.size, saved.stride, cast.storage_offset() + saved.offset)
         return view.as_strided(saved.size, saved.stride, view.storage_offset() + saved.offset)
 
     def _input_gradient_done(self, index: int, _grad) -> None:
@@ -398,6 +425,12 @@ class StreamedModel:
                 p.grad = landed[position].clone()
             else:
                 p.grad.add_(landed[position])
+
+    def settle(self) -> None:
+        """Outside backward: close a pass that raised before its end (its gradients land in .grad or
+        go to the optimizer, as autograd's would have, and its buffers are released)."""
+        if self._armed is not None and torch._C._current_graph_task_id() == -1:
+            self._end_backward()
 
     def _end_backward(self) -> None:
         """Send what partly used blocks gathered, release every buffer, put landed gradients in .grad."""

@@ -180,6 +180,7 @@ class OffloadEngine:
         self.host.extend(buckets)
         self.intake.add(buckets)
         self.worker.resize()
+        self.intake.take_existing(trainable)  # gradients they got before they were ours (AdamW would use them)
         for p in trainable:
             _OWNERS[p] = self
 
@@ -322,6 +323,8 @@ class OffloadEngine:
         if self.closed is not None:
             return
         self.zero_filled = not set_to_none
+        for streamed in {id(b.streamed): b.streamed for b in self.host.buckets if b.streamed is not None}.values():
+            streamed.settle()  # a backward that raised: what it gathered reaches us first, to be discarded
         self.intake.settle()
         for bucket in self.host.buckets:
             if not bucket.submitted:  # a submitted bucket's gradients already belong to an update
@@ -330,7 +333,7 @@ class OffloadEngine:
     def forget(self, params) -> None:
         """Forget gradients of ``params`` received since the last step (a module's zero_grad)."""
         if self.closed is None:
-            self.intake.settle()
+            self.intake.settle()  # (streamed blocks settled already by the caller)
             self.intake.discard_params(params)
 
     def synchronize(self) -> None:

@@ -59,6 +59,16 @@ class GradientIntake:
             else:
                 self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in bucket.params]
 
+    def take_existing(self, params) -> None:
+        """Take in gradients these parameters already hold (made before they were given to the
+        optimizer, outside backward), as their hooks would have."""
+        for p in params:
+            if p.grad is not None and id(p) in self._where:
+                bucket, k = self._where[id(p)]
+                self._gather.add(bucket.index, k, p.grad)
+                p.grad = None
+        self._gather.flush()
+
     def close(self) -> None:
         """Remove the hooks and leave the streamed blocks' gradients to their StreamedModel again."""
         for hook in self._hooks:

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from ..streaming import streamed_model_of
 from .engine import managed, owner
 
 __all__ = []
@@ -54,14 +55,17 @@ def _zero_grad_forgetting_taken_gradients(zero_grad):
 
     @functools.wraps(zero_grad)
     def checked(self, set_to_none: bool = True) -> None:
+        params = list(self.parameters())
+        for streamed in {id(m): m for p in params if (m := streamed_model_of(p)) is not None}.values():
+            streamed.settle()  # a backward that raised: its gradients land first, to be zeroed with the rest
         zero_grad(self, set_to_none)
         engines: dict[int, tuple] = {}
-        for p in self.parameters():
+        for p in params:
             engine = owner(p)
             if engine is not None:
                 engines.setdefault(id(engine), (engine, []))[1].append(p)
-        for engine, params in engines.values():
-            engine.forget(params)
+        for engine, held in engines.values():
+            engine.forget(held)
 
     checked.__wrapped_by_offloadlab__ = True
     return checked

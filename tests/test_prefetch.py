@@ -212,3 +212,13 @@ def test_cuda_prefetch_poison_and_memory():
                 assert torch.equal(tensor, source[i].cuda())
                 tensor.fill_(float("nan"))
         assert torch.cuda.memory_allocated() - before <= 2 * prefetcher.device_bytes + 4096 * 4096 * 4 * 2
+
+
+def test_two_passes_at_once_are_refused(link):
+    prefetcher = Prefetcher(items(4), link)
+    outer = iter(prefetcher)
+    next(outer)
+    with pytest.raises(RuntimeError, match="a pass over its buffers is still in progress"):
+        iter(prefetcher)
+    del outer  # left: the next pass may start
+    assert len(list(prefetcher)) == 4

@@ -707,9 +707,9 @@ class CudaLink(Link):
     rewritten until the copy is :meth:`Transfer.done`.
 
     Pinned buffers are ordinary host allocations registered with ``cudaHostRegister`` (exact
-    size, no power-of-two rounding) and unregistered when their memory is freed. Where
-    registration is refused (a low ``ulimit -l`` in a container), the link falls back to
-    PyTorch's pinned allocator, which rounds up, and warns once.
+    size, no power-of-two rounding; portable across contexts) and unregistered when their memory
+    is freed. Where registration is refused (``ulimit -l`` too low, as in many containers), the
+    link clears CUDA's error state and falls back to PyTorch's pinned allocator, which rounds up, and warns once.
     """
 
     emulated = False
@@ -742,9 +742,13 @@ class CudaLink(Link):
             return buffer
         cudart = torch.cuda.cudart()
         address = buffer.data_ptr()
-        if int(cudart.cudaHostRegister(address, nbytes, 0)) == 0:
+        # Flag 1 (cudaHostRegisterPortable): pinned for every CUDA context, as PyTorch pins.
+        if int(cudart.cudaHostRegister(address, nbytes, 1)) == 0:
             self._ledger.add(buffer, nbytes, release=lambda: cudart.cudaHostUnregister(address))
             return buffer
+        # A refused call leaves CUDA's per-thread "last error" set, and the next kernel launch on this
+        # thread would report it as its own failure: clear it before going on.
+        _clear_cuda_error()
         if not self._warned_fallback:
             warnings.warn("cudaHostRegister was refused (is `ulimit -l` low in this container?); pinned "
                           "buffers now come from PyTorch's allocator, which rounds each up to a power of two",
@@ -804,6 +808,20 @@ class CudaLink(Link):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
         self._in_flight.clear()
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's per-thread last error after a refused registration (best effort: through the
+    CUDA runtime library torch has loaded, found by its usual names)."""
+    import ctypes
+
+    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"):
+        try:
+            # RTLD_NOLOAD: only a library already in the process (torch's), never a second copy
+            ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_LOCAL).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 def open_link(emulated: bool | None = None, **emulation) -> Link:

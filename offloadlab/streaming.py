@@ -18,12 +18,18 @@ holds ``buffers`` block-sized weight buffers and two gradient buffers, allocated
   in the optimizer's host gradient buffer (one trip); otherwise they land in a pinned buffer of
   the block's and are put in ``.grad`` (host tensors) at the end of backward.
 
-Blocks may run in any order — skipped (LayerDrop) or recomputed — and always get their own
-weights; a block that needs a buffer when every buffer is held raises an error naming it, and so
-does a block whose parameters were replaced after streaming began (e.g. by
-``load_state_dict(assign=True)``: load with the default, copying ``load_state_dict`` instead).
-Post-accumulate-grad hooks do not run for streamed parameters: their gradients never pass
-through autograd's accumulation.
+Blocks may run in any order — skipped (LayerDrop), recomputed (activation checkpointing, whose
+own saved-tensor hooks keep handling the activations), or twice in one forward (their gradients
+add up) — and always get their own weights; a block that needs a buffer when every buffer is held
+raises an error naming it, and so does a block whose parameters were replaced after streaming
+began (e.g. by ``load_state_dict(assign=True)``: load with the default, copying
+``load_state_dict`` instead), or changed between a forward and its backward. Under autocast,
+backward keeps where to find a trainable weight's cast copy instead of the copy.
+
+What it does not do: streamed parameters' gradients reach ``.grad`` (or the optimizer) through
+``backward()`` only — ``torch.autograd.grad`` with streamed parameters as inputs finds no path to
+them — and post-accumulate-grad hooks do not run for them, as their gradients never pass through
+autograd's accumulation. A frozen weight's cast copy under autocast is kept until backward.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ When does the update run?
 - With ``accumulation_steps=k`` declared (and no clipping, no fp16), a bucket's update starts
   the moment its k-th micro-batch's gradients have landed, during backward: CPU updates and
   weight copies overlap the rest of backward, and ``step()`` only waits for the stragglers.
+  Backward must then not read a weight after its gradient is complete (a ``.detach()``ed use);
+  autograd's in-place check stops one that does.
 - With ``delayed_update=True``, ZeRO-Offload's delayed parameter update: ``step()`` hands this
   step's update to the worker and returns; it runs during the next forward and backward, and the
   weights it produces are applied at the next ``step()`` — one step late.

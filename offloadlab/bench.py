@@ -7,8 +7,10 @@ contender, with its figures) and ``ratios`` (named comparisons), plus provenance
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
+import sys
 import time
 
 import torch
@@ -133,10 +135,11 @@ def _deepspeed_step(weights):
     """DeepSpeedCPUAdam's step on ``weights``, or (None, why it is absent): its C++ extension is
     compiled at first use, which can fail long after the import succeeded."""
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        with contextlib.redirect_stdout(sys.stderr):  # its import and build print notices: not the result
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        optimizer = DeepSpeedCPUAdam([weights], lr=1e-3, adamw_mode=True)
-        optimizer.step()
+            optimizer = DeepSpeedCPUAdam([weights], lr=1e-3, adamw_mode=True)
+            optimizer.step()
     except ModuleNotFoundError:
         return None, "not installed: pip install deepspeed to compare"
     except Exception as error:  # its extension failed to build or load

@@ -79,7 +79,15 @@ def _bounded(parse, low: float, high: float, limits: str):
 _SIZE = _bounded(units.parse_size, 1, 1e18, "a size from 1 B to 1000 PB, e.g. '80 GB'")
 _BANDWIDTH = _bounded(units.parse_bandwidth, 1, 1e15, "a bandwidth from 1 B/s to 1 PB/s, e.g. '32 GB/s'")
 _DURATION = _bounded(units.parse_duration, 1e-9, 1e9, "a duration from 1 ns to 1e9 s, e.g. '250 ms'")
-_PARAMS = _bounded(units.parse_count, 1, 1e15, "a parameter count from 1 to 1e15, e.g. 10e9")
+def _whole_count(text, name):
+    """A parameter count, which is a whole number: 10e9 is one, 1.5 is not."""
+    count = units.parse_count(text, name)
+    if not float(count).is_integer():
+        raise ValueError(f"{name}: expected a whole number of parameters; got {text!r}")
+    return count
+
+
+_PARAMS = _bounded(_whole_count, 1, 1e15, "a whole parameter count from 1 to 1e15, e.g. 10e9")
 _FLOPS = _bounded(units.check_positive, 1, 1e21, "FLOP/s from 1 to 1e21, e.g. 400e12")
 _PARAMS_PER_S = _bounded(units.check_positive, 1, 1e15, "parameters per second from 1 to 1e15, e.g. 3e9")
 _FRACTION = _bounded(units.check_non_negative, 0, 0.999, "a fraction from 0 to 0.999")
@@ -456,6 +464,9 @@ def _error(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv``; returns the exit status (see the module's docstring)."""
+    if sys.stdout is None:  # started with standard output closed (`>&-`)
+        _error("standard output is closed; run the command with it open (or redirect it to a file)")
+        return FAULT
     try:
         args = build_parser().parse_args(argv)
         status = args.run(args)

@@ -4,7 +4,9 @@
 later; :func:`write_atomically` writes it: into a new temporary file beside the target, flushed to
 the disk, then renamed onto the target, so a reader (or a crash) sees the old file or the new one,
 never a mixture. Without ``replace`` an existing file is never overwritten, even one that appeared
-while the measurement ran.
+while the measurement ran. A symbolic link is followed (the file it names is written; the link
+stays), and a target that is not a regular file — a pipe, ``/dev/stdout``, a terminal — is written
+to as the stream it is, never renamed over.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 from pathlib import Path
 
 __all__ = ["check_target", "write_atomically"]
@@ -31,7 +34,11 @@ def check_target(path, replace: bool = False, name: str = "path", how_to_replace
     """
     if not str(path):
         raise ValueError(f"{name}: expected a file name; got ''")
-    target = Path(path)
+    target = _followed(Path(path))
+    if _is_stream(target):
+        if not os.access(target, os.W_OK):
+            raise OSError(errno.EACCES, f"cannot write to {str(path)!r}")
+        return target
     if target.is_dir():
         raise ValueError(f"{name}: expected a file name; got {str(path)!r}, which is a folder")
     if not target.parent.is_dir():
@@ -42,6 +49,19 @@ def check_target(path, replace: bool = False, name: str = "path", how_to_replace
     os.close(fd)
     os.unlink(scratch)
     return target
+
+
+def _followed(path: Path) -> Path:
+    """The file a symbolic link names (the link itself is to stay), else ``path``."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def _is_stream(path: Path) -> bool:
+    """True for an existing target that is not a regular file (a pipe, a device, a socket)."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode) and not stat.S_ISDIR(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _create_scratch(target: Path) -> tuple[int, Path]:
@@ -79,8 +99,12 @@ def write_atomically(path, data: bytes | str, replace: bool = False) -> Path:
     OSError (a full disk, an I/O error) leaves no temporary file and ``path`` untouched; only a
     process killed while writing leaves its hidden ``.NAME.XXXXXXXX.tmp`` file behind.
     """
-    target = Path(path)
+    target = _followed(Path(path))
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    if _is_stream(target):  # nothing to replace: write through it
+        with open(target, "wb") as stream:
+            stream.write(payload)
+        return target
     fd, scratch = _create_scratch(target)
     try:
         try:

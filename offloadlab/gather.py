@@ -11,6 +11,8 @@ block (:class:`~offloadlab.streaming.StreamedModel`) or an optimizer bucket
 A group that is still incomplete when :meth:`GradientGather.flush` is called (the end of a
 backward pass: some parameters got no gradient), or when every gather buffer is busy, goes down
 one copy per parameter received, so a later part never overwrites an earlier one on the host.
+A group of one tensor goes down straight from that tensor: no gather, and no gather buffer the
+size of the largest parameter (a large embedding would otherwise cost its size three times).
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ __all__ = ["GradientGather"]
 class GradientGather:
     """Gather gradients of ``layouts``' groups on ``link``'s device, and send them to the host.
 
-    ``destination(group)`` returns the flat pinned host tensor (uint8, laid out as the group's
-    layout) to copy into, and is called just before each copy; ``arrived(group, transfers,
-    positions)`` is told of the copies and which tensors of the group they carry. ``buffers``
-    device gather buffers of the largest group are allocated once.
+    ``destination(group, positions)`` returns the flat pinned host tensor (uint8, laid out as the
+    group's layout) that the gradients at ``positions`` are about to be copied into, and is called
+    just before the copy; ``arrived(group, transfers, positions)`` is told of the copies. ``buffers``
+    device gather buffers of the largest group of several tensors are allocated once.
     """
 
     def __init__(self, link: Link, layouts: list[Layout], destination, arrived, names=None, buffers: int = 2):
@@ -39,12 +41,11 @@ class GradientGather:
         self._buffers = [link.device_buffer(self.buffer_bytes, torch.uint8) for _ in range(buffers)]
         self._sent: list[list] = [[] for _ in range(buffers)]  # per buffer: the copies still reading it
         self._gathering: dict[int, tuple[int, set]] = {}       # group → (buffer, positions gathered there)
-        self._received: dict[int, set] = {}                    # group → positions received since reset()
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of each device gather buffer (the largest group's layout)."""
-        return max([layout.nbytes for layout in self.layouts] + [1])
+        """Bytes of each device gather buffer (the largest group of several tensors)."""
+        return max([layout.nbytes for layout in self.layouts if len(layout.specs) > 1] + [1])
 
     @property
     def device_bytes(self) -> int:
@@ -59,34 +60,37 @@ class GradientGather:
             self._buffers = [self.link.device_buffer(self.buffer_bytes, torch.uint8) for _ in self._buffers]
             self._sent = [[] for _ in self._buffers]
 
-    def received(self, group: int) -> set:
-        """Positions of ``group`` received since the last :meth:`reset`."""
-        return self._received.get(group, set())
-
     def add(self, group: int, position: int, grad: torch.Tensor) -> None:
-        """Gather the gradient of tensor ``position`` of ``group``; send the group once complete."""
-        received = self._received.setdefault(group, set())
-        if position in received:
-            raise RuntimeError(f"{self._names(group)}: a second gradient for the same parameter arrived before "
-                               f"the last one was sent")
-        received.add(position)
+        """Gather the gradient of tensor ``position`` of ``group``; send the group once complete.
+
+        A tensor whose gradient comes twice (a block run twice in one forward) is summed on the
+        device while its group is being gathered, and starts the group's next round once the group
+        has gone down; the receiver adds the rounds up.
+        """
+        layout = self.layouts[group]
+        if len(layout.specs) == 1:  # nothing to gather: the gradient goes down as it is
+            destination = self._destination(group, [position])
+            nbytes = layout.specs[0][0].numel() * grad.element_size()
+            transfer = self.link.to_host(destination[:nbytes], grad.reshape(-1).view(torch.uint8), after="compute",
+                                         label=f"grad {self._names(group)}")
+            self._arrived(group, [transfer], [position])
+            return
         if group not in self._gathering:
             self._gathering[group] = (self._free_buffer(), set())
         buffer, positions = self._gathering[group]
-        self.layouts[group].views(self._buffers[buffer])[position].copy_(grad.reshape(self.layouts[group].specs[position][0]))
-        positions.add(position)
-        if len(received) == len(self.layouts[group].specs):
+        view = layout.views(self._buffers[buffer])[position]
+        if position in positions:
+            view.add_(grad.reshape(view.shape))
+        else:
+            view.copy_(grad.reshape(view.shape))
+            positions.add(position)
+        if len(positions) == len(layout.specs):
             self._send(group)
 
     def flush(self) -> None:
-        """Send what every incomplete group has gathered."""
+        """Send what every incomplete group has gathered (at the end of a backward pass)."""
         for group in list(self._gathering):
             self._send(group)
-
-    def reset(self) -> None:
-        """Start a new pass: every group may receive each of its gradients once more."""
-        self.flush()
-        self._received.clear()
 
     def _free_buffer(self) -> int:
         busy = {buffer for buffer, _ in self._gathering.values()}
@@ -101,7 +105,7 @@ class GradientGather:
     def _send(self, group: int) -> None:
         buffer, positions = self._gathering.pop(group)
         layout = self.layouts[group]
-        destination = self._destination(group)
+        destination = self._destination(group, sorted(positions))
         if len(positions) == len(layout.specs):
             ranges = [(0, layout.nbytes)]
         else:

@@ -86,8 +86,8 @@ def _nbytes(t: torch.Tensor) -> int:
 class Marker:
     """A point in the compute stream, recorded by :meth:`Link.mark`."""
 
-    def __init__(self, link: "Link", event=None):
-        self._link, self._event = link, event
+    def __init__(self, link: "Link", event=None, stream=None):
+        self._link, self._event, self._stream = link, event, stream
         self._when: float | None = None
         self._reached = threading.Event()  # the emulated compute stream sets it
 
@@ -293,6 +293,8 @@ class Link(ABC):
             if dst.device.type != self.device.type or dst.shape != view.shape or dst.dtype != view.dtype:
                 raise ValueError(f"targets: expected device tensors shaped like their views of staging; "
                                  f"got {tuple(dst.shape)} {dst.dtype} for {tuple(view.shape)} {view.dtype}")
+            if dst.requires_grad:
+                raise ValueError("targets: expected tensors autograd does not track (a parameter's .data)")
         transfer = self._issue("h2d", staging, src, nbytes, self.is_pinned(src), after, str(label), list(targets))
         for recording in self._recordings:
             recording.transfers.append(transfer)
@@ -326,7 +328,15 @@ class Link(ABC):
 
     @abstractmethod
     def mark(self) -> Marker:
-        """Record the current point of the compute stream."""
+        """Record the current point of the compute stream (on a GPU: the calling thread's current stream)."""
+
+    @abstractmethod
+    def mark_on(self, marker: Marker) -> Marker:
+        """Record the current point of the stream ``marker`` was recorded on, from any thread.
+
+        A worker thread's own current stream is not the one training runs on; this is how it
+        orders a copy after everything training has issued so far.
+        """
 
     @abstractmethod
     def now(self) -> float:
@@ -397,12 +407,15 @@ class _EmulatedTransfer(Transfer):
         super().__init__(link, direction, nbytes, pinned, label)
         self._landed = threading.Event()
         self._start = self._end = None
+        self._error: BaseException | None = None  # a copy that failed on its engine: raised to whoever waits
 
     def done(self) -> bool:
         return self._landed.is_set()
 
     def synchronize(self) -> None:
         self._landed.wait()
+        if self._error is not None:
+            raise RuntimeError(f"the {self.direction} copy {self.label!r} failed: {self._error!r}") from self._error
 
     wait = synchronize  # see Transfer.wait: the emulation makes the host wait as well
 
@@ -480,6 +493,32 @@ class _EmulatedStream:
                         self._idle.notify_all()
 
 
+class _CoreReservation:
+    """One core kept free of torch's threads while any emulated link is open (a count, so that
+    links opened and closed in any order — a notebook cell run twice — leave torch as they found it)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._restore = None
+
+    def take(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._restore = torch.get_num_threads()
+                torch.set_num_threads(max(1, min(self._restore, (os.cpu_count() or 2) - 1)))
+            self._holders += 1
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                torch.set_num_threads(self._restore)
+
+
+_CORE_RESERVATION = _CoreReservation()
+
+
 class EmulatedLink(Link):
     """A host↔device link for machines without a GPU, paced to a bandwidth and latency.
 
@@ -518,10 +557,9 @@ class EmulatedLink(Link):
             raise ValueError(f"pageable_fraction: expected a fraction in (0, 1]; got {pageable_fraction!r}")
         self.pageable_fraction = float(pageable_fraction)
         self._epoch = time.perf_counter()
-        self._restore_threads = None
-        if reserve_core and (os.cpu_count() or 1) > 1:
-            self._restore_threads = torch.get_num_threads()
-            torch.set_num_threads(max(1, min(self._restore_threads, (os.cpu_count() or 2) - 1)))
+        self._reserving = reserve_core and (os.cpu_count() or 1) > 1
+        if self._reserving:
+            _CORE_RESERVATION.take()
         self._compute = _EmulatedStream(self, "emulated-compute")
         self._engines = {d: _EmulatedStream(self, f"emulated-{d}") for d in _DIRECTIONS}
 
@@ -552,6 +590,9 @@ class EmulatedLink(Link):
     def mark(self) -> Marker:
         return self._compute.mark()
 
+    def mark_on(self, marker: Marker) -> Marker:
+        return self._compute.mark()  # the emulation has one compute stream
+
     def synchronize(self) -> None:
         self._compute.drain()
         for engine in self._engines.values():
@@ -572,8 +613,8 @@ class EmulatedLink(Link):
             self._closed = True
             for stream in (self._compute, *self._engines.values()):
                 stream.stop()
-            if self._restore_threads is not None:
-                torch.set_num_threads(self._restore_threads)
+            if self._reserving:
+                _CORE_RESERVATION.give_back()
 
     def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()) -> Transfer:
         transfer = _EmulatedTransfer(self, direction, nbytes, pinned, label)
@@ -589,6 +630,15 @@ class EmulatedLink(Link):
 
     def _move(self, transfer: _EmulatedTransfer, dst, src, bandwidth: float, after: Marker | None,
               scatter=()) -> None:
+        try:
+            self._paced_copy(transfer, dst, src, bandwidth, after, scatter)
+        except BaseException as error:  # the copy's waiter gets it (as a failed CUDA copy raises)
+            transfer._error = error
+            transfer._start = transfer._end = self.now()
+            transfer._landed.set()
+
+    def _paced_copy(self, transfer: _EmulatedTransfer, dst, src, bandwidth: float, after: Marker | None,
+                    scatter) -> None:
         if after is not None:
             after._reached.wait()  # the engine does not start before the compute it is ordered after
         started = time.perf_counter()
@@ -599,8 +649,9 @@ class EmulatedLink(Link):
             end = min(offset + _CHUNK_BYTES, data.size)
             out[offset:end] = data[offset:end]
             _sleep_until(started + self.latency + end / bandwidth)
-        for target, view in scatter:  # device-to-device copies: at device memory speed, not paced
-            target.copy_(view)
+        with torch.no_grad():  # device-to-device copies: at device memory speed, not paced
+            for target, view in scatter:
+                target.copy_(view)
         transfer._end = time.perf_counter() - self._epoch
         transfer._landed.set()
 
@@ -656,9 +707,9 @@ class CudaLink(Link):
     rewritten until the copy is :meth:`Transfer.done`.
 
     Pinned buffers are ordinary host allocations registered with ``cudaHostRegister`` (exact
-    size, no power-of-two rounding) and unregistered when their memory is freed. Where
-    registration is refused (a low ``ulimit -l`` in a container), the link falls back to
-    PyTorch's pinned allocator, which rounds up, and warns once.
+    size, no power-of-two rounding; portable across contexts) and unregistered when their memory
+    is freed. Where registration is refused (``ulimit -l`` too low, as in many containers), the
+    link clears CUDA's error state and falls back to PyTorch's pinned allocator, which rounds up, and warns once.
     """
 
     emulated = False
@@ -674,6 +725,7 @@ class CudaLink(Link):
         self.d2h_stream = torch.cuda.Stream(self.device)
         self._streams = {"h2d": self.h2d_stream, "d2h": self.d2h_stream}
         self._in_flight: collections.deque = collections.deque()
+        self._issuing = threading.Lock()  # copies are issued from several threads (an optimizer's worker)
         self._warned_fallback = False
         self._epoch = torch.cuda.Event(enable_timing=True)
         self._epoch.record(torch.cuda.current_stream(self.device))
@@ -690,9 +742,13 @@ class CudaLink(Link):
             return buffer
         cudart = torch.cuda.cudart()
         address = buffer.data_ptr()
-        if int(cudart.cudaHostRegister(address, nbytes, 0)) == 0:
+        # Flag 1 (cudaHostRegisterPortable): pinned for every CUDA context, as PyTorch pins.
+        if int(cudart.cudaHostRegister(address, nbytes, 1)) == 0:
             self._ledger.add(buffer, nbytes, release=lambda: cudart.cudaHostUnregister(address))
             return buffer
+        # A refused call leaves CUDA's per-thread "last error" set, and the next kernel launch on this
+        # thread would report it as its own failure: clear it before going on.
+        _clear_cuda_error()
         if not self._warned_fallback:
             warnings.warn("cudaHostRegister was refused (is `ulimit -l` low in this container?); pinned "
                           "buffers now come from PyTorch's allocator, which rounds each up to a power of two",
@@ -706,6 +762,10 @@ class CudaLink(Link):
         return tensor.device.type == "cpu" and tensor.is_pinned()
 
     def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()) -> Transfer:
+        with self._issuing:
+            return self._issue_locked(direction, dst, src, nbytes, pinned, after, label, scatter)
+
+    def _issue_locked(self, direction, dst, src, nbytes, pinned, after, label, scatter) -> Transfer:
         stream = self._streams[direction]
         if after == "compute":
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -716,7 +776,8 @@ class CudaLink(Link):
             transfer._begin.record(stream)
             dst.copy_(src, non_blocking=True)
             if scatter:
-                torch._foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])
+                with torch.no_grad():
+                    torch._foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])
             transfer._finish.record(stream)
         (dst if direction == "h2d" else src).record_stream(stream)
         for target, _ in scatter:
@@ -734,13 +795,33 @@ class CudaLink(Link):
         return time.perf_counter() - self._epoch_host
 
     def mark(self) -> Marker:
+        return self._record(torch.cuda.current_stream(self.device))
+
+    def mark_on(self, marker: Marker) -> Marker:
+        return self._record(marker._stream)
+
+    def _record(self, stream) -> Marker:
         event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return Marker(self, event=event)
+        event.record(stream)
+        return Marker(self, event=event, stream=stream)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
         self._in_flight.clear()
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's per-thread last error after a refused registration (best effort: through the
+    CUDA runtime library torch has loaded, found by its usual names)."""
+    import ctypes
+
+    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"):
+        try:
+            # RTLD_NOLOAD: only a library already in the process (torch's), never a second copy
+            ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_LOCAL).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 def open_link(emulated: bool | None = None, **emulation) -> Link:

@@ -724,6 +724,8 @@ def _reopen_direct(fd: int) -> tuple[int, bool]:
 def open_state(*paths, queue_depth: int = 8) -> list[FileTier]:
     """Open the files of one optimizer state (e.g. master, exp_avg, exp_avg_sq) at the newest step
     they all hold: the step a crash between two of :func:`adam_from_file`'s commits left complete."""
+    if not paths:
+        raise ValueError("paths: expected the files of one optimizer state (e.g. master, exp_avg, exp_avg_sq); got none")
     tiers = []
     try:
         for path in paths:
@@ -763,6 +765,8 @@ def adam_from_file(master: FileTier, exp_avg: FileTier, exp_avg_sq: FileTier, gr
         if not isinstance(tier, FileTier) or tier.dtype != torch.float32:
             raise ValueError(f"{name}: expected a FileTier of torch.float32; got {tier!r}")
         tier._check_open()
+    if len({id(t) for t in tiers}) != 3:
+        raise ValueError("exp_avg: expected three different tiers for master, exp_avg and exp_avg_sq; got one twice")
     if not (master.numel == exp_avg.numel == exp_avg_sq.numel == grad.numel()):
         raise ValueError("grad: expected as many elements as each state file holds")
     if len({t.step for t in tiers}) != 1:

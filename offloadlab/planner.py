@@ -177,24 +177,34 @@ class Hardware:
             machine, ladder = record["machine"], record["ladder"]
             links = {row["name"]: row for row in ladder["links"]}
             tiers = {row["name"]: row for row in ladder["tiers"]}
+            if not isinstance(machine, dict) or not all(isinstance(r, dict) for r in (*links.values(), *tiers.values())):
+                raise TypeError
         except (KeyError, TypeError):
             raise ValueError("measured: expected an `offloadlab probe --json` record with 'machine' and 'ladder'; "
                              "got something else") from None
         values, sources = {}, {}
+
+        def number(value, what: str, low: float, high: float) -> float:
+            """A figure of the record, refused unless a number in [low, high] (a damaged or hand-edited file)."""
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ValueError(f"measured: expected {what} between {low:g} and {high:g} in the record; got {value!r}")
+            return float(value)
+
         up = links.get("host → GPU")
-        if up and up.get("bandwidth_bytes_per_s"):
-            values["link"] = up["bandwidth_bytes_per_s"]
+        if up and up.get("bandwidth_bytes_per_s") is not None:
+            values["link"] = number(up["bandwidth_bytes_per_s"], "the host → GPU bandwidth (B/s)", 1, 1e15)
             sources["link"] = f"link {format_bandwidth(values['link'])} ({up['source']}: α–β fit of the probe's sweep)"
         gpu = (machine.get("accelerator") or {}).get("memory_bytes")
-        if gpu:
-            values["gpu_memory"] = gpu
+        if gpu is not None:
+            values["gpu_memory"] = gpu = number(gpu, "the GPU memory (bytes)", 1, 1e18)
             sources["gpu_memory"] = f"GPU memory {format_size(gpu)} (as the card reports it)"
-        if machine.get("host_memory_bytes"):
-            values["host_memory"] = machine["host_memory_bytes"]
+        if machine.get("host_memory_bytes") is not None:
+            values["host_memory"] = number(machine["host_memory_bytes"], "the host memory (bytes)", 1, 1e18)
             sources["host_memory"] = f"host memory {format_size(values['host_memory'])} (the probed machine's)"
         host = tiers.get("host memory") or {}
-        if host.get("bandwidth_bytes_per_s"):
-            values["cpu_adam"] = host["bandwidth_bytes_per_s"] / BYTES_MOVED_PER_ADAM_PARAM
+        if host.get("bandwidth_bytes_per_s") is not None:
+            values["cpu_adam"] = number(host["bandwidth_bytes_per_s"], "the host memory bandwidth (B/s)", 1, 1e15) \
+                / BYTES_MOVED_PER_ADAM_PARAM
             sources["cpu_adam"] = (f"CPU Adam {values['cpu_adam'] / 1e9:.2f} G params/s (derived: measured host "
                                    f"memory bandwidth ÷ {BYTES_MOVED_PER_ADAM_PARAM} B per parameter)")
         for name, value in given.items():

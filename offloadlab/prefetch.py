@@ -17,6 +17,8 @@ moves as one copy; :class:`~offloadlab.streaming.StreamedModel` uses it for a mo
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .link import Link
@@ -83,9 +85,11 @@ class Prefetcher:
     ``buffers`` items however many items there are, and is released with the prefetcher);
     with ``pinned=False`` it is copied straight from pageable memory, synchronously.
 
-    Iterating again starts a new pass over the same buffers; an unfinished pass (a ``break``)
-    is closed first. After a pass, :meth:`timeline` gives the recorded copies and consumer
-    intervals in seconds on the link's clock.
+    Iterating again starts a new pass over the same buffers, once the last pass is over: run to
+    its end, or left with a ``break`` (its iterator dropped). Two passes at once would share the
+    buffers, and are refused. On a GPU the last copies of a pass may still be reading pinned
+    sources after it: ``link.synchronize()`` before rewriting them. After a pass,
+    :meth:`timeline` gives the recorded copies and consumer intervals in seconds on the link's clock.
     """
 
     def __init__(self, items, link: Link, buffers: int = 2, depth: int | None = None,
@@ -114,7 +118,10 @@ class Prefetcher:
         staged = pinned and not all(link.is_pinned(t) for group in self.sources for t in group)
         self._staging = [link.host_buffer(self.slot_bytes, torch.uint8) for _ in range(buffers)] if staged else None
         self._staging_reads: list = [[] for _ in range(buffers)]  # the copies still reading each staging buffer
-        self._released = [None] * buffers  # per buffer: the consumer's last release marker (kept across passes)
+        # Per buffer: the consumer's last release marker, kept across passes. It starts at a marker
+        # recorded now, after the buffers were allocated: on a GPU their memory may be what kernels
+        # still queued on the compute stream were using, and the first copy into them must wait.
+        self._released = [link.mark()] * buffers
         self._in_use: int | None = None
         self._pass = None
         self._records: list = []
@@ -133,10 +140,13 @@ class Prefetcher:
         return len(self.sources)
 
     def __iter__(self):
-        if self._pass is not None:
-            self._pass.close()  # an abandoned pass hands its buffer back before a new one starts
-        self._pass = self._run()
-        return self._pass
+        running = self._pass() if self._pass is not None else None
+        if running is not None and running.gi_frame is not None:
+            raise RuntimeError("Prefetcher: a pass over its buffers is still in progress; finish it (or leave it "
+                               "with break) before starting another")
+        generator = self._run()
+        self._pass = weakref.ref(generator)  # a pass left with break is dropped, and closes (its finally) at once
+        return generator
 
     def _issue(self, index: int):
         """Start item ``index``'s copy into its buffer, once the buffer's last consumer is done."""

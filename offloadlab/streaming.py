@@ -18,12 +18,18 @@ holds ``buffers`` block-sized weight buffers and two gradient buffers, allocated
   in the optimizer's host gradient buffer (one trip); otherwise they land in a pinned buffer of
   the block's and are put in ``.grad`` (host tensors) at the end of backward.
 
-Blocks may run in any order — skipped (LayerDrop) or recomputed — and always get their own
-weights; a block that needs a buffer when every buffer is held raises an error naming it, and so
-does a block whose parameters were replaced after streaming began (e.g. by
-``load_state_dict(assign=True)``: load with the default, copying ``load_state_dict`` instead).
-Post-accumulate-grad hooks do not run for streamed parameters: their gradients never pass
-through autograd's accumulation.
+Blocks may run in any order — skipped (LayerDrop), recomputed (activation checkpointing, whose
+own saved-tensor hooks keep handling the activations), or twice in one forward (their gradients
+add up) — and always get their own weights; a block that needs a buffer when every buffer is held
+raises an error naming it, and so does a block whose parameters were replaced after streaming
+began (e.g. by ``load_state_dict(assign=True)``: load with the default, copying
+``load_state_dict`` instead), or changed between a forward and its backward. Under autocast,
+backward keeps where to find a trainable weight's cast copy instead of the copy.
+
+What it does not do: streamed parameters' gradients reach ``.grad`` (or the optimizer) through
+``backward()`` only — ``torch.autograd.grad`` with streamed parameters as inputs finds no path to
+them — and post-accumulate-grad hooks do not run for them, as their gradients never pass through
+autograd's accumulation. A frozen weight's cast copy under autocast is kept until backward.
 """
 
 from __future__ import annotations
@@ -66,12 +72,15 @@ class _Buffer:
 
 
 class _SavedWeight:
-    """What backward keeps instead of a streamed weight: where to find it again."""
+    """What backward keeps instead of a streamed weight (or, under autocast, its cast): where to
+    find it again, and the dtype it was cast to (None: not cast)."""
 
-    __slots__ = ("block", "which", "size", "stride", "offset")
+    __slots__ = ("block", "which", "size", "stride", "offset", "version", "cast")
 
-    def __init__(self, block, which, size, stride, offset):
+    def __init__(self, block, which, size, stride, offset, version, cast=None):
         self.block, self.which, self.size, self.stride, self.offset = block, which, size, stride, offset
+        self.version = version  # the host weight's version counter when forward saved it
+        self.cast = cast
 
 
 class _Fetch(torch.autograd.Function):
@@ -128,14 +137,23 @@ class StreamedModel:
 
         self.block_bytes = max(layout.nbytes for layout in self.layouts)
         self._weights = [_Buffer(link.device_buffer(self.block_bytes, torch.uint8)) for _ in range(buffers)]
+        allocated = link.mark()  # the first fill of each buffer waits for what used its memory before
+        for buffer in self._weights:
+            buffer.released = allocated
         self._gather = GradientGather(link, self.gradient_layouts, self._gradient_destination, self._gradient_sent,
                                       names=lambda index: f"block {self.names[index]!r}")
         self._host_gradients: dict[int, torch.Tensor] = {}  # block → pinned landing buffer (no sink)
         self._sinks: dict[int, object] = {}
+        self._reading: dict[int, list] = {}  # block → copies that may still read its host weights
         self._uses = itertools.count(1)
         self._reset_backward()
         for index, block in enumerate(chosen):
             block.forward = functools.partial(self._forward, index)  # shadows the class's forward
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a streamed model cannot be copied or pickled (its blocks' weights live in this process's "
+                        "pinned memory and stream over its link): remove() the streaming, copy the model, and "
+                        "stream the copy with a StreamedModel of its own")
 
     def __repr__(self) -> str:
         return f"StreamedModel({len(self.blocks)} blocks, {self.buffers} buffers, {self.link!r})"
@@ -152,7 +170,14 @@ class StreamedModel:
         return sum(h.numel() for h in self._host) + sum(g.numel() for g in self._host_gradients.values())
 
     def remove(self) -> None:
-        """Give the blocks back their own forward; the weights stay in (pinned) host memory."""
+        """Give the blocks back their own forward; the weights stay in (pinned) host memory.
+
+        Refused while an optimizer takes the streamed blocks' gradients (close it first): the
+        blocks' gradients would land in ``.grad``, where that optimizer never looks.
+        """
+        if self._sinks:
+            raise RuntimeError(f"StreamedModel.remove: an optimizer still takes the gradients of "
+                               f"{len(self._sinks)} streamed blocks; close() it first")
         self.link.synchronize()
         for block in self.blocks:
             block.__dict__.pop("forward", None)
@@ -167,12 +192,27 @@ class StreamedModel:
         """Block ``block``'s trainable parameters and where their gradients sit in its gradient buffer."""
         return [self._params[block][k][1] for k in self._trainable[block]], self.gradient_layouts[block]
 
+    def write_host_weights(self, block: int, values) -> None:
+        """Copy new values into block ``block``'s trainable parameters (its :meth:`gradient_layout`
+        order), once no copy to the device reads their host memory any more."""
+        self._quiesce(block)
+        with torch.no_grad():
+            for p, value in zip(self.gradient_layout(block)[0], values):
+                p.view(-1).copy_(value.reshape(-1))
+
+    def _quiesce(self, block: int) -> None:
+        """Wait on the host for every copy that may still read block ``block``'s host weights: on a
+        GPU, the compute stream's wait for a copy tells the host nothing."""
+        for transfer in self._reading.pop(block, []):
+            transfer.synchronize()
+
     def attach_sink(self, block: int, sink) -> None:
         """Send block ``block``'s gradients to ``sink`` instead of ``.grad``.
 
-        ``sink.gradient_destination(block)`` gives the pinned flat host tensor to copy into
-        (laid out as :meth:`gradient_layout`); ``sink.gradient_arriving(block, transfers,
-        positions)`` is told of the copies and which of the block's trainable parameters they carry.
+        ``sink.gradient_destination(block, positions)`` gives the pinned flat host tensor (laid out
+        as :meth:`gradient_layout`) that the gradients of the block's trainable parameters at
+        ``positions`` are about to be copied into; ``sink.gradient_arriving(block, transfers,
+        positions)`` is told of the copies.
         """
         self._sinks[block] = sink
 
@@ -192,10 +232,17 @@ class StreamedModel:
             track = torch.is_grad_enabled()
             fetched = {name: _Fetch.apply(p, view, self, index, k) if track and p.requires_grad else view
                        for k, ((name, p), view) in enumerate(zip(self._params[index], views))}
-            if track and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                args[0].register_hook(functools.partial(self._input_gradient_done, index))
-            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, index, buffer),
-                                                          self._unpack):
+            # autocast's copy of a trainable weight is recognised by the node it was cast from
+            nodes = {id(t.grad_fn): k for k, t in enumerate(fetched.values()) if t.grad_fn is not None}
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad),
+                         None) if track else None
+            if first is not None:  # its gradient is the block's last in backward: the buffer may go then
+                first.register_hook(functools.partial(self._input_gradient_done, index))
+            # Hooks already in force (activation checkpointing's) keep handling everything but the
+            # streamed weights: ours would otherwise hide the block's activations from them.
+            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, index, buffer, nodes, outer),
+                                                          functools.partial(self._unpack, outer)):
                 with _reparametrize_module(block, fetched):
                     return type(block).forward(block, *args, **kwargs)
         finally:
@@ -262,8 +309,11 @@ class StreamedModel:
     def _fill(self, buffer: _Buffer, index: int) -> None:
         nbytes = self.layouts[index].nbytes
         buffer.block, buffer.versions = index, self._versions(index)
+        reading = self._reading.setdefault(index, [])
+        reading[:] = [t for t in reading if not t.done()]
         buffer.fill = [self.link.to_device(buffer.memory[:nbytes], self._host[index], after=buffer.released,
                                            label=f"{self.names[index]}")]
+        reading += buffer.fill
 
     def _prefetch(self, index: int, direction: int) -> None:
         ahead = [index + k * direction for k in range(1, self.buffers)]
@@ -281,33 +331,63 @@ class StreamedModel:
 
     def _reset_backward(self) -> None:
         self._backward_holds: dict[int, _Buffer] = {}
-        self._landing: dict[int, tuple] = {}  # block → (transfers, positions) sent to its own landing buffer
-        self._armed = False
+        self._landing: dict[int, list] = {}  # block → [(transfers, positions)] sent to its own landing buffer
+        self._armed: int | None = None  # the backward pass (graph task) whose end is awaited
 
     def _arm(self) -> None:
-        if not self._armed:
+        """Have the end of this backward pass call :meth:`_end_backward` (once per pass)."""
+        task = torch._C._current_graph_task_id()
+        if self._armed is not None and self._armed != task:
+            self._end_backward()  # an earlier pass raised before its end: close it now
+        if self._armed is None:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._armed = True
+            self._armed = task
 
-    def _pack(self, index: int, buffer: _Buffer, t: torch.Tensor):
+    def _pack(self, index: int, buffer: _Buffer, nodes: dict, outer, t: torch.Tensor):
+        cast = self._cast_of_weight(index, nodes, t)
+        if cast is not None:
+            return cast
         if t.device.type != self.link.device.type or \
                 t.untyped_storage().data_ptr() != buffer.memory.untyped_storage().data_ptr():
-            return t
+            return t if outer is None else outer[0](t)
         byte = t.storage_offset() * t.element_size()
         for which, (_, dtype, offset) in enumerate(self.layouts[index].specs):
             if dtype == t.dtype and offset <= byte < self.layouts[index].byte_range(which)[1]:
-                return _SavedWeight(index, which, t.size(), t.stride(), t.storage_offset() - offset // t.element_size())
-        return t
+                return _SavedWeight(index, which, t.size(), t.stride(), t.storage_offset() - offset // t.element_size(),
+                                    self._params[index][which][1]._version)
+        return t if outer is None else outer[0](t)
 
-    def _unpack(self, saved):
+    def _cast_of_weight(self, index: int, nodes: dict, t: torch.Tensor) -> _SavedWeight | None:
+        """A tensor autocast made from one of the block's trainable weights (or a view of one),
+        saved as where to fetch and cast it again: otherwise every block's cast weights would stay
+        on the device until backward."""
+        source = t._base if t._base is not None else t
+        fn = source.grad_fn
+        if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+            return None
+        which = nodes.get(id(fn.next_functions[0][0]))
+        if which is None or source.shape != self._params[index][which][1].shape or not source.is_contiguous():
+            return None
+        return _SavedWeight(index, which, t.size(), t.stride(), t.storage_offset() - source.storage_offset(),
+                            self._params[index][which][1]._version, cast=source.dtype)
+
+    def _unpack(self, outer, saved):
         if not isinstance(saved, _SavedWeight):
-            return saved
+            return saved if outer is None else outer[1](saved)
         self._arm()
         index = saved.block
+        name, param = self._params[index][saved.which]
+        if param._version != saved.version:  # what autograd checks for a saved tensor modified in place
+            raise RuntimeError(f"StreamedModel: {name!r} of block {self.names[index]!r} was modified after forward "
+                               f"saved it for backward (an update between forward and backward, or — with an eager "
+                               f"optimizer — backward reading a weight after its gradient was complete)")
         buffer = self._backward_holds.get(index)
         if buffer is None:
             buffer = self._backward_holds[index] = self._acquire(index, -1)
         view = self.layouts[index].views(buffer.memory)[saved.which]
+        if saved.cast is not None:
+            cast = view.to(saved.cast)
+            return cast.as_strided(saved.size, saved.stride, cast.storage_offset() + saved.offset)
         return view.as_strided(saved.size, saved.stride, view.storage_offset() + saved.offset)
 
     def _input_gradient_done(self, index: int, _grad) -> None:
@@ -320,11 +400,12 @@ class StreamedModel:
         self._arm()
         self._gather.add(index, self._trainable[index].index(which), grad)
 
-    def _gradient_destination(self, index: int) -> torch.Tensor:
+    def _gradient_destination(self, index: int, positions: list) -> torch.Tensor:
         sink = self._sinks.get(index)
         if sink is not None:
-            return sink.gradient_destination(index)
-        self._land(index)  # a block sent in two parts: take in the first part before the second lands
+            return sink.gradient_destination(index, positions)
+        if any(p in sent for _, sent in self._landing.get(index, []) for p in positions):
+            self._land(index)  # a block run twice: take in the first gradients before the next land on them
         if index not in self._host_gradients:
             self._host_gradients[index] = self.link.host_buffer(self.gradient_layouts[index].nbytes, torch.uint8)
         return self._host_gradients[index]
@@ -333,29 +414,34 @@ class StreamedModel:
         sink = self._sinks.get(index)
         if sink is not None:
             sink.gradient_arriving(index, transfers, positions)
-        else:
-            self._landing[index] = (transfers, positions)
+        else:  # a block may go down in parts (some parameters unused): they land in disjoint places
+            self._landing.setdefault(index, []).append((transfers, positions))
 
     @torch.no_grad()
     def _land(self, index: int) -> None:
         """Put block ``index``'s landed gradients in the parameters' ``.grad`` (no sink attached)."""
-        if index not in self._landing:
-            return
-        transfers, positions = self._landing.pop(index)
-        for transfer in transfers:
-            transfer.synchronize()
+        parts = self._landing.pop(index, [])
+        for transfers, _ in parts:
+            for transfer in transfers:
+                transfer.synchronize()
         landed = self.gradient_layouts[index].views(self._host_gradients[index])
-        for position in positions:
+        for position in sorted(p for _, positions in parts for p in positions):
             p = self._params[index][self._trainable[index][position]][1]
             if p.grad is None:
                 p.grad = landed[position].clone()
             else:
                 p.grad.add_(landed[position])
 
+    def settle(self) -> None:
+        """Outside backward: close a pass that raised before its end (its gradients land in .grad or
+        go to the optimizer, as autograd's would have, and its buffers are released)."""
+        if self._armed is not None and torch._C._current_graph_task_id() == -1:
+            self._end_backward()
+
     def _end_backward(self) -> None:
         """Send what partly used blocks gathered, release every buffer, put landed gradients in .grad."""
         try:
-            self._gather.reset()
+            self._gather.flush()
             for buffer in self._backward_holds.values():
                 self._release(buffer)
             for index in list(self._landing):

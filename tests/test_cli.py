@@ -276,3 +276,28 @@ def test_a_closed_pipe_does_not_cost_the_json_file(tmp_path):
     os.close(write_end)
     assert child.returncode == 141 and child.stderr == ""
     assert any(r["quantity"] == "disk read bandwidth" for r in json.loads(out.read_text())["records"])
+
+
+def test_a_parameter_count_is_a_whole_number_and_a_closed_stdout_is_said_plainly():
+    result = run("state", "--params", "1.5")
+    assert result.returncode == 2 and "--params: expected a whole number of parameters" in result.stderr
+    closed = subprocess.run([sys.executable, "-m", "offloadlab", "state", "--params", "1e9"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))  # `>&-`
+    assert closed.returncode == 1 and closed.stderr.count("\n") == 1 and "standard output is closed" in closed.stderr
+
+
+@pytest.mark.parametrize("damage", [
+    lambda r: r["ladder"]["links"][0].update(bandwidth_bytes_per_s="fast"),
+    lambda r: r["ladder"]["links"][0].update(bandwidth_bytes_per_s=1e-300),
+    lambda r: r["machine"].update(host_memory_bytes=True),
+    lambda r: r.update(machine="a string"),
+], ids=["text", "tiny", "bool", "not a dict"])
+def test_a_damaged_measured_record_is_one_line(tmp_path, damage):
+    record = {"machine": {"host_memory_bytes": 64e9, "accelerator": {"memory_bytes": 85e9}},
+              "ladder": {"tiers": [], "links": [{"name": "host → GPU", "bandwidth_bytes_per_s": 24e9,
+                                                 "source": "measured"}]}}
+    damage(record)
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(record))
+    result = run("plan", "--params", "7e9", "--measured", str(path))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "measured:" in result.stderr

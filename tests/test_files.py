@@ -50,3 +50,22 @@ def test_a_failed_write_leaves_the_old_file_and_no_scratch(tmp_path, monkeypatch
     monkeypatch.undo()
     assert target.read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
+def test_pipes_are_written_through_and_links_followed(tmp_path):
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    files.check_target(fifo)  # a stream: nothing there to replace
+    files.write_atomically(fifo, '{"ok": 1}')
+    reader.join(30)
+    assert got == ['{"ok": 1}'] and fifo.is_fifo()  # the reader got the data; the pipe is still a pipe
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text("old")
+    link.symlink_to(real)
+    files.write_atomically(link, "new", replace=True)
+    assert link.is_symlink() and real.read_text() == "new"

@@ -310,3 +310,31 @@ def test_cuda_copy_overlaps_a_running_kernel():
         transfer = cuda.to_device(device, host, after=None)
         cuda.synchronize()
         assert transfer.start < end.time and start.time < transfer.end
+
+
+def test_torch_threads_come_back_whatever_order_links_close_in():
+    import os
+
+    before = torch.get_num_threads()
+    first, second = EmulatedLink(), EmulatedLink()  # a notebook cell run twice
+    first.close()
+    if (os.cpu_count() or 1) > 1:
+        assert torch.get_num_threads() < before  # the second link still keeps its core
+    second.close()
+    assert torch.get_num_threads() == before
+
+
+def test_a_copy_that_fails_on_its_engine_raises_to_whoever_waits(link, monkeypatch):
+    def failing(*args, **kwargs):
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(link, "_paced_copy", failing)
+    transfer = link.to_device(link.device_buffer(2), link.host_buffer(2))
+    assert transfer._landed.wait(WATCHDOG)  # it does not hang
+    with pytest.raises(RuntimeError, match="failed: MemoryError"):
+        transfer.synchronize()
+    monkeypatch.undo()
+    target = torch.nn.Parameter(torch.zeros(3))  # as on a GPU: refused at once, on the caller's thread
+    with pytest.raises(ValueError, match="^targets: expected tensors autograd does not track"):
+        staging = torch.zeros(8)
+        link.to_device_scattered([(target, staging[:3])], link.host_buffer(8), staging)

@@ -391,3 +391,11 @@ def test_checksums_can_be_turned_off_and_the_choice_is_kept(tmp_path):
         assert not tier.checksums and tier.step == 0 and torch.equal(_values(tier), torch.ones(4096))
     with pytest.raises(ValueError, match="^checksums: "):
         FileTier(tmp_path / "x.bin", 10, checksums="no")
+
+
+def test_one_tier_given_three_times_and_no_paths_are_clear_errors(tmp_path):
+    with FileTier(tmp_path / "state.bin", 16) as tier:
+        with pytest.raises(ValueError, match="^exp_avg: expected three different tiers"):
+            adam_from_file(tier, tier, tier, torch.zeros(16), step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="^paths: expected the files of one optimizer state"):
+        open_state()

@@ -91,9 +91,11 @@ def test_each_refill_waits_for_the_release_of_its_buffer_across_passes(link):
             pass
     copies = recorder.copies
     assert [label for label, _ in copies] == [str(i) for i in range(6)] * 2
-    # pass 1: the first two fills need nothing; fill i waits for the release of item i - 2
-    assert copies[0][1] is None and copies[1][1] is None
-    releases = [m for k, m in enumerate(recorder.marks) if k % 2 == 1]  # marks alternate: begin, release
+    # pass 1: the first two fills wait for the point where the buffers were allocated (on a GPU,
+    # kernels still queued may be using that memory); fill i waits for the release of item i - 2
+    allocated, *marks = recorder.marks
+    assert copies[0][1] is allocated and copies[1][1] is allocated
+    releases = [m for k, m in enumerate(marks) if k % 2 == 1]  # marks alternate: begin, release
     for i in range(2, 6):
         assert copies[i][1] is releases[i - 2]
     # pass 2 starts over the same buffers: its first fills wait for pass 1's last releases
@@ -210,3 +212,13 @@ def test_cuda_prefetch_poison_and_memory():
                 assert torch.equal(tensor, source[i].cuda())
                 tensor.fill_(float("nan"))
         assert torch.cuda.memory_allocated() - before <= 2 * prefetcher.device_bytes + 4096 * 4096 * 4 * 2
+
+
+def test_two_passes_at_once_are_refused(link):
+    prefetcher = Prefetcher(items(4), link)
+    outer = iter(prefetcher)
+    next(outer)
+    with pytest.raises(RuntimeError, match="a pass over its buffers is still in progress"):
+        iter(prefetcher)
+    del outer  # left: the next pass may start
+    assert len(list(prefetcher)) == 4

@@ -19,14 +19,14 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import cpu_adam
-from ..link import Link, open_link
+from ..link import CudaLink, Link, open_link
 from ..streaming import streamed_model_of
-from .host_state import HostState, check_hyperparameters, make_buckets
+from .host_state import HostState, check_group, make_buckets
 from .intake import GradientIntake
 from .loss_scaler import LossScaler
 from .worker import UpdateWorker
 
-__all__ = ["OffloadEngine", "StepTimeline", "managed", "DEVICE_DTYPES"]
+__all__ = ["OffloadEngine", "StepTimeline", "managed", "owner", "DEVICE_DTYPES"]
 
 DEVICE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -35,8 +35,13 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementw
 
 def managed(param: torch.Tensor) -> bool:
     """True when a live (not closed) CPUOffloadAdam manages ``param``."""
+    return owner(param) is not None
+
+
+def owner(param: torch.Tensor) -> "OffloadEngine | None":
+    """The live engine that manages ``param``, or None."""
     engine = _OWNERS.get(param)
-    return engine is not None and engine.closed is None
+    return engine if engine is not None and engine.closed is None else None
 
 
 class StepTimeline:
@@ -82,31 +87,46 @@ class OffloadEngine:
                  accumulation_steps: int | None, delayed_update: bool, loss_scale, bucket_bytes: int,
                  record_timeline: bool):
         self.closed: str | None = None
+        self.param_groups = param_groups  # the optimizer's own list of groups (the engine does not refer to it)
+        self.zero_filled = False  # zero_grad(set_to_none=False): parameters without a gradient get a zero one
         trainable = [p for g in param_groups for p in g["params"] if p.requires_grad]
         self.device, self.dtype = self._check_params(trainable, link)
         streamed = next((m for p in trainable if (m := streamed_model_of(p)) is not None), None)
         if link is None and streamed is not None:
             link = streamed.link  # its gradient copies land in our buffers: one link, one set of engines
-        self._own_link = link is None
-        self.link = link if link is not None else open_link(emulated=self.device.type != "cuda")
-        if self.link.device.type != self.device.type:
+        if link is not None and link.device.type != self.device.type:
             raise ValueError(f"link: expected a link to {self.device.type} for parameters there; "
-                             f"got one to {self.link.device.type}")
+                             f"got one to {link.device.type}")
+        self._own_link = link is None
+        self.link = link if link is not None else (CudaLink(self.device) if self.device.type == "cuda"
+                                                   else open_link(emulated=True))
+        try:
+            self._build(param_groups, trainable, accumulation_steps, max_grad_norm, threads, delayed_update,
+                        loss_scale, bucket_bytes, record_timeline)
+        except BaseException:
+            if self._own_link:
+                self.link.close()
+            raise
+
+    def _build(self, param_groups, trainable, accumulation_steps, max_grad_norm, threads, delayed_update,
+               loss_scale, bucket_bytes, record_timeline) -> None:
         self.threads = threads or cpu_adam.default_threads()
         self.max_grad_norm = max_grad_norm
         self.delayed_update = delayed_update
         self.fp16 = self.dtype == torch.float16
-        self.scaler = LossScaler.from_argument(loss_scale) if self.fp16 else None
+        scaler = LossScaler.from_argument(loss_scale)  # checked whatever the dtype: a typo is a typo
+        self.scaler = scaler if self.fp16 else None
         self.bucket_bytes = bucket_bytes
         eager = accumulation_steps is not None and max_grad_norm is None and not self.fp16 and not delayed_update
         self.accumulation_steps = accumulation_steps
         self.step_count = 0  # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
-        self._clip_now: float | None = None  # clip_grad_norm_'s max_norm for this step
+        self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
         cpu_adam.load()  # find or build the kernel now, not on the worker in the middle of a backward
 
-        self._take_over(trainable)
+        buckets = make_buckets(param_groups, bucket_bytes)  # (checks streamed blocks first)
+        self._take_over(trainable)  # an earlier optimizer finishes its work before we copy the weights
         self.timeline = StepTimeline(record_timeline)
-        self.host = HostState(self.link, self.dtype, make_buckets(param_groups, bucket_bytes))
+        self.host = HostState(self.link, self.dtype, buckets)
         self.intake = GradientIntake(self.link, self.host, accumulation_steps if eager else None,
                                      ready=self._ready, record=self._record_arrival, usable=self._usable)
         self.worker = UpdateWorker(self.link, self.host, self.intake, self.threads,
@@ -144,7 +164,7 @@ class OffloadEngine:
     def add_group(self, group: dict) -> None:
         """Manage a new parameter group (torch.optim.Optimizer.add_param_group)."""
         self.check_usable()
-        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        check_group(group, f"param_groups[{len(self.param_groups) - 1}]: ")
         trainable = [p for p in group["params"] if p.requires_grad]
         if not trainable:
             return
@@ -153,10 +173,14 @@ class OffloadEngine:
             raise ValueError(f"params: expected {self.dtype} parameters on {self.device} like the others; "
                              f"got {dtype} on {device}")
         self.synchronize()
+        self.intake.settle()
+        self.link.synchronize()  # every gradient in flight has landed before the buffers are copied over
         self._take_over(trainable)
         buckets = make_buckets([group], self.bucket_bytes, start_index=len(self.host.buckets), start=self.host.numel)
         self.host.extend(buckets)
         self.intake.add(buckets)
+        self.worker.resize()
+        self.intake.take_existing(trainable)  # gradients they got before they were ours (AdamW would use them)
         for p in trainable:
             _OWNERS[p] = self
 
@@ -173,11 +197,11 @@ class OffloadEngine:
                                f"checkpoint into it) to go on training")
 
     def _fail(self) -> None:
-        error = self.worker.error
-        self.close(reason=f"the CPU update failed in step {self.step_count + 1} and the step was only partly "
-                          f"applied: {error!r}")
+        error, step = self.worker.error, self.worker.failed_step
+        self.close(reason=f"the CPU update of step {step} failed, and the step may have been partly applied: "
+                          f"{error!r}")
         raise RuntimeError(f"CPUOffloadAdam: the CPU update failed ({error!r}); the optimizer is closed, because "
-                           f"step {self.step_count + 1} was only partly applied — reload a checkpoint") from error
+                           f"step {step} may have been only partly applied — reload a checkpoint") from error
 
     def _ready(self, bucket) -> None:  # eager: the bucket's last micro-batch is in
         self.worker.submit(bucket, 1.0, self.step_count + 1)
@@ -188,9 +212,15 @@ class OffloadEngine:
     def step(self) -> None:
         """Finish this step's updates (or, with a delayed update, apply the last step's and start this one's)."""
         self.check_usable()
+        for i, group in enumerate(self.param_groups):  # a scheduler's bad value is refused, not run
+            check_group(group, f"param_groups[{i}]: ")
+        self.intake.settle()
+        self._check_unmanaged_gradients()
         if self.delayed_update:
             previous = [b for b in self.host.buckets if b.submitted]
             self._finish(previous, upload=True)
+        if self.zero_filled:
+            self._zero_gradients_where_missing()
         ready = [b for b in self.host.buckets if any(b.arrivals) and not b.submitted]
         scale = self._grad_scale(ready)
         self._clip_now = None
@@ -206,6 +236,28 @@ class OffloadEngine:
             self._finish([b for b in self.host.buckets if b.submitted], upload=False)
         if self.scaler is not None:
             self.scaler.update(overflowed=False)
+
+    def _check_unmanaged_gradients(self) -> None:
+        """AdamW would update a parameter of its groups that has a gradient; one this optimizer does
+        not hold state for (it did not require grad when the optimizer was made) is an error."""
+        held = {id(p) for b in self.host.buckets for p in b.params}
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.grad is not None and id(p) not in held:
+                    raise RuntimeError(f"CPUOffloadAdam: param_groups[{i}]['params'][{j}] has a gradient, but it "
+                                       f"did not require grad when the optimizer was made, so it has no state here; "
+                                       f"give it to the optimizer with add_param_group once it is trainable")
+
+    def _zero_gradients_where_missing(self) -> None:
+        """zero_grad(set_to_none=False) leaves zero gradients, and AdamW steps every parameter that has
+        had a gradient with them: do the same for those that got none this step."""
+        for bucket in self.host.buckets:
+            if bucket.submitted:
+                continue
+            for k, (s, e) in enumerate(bucket.ranges):
+                if bucket.arrivals[k] == 0 and bucket.steps[k] > 0:
+                    self.host.grads[s:e].zero_()
+                    bucket.arrivals[k], bucket.folded[k] = 1, 0
 
     def _finish(self, buckets: list, upload: bool) -> None:
         """Wait for the buckets' CPU updates; send their weights up (delayed update) and order the
@@ -226,10 +278,11 @@ class OffloadEngine:
     def _grad_scale(self, ready: list) -> float | None:
         """1 / loss scale × clipping factor; None when an fp16 overflow means skip the step."""
         scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        max_norm = self._clip_now if self._clip_now is not None else self.max_grad_norm
+        max_norm, norm = self._clip_now if self._clip_now is not None else (self.max_grad_norm, None)
         if max_norm is None and self.scaler is None:
             return scale
-        norm = self.gradient_norm(ready)
+        if norm is None:
+            norm = self.gradient_norm(ready)
         if not math.isfinite(norm):
             if self.scaler is not None:
                 return None
@@ -240,8 +293,8 @@ class OffloadEngine:
 
     def gradient_norm(self, buckets: list | None = None) -> float:
         """The global L2 norm of this step's gradients (loss scale divided out), once they have landed."""
-        if buckets is None:
-            buckets = [b for b in self.host.buckets if any(b.arrivals) and not b.submitted]
+        if buckets is None:  # (with a delayed update the last step's are still submitted: theirs have landed)
+            buckets = [b for b in self.host.buckets if any(b.arrivals)]
         total = 0.0
         for bucket in buckets:
             self.intake.landed(bucket.downloads)
@@ -262,16 +315,26 @@ class OffloadEngine:
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(f"clip_grad_norm_: the total norm of the gradients is {norm}; "
                                f"set error_if_nonfinite=False to clip anyway")
-        self._clip_now = max_norm
+        self._clip_now = (max_norm, norm)
         return norm
 
-    def discard(self) -> None:
+    def discard(self, set_to_none: bool = True) -> None:
         """Forget gradients received since the last step (zero_grad)."""
         if self.closed is not None:
             return
+        self.zero_filled = not set_to_none
+        for streamed in {id(b.streamed): b.streamed for b in self.host.buckets if b.streamed is not None}.values():
+            streamed.settle()  # a backward that raised: what it gathered reaches us first, to be discarded
+        self.intake.settle()
         for bucket in self.host.buckets:
             if not bucket.submitted:  # a submitted bucket's gradients already belong to an update
                 self.intake.discard(bucket)
+
+    def forget(self, params) -> None:
+        """Forget gradients of ``params`` received since the last step (a module's zero_grad)."""
+        if self.closed is None:
+            self.intake.settle()  # (streamed blocks settled already by the caller)
+            self.intake.discard_params(params)
 
     def synchronize(self) -> None:
         """Finish every pending update and weight copy (for a delayed update: apply it now)."""

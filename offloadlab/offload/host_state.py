@@ -25,11 +25,16 @@ import torch
 from ..link import Link
 from ..prefetch import Layout
 
-__all__ = ["Bucket", "HostState", "make_buckets", "export_state", "check_state", "check_hyperparameters",
-           "UNSUPPORTED_FLAGS"]
+__all__ = ["Bucket", "HostState", "identity", "make_buckets", "export_state", "check_state", "check_hyperparameters",
+           "check_group", "UNSUPPORTED_FLAGS"]
 
 # AdamW options CPUOffloadAdam does not implement: a state dict or group that turns one on is refused.
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+def identity(p: torch.Tensor) -> tuple[int, int]:
+    """What changes when a parameter's values are changed or replaced: its version counter and address."""
+    return p._version, p.data_ptr()
 
 
 class Bucket:
@@ -53,6 +58,7 @@ class Bucket:
         self.steps = [0] * len(params)      # AdamW's per-parameter step count: updates applied so far
         self.arrivals = [0] * len(params)   # gradients received since the last step (micro-batches)
         self.folded = [0] * len(params)     # of those, how many are already in the fp32 sum
+        self.synced = [None] * len(params)  # each parameter's (version, address) when its master copy matched it
         self.downloads: list = []           # copies bringing the newest gradients down
         self.upload = None                  # the copy taking the newest weights up
         self.marker = None                  # compute-stream point after the backward that produced them
@@ -151,11 +157,24 @@ class HostState:
         self.numel = numel
         with torch.no_grad():
             for bucket in buckets:
-                for p, (s, e) in zip(bucket.params, bucket.ranges):
+                for k, (p, (s, e)) in enumerate(zip(bucket.params, bucket.ranges)):
                     self.master[s:e].copy_(p.detach().reshape(-1))
                     self.exp_avg[s:e].zero_()
                     self.exp_avg_sq[s:e].zero_()
+                    bucket.synced[k] = identity(p)
         self.buckets += buckets
+
+    @torch.no_grad()
+    def refresh(self, bucket: Bucket) -> None:
+        """Take weights changed outside the optimizer since it last wrote them (a
+        ``model.load_state_dict`` after the optimizer was made, ``p.data = …``) into the master
+        copy, as torch.optim.AdamW, which updates the parameters themselves, would see them."""
+        for k, (p, (s, e)) in enumerate(zip(bucket.params, bucket.ranges)):
+            if bucket.synced[k] != identity(p):
+                self.master[s:e].copy_(p.detach().reshape(-1))
+                if self.weights_out is not None:
+                    self.weights_out[s:e].copy_(p.detach().reshape(-1))
+                bucket.synced[k] = identity(p)
 
     def _grow(self, old, numel: int, dtype) -> torch.Tensor:
         new = self.link.host_buffer(max(numel, 1), dtype)
@@ -251,6 +270,14 @@ def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None
         raise ValueError(f"{where}eps: expected a number ≥ 0; got {eps!r}")
     if not (number(weight_decay) and weight_decay >= 0):
         raise ValueError(f"{where}weight_decay: expected a number ≥ 0; got {weight_decay!r}")
+
+
+def check_group(group: dict, where: str = "") -> None:
+    """A param group's hyperparameters, and no AdamW option turned on that this class does not implement."""
+    for flag in UNSUPPORTED_FLAGS:
+        if group.get(flag):
+            raise ValueError(f"{where}{flag}: CPUOffloadAdam does not implement it; got {group[flag]!r}")
+    check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
 
 
 def _step_count(value, where: str) -> int:

@@ -43,7 +43,7 @@ class GradientIntake:
         self._hooks: list = []
         self._gather = GradientGather(link, [], self._destination, self._arrived,
                                       names=lambda i: f"bucket {i}")
-        self._armed = False
+        self._armed: int | None = None  # the backward pass (graph task) whose end is awaited
         self.add(host.buckets)
 
     def add(self, buckets: list[Bucket]) -> None:
@@ -58,6 +58,16 @@ class GradientIntake:
                 bucket.streamed.attach_sink(bucket.block, sink)
             else:
                 self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in bucket.params]
+
+    def take_existing(self, params) -> None:
+        """Take in gradients these parameters already hold (made before they were given to the
+        optimizer, outside backward), as their hooks would have."""
+        for p in params:
+            if p.grad is not None and id(p) in self._where:
+                bucket, k = self._where[id(p)]
+                self._gather.add(bucket.index, k, p.grad)
+                p.grad = None
+        self._gather.flush()
 
     def close(self) -> None:
         """Remove the hooks and leave the streamed blocks' gradients to their StreamedModel again."""
@@ -89,20 +99,32 @@ class GradientIntake:
                                f"accumulation_steps unset")
 
     def _arm(self) -> None:
-        if not self._armed:
+        """Have the end of this backward pass call :meth:`_end_backward` (once per pass)."""
+        task = torch._C._current_graph_task_id()
+        if self._armed is not None and self._armed != task:
+            self._end_backward()  # an earlier pass raised before its end: close it now
+        if self._armed is None:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._armed = True
+            self._armed = task
 
     def _end_backward(self) -> None:
-        self._armed = False
-        self._gather.reset()  # buckets some of whose parameters got no gradient go down as they are
+        self._armed = None
+        self._gather.flush()  # buckets some of whose parameters got no gradient go down as they are
 
-    def _destination(self, index: int) -> torch.Tensor:
-        """Where bucket ``index``'s next gradients land — once what is there is safe to overwrite."""
+    def settle(self) -> None:
+        """Outside backward: close a pass that raised before its end (so its gradients go down)."""
+        if self._armed is not None and torch._C._current_graph_task_id() == -1:
+            self._end_backward()
+
+    def _destination(self, index: int, positions: list) -> torch.Tensor:
+        """Where bucket ``index``'s gradients at ``positions`` land — once what is there is safe to
+        overwrite: no (delayed) update reads it any more, and an earlier micro-batch's gradient of
+        the same parameter is in the fp32 sum."""
         bucket = self.buckets[index]
-        bucket.updated.wait()  # a (delayed) update may still be reading the landed gradients
-        self.landed(bucket.downloads)
-        self.fold(bucket, bucket.arrivals, bucket.folded, final=False)
+        bucket.updated.wait()
+        if any(bucket.arrivals[k] > bucket.folded[k] for k in positions):
+            self.landed(bucket.downloads)
+            self.fold(bucket, bucket.arrivals, bucket.folded, final=False, only=positions)
         return self.host.gradient_bytes(bucket)
 
     def _arrived(self, index: int, transfers: list, positions: list) -> None:
@@ -125,15 +147,17 @@ class GradientIntake:
             for transfer in transfers:
                 transfer.synchronize()
 
-    def fold(self, bucket: Bucket, arrivals: list, folded: list, final: bool) -> None:
+    def fold(self, bucket: Bucket, arrivals: list, folded: list, final: bool, only=None) -> None:
         """Add landed gradients of parameters that have several micro-batches into the fp32 sum.
 
         Not final: before a newer gradient lands over the landed one. Final: the last
         micro-batch, before the update reads the sum. ``arrivals`` and ``folded`` are the
-        bucket's counts for the step concerned (``folded`` is updated). A parameter with a single
-        micro-batch is updated from the landed gradient itself and never touches the sum.
+        bucket's counts for the step concerned (``folded`` is updated); ``only`` limits the fold to
+        some positions. A parameter with a single micro-batch is updated from the landed gradient
+        itself and never touches the sum.
         """
-        pending = [k for k, n in enumerate(arrivals) if folded[k] < n and (n > 1 or not final)]
+        pending = [k for k, n in enumerate(arrivals) if folded[k] < n and (n > 1 or not final)
+                   and (only is None or k in only)]
         if not pending:
             return
         total = self.host.accumulation()
@@ -161,6 +185,15 @@ class GradientIntake:
         """Forget the gradients received since the last step (after their copies have landed)."""
         self.landed(self.take(bucket)[2])
 
+    def discard_params(self, params) -> None:
+        """Forget the gradients of these parameters received since the last step (``module.zero_grad``)."""
+        for p in params:
+            where = self._where.get(id(p))
+            if where is not None and not where[0].submitted:
+                bucket, k = where
+                self.landed(bucket.downloads)
+                bucket.arrivals[k] = bucket.folded[k] = 0
+
 
 class _BlockSink:
     """What a StreamedModel sends one streamed block's gradients to: this intake's bucket for it."""
@@ -168,8 +201,8 @@ class _BlockSink:
     def __init__(self, intake: GradientIntake, bucket: Bucket):
         self._intake, self._bucket = intake, bucket
 
-    def gradient_destination(self, block: int) -> torch.Tensor:
-        return self._intake._destination(self._bucket.index)
+    def gradient_destination(self, block: int, positions: list) -> torch.Tensor:
+        return self._intake._destination(self._bucket.index, positions)
 
     def gradient_arriving(self, block: int, transfers: list, positions: list) -> None:
         self._intake._check_not_submitted(self._bucket)

@@ -16,6 +16,8 @@ When does the update run?
 - With ``accumulation_steps=k`` declared (and no clipping, no fp16), a bucket's update starts
   the moment its k-th micro-batch's gradients have landed, during backward: CPU updates and
   weight copies overlap the rest of backward, and ``step()`` only waits for the stragglers.
+  Backward must then not read a weight after its gradient is complete (a ``.detach()``ed use);
+  autograd's in-place check stops one that does.
 - With ``delayed_update=True``, ZeRO-Offload's delayed parameter update: ``step()`` hands this
   step's update to the worker and returns; it runs during the next forward and backward, and the
   weights it produces are applied at the next ``step()`` — one step late.
@@ -23,7 +25,7 @@ When does the update run?
 Clipping: ``max_grad_norm`` in the constructor, or ``optimizer.clip_grad_norm_(max_norm)``
 between backward and step. The usual ``torch.nn.utils.clip_grad_norm_(model.parameters(), …)``
 would see no gradients (they have already left the model) and do nothing; it raises instead
-(:mod:`offloadlab.offload.clipping`).
+(:mod:`offloadlab.offload.torch_calls`).
 
 Lifecycle: :meth:`close` (or dropping the optimizer, or a new CPUOffloadAdam over the same
 parameters, which takes them over with a warning) removes the hooks, stops the worker and frees
@@ -40,7 +42,7 @@ from collections.abc import Mapping
 import torch
 
 from .engine import OffloadEngine, managed
-from .host_state import check_hyperparameters, check_state, export_state
+from .host_state import check_group, check_hyperparameters, check_state, export_state
 
 __all__ = ["CPUOffloadAdam", "managed"]
 
@@ -60,7 +62,10 @@ class _StateView(Mapping):
         return {p: (bucket, k) for bucket in host.buckets for k, p in enumerate(bucket.params) if bucket.steps[k]}
 
     def __getitem__(self, param):
-        bucket, k = self._entries()[param]
+        entries = self._entries()
+        if param not in entries:
+            return {}  # as torch.optim's defaultdict(dict) answers for a parameter without state yet
+        bucket, k = entries[param]
         return self._engine.host.entry(bucket, k)
 
     def __iter__(self):
@@ -102,9 +107,13 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes: expected a positive whole number of bytes; got {bucket_bytes!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        seen: set[int] = set()
         for i, group in enumerate(self.param_groups):
-            check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                                  f"param_groups[{i}]: ")
+            check_group(group, f"param_groups[{i}]: ")
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError(f"params: expected each parameter once; param_groups[{i}] repeats one")
+                seen.add(id(p))
         self._engine = OffloadEngine(self.param_groups, link=link, threads=threads, max_grad_norm=max_grad_norm,
                                      accumulation_steps=accumulation_steps, delayed_update=bool(delayed_update),
                                      loss_scale=loss_scale, bucket_bytes=bucket_bytes,
@@ -205,7 +214,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard gradients received since the last step (device gradients are already gone)."""
         super().zero_grad(set_to_none=set_to_none)
-        self._engine.discard()
+        self._engine.discard(set_to_none)
 
     def synchronize(self) -> None:
         """Finish every pending update and weight copy (for a delayed update: apply it now)."""
@@ -214,7 +223,8 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     def close(self) -> None:
         """Finish pending work, remove the hooks, stop the worker, free the host memory and close a
         link made here. Using the optimizer afterwards raises."""
-        self._finalizer()
+        self._finalizer.detach()
+        self._engine.close()
 
     @property
     def closed(self) -> bool:

@@ -3,10 +3,14 @@
 One thread takes buckets in the order they are handed over. For each it waits for the bucket's
 gradients to land, adds the last micro-batch into the fp32 sum where there were several, runs
 the fused kernel of :mod:`offloadlab.cpu_adam` once per run of parameters that share a group and
-a step count (one OpenMP region for a whole bucket, usually), and — unless the update is
-delayed — sends the bucket's new weights up: one transfer into a device staging buffer, scattered
-into the parameters on the same engine, ordered after the backward that produced the gradients.
-A streamed bucket's new weights are copied into its block's pinned host memory instead.
+a step count (one OpenMP region for a whole bucket, usually), with the hyperparameters the groups
+had when the bucket was handed over, and — unless the update is delayed — sends the bucket's new
+weights up: one transfer into a device staging buffer, scattered into the parameters on the same
+engine (a bucket of one tensor goes straight into it). The copy is ordered after everything
+issued on the training stream so far, and the parameters' version counters move at once, so a
+part of backward that would still read the old weights (through a ``.detach()``ed alias) fails
+with autograd's in-place error instead of reading half-written weights. A streamed bucket's new
+weights are copied into its block's pinned host memory instead, once no copy reads it.
 
 An exception in the thread is kept and the remaining work skipped; the optimizer re-raises it.
 """
@@ -20,7 +24,7 @@ import torch
 
 from .. import cpu_adam
 from ..link import Link
-from .host_state import Bucket, HostState
+from .host_state import Bucket, HostState, identity
 from .intake import GradientIntake
 
 __all__ = ["UpdateWorker"]
@@ -34,17 +38,33 @@ class UpdateWorker:
         self.link, self.host, self.intake, self.threads = link, host, intake, threads
         self.upload_after_update, self._record = upload_after_update, record
         self.error: BaseException | None = None
+        self.failed_step: int | None = None  # the step whose update raised
         self._staging = None  # device buffer the weights of one bucket land in before the scatter
+        self.resize()
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._serve, daemon=True, name="cpu-adam")
         self._thread.start()
 
+    def resize(self) -> None:
+        """(Re)allocate the staging buffer for the largest bucket of several device tensors.
+
+        Called on the optimizer's thread, at construction and when buckets are added: on a GPU the
+        buffer's memory comes from the caching allocator on that thread's stream, and the first
+        copy into it is ordered after the first bucket's gradients — later on that same stream.
+        """
+        sizes = [b.layout.nbytes for b in self.host.buckets if b.streamed is None and len(b.params) > 1]
+        if sizes and (self._staging is None or self._staging.numel() < max(sizes)):
+            self._staging = self.link.device_buffer(max(sizes), torch.uint8)
+
     def submit(self, bucket: Bucket, grad_scale: float, step: int) -> None:
-        """Hand this step's gradients of ``bucket`` to the thread (``grad_scale`` multiplies them first)."""
+        """Hand this step's gradients of ``bucket`` to the thread (``grad_scale`` multiplies them
+        first), with its groups' hyperparameters as they are now (a scheduler may change them next)."""
+        self.host.refresh(bucket)  # weights changed since the optimizer last wrote them are the ones to update
         arrivals, folded, downloads = self.intake.take(bucket)
+        hyper = {id(g): (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in bucket.groups}
         bucket.submitted = True
         bucket.updated.clear()
-        self._jobs.put((bucket, grad_scale, arrivals, folded, downloads, step))
+        self._jobs.put((bucket, grad_scale, arrivals, folded, downloads, step, hyper))
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -60,12 +80,12 @@ class UpdateWorker:
                 if self.error is None:
                     self._update(*job)
             except BaseException as error:  # re-raised on the caller's thread by the optimizer
-                self.error = error
+                self.error, self.failed_step = error, job[5]
             finally:
                 bucket.updated.set()
 
     def _update(self, bucket: Bucket, grad_scale: float, arrivals: list, folded: list, downloads: list,
-                step: int) -> None:
+                step: int, hyper: dict) -> None:
         self.intake.landed(downloads)
         self.intake.fold(bucket, arrivals, folded, final=True)
         if bucket.upload is not None:
@@ -74,30 +94,34 @@ class UpdateWorker:
         started = self.link.now()
         for first, stop in bucket.runs(arrivals):
             s, e = bucket.span(first, stop)
-            group, count = bucket.groups[first], bucket.steps[first] + 1
+            count = bucket.steps[first] + 1
+            lr, betas, eps, weight_decay = hyper[id(bucket.groups[first])]
             cpu_adam.adamw_step(host.master[s:e], host.exp_avg[s:e], host.exp_avg_sq[s:e],
                                 self.intake.gradient(bucket, first, stop, arrivals), None if out is None else out[s:e],
-                                step=count, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                                weight_decay=group["weight_decay"], grad_scale=grad_scale, threads=self.threads)
+                                step=count, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                grad_scale=grad_scale, threads=self.threads)
             for k in range(first, stop):
                 bucket.steps[k] = count
         self._record("CPU", (started, self.link.now()), f"b{bucket.index}", step)
         if self.upload_after_update:
-            self.upload(bucket, after=bucket.marker, step=step)
+            self.upload(bucket, after=self.link.mark_on(bucket.marker), step=step)
 
     def upload(self, bucket: Bucket, after="compute", step: int | None = None) -> None:
         """Send the bucket's current weights to its parameters (device) or its block's host memory."""
         outgoing = self.host.outgoing()
+        values = [outgoing[s:e] for s, e in bucket.ranges]
         if bucket.streamed is not None:
-            with torch.no_grad():
-                for p, (s, e) in zip(bucket.params, bucket.ranges):
-                    p.view(-1).copy_(outgoing[s:e])
+            bucket.streamed.write_host_weights(bucket.block, values)
+            bucket.synced = [identity(p) for p in bucket.params]
             return
-        nbytes = bucket.layout.nbytes
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = self.link.device_buffer(max(b.layout.nbytes for b in self.host.buckets), torch.uint8)
-        staging = self._staging[:nbytes]
-        targets = list(zip((p.data for p in bucket.params), bucket.layout.views(staging)))
-        bucket.upload = self.link.to_device_scattered(targets, outgoing[bucket.start:bucket.end].view(torch.uint8),
-                                                      staging, after=after, label=f"b{bucket.index}")
-        self._record("H2D", bucket.upload, f"b{bucket.index}", step)
+        torch.autograd.graph.increment_version(bucket.params)  # a later reader of the old weights fails loudly
+        bucket.synced = [identity(p) for p in bucket.params]
+        label = f"b{bucket.index}"
+        if len(bucket.params) == 1:
+            bucket.upload = self.link.to_device(bucket.params[0].data.view(-1), values[0], after=after, label=label)
+        else:
+            staging = self._staging[:bucket.layout.nbytes]
+            targets = list(zip((p.data for p in bucket.params), bucket.layout.views(staging)))
+            bucket.upload = self.link.to_device_scattered(targets, outgoing[bucket.start:bucket.end].view(torch.uint8),
+                                                          staging, after=after, label=label)
+        self._record("H2D", bucket.upload, label, step)

@@ -1,4 +1,8 @@
-"""The usual clipping call, refused where it would silently do nothing.
+"""Two usual torch calls made to hold under CPUOffloadAdam, where they would silently do nothing.
+
+``module.zero_grad()`` (instead of ``optimizer.zero_grad()``) also forgets the gradients a live
+CPUOffloadAdam has already taken from the module's parameters, as it would with torch.optim.AdamW,
+where they stay in ``.grad`` until then. And the usual clipping call is refused:
 
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` clips the gradients the model
 holds; under :class:`~offloadlab.offload.CPUOffloadAdam` the gradients have left the model by
@@ -16,7 +20,8 @@ import functools
 
 import torch
 
-from .engine import managed
+from ..streaming import streamed_model_of
+from .engine import managed, owner
 
 __all__ = []
 
@@ -45,4 +50,27 @@ def _wrap_torch_clipping() -> None:
                 setattr(module, name, _refusing_managed_parameters(original))
 
 
+def _zero_grad_forgetting_taken_gradients(zero_grad):
+    """Wrap nn.Module.zero_grad so it also forgets the gradients an offloaded optimizer holds for the module."""
+
+    @functools.wraps(zero_grad)
+    def checked(self, set_to_none: bool = True) -> None:
+        params = list(self.parameters())
+        for streamed in {id(m): m for p in params if (m := streamed_model_of(p)) is not None}.values():
+            streamed.settle()  # a backward that raised: its gradients land first, to be zeroed with the rest
+        zero_grad(self, set_to_none)
+        engines: dict[int, tuple] = {}
+        for p in params:
+            engine = owner(p)
+            if engine is not None:
+                engines.setdefault(id(engine), (engine, []))[1].append(p)
+        for engine, held in engines.values():
+            engine.forget(held)
+
+    checked.__wrapped_by_offloadlab__ = True
+    return checked
+
+
 _wrap_torch_clipping()
+if not getattr(torch.nn.Module.zero_grad, "__wrapped_by_offloadlab__", False):
+    torch.nn.Module.zero_grad = _zero_grad_forgetting_taken_gradients(torch.nn.Module.zero_grad)

@@ -94,6 +94,14 @@ WRONG = {
         ("my_up = up_bytes * 2 * P", "the plan's count: every parameter fetched twice",
          "my_up = up_bytes * (2 * L * block + root)", "no block kept from forward for backward"),
     ],
+    "lab07": [
+        ("my_footprint = 3 * 4 * n", "one version per file, nothing to fall back on",
+         "my_footprint = 2 * 16 * n", "the gradients kept on disk too"),
+        ("my_disk_seconds = max(12 * n / read_rate, 12 * n / write_rate)", "reads and writes at the same time",
+         "my_disk_seconds = 4 * n / read_rate + 4 * n / write_rate", "only the master weights"),
+        ("my_resume_step = max(master_steps)", "the newest step of the first file",
+         "my_resume_step = min(exp_avg_sq_steps)", "the oldest step of the last file"),
+    ],
     "lab08": [
         ("predicted_gather = 2 * 2 * P", "chapter 9's 2wP, the root counted twice",
          "predicted_gather = 4 * (2 * config.layers * block + root)", "fp32 weights gathered"),

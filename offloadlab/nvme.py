@@ -757,8 +757,9 @@ def adam_from_file(master: FileTier, exp_avg: FileTier, exp_avg_sq: FileTier, gr
     interrupt, all three are at the previous step again (``out`` may hold part of the new weights).
 
     Returns seconds: 'read' (waiting for reads), 'update' (the CPU step), 'write' (waiting for
-    writes, including the commit's syncs). They add up to the step's time; 'read' + 'write' is the
-    disk time the update did not hide.
+    writes, including the commit's syncs) and 'other' (the rest: handing blocks to the I/O
+    threads, invalidating each file's old header before its first write). They add up to the
+    step's time; 'read' + 'write' is the disk time the update did not hide.
     """
     tiers = (master, exp_avg, exp_avg_sq)
     for name, tier in zip(("master", "exp_avg", "exp_avg_sq"), tiers):
@@ -786,7 +787,8 @@ def adam_from_file(master: FileTier, exp_avg: FileTier, exp_avg_sq: FileTier, gr
     chunk = min(chunk, _round_up(n, block))
     starts = list(range(0, n, chunk))
     sets = [[aligned_empty(chunk) for _ in tiers] for _ in range(2)]
-    seconds = {"read": 0.0, "update": 0.0, "write": 0.0}
+    seconds = {"read": 0.0, "update": 0.0, "write": 0.0, "other": 0.0}
+    started = time.perf_counter()
 
     def transfer(i, method):
         begin, end = starts[i], min(starts[i] + chunk, n)
@@ -820,6 +822,7 @@ def adam_from_file(master: FileTier, exp_avg: FileTier, exp_avg_sq: FileTier, gr
             tier.commit()
             committed.append(tier)
         seconds["write"] += time.perf_counter() - t0
+        seconds["other"] = time.perf_counter() - started - seconds["read"] - seconds["update"] - seconds["write"]
     except BaseException:
         for future in list(reads.values()) + list(writes.values()):
             future.exception()  # let the transfers into and out of our buffers finish first

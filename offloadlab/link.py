@@ -585,7 +585,8 @@ class EmulatedLink(Link):
     def launch(self, fn, *args, **kwargs) -> None:
         self._check_open()
         self._raise_compute_error()
-        self._compute.put(lambda: fn(*args, **kwargs))
+        threads = torch.get_num_threads()
+        self._compute.put(lambda: _with_threads(threads, fn, *args, **kwargs))
 
     def mark(self) -> Marker:
         return self._compute.mark()
@@ -654,6 +655,14 @@ class EmulatedLink(Link):
                 target.copy_(view)
         transfer._end = time.perf_counter() - self._epoch
         transfer._landed.set()
+
+
+def _with_threads(threads: int, fn, *args, **kwargs) -> None:
+    """Run ``fn`` with the intra-op thread count the launching thread had: OpenMP keeps one per
+    thread, and a new thread's is every core — which would leave none to the copy engines."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    fn(*args, **kwargs)
 
 
 def _sleep_until(deadline: float) -> None:

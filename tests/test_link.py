@@ -174,6 +174,29 @@ def test_launched_errors_come_back_at_synchronize(link):
     link.synchronize()  # reported once
 
 
+def test_emulated_compute_uses_the_launchers_thread_count():
+    """OpenMP keeps one team size per thread, fixed when the thread first runs a parallel op; a
+    compute thread that kept its first count could take every core and leave none to the emulated
+    copy engines, so the launcher's count goes with each piece of work."""
+
+    def openmp_team_size():
+        info = torch.__config__.parallel_info()
+        return int(info.split("omp_get_max_threads() :")[1].split()[0])
+
+    seen = []
+    before = torch.get_num_threads()
+    with EmulatedLink(bandwidth="1 GB/s", latency="50 us") as link:
+        try:
+            torch.set_num_threads(2)
+            link.launch(lambda: (torch.ones(64).sum(), seen.append(openmp_team_size())))
+            torch.set_num_threads(1)
+            link.launch(lambda: seen.append(openmp_team_size()))
+            link.synchronize()
+        finally:
+            torch.set_num_threads(before)
+    assert seen == [2, 1]
+
+
 def test_a_recording_becomes_a_chrome_trace(link, tmp_path):
     with link.record() as recording:
         link.to_device(link.device_buffer(256), link.host_buffer(256), label="weights")

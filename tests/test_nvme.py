@@ -106,7 +106,7 @@ def test_adam_over_files_equals_adam_in_memory_and_resumes(tmp_path, io_path):
         grad = torch.randn(n).to(torch.bfloat16)
         seconds = adam_from_file(*tiers, grad, out, lr=1e-2, chunk=2048)
         _memory_step(memory, grad, step)
-        assert set(seconds) == {"read", "update", "write"} and all(s >= 0 for s in seconds.values())
+        assert set(seconds) == {"read", "update", "write", "other"} and all(s >= 0 for s in seconds.values())
     assert torch.equal(out, memory[0].to(torch.bfloat16))
     for tier in tiers:
         tier.close()

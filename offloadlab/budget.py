@@ -241,7 +241,7 @@ class Verdict:
         return {
             "bandwidth_bytes_per_s": self.bandwidth,
             "duplex": self.duplex,
-            "both_directions_bytes_per_s": self.both_directions,
+            "each_direction_while_both_run_bytes_per_s": self.both_directions,
             "window_s": self.window,
             "ceiling_bytes": self.ceiling_bytes,
             "offload": self.offload,

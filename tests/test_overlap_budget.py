@@ -70,6 +70,9 @@ def test_full_duplex_moves_both_directions_at_once():
     assert full.duplex == "full" and (full.h2d_bytes, full.d2h_bytes) == (20e9, 20e9)
     assert full.transfer_seconds == pytest.approx(0.625) and full.ratio == pytest.approx(2.5)
     assert full.stall_seconds == pytest.approx(0.375) and "2.5× over budget" in full.summary()
+    # The JSON names the rate for what it is: each direction's, while both run (not their sum).
+    rates = {key: value for key, value in full.to_dict().items() if key.endswith("bytes_per_s")}
+    assert rates == {"bandwidth_bytes_per_s": 32e9, "each_direction_while_both_run_bytes_per_s": 32e9}
     assert budget.verdict("60 GB/s", "1 s", 30e9, "park-and-copy").transfer_seconds == pytest.approx(6)
     # One direction only: duplex changes nothing.
     assert budget.link_seconds(20e9, 0, 32e9, 16e9) == budget.link_seconds(20e9, 0, 32e9, 32e9) == 0.625

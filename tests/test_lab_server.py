@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -28,10 +29,10 @@ def free_port() -> int:
 
 
 class LabServer:
-    """A running JupyterLab: its base URL and the lines it has logged so far."""
+    """A running JupyterLab: its base URL, the lines it has logged so far, and where it keeps checkpoints."""
 
-    def __init__(self, base: str, log: list[str]):
-        self.base, self.log = base, log
+    def __init__(self, base: str, log: list[str], checkpoints: Path):
+        self.base, self.log, self.checkpoints = base, log, checkpoints
 
     def request(self, path: str, body: dict | None = None, method: str = "GET") -> dict:
         data = json.dumps(body).encode() if body is not None else None
@@ -45,18 +46,20 @@ class LabServer:
 def lab_server(tmp_path_factory):
     """JupyterLab started with the Makefile's configuration and the settings `make env` installs."""
     settings, workspaces = tmp_path_factory.mktemp("lab-settings"), tmp_path_factory.mktemp("lab-workspaces")
+    checkpoints = tmp_path_factory.mktemp("lab-checkpoints")  # a save makes one; none may land in the checkout
     shutil.copy(ROOT / "etc" / "jupyterlab-overrides.json", settings / "overrides.json")
     port = free_port()
     command = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
                f"--config={SERVER_CONFIG}", f"--IdentityProvider.token={TOKEN}", "--ServerApp.open_browser=False",
-               f"--LabApp.app_settings_dir={settings}", f"--LabApp.workspaces_dir={workspaces}"]
+               f"--LabApp.app_settings_dir={settings}", f"--LabApp.workspaces_dir={workspaces}",
+               f"--FileCheckpoints.checkpoint_dir={checkpoints}"]
     if os.geteuid() == 0:
         command.append("--allow-root")
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     log: list[str] = []
     reader = threading.Thread(target=lambda: log.extend(process.stderr), daemon=True)
     reader.start()
-    server = LabServer(f"http://127.0.0.1:{port}", log)
+    server = LabServer(f"http://127.0.0.1:{port}", log, checkpoints)
     try:
         for _ in range(240):
             try:
@@ -137,6 +140,25 @@ def lab_page(lab_server):
         browser.close()
 
 
+def checkpoint_files() -> dict:
+    """JupyterLab's checkpoint copies in the checkout, with their modification times."""
+    return {p: p.stat().st_mtime_ns for d in ("book", "labs") for p in (ROOT / d).glob(".ipynb_checkpoints/*")}
+
+
+def scroll_to(locator, attempts: int = 5) -> None:
+    """Scroll ``locator`` into view. Lab renders a notebook's cells lazily and may render a Markdown
+    cell again while it settles, detaching the element found a moment before: find it again."""
+    from playwright.sync_api import Error
+
+    for attempt in range(attempts):
+        try:
+            locator.scroll_into_view_if_needed(timeout=30_000)
+            return
+        except Error as error:
+            if "not attached" not in str(error) or attempt == attempts - 1:
+                raise
+
+
 def open_in_lab(page, base: str, path: str) -> None:
     """Open ``path`` in Lab as a reader does, alone (a reset workspace), and wait until its kernel is idle."""
     page.goto(f"{base}/lab/tree/{path}?reset&token={TOKEN}", wait_until="domcontentloaded", timeout=120_000)
@@ -150,6 +172,7 @@ def open_in_lab(page, base: str, path: str) -> None:
 def test_open_and_save_in_the_browser_leaves_the_file_alone(lab_server, lab_page, path):
     original = path.read_bytes()
     before = path.stat().st_mtime_ns
+    checkpoints_in_checkout = checkpoint_files()
     try:
         open_in_lab(lab_page, lab_server.base, lab_path(path))
         lab_page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook").click()
@@ -161,6 +184,9 @@ def test_open_and_save_in_the_browser_leaves_the_file_alone(lab_server, lab_page
             time.sleep(0.2)  # the save reached the disk (no timing is asserted)
         assert path.stat().st_mtime_ns != before, "Lab did not save the file"
         assert path.read_bytes() == original, f"saving {path.name} in Lab rewrote it"
+        # Lab's checkpoint went to the test's folder: none is left for the next `make test` to collect.
+        assert checkpoint_files() == checkpoints_in_checkout
+        assert (lab_server.checkpoints / f"{path.stem}-checkpoint{path.suffix}").exists()
     finally:
         if path.read_bytes() != original:
             path.write_bytes(original)
@@ -173,11 +199,10 @@ def test_lab_solutions_are_folded_until_asked_for(lab_server, lab_page):
     shown_answers = notebook.locator(".jp-CodeCell .cm-content", has_text="BEGIN SOLUTION")
     assert hidden.count() >= 1 and shown_answers.count() == 0  # of the cells Lab has drawn so far
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    hidden.first.scroll_into_view_if_needed()
+    scroll_to(hidden.first)
     lab_page.screenshot(path=str(SCREENSHOTS / "lab01_in_jupyterlab.png"))
     hidden.first.click()  # a reader asks for the answer
     shown_answers.first.wait_for(timeout=10_000)
-
 
 
 def test_references_read_as_text_in_lab(lab_server, lab_page):
@@ -188,7 +213,7 @@ def test_references_read_as_text_in_lab(lab_server, lab_page):
     notebook = lab_page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
     link = notebook.locator(".jp-MarkdownCell a", has_text="3. The overlap-vs-stall condition").first
     link.wait_for(timeout=30_000)
-    link.scroll_into_view_if_needed()
+    scroll_to(link)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     lab_page.screenshot(path=str(SCREENSHOTS / "lab03_references_in_jupyterlab.png"))
     rendered = " ".join(notebook.locator(".jp-MarkdownCell").all_inner_texts())  # what the reader sees

@@ -77,6 +77,22 @@ def test_variants_get_one_axis_each_from_their_own_zero_on_one_scale():
     assert "(emulated)" in fig._suptitle.get_text()
 
 
+def test_back_to_back_intervals_stay_apart():
+    """Double-buffered compute runs layer after layer with no gap; the reader still counts eight."""
+    lanes = chapter_seven_variants()["double buffered"]
+    variants = {"double buffered": {name: [(a, b, "") for a, b, _ in lane] for name, lane in lanes.items()}}  # no text
+    fig = plots.timeline(variants, "Prefetch", source="emulated")
+    fig.canvas.draw()
+    image = np.asarray(fig.canvas.buffer_rgba())[:, :, :3].astype(int)
+    ax = fig.axes[0]
+    box = ax.get_window_extent()
+    _, y = ax.transData.transform((0, 1))  # the compute lane
+    line = image[image.shape[0] - int(round(y)), int(box.x0) + 1:int(box.x1) - 1]
+    inside = (np.abs(line - np.array(to_rgb(plots.lane_colour("compute"))) * 255).max(axis=1) < 12).astype(int)
+    runs = int((np.diff(np.concatenate([[0], inside])) == 1).sum())
+    assert runs == len(variants["double buffered"]["compute"])
+
+
 def test_an_instant_interval_still_shows():
     fig = plots.timeline({"compute": [(0.0, 1.0, "step")], "D2H": [(0.5, 0.5, "flag")]})
     assert_every_lane_shows_its_work(fig, {"compute": [], "D2H": []})

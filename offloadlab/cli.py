@@ -225,10 +225,13 @@ def _cmd_plan(args) -> int:
     report = planner.plan(work, hardware)
     emitted = {}
     if args.emit:
+        if report.chosen is None:
+            raise UsageError(f"offloadlab plan: --emit {args.emit}: nothing fits on this hardware, so there is no "
+                             f"configuration to emit (run without --emit to see what binds)")
         options = dict(accumulation=args.accumulation, nvme_path=args.nvme_path)
         if work.architecture is not None and work.architecture.family == "gpt2":
             options["blocks"] = "model.transformer.h"
-        with _arguments():  # --emit cannot be honoured when nothing fits
+        with _arguments():
             chosen = engines.setup(report, **options)
         if args.emit == "deepspeed":
             emitted = {"deepspeed": engines.deepspeed_config(chosen), "deepspeed_python": engines.deepspeed_snippet(chosen)}

@@ -652,9 +652,11 @@ class PlanReport:
             lines.append(f"  GPU {format_size(c.gpu_bytes)} of {format_size(c.gpu_usable)} usable, "
                          f"host {format_size(c.host_bytes)}, traffic {format_size(c.h2d_bytes)} up and "
                          f"{format_size(c.d2h_bytes)} down per step")
+            nvme_s = getattr(c, "t_nvme_passes", 0.0) + getattr(c, "t_nvme_after", 0.0)
+            nvme = f", NVMe {format_duration(nvme_s)}" if nvme_s else ""
             lines.append(f"  step ≈ {format_duration(c.step)}: compute {format_duration(c.t_compute)}, then the GPU "
                          f"waits {format_duration(c.waiting)} (link {format_duration(c.t_transfer)}, "
-                         f"CPU update {format_duration(c.t_cpu)}, overlapped where the order allows)")
+                         f"CPU update {format_duration(c.t_cpu)}{nvme}, overlapped where the order allows)")
             if isinstance(c, NodePlan):
                 n, net = c.layout.gpus, self.hardware.interconnect or ASSUMED_INTERCONNECT
                 if n > 1:

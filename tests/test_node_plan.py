@@ -127,6 +127,8 @@ def test_plan_a_real_model_exactly():
     text = offloadlab(*EIGHT_B, "--nvme", "3 GB/s", "--emit", "deepspeed")
     assert text.returncode == 0, text.stderr
     assert "8,030,261,248 parameters" in text.stdout and "to NVMe" in text.stdout
+    waits = next(line for line in text.stdout.splitlines() if "then the GPU waits" in line)
+    assert ", NVMe " in waits  # what the GPU waits for names the drive, which takes most of the step
     assert '"device": "nvme"' in text.stdout and "--nvme-path" in text.stdout
     fsdp = offloadlab(*EIGHT_B, "--nvme", "3 GB/s", "--emit", "fsdp")
     assert "FSDP2 cannot offload there" in fsdp.stdout and "model.model.layers" in fsdp.stdout
@@ -160,6 +162,15 @@ def test_the_issue_16_command_no_longer_calls_an_oversized_plan_a_fit():
                                     "--json").stdout)
     kept = next(p for p in payload["plans"] if p["name"] == "offload nothing, activations kept")
     assert kept["fits"] is False and kept["binding"].startswith("GPU memory: needs 201 GB")
+
+
+def test_emit_when_nothing_fits_names_the_flag_and_what_to_run():
+    """The 8 B model on 24 GB and 64 GB of host memory: no plan, so nothing to emit — one line, exit 2."""
+    result = offloadlab(*EIGHT_B, "--emit", "fsdp")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "offloadlab: error: offloadlab plan: --emit fsdp: nothing fits on this hardware, so there is no configuration "
+        "to emit (run without --emit to see what binds)"]
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -212,8 +212,12 @@ class StreamedModel:
         ``sink.gradient_destination(block, positions)`` gives the pinned flat host tensor (laid out
         as :meth:`gradient_layout`) that the gradients of the block's trainable parameters at
         ``positions`` are about to be copied into; ``sink.gradient_arriving(block, transfers,
-        positions)`` is told of the copies.
+        positions)`` is told of the copies. Gradients already landed here go to ``.grad`` (where
+        the sink's owner finds them) and the block's own landing buffer is freed.
         """
+        if block in self._landing:
+            self._land(block)  # (waits for their copies)
+        self._host_gradients.pop(block, None)
         self._sinks[block] = sink
 
     def detach_sink(self, block: int, sink) -> None:

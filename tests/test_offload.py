@@ -624,6 +624,85 @@ def test_zero_grad_keeping_zeros_steps_like_adamw(link):
     assert_matches(ref, mine)
 
 
+@pytest.mark.parametrize("source", ["backward before the optimizer", "assigned by hand", "torch.autograd.grad"])
+def test_gradients_that_did_not_come_through_backward_are_used_like_adamw(link, source):
+    """A .grad left by an earlier cell's backward, set by hand or taken from autograd.grad: AdamW
+    steps with it, and so must this optimizer (it used to skip it silently)."""
+    ref, mine = mlp(), mlp()
+    x, y = data(1, 1)[0][0]
+    made = {}
+    for model, make in ((ref, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)),
+                        (mine, lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link))):
+        if source == "backward before the optimizer":
+            nn.functional.mse_loss(model(x), y).backward()
+            made[id(model)] = optimizer = make(model)
+        else:
+            made[id(model)] = optimizer = make(model)
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            grads = torch.autograd.grad(nn.functional.mse_loss(model(x), y), trainable) \
+                if source == "torch.autograd.grad" else [torch.full_like(p, 0.5) for p in trainable]
+            for p, g in zip(trainable, grads):
+                p.grad = g
+        optimizer.clip_grad_norm_(0.05) if isinstance(optimizer, CPUOffloadAdam) else \
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.05)
+        optimizer.step()
+    made[id(mine)].close()
+    assert not torch.equal(ref[0].weight, mlp()[0].weight)  # the reference did move
+    assert_matches(ref, mine)
+
+
+def test_a_resumed_scheduler_finds_its_keys_in_the_loaded_groups(link):
+    """torch.optim restores every key of a saved group; a scheduler resumed with last_epoch needs
+    its initial_lr, and users keep their own keys there. AdamW is the reference."""
+    def resume(make):
+        model = mlp()
+        opt = make([{"params": list(model.parameters()), "tag": "body"}], lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        run(model, opt, data(2, 1))
+        scheduler.step()
+        saved, saved_scheduler = opt.state_dict(), scheduler.state_dict()
+        if hasattr(opt, "close"):
+            opt.close()
+        resumed = make(model.parameters(), lr=1.0)
+        resumed.load_state_dict(saved)
+        again = torch.optim.lr_scheduler.StepLR(resumed, step_size=1, gamma=0.5, last_epoch=0)
+        again.load_state_dict(saved_scheduler)
+        again.step()
+        group = {k: v for k, v in resumed.param_groups[0].items() if k in ("tag", "initial_lr", "lr")}
+        if hasattr(resumed, "close"):
+            resumed.close()
+        return group
+
+    reference = resume(torch.optim.AdamW)
+    assert reference["tag"] == "body" and reference["initial_lr"] == 1e-2
+    assert resume(lambda params, lr: CPUOffloadAdam(params, lr=lr, link=link)) == reference
+
+
+def test_torch_grad_scaler_is_refused_in_words(link):
+    model = mlp()
+    opt = CPUOffloadAdam(model.parameters(), link=link)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = data(1, 1)[0][0]
+    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    with pytest.raises(RuntimeError, match="GradScaler cannot check gradients.*scale_loss"):
+        scaler.step(opt)
+    opt.zero_grad()
+    run(model, opt, data(1, 1))  # the optimizer is still usable afterwards
+    opt.close()
+
+
+def test_the_take_over_warning_names_the_line_that_made_the_optimizer(link):
+    model = mlp()
+    first = CPUOffloadAdam(model.parameters(), link=link)
+    with pytest.warns(UserWarning, match="took their parameters over") as caught:
+        second = CPUOffloadAdam(model.parameters(), link=link)
+    assert caught[0].filename == __file__
+    with pytest.warns(UserWarning, match="took their parameters over") as caught:
+        CPUOffloadAdam([torch.zeros(2, requires_grad=True)], link=link).add_param_group({"params": list(model.parameters())})
+    assert caught[0].filename == __file__
+    first.close(), second.close()
+
+
 def test_weights_loaded_after_the_optimizer_was_made_are_the_ones_trained(link):
     ref, mine = mlp(), mlp()
     reference = torch.optim.AdamW(ref.parameters(), lr=1e-3)

@@ -148,6 +148,28 @@ def test_with_cpu_offload_adam_the_gradients_land_in_the_optimizer(link):
     optimizer.close()
 
 
+def test_gradients_landed_before_the_optimizer_are_used_and_their_buffers_freed(link):
+    """A backward before the optimizer exists leaves host .grad and landing buffers; attaching the
+    optimizer frees the buffers, and its first step uses the gradients, as it does for the plain
+    model (and AdamW would)."""
+    plain, streamed = twins()
+    before = [p.detach().clone() for p in plain.parameters()]
+    handle = StreamedModel(streamed, link)
+    x, y = batch()
+    for model in (plain, streamed):
+        model(x, y).backward()
+    assert handle._host_gradients
+    weights_only = sum(h.numel() for h in handle._host)
+    reference = CPUOffloadAdam(plain.parameters(), lr=1e-2, link=link)
+    optimizer = CPUOffloadAdam(streamed.parameters(), lr=1e-2)
+    assert handle._host_gradients == {} and handle.host_bytes == weights_only
+    reference.step(), optimizer.step()
+    reference.close(), optimizer.close()
+    assert all(not torch.equal(a, b) for a, b in zip(before, plain.parameters()))  # every parameter moved
+    for a, b in zip(plain.parameters(), streamed.parameters()):
+        assert torch.equal(a, b)
+
+
 def three_steps(model, optimizer, x, y) -> None:
     for _ in range(3):
         optimizer.zero_grad()

@@ -124,7 +124,7 @@ class OffloadEngine:
         cpu_adam.load()  # find or build the kernel now, not on the worker in the middle of a backward
 
         buckets = make_buckets(param_groups, bucket_bytes)  # (checks streamed blocks first)
-        self._take_over(trainable)  # an earlier optimizer finishes its work before we copy the weights
+        self._take_over(trainable, stacklevel=5)  # an earlier optimizer finishes before we copy the weights
         self.timeline = StepTimeline(record_timeline)
         self.host = HostState(self.link, self.dtype, buckets)
         self.intake = GradientIntake(self.link, self.host, accumulation_steps if eager else None,
@@ -153,13 +153,15 @@ class OffloadEngine:
             device = next((streamed_model_of(p).link.device for p in trainable), torch.device("cpu"))
         return device, (dtypes.pop() if dtypes else torch.float32)
 
-    def _take_over(self, trainable: list) -> None:
+    def _take_over(self, trainable: list, stacklevel: int) -> None:
+        """Close live engines that manage any of ``trainable``; the warning names the user's line
+        ``stacklevel`` frames up (CPUOffloadAdam(...) or add_param_group(...))."""
         previous = {id(e): e for p in trainable if (e := _OWNERS.get(p)) is not None and e.closed is None}
         for engine in previous.values():
             engine.close(reason="its parameters were taken over by a newer CPUOffloadAdam")
         if previous:
             warnings.warn(f"CPUOffloadAdam: closed {len(previous)} earlier optimizer(s) over the same parameters "
-                          f"and took their parameters over", stacklevel=4)
+                          f"and took their parameters over", stacklevel=stacklevel)
 
     def add_group(self, group: dict) -> None:
         """Manage a new parameter group (torch.optim.Optimizer.add_param_group)."""
@@ -175,7 +177,7 @@ class OffloadEngine:
         self.synchronize()
         self.intake.settle()
         self.link.synchronize()  # every gradient in flight has landed before the buffers are copied over
-        self._take_over(trainable)
+        self._take_over(trainable, stacklevel=4)
         buckets = make_buckets([group], self.bucket_bytes, start_index=len(self.host.buckets), start=self.host.numel)
         self.host.extend(buckets)
         self.intake.add(buckets)
@@ -216,6 +218,7 @@ class OffloadEngine:
             check_group(group, f"param_groups[{i}]: ")
         self.intake.settle()
         self._check_unmanaged_gradients()
+        self.intake.take_loose()
         if self.delayed_update:
             previous = [b for b in self.host.buckets if b.submitted]
             self._finish(previous, upload=True)
@@ -311,6 +314,8 @@ class OffloadEngine:
             raise RuntimeError("clip_grad_norm_: with accumulation_steps set (and no max_grad_norm) the update "
                                "starts during backward, before anything can be clipped; pass max_grad_norm=… to "
                                "the constructor instead")
+        self.intake.settle()
+        self.intake.take_loose()
         norm = self.gradient_norm()
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(f"clip_grad_norm_: the total norm of the gradients is {norm}; "

@@ -293,7 +293,8 @@ def _step_count(value, where: str) -> int:
 
 def check_state(state_dict, param_groups) -> tuple[list[dict], dict]:
     """Validate a state dict from CPUOffloadAdam or torch.optim.AdamW against ``param_groups``
-    before anything is changed. Returns (saved groups' hyperparameters, {param: checked entry})."""
+    before anything is changed. Returns (saved groups' settings, every key but the parameters;
+    {param: checked entry})."""
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) \
             or not isinstance(state_dict.get("state", {}), dict):
         raise ValueError("state_dict: expected a dict with 'param_groups' (a list) and 'state' (a dict), as "
@@ -313,8 +314,9 @@ def check_state(state_dict, param_groups) -> tuple[list[dict], dict]:
         if saved.get("decoupled_weight_decay") is False and saved.get("weight_decay", 0):
             raise ValueError(f"{where}an Adam state with L2 weight decay (decoupled_weight_decay=False); "
                              f"CPUOffloadAdam implements AdamW's decoupled weight decay")
-        values = {k: tuple(saved[k]) if k == "betas" else saved[k]
-                  for k in ("lr", "betas", "eps", "weight_decay") if k in saved}
+        # Every saved key but the parameters comes back, as torch.optim restores it: a scheduler's
+        # initial_lr, OneCycleLR's max_lr, the user's own keys.
+        values = {k: tuple(v) if k == "betas" else v for k, v in saved.items() if k not in ("params", "param_names")}
         check_hyperparameters(values.get("lr", own["lr"]), values.get("betas", own["betas"]),
                               values.get("eps", own["eps"]), values.get("weight_decay", own["weight_decay"]), where)
         hyper.append(values)

@@ -60,14 +60,36 @@ class GradientIntake:
                 self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in bucket.params]
 
     def take_existing(self, params) -> None:
-        """Take in gradients these parameters already hold (made before they were given to the
-        optimizer, outside backward), as their hooks would have."""
+        """Take in gradients that reached these parameters' ``.grad`` without passing through their
+        hooks — left by a backward run before the optimizer was made, assigned by hand, or from
+        ``torch.autograd.grad`` — as the hooks would have: torch.optim.AdamW uses them too."""
         for p in params:
-            if p.grad is not None and id(p) in self._where:
-                bucket, k = self._where[id(p)]
+            if p.grad is None or id(p) not in self._where:
+                continue
+            bucket, k = self._where[id(p)]
+            if p.grad.is_sparse:
+                raise ValueError("params: CPUOffloadAdam does not support sparse gradients")
+            if p.grad.shape != p.shape:
+                raise RuntimeError(f"CPUOffloadAdam: a parameter of shape {tuple(p.shape)} has a gradient of "
+                                   f"shape {tuple(p.grad.shape)}")
+            self._check_not_submitted(bucket)
+            if bucket.streamed is None:
                 self._gather.add(bucket.index, k, p.grad)
-                p.grad = None
+            else:  # a streamed parameter's .grad is a host tensor: it goes straight into its place
+                s, e = bucket.ranges[k]
+                self._destination(bucket.index, [k])
+                with torch.no_grad():
+                    self.host.grads[s:e].copy_(p.grad.reshape(-1))
+                self._arrived(bucket.index, [], [k])
+            p.grad = None
         self._gather.flush()
+
+    def take_loose(self) -> None:
+        """Before a step or a clip: take in every gradient that sits in a managed ``.grad`` (see
+        :meth:`take_existing`; gradients from backward never stay there)."""
+        loose = [p for bucket in self.buckets for p in bucket.params if p.grad is not None]
+        if loose:
+            self.take_existing(loose)
 
     def close(self) -> None:
         """Remove the hooks and leave the streamed blocks' gradients to their StreamedModel again."""

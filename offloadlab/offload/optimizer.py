@@ -91,6 +91,10 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     (:func:`offloadlab.trace.write_chrome_trace` writes it for Perfetto).
     """
 
+    # torch.amp.GradScaler.step() then hands this step() its scale instead of reading .grad (which
+    # it would find empty: the gradients are on the host), so step() can refuse it in plain words.
+    _step_supports_amp_scaling = True
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  link=None, threads: int | None = None, max_grad_norm: float | None = None,
                  accumulation_steps: int | None = None, delayed_update: bool = False, loss_scale="dynamic",
@@ -204,6 +208,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     def step(self, closure=None):
         """Finish this step's CPU updates (or, with delayed_update, apply the previous step's)."""
         self._engine.check_usable()
+        if "found_inf" in self.__dict__:  # set by torch.amp.GradScaler.step(), which removes it after a step
+            del self.__dict__["found_inf"], self.__dict__["grad_scale"]
+            raise RuntimeError("CPUOffloadAdam: torch.amp.GradScaler cannot check gradients that are already on "
+                               "the host; this optimizer scales fp16 losses itself (loss_scale=..., then "
+                               "opt.scale_loss(loss).backward() and opt.step()), and bf16 or fp32 need no scaler. "
+                               "Call zero_grad() to drop this step's scaled gradients")
         loss = None
         if closure is not None:
             with torch.enable_grad():

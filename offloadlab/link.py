@@ -637,6 +637,8 @@ class EmulatedLink(Link):
             transfer._error = error
             transfer._start = transfer._end = self.now()
             transfer._landed.set()
+            if not isinstance(error, Exception):
+                raise  # Ctrl-C while the caller's own thread copies (pageable memory): the caller stops
 
     def _paced_copy(self, transfer: _EmulatedTransfer, dst, src, bandwidth: float, after: Marker | None,
                     scatter) -> None:

@@ -347,6 +347,22 @@ def test_torch_threads_come_back_whatever_order_links_close_in():
     assert torch.get_num_threads() == before
 
 
+def test_ctrl_c_during_a_pageable_copy_stops_the_caller(link, monkeypatch):
+    """A pageable copy runs on the caller's thread: Ctrl-C there is the user stopping the program
+    (the command line exits 130), not a failed copy to wrap in a RuntimeError."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(link, "_paced_copy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        link.to_device(link.device_buffer(2), torch.zeros(2))  # ordinary (pageable) memory
+    monkeypatch.undo()
+    link.synchronize()  # nothing is left hanging
+    out = link.device_buffer(2)
+    link.to_device(out, torch.ones(2)).synchronize()
+    assert torch.equal(out, torch.ones(2))
+
+
 def test_a_copy_that_fails_on_its_engine_raises_to_whoever_waits(link, monkeypatch):
     def failing(*args, **kwargs):
         raise MemoryError("simulated")

@@ -461,6 +461,16 @@ def _stdout_gone() -> None:
         pass
 
 
+def _print_what_the_terminal_can_show() -> None:
+    """Output in an encoding without →, ×, — (PYTHONIOENCODING=latin-1, an old terminal) shows
+    them as '?' rather than failing halfway through a report."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="replace")
+        except (AttributeError, ValueError):  # not a text file (captured in a test)
+            pass
+
+
 def _error(message: str) -> None:
     print(f"offloadlab: error: {' '.join(message.split())}", file=sys.stderr)
 
@@ -470,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     if sys.stdout is None:  # started with standard output closed (`>&-`)
         _error("standard output is closed; run the command with it open (or redirect it to a file)")
         return FAULT
+    _print_what_the_terminal_can_show()
     try:
         args = build_parser().parse_args(argv)
         status = args.run(args)

@@ -117,6 +117,16 @@ def test_an_internal_value_error_is_a_bug_not_a_usage_error(monkeypatch):
         main(["plan", "--params", "30e9", "--gpu-memory", "80 GB", "--link", "32 GB/s"])
 
 
+@pytest.mark.parametrize("command", [["budget", "--link", "25 GB/s", "--window", "250 ms", "--params", "1e9",
+                                      "--offload", "optimizer"],
+                                     ["plan", "--params", "7e9", "--gpu-memory", "24 GB", "--link", "25 GB/s"]])
+def test_a_terminal_that_cannot_show_arrows_gets_question_marks_not_a_traceback(command):
+    child = subprocess.run([sys.executable, "-m", "offloadlab", *command], capture_output=True,
+                           env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert child.returncode == 0, child.stderr.decode(errors="replace")
+    assert child.stderr == b"" and b"?" in child.stdout and child.stdout.isascii()
+
+
 def test_a_closed_pipe_ends_quietly_with_sigpipe_status():
     """The reader has gone before the first write (deterministic: its end is closed first)."""
     read_end, write_end = os.pipe()

@@ -150,8 +150,9 @@ def both_directions_rate(bandwidth, duplex="full") -> tuple[float, str]:
     except ValueError:
         raise ValueError(f"duplex: expected {DUPLEX_FORMS}; got {duplex!r}") from None
     if both > rate * (1 + MEASUREMENT_SLACK):
-        raise ValueError(f"duplex: expected at most the one-direction bandwidth {format_bandwidth(rate)} "
-                         f"(a direction cannot gain from the other running); got {duplex!r}")
+        raise ValueError(f"duplex: expected at most the one-direction bandwidth {format_bandwidth(rate)}, give or "
+                         f"take the {MEASUREMENT_SLACK:.0%} two measurements differ by (a direction cannot gain "
+                         f"from the other running); got {duplex!r}")
     return min(both, rate), "measured"  # a measurement a little above the one-way rate is that rate
 
 

@@ -47,16 +47,21 @@ class Fault(Exception):
 
 
 @contextlib.contextmanager
-def _arguments():
+def _arguments(**flags: str):
     """Mark where a command turns its arguments into the package's validated inputs.
 
     The package's constructors and parsers raise ValueError naming the argument; inside this block
-    that is a usage error. Outside it a ValueError is a bug, and surfaces as one.
+    that is a usage error. Outside it a ValueError is a bug, and surfaces as one. ``flags`` maps
+    the package's argument names to the flags the user typed (``duplex="--duplex"``).
     """
     try:
         yield
     except ValueError as error:
-        raise UsageError(str(error)) from None
+        message = str(error)
+        for name, flag in flags.items():
+            if message.startswith(f"{name}: "):
+                message = flag + message[len(name):]
+        raise UsageError(message) from None
 
 
 def _bounded(parse, low: float, high: float, limits: str):
@@ -98,7 +103,8 @@ def _duplex(text: str):
     if text in ("full", "half"):
         return text
     try:
-        return _BANDWIDTH(text)
+        _BANDWIDTH(text)
+        return text  # as typed: a refusal against --link (in budget) quotes it
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected 'full', 'half' or the rate each direction keeps while both "
                                          f"run, e.g. '20 GB/s'; got {text!r}") from None
@@ -165,7 +171,7 @@ def _cmd_budget(args) -> int:
 
     if (args.params is None) != (args.offload is None):
         raise UsageError("offloadlab budget: give --params and --offload together, or neither")
-    with _arguments():
+    with _arguments(duplex="--duplex"):
         result = budget.verdict(args.link, args.window, args.params, args.offload or (), duplex=args.duplex,
                                 recipe=args.recipe)
     print(_dumps(result.to_dict()) if args.json else result.summary())
@@ -192,6 +198,9 @@ def _plan_workload(args):
     return planner.Workload.of_model(architecture, batch=args.batch, seq=args.seq)
 
 
+_MEASURED_MAX_BYTES = 16 * 2**20  # a probe record is tens of kB; /dev/zero is endless
+
+
 def _plan_hardware(args):
     """The node of ``plan``: the flags, or an ``offloadlab probe --json`` record with the flags over it."""
     from . import planner
@@ -205,11 +214,20 @@ def _plan_hardware(args):
                 raise UsageError(f"offloadlab plan: --{flag.replace('_', '-')} is required (or --measured FILE)")
         with _arguments():
             return planner.Hardware(**given)
+    def refused(reason: str) -> UsageError:
+        return UsageError(f"--measured: expected an `offloadlab probe --json` file; got {args.measured!r} ({reason})")
+
     try:
-        record = json.loads(Path(args.measured).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UsageError(f"--measured: expected an `offloadlab probe --json` file; got {args.measured!r} "
-                         f"({type(error).__name__})") from None
+        with open(args.measured, "rb") as source:  # (a pipe too: --measured <(offloadlab probe --json -))
+            text = source.read(_MEASURED_MAX_BYTES + 1)
+    except OSError as error:
+        raise refused(error.strerror or type(error).__name__) from None
+    if len(text) > _MEASURED_MAX_BYTES:
+        raise refused(f"more than {_MEASURED_MAX_BYTES // 2**20} MiB")
+    try:
+        record = json.loads(text.decode("utf-8"))
+    except ValueError as error:  # UnicodeDecodeError, JSONDecodeError
+        raise refused(type(error).__name__) from None
     with _arguments():
         return planner.Hardware.from_probe(record, **given)
 
@@ -308,14 +326,18 @@ def _cmd_probe(args) -> int:
     if args.reference_dir is not None and not Path(args.reference_dir).is_dir():
         raise UsageError(f"--reference-dir: expected an existing folder; got {args.reference_dir!r}")
     reference_target = None
-    if args.reference:
+    if args.reference is not None:
         try:
-            reference_target = reference.target(args.reference, args.reference_dir, overwrite=args.force)
+            reference_target = reference.target(args.reference, args.reference_dir, overwrite=args.force,
+                                                 how_to_replace="--force")
         except ValueError as error:  # the name or the folder the user gave
             raise UsageError(f"--reference: {str(error).removeprefix('name: ')}") from None
-        except OSError as error:
-            raise Fault(f"--reference: {error.strerror or error}") from None
-    if not Path(args.disk).is_dir():
+        except OSError as error:  # the folder refuses a file: name the folder and where it came from
+            folder = args.reference_dir or reference.user_folder()
+            origin = "" if args.reference_dir else f" (from ${reference.USER_FOLDER_VARIABLE})" \
+                if os.environ.get(reference.USER_FOLDER_VARIABLE) else " (your reference folder)"
+            raise Fault(f"--reference: cannot write in {str(folder)!r}{origin}: {error.strerror or error}") from None
+    if not args.disk or not Path(args.disk).is_dir():
         raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
     measured = ladder.measure(quick=args.quick, disk_folder=args.disk)  # checks the disk before the sweeps
     mine = ladder.of_machine(measured)

@@ -64,10 +64,15 @@ def _is_stream(path: Path) -> bool:
         return False
 
 
+_NAME_MAX = 255  # bytes in one file name on Linux file systems
+
+
 def _create_scratch(target: Path) -> tuple[int, Path]:
     """A new, empty, uniquely named file beside ``target`` (mode 0o666 less the umask, as open() makes)."""
+    # A name near the limit still gets a scratch name: "." + stem + ".12345678.tmp" fits in 255 bytes.
+    stem = os.fsdecode(os.fsencode(target.name)[:_NAME_MAX - len(".12345678.tmp") - 1])
     for _ in range(16):
-        scratch = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+        scratch = target.with_name(f".{stem}.{secrets.token_hex(4)}.tmp")
         try:
             fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
         except FileExistsError:
@@ -111,6 +116,8 @@ def write_atomically(path, data: bytes | str, replace: bool = False) -> Path:
             view = memoryview(payload)
             while view:
                 view = view[os.write(fd, view):]
+            if replace and target.exists():  # the replacement keeps the permissions the user gave the file
+                os.fchmod(fd, stat.S_IMODE(target.stat().st_mode))
             os.fsync(fd)
         finally:
             os.close(fd)

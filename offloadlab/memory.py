@@ -139,7 +139,7 @@ class StateBreakdown:
 
     def to_dict(self) -> dict:
         return {
-            "params": self.params,
+            "params": int(self.params) if float(self.params).is_integer() else self.params,  # a count, not 7e9.0
             "recipe": self.recipe,
             "bytes_per_param": get_recipe(self.recipe).bytes_per_param,
             "by_kind_bytes": self.by_kind,

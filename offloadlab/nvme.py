@@ -302,9 +302,13 @@ class FileTier:
                  block_bytes: int = 1 << 20, queue_depth: int = 8, checksums: bool = True):
         layout = _new_layout(numel, dtype, block_bytes, init, checksums)
         _checked_depth(queue_depth)
+        if not str(path):
+            raise ValueError("path: expected a file name; got ''")
         path = Path(path)
         if not path.parent.is_dir():
             raise ValueError(f"path: folder {str(path.parent)!r} does not exist")
+        if path.is_dir():
+            raise ValueError(f"path: expected a file name; got {str(path)!r}, which is a folder")
         if path.exists() or path.is_symlink():
             raise ValueError(f"path: {str(path)!r} exists; FileTier.open resumes it, and FileTier never "
                              "overwrites a file")

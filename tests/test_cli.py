@@ -19,6 +19,7 @@ def test_state_json_reports_160_gb_for_10b_params():
     assert payload["total_bytes"] == 160e9
     assert payload["by_kind_bytes"]["master_weights"] == 40e9
     assert payload["recipe"] == "mixed-adam"
+    assert '"params": 10000000000,' in result.stdout  # a count, not 10000000000.0
 
 
 def test_state_table(capsys):
@@ -243,8 +244,21 @@ def test_probe_checks_the_disk_and_the_reference_name_before_the_sweep(small_dis
     packaged = (reference.FOLDER / "nominal-ladder.json").read_bytes()
     assert main(["probe", "--quick", "--reference", "nominal-ladder", "--force"]) == 2
     assert "'nominal-ladder' is a reference shipped with offloadlab" in capsys.readouterr().err
+    assert not user_references.exists()  # a refused name leaves no empty folder behind
     assert main(["probe", "--quick", "--reference", "../x"]) == 2
     assert "--reference: expected letters" in capsys.readouterr().err
+    assert main(["probe", "--quick", "--reference", ""]) == 2  # not silently "no reference"
+    assert "--reference: expected letters" in capsys.readouterr().err
+    assert main(["probe", "--quick", "--disk", ""]) == 2  # not silently "here"
+    assert "--disk: expected an existing folder; got ''" in capsys.readouterr().err
+    user_references.write_text("a file where the folder should be")
+    assert main(["probe", "--quick", "--reference", "x"]) == 1
+    assert f"cannot write in '{user_references}' (from $OFFLOADLAB_REFERENCE_DIR)" in capsys.readouterr().err
+    user_references.unlink()
+    user_references.mkdir()
+    (user_references / "x.json").write_text("{}")
+    assert main(["probe", "--quick", "--reference", "x"]) == 2
+    assert "choose another name or pass --force to replace it" in capsys.readouterr().err
     assert main(["probe", "--quick", "--reference", "x", "--reference-dir", "/no/such/folder"]) == 2
     assert "--reference-dir: expected an existing folder" in capsys.readouterr().err
     assert "--reference-dir: give it with --reference" in (main(["probe", "--reference-dir", "."]),
@@ -294,6 +308,20 @@ def test_a_parameter_count_is_a_whole_number_and_a_closed_stdout_is_said_plainly
     closed = subprocess.run([sys.executable, "-m", "offloadlab", "state", "--params", "1e9"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))  # `>&-`
     assert closed.returncode == 1 and closed.stderr.count("\n") == 1 and "standard output is closed" in closed.stderr
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "/no/such/record.json"])
+def test_a_measured_record_that_is_endless_or_missing_is_one_line(source):
+    result = subprocess.run([sys.executable, "-m", "offloadlab", "plan", "--params", "7e9", "--measured", source],
+                            capture_output=True, text=True, timeout=120)  # /dev/zero used to be read forever
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "--measured:" in result.stderr
+
+
+def test_duplex_refusals_name_the_flag_and_what_was_typed(capsys):
+    assert main(["budget", "--link", "25 GB/s", "--window", "250 ms", "--duplex", "1 PB/s"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("offloadlab: error: --duplex: expected at most") and "got '1 PB/s'" in err
+    assert main(["budget", "--link", "25 GB/s", "--window", "250 ms", "--duplex", "26 GB/s"]) == 0  # within 10 %
 
 
 @pytest.mark.parametrize("damage", [

@@ -37,6 +37,18 @@ def test_write_atomically_never_replaces_by_surprise(tmp_path):
     assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # like open(), not mkstemp's 0o600
 
 
+def test_replacing_keeps_the_files_permissions_and_long_names_work(tmp_path):
+    private = tmp_path / "private.json"
+    private.write_text("old")
+    private.chmod(0o600)
+    files.write_atomically(private, "new", replace=True)
+    assert private.read_text() == "new" and private.stat().st_mode & 0o777 == 0o600
+    long_name = tmp_path / ("r" * 250 + ".json")  # 255 bytes: the limit, so no room for a suffix
+    files.check_target(long_name)
+    files.write_atomically(long_name, "ok")
+    assert long_name.read_text() == "ok" and len(list(tmp_path.iterdir())) == 2
+
+
 def test_a_failed_write_leaves_the_old_file_and_no_scratch(tmp_path, monkeypatch):
     target = tmp_path / "out.json"
     target.write_text("precious")

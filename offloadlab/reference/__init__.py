@@ -79,22 +79,23 @@ def load(name: str, folder: Path | None = None) -> dict:
     return data
 
 
-def target(name: str, folder: Path | None = None, overwrite: bool = False) -> Path:
+def target(name: str, folder: Path | None = None, overwrite: bool = False,
+           how_to_replace: str = "overwrite=True") -> Path:
     """The file :func:`save` would write for ``name``, checked now so a long measurement can be refused
     before it starts. ValueError for a bad or taken name, OSError for a folder that refuses files."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"name: expected letters, digits, '.', '_' or '-', starting with a letter or digit; "
                          f"got {name!r}")
-    if folder is None:
-        folder = user_folder()
-        folder.mkdir(parents=True, exist_ok=True)
-    folder = Path(folder)
+    made_here = folder is None
+    folder = user_folder() if made_here else Path(folder)
     if folder.resolve() != FOLDER and name in _names(FOLDER):
         raise ValueError(f"name: {name!r} is a reference shipped with offloadlab; choose another name")
     path = folder / f"{name}.json"
     if path.is_file() and _kind(path) == "nominal":
         raise ValueError(f"name: {name!r} is nominal reference data, which is never replaced; choose another name")
-    return check_target(path, replace=overwrite, name="name", how_to_replace="overwrite=True (--force)")
+    if made_here:  # only once the name is accepted
+        folder.mkdir(parents=True, exist_ok=True)
+    return check_target(path, replace=overwrite, name="name", how_to_replace=how_to_replace)
 
 
 def _kind(path: Path) -> str | None:

@@ -65,15 +65,16 @@ def pcie_topology(path: Path) -> Path:
     _arrow(ax, (3.27, 2.32), (3.27, 2.73), both=True)
     ax.text(3.35, 2.52, "DMA", fontsize=7.5, color=GREY, va="center")
 
-    # The link: separate lanes each way.
+    # The link: 16 lanes, each with a wire pair per direction, so both directions run at once.
     rate = f"{achievable / 1e9:.0f} GB/s ({nominal / 1e9:.1f} nominal)"
     _arrow(ax, (3.97, 3.7), (6.4, 3.7), colour=LINK, width=2.2)
-    ax.text(5.07, 3.82, "host → GPU lanes", ha="center", fontsize=8, color=LINK, weight="bold")
+    ax.text(5.07, 3.82, "host → GPU", ha="center", fontsize=8, color=LINK, weight="bold")
     ax.text(5.07, 3.48, rate, ha="center", fontsize=7, color=LINK)
     _arrow(ax, (6.4, 2.9), (3.97, 2.9), colour=LINK, width=2.2)
-    ax.text(5.07, 3.02, "GPU → host lanes", ha="center", fontsize=8, color=LINK, weight="bold")
+    ax.text(5.07, 3.02, "GPU → host", ha="center", fontsize=8, color=LINK, weight="bold")
     ax.text(5.07, 2.68, rate, ha="center", fontsize=7, color=LINK)
-    ax.text(5.07, 4.3, "PCIe 4.0 ×16", ha="center", fontsize=9, weight="bold", color=LINK)
+    ax.text(5.07, 4.38, "PCIe 4.0 ×16", ha="center", fontsize=9, weight="bold", color=LINK)
+    ax.text(5.07, 4.12, "16 lanes, each full duplex", ha="center", fontsize=7, color=LINK)
 
     # The GPU: one copy engine per direction, beside the SMs, all writing and reading HBM.
     _box(ax, 6.2, 0.55, 4.05, 3.9, "GPU", face=GPU, size=10)
@@ -84,7 +85,7 @@ def pcie_topology(path: Path) -> Path:
     _arrow(ax, (7.25, 2.53), (7.25, 2.17), both=True)
     _arrow(ax, (9.17, 2.53), (9.17, 2.17), both=True)
 
-    ax.text(5.2, 0.22, "Each direction has its own lanes and its own copy engine: gradients going down and weights "
+    ax.text(5.2, 0.22, "Every lane has a wire pair each way, and the GPU a copy engine each way: gradients going down and weights "
             "coming up move at once (full duplex),\nwhen they are issued on two streams. Every byte they move, and "
             "every byte the CPU update touches, passes through host DRAM.",
             ha="center", va="center", fontsize=7.5, color="black")

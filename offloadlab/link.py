@@ -442,7 +442,7 @@ class _EmulatedStream:
     """
 
     def __init__(self, link: "EmulatedLink", name: str):
-        self._link = link
+        self._link = weakref.ref(link)  # its thread must not keep a dropped link alive
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0
@@ -457,13 +457,14 @@ class _EmulatedStream:
         self._jobs.put(job)
 
     def mark(self) -> Marker:
-        marker = Marker(self._link)
+        link = self._link()  # (alive: its caller holds it)
+        marker = Marker(link)
         with self._lock:
             if self._pending == 0:
-                marker._reach(self._link.now())
+                marker._reach(link.now())
                 return marker
             self._pending += 1
-        self._jobs.put(lambda: marker._reach(self._link.now()))
+        self._jobs.put(lambda: marker._reach(marker._link.now()))
         return marker
 
     def drain(self) -> None:
@@ -473,7 +474,8 @@ class _EmulatedStream:
 
     def stop(self) -> None:
         self._jobs.put(None)
-        self._thread.join()
+        if threading.current_thread() is not self._thread:  # (a finalizer may run on this very thread)
+            self._thread.join()
 
     def _serve(self) -> None:
         while True:
@@ -562,6 +564,9 @@ class EmulatedLink(Link):
             _CORE_RESERVATION.take()
         self._compute = _EmulatedStream(self, "emulated-compute")
         self._engines = {d: _EmulatedStream(self, f"emulated-{d}") for d in _DIRECTIONS}
+        # Dropped without close() (a notebook cell run again): its threads stop and its core comes back.
+        self._shutdown = weakref.finalize(self, _shut_down, [self._compute, *self._engines.values()],
+                                          self._reserving)
 
     def __repr__(self) -> str:
         return f"EmulatedLink(bandwidth={self.bandwidth:.3g} B/s, latency={self.latency:.3g} s)"
@@ -612,10 +617,7 @@ class EmulatedLink(Link):
             super().close()
         finally:
             self._closed = True
-            for stream in (self._compute, *self._engines.values()):
-                stream.stop()
-            if self._reserving:
-                _CORE_RESERVATION.give_back()
+            self._shutdown()
 
     def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()) -> Transfer:
         transfer = _EmulatedTransfer(self, direction, nbytes, pinned, label)
@@ -657,6 +659,14 @@ class EmulatedLink(Link):
                 target.copy_(view)
         transfer._end = time.perf_counter() - self._epoch
         transfer._landed.set()
+
+
+def _shut_down(streams: list, reserving: bool) -> None:
+    """Stop an emulated link's threads and give its core back (once: close() or the finalizer)."""
+    for stream in streams:
+        stream.stop()
+    if reserving:
+        _CORE_RESERVATION.give_back()
 
 
 def _with_threads(threads: int, fn, *args, **kwargs) -> None:

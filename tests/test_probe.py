@@ -1,5 +1,6 @@
 """Probes, the α–β fit, the ladder, machine discovery and reference data."""
 
+import copy
 import errno
 import json
 import os
@@ -50,21 +51,23 @@ def test_host_memory_records_have_spread_and_provenance():
         probe.host_memory_bandwidth("-1 MiB")
 
 
-def test_sweep_on_the_emulated_link_is_labelled_and_fits_its_bandwidth():
-    with EmulatedLink(bandwidth="2 GB/s") as link:
+def test_sweep_on_the_emulated_link_is_labelled_and_never_beats_its_pacing():
+    """Only what the pacing guarantees is asserted: a busy machine makes copies slower, never faster
+    (how close the fit comes to 2 GB/s is `offloadlab bench link`'s business, not a test's)."""
+    with EmulatedLink(bandwidth="2 GB/s", pageable_fraction=0.5) as link:
         records = probe.link_sweep(link, sizes=["1 MiB", "4 MiB", "16 MiB"], repeats=2)
         both = probe.bidirectional(link, "4 MiB", repeats=2)
     assert len(records) == 3 * 2 * 2
     assert all(r.source == "emulated" for r in records + both)
-    assert all(r.spread[1] <= 2e9 * 1.001 for r in records)  # pacing never lets a transfer go faster
-    fit = probe.fit_sweep(records, "h2d", pinned=True)
-    assert 0.5 * 2e9 <= fit.beta <= 2e9 * 1.3  # the fit also absorbs the copy thread's wake-up time
-    pageable = probe.fit_sweep(records, "h2d", pinned=False)
-    assert pageable.beta < fit.beta
-    with pytest.raises(ValueError, match="^directions: "):
-        probe.link_sweep(EmulatedLink(), directions=["up"])
-    with pytest.raises(ValueError, match="^sizes: "):
-        probe.link_sweep(EmulatedLink(), sizes=["2 B"])
+    for r in records:  # pinned copies at most the link's rate, pageable ones at most half of it
+        assert r.spread[1] <= 2e9 * (1 if r.params["pinned"] else 0.5) * 1.001
+    assert {(r.params["direction"], r.params["pinned"]) for r in records} == {
+        (d, p) for d in ("h2d", "d2h") for p in (True, False)}
+    with EmulatedLink() as spare:
+        with pytest.raises(ValueError, match="^directions: "):
+            probe.link_sweep(spare, directions=["up"])
+        with pytest.raises(ValueError, match="^sizes: "):
+            probe.link_sweep(spare, sizes=["2 B"])
 
 
 def test_device_memory_not_measured_without_gpu():
@@ -224,10 +227,23 @@ def test_reference_figures_from_a_saved_probe(tmp_path):
         records = probe.link_sweep(link, sizes=["1 MiB", "4 MiB", "16 MiB"], repeats=2)
     records += probe.host_memory_bandwidth("8 MiB", threads=[1], repeats=2)
     payload = [r.to_dict() for r in records]
+    # The figures are the α–β fit of the pinned one-direction sweep, nothing else. Its timings are
+    # replaced by exact ones (a busy machine bends a real fit), and the rows the fit must skip
+    # (pageable, both directions at once) get absurd ones.
+    rates = {"h2d": 2e9, "d2h": 1.5e9}
+    both_ways = copy.deepcopy(next(r for r in payload if r.get("params", {}).get("pinned")))
+    both_ways["params"]["duplex"] = True
+    payload.append(both_ways)
+    for row in payload:
+        params = row.get("params", {})
+        if "direction" in params:
+            honest = params.get("pinned") and not params.get("duplex")
+            params["median_seconds"] = 20e-6 + params["size"] / (rates[params["direction"]] if honest else 1e15)
     reference.save("gpu-test-card", "emulated", "test card", payload[0]["provenance"], payload, folder=tmp_path)
     figures = ladder.reference_figures("gpu-test-card", folder=tmp_path)
     assert figures["label"] == "test card" and figures["device memory"] is None
-    assert 1e9 < figures["h2d"] < 2.6e9 and figures["host memory"] > 0
+    assert figures["h2d"] == pytest.approx(2e9) and figures["d2h"] == pytest.approx(1.5e9)
+    assert figures["host memory"] == max(r["value"] for r in payload if r["quantity"] == "host copy bandwidth")
     with pytest.raises(ValueError, match="nominal"):
         ladder.reference_figures("nominal-ladder")
 

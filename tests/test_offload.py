@@ -678,6 +678,18 @@ def test_a_resumed_scheduler_finds_its_keys_in_the_loaded_groups(link):
     assert resume(lambda params, lr: CPUOffloadAdam(params, lr=lr, link=link)) == reference
 
 
+def test_a_tensor_learning_rate_works_as_in_adamw(link):
+    ref, mine = mlp(), mlp()
+    reference = torch.optim.AdamW(ref.parameters(), lr=torch.tensor(1e-2))
+    opt = CPUOffloadAdam(mine.parameters(), lr=torch.tensor(1e-2), link=link)
+    run(ref, reference, data(3, 1))
+    run(mine, opt, data(3, 1))
+    opt.close()
+    assert_matches(ref, mine)
+    with pytest.raises(ValueError, match="^lr: expected a number"):
+        CPUOffloadAdam(mlp().parameters(), lr=torch.tensor([1e-2, 1e-3]), link=link)
+
+
 def test_torch_grad_scaler_is_refused_in_words(link):
     model = mlp()
     opt = CPUOffloadAdam(model.parameters(), link=link)

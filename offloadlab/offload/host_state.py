@@ -260,6 +260,8 @@ def export_state(host: HostState, param_groups: list) -> dict:
 def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None:
     """ValueError naming the first hyperparameter AdamW would not accept."""
     def number(x):
+        if isinstance(x, torch.Tensor) and x.numel() == 1 and x.is_floating_point():
+            x = x.item()  # AdamW takes a one-element tensor too
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
     if not (number(lr) and lr >= 0):

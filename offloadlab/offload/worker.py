@@ -61,7 +61,8 @@ class UpdateWorker:
         first), with its groups' hyperparameters as they are now (a scheduler may change them next)."""
         self.host.refresh(bucket)  # weights changed since the optimizer last wrote them are the ones to update
         arrivals, folded, downloads = self.intake.take(bucket)
-        hyper = {id(g): (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in bucket.groups}
+        hyper = {id(g): (float(g["lr"]), tuple(map(float, g["betas"])), float(g["eps"]), float(g["weight_decay"]))
+                 for g in bucket.groups}  # (a tensor lr, as AdamW allows, is read now: a scheduler may change it)
         bucket.submitted = True
         bucket.updated.clear()
         self._jobs.put((bucket, grad_scale, arrivals, folded, downloads, step, hyper))

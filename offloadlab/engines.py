@@ -134,7 +134,7 @@ def deepspeed_config(config: Setup) -> dict:
     }
     if config.offload_device == "nvme":  # asynchronous I/O for the NVMe tier (see chapter 8)
         result["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True,
-                         "thread_count": 1}
+                         "intra_op_parallelism": 1}  # DeepSpeed 0.19's names and defaults (swap_tensor/constants.py)
     return result
 
 

@@ -60,6 +60,11 @@ def test_nvme_offload_config_passes_validation_with_its_path():
     parsed = deepspeed_parse(engines.deepspeed_config(setup), 8)
     assert str(parsed.zero_config.offload_param.nvme_path) == "/local_nvme"
     assert parsed.zero_config.offload_optimizer.device == "nvme"
+    # DeepSpeed drops aio keys it does not know without a word: every one emitted must be read.
+    constants = pytest.importorskip("deepspeed.runtime.swap_tensor.constants")
+    known = {value for name, value in vars(constants).items() if name.startswith("AIO_") and isinstance(value, str)}
+    emitted = engines.deepspeed_config(setup)["aio"]
+    assert set(emitted) <= known and parsed.aio_config["queue_depth"] == emitted["queue_depth"]
 
 
 def test_optimizer_block_is_there_for_deepspeeds_cpu_adam():

@@ -593,8 +593,9 @@ def _plan_node(work: Workload, hw: Hardware, duplex: str, recipe: str) -> tuple[
             warnings.append(_NVME_NOTE)
     chosen = fitting[0] if fitting else None
     runner_up = fitting[1] if len(fitting) > 1 else None
-    if chosen is None:
-        least = min(plans, key=lambda p: p.gpu_bytes)
+    if chosen is None:  # name the plan closest to fitting: the least host memory among those the GPUs hold
+        on_gpus = [p for p in plans if p.fits_gpu]
+        least = min(on_gpus, key=lambda p: p.host_bytes) if on_gpus else min(plans, key=lambda p: p.gpu_bytes)
         warnings.append(f"nothing fits on {hw.gpus_per_node} GPUs: {least.binding} even with {least.name}; "
                         f"add GPUs or nodes, or offload to NVMe")
     else:

@@ -67,9 +67,12 @@ def test_host_memory_is_shared_by_the_node():
     GPU, more than an eighth of 1 TB; with 2 TB it fits."""
     model = planner.Workload.of_model(architectures.load("llama-3.1-70b"), batch=1, seq=1024)
     name = "ZeRO-3 + offload optimizer, activations recomputed"
-    short = by_name(planner.plan(model, node(host="1 TB")), name)
+    report = planner.plan(model, node(host="1 TB"))
+    short = by_name(report, name)
     assert short.host_bytes == pytest.approx(16 * model.params / 8) and short.fits_gpu
     assert not short.fits_host and short.binding.startswith("host memory: needs 141 GB per GPU of the 125 GB")
+    # The refusal names what the closest plan needs (not the 159 GB of the plan with the smallest GPU share).
+    assert report.chosen is None and f"{short.binding} even with ZeRO-3 + offload optimizer," in report.warnings[0]
     assert by_name(planner.plan(model, node(host="2 TB")), name).fits
 
 

@@ -267,7 +267,7 @@ def _cmd_plan(args) -> int:
               f"hidden {a.hidden}, {a.heads} heads ({a.kv_heads} key/value), MLP {a.intermediate}, vocabulary "
               f"{a.vocab}, head {'tied' if a.tied_embeddings else 'untied'}")
     if hardware.gpus_per_node > 1:
-        print(f"node: {hardware.gpus_per_node} GPUs; each gets an {hardware.gpus_per_node}th of host memory and CPU "
+        print(f"node: {hardware.gpus_per_node} GPUs; each gets 1/{hardware.gpus_per_node} of host memory and CPU "
               f"cores" + (f", and shares its link with {hardware.gpus_per_link - 1} other(s)"
                           if hardware.gpus_per_link > 1 else ""))
     for source in hardware.sources:

@@ -145,9 +145,9 @@ class Hardware:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer; got {value!r}")
-        if self.gpus_per_link > self.gpus_per_node:
-            raise ValueError(f"gpus_per_link: expected at most gpus_per_node={self.gpus_per_node}; "
-                             f"got {self.gpus_per_link}")
+        if self.gpus_per_node % self.gpus_per_link:
+            raise ValueError(f"gpus_per_link: expected a divisor of gpus_per_node={self.gpus_per_node} (GPUs share "
+                             f"links in equal groups); got {self.gpus_per_link}")
         if self.interconnect is not None:
             object.__setattr__(self, "interconnect", parse_bandwidth(self.interconnect, "interconnect"))
         if self.nvme is not None:

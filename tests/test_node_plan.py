@@ -105,7 +105,8 @@ def test_probe_record_feeds_the_hardware(tmp_path):
 
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(gpus_per_node=0), "^gpus_per_node: expected a positive integer; got 0$"),
-    (dict(gpus_per_node=2, gpus_per_link=4), "^gpus_per_link: expected at most gpus_per_node=2; got 4$"),
+    (dict(gpus_per_node=2, gpus_per_link=4), r"^gpus_per_link: expected a divisor of gpus_per_node=2 .*; got 4$"),
+    (dict(gpus_per_node=4, gpus_per_link=3), r"^gpus_per_link: expected a divisor of gpus_per_node=4 .*; got 3$"),
     (dict(gpus_per_node=2, interconnect="fast"), "^interconnect: "),
     (dict(nvme="0 GB/s"), "^nvme: "),
 ])
@@ -147,6 +148,9 @@ def test_plan_a_local_config_on_a_node(tmp_path):
     payload = json.loads(result.stdout)
     assert payload["params"] == 7_615_616_512 and payload["gpus_per_node"] == 8
     assert payload["chosen"]["gpus"] == 8 and payload["deepspeed"]["train_batch_size"] == 8
+    shared = offloadlab("plan", "--model-config", str(config), "--gpu-memory", "80 GB", "--link", "25 GB/s",
+                        "--gpus-per-node", "4", "--gpus-per-link", "2")
+    assert "each gets 1/4 of host memory and CPU cores, and shares its link with 1 other(s)" in shared.stdout
 
 
 def test_plan_from_a_probe_record(tmp_path):

@@ -34,10 +34,13 @@ from pathlib import Path
 
 from .check import STUDENT_VARIABLE
 
-__all__ = ["BEGIN", "END", "STUB", "SWITCH", "assignment_name", "find_labs", "strip_solutions", "source_notebook",
+__all__ = ["BEGIN", "END", "BEGIN_HIDDEN", "END_HIDDEN", "STUB", "SWITCH", "assignment_name", "find_labs",
+           "strip_solutions", "strip_hidden_tests", "source_notebook",
            "unfold", "release_notebook", "write_release", "write_sources", "points"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+# nbgrader's markers for checks that only the grader runs (graded cells only; gone from releases).
+BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 # nbgrader's default ClearSolutions.code_stub for Python, so both releases are the same text.
 STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
 # The first code cell of every student notebook: checks stop showing expected values.
@@ -69,6 +72,26 @@ def strip_solutions(source: str) -> str:
     return "\n".join(out)
 
 
+def strip_hidden_tests(source: str) -> str:
+    """``source`` without its hidden-test regions, markers included, as nbgrader's release removes them."""
+    out, inside = [], False
+    for lineno, line in enumerate(source.splitlines(), 1):
+        marker = line.strip()
+        if marker == BEGIN_HIDDEN:
+            if inside:
+                raise ValueError(f"source: line {lineno}: {BEGIN_HIDDEN} inside another hidden region")
+            inside = True
+        elif marker == END_HIDDEN:
+            if not inside:
+                raise ValueError(f"source: line {lineno}: {END_HIDDEN} without {BEGIN_HIDDEN}")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"source: {BEGIN_HIDDEN} without {END_HIDDEN}")
+    return "\n".join(out)
+
+
 def assignment_name(path: Path) -> str:
     """The nbgrader assignment a lab becomes: its number, ``lab03`` for ``lab03_hide_a_transfer.md``."""
     return Path(path).stem.split("_", 1)[0]
@@ -89,6 +112,10 @@ def source_notebook(path: Path):
         _refuse_stray_markers(cell, where)
         points_given = cell.metadata.pop("points", None)
         is_answer = cell.cell_type == "code" and BEGIN in cell.source
+        if BEGIN_HIDDEN in cell.source or END_HIDDEN in cell.source:
+            if points_given is None:
+                raise ValueError(f"{where}: hidden tests are allowed only in a graded cell (`:points:`)")
+            strip_hidden_tests(cell.source)  # raises on unbalanced markers
         if is_answer:
             strip_solutions(cell.source)  # raises on unbalanced markers
             if waiting_for_check is not None:
@@ -136,11 +163,14 @@ def unfold(cell) -> None:
 
 
 def release_notebook(source):
-    """The student notebook of a source notebook: each solution replaced by :data:`STUB`."""
+    """The student notebook of a source notebook: each solution replaced by :data:`STUB`, each
+    hidden-test region removed (the grader restores graded cells from the source)."""
     notebook = copy.deepcopy(source)
     for cell in notebook.cells:
         if cell.cell_type == "code" and BEGIN in cell.source:
             cell.source = strip_solutions(cell.source)
+        if cell.cell_type == "code" and BEGIN_HIDDEN in cell.source:
+            cell.source = strip_hidden_tests(cell.source)
     return notebook
 
 

@@ -8,7 +8,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from offloadlab.student import (BEGIN, END, STUB, SWITCH, assignment_name, points, release_notebook,
+from offloadlab.student import (BEGIN, BEGIN_HIDDEN, END, END_HIDDEN, STUB, SWITCH, assignment_name, points, release_notebook,
                                 source_notebook, strip_solutions)
 from tests.conftest import ROOT
 
@@ -68,6 +68,17 @@ def test_source_notebook_marks_answers_checks_and_points(tmp_path):
     assert BEGIN not in "".join(c.source for c in release_notebook(notebook).cells)
     assert BEGIN in cells[3].source  # the source keeps its solution; the release is a copy
     nbformat.validate(notebook)
+
+
+def test_hidden_tests_stay_in_the_source_and_leave_the_release(tmp_path):
+    """nbgrader's hidden tests: what only the grader runs is in no student notebook."""
+    check = f"assert x > 0\n{BEGIN_HIDDEN}\nassert x == 2\n{END_HIDDEN}"
+    notebook = source_notebook(lab(tmp_path, "# Lab\n\n" + code(f"{BEGIN}\nx = 2\n{END}") + code(check, ":points: 1\n\n")))
+    assert notebook.cells[-1].source == check
+    released = release_notebook(notebook).cells[-1].source
+    assert released == "assert x > 0" and "x == 2" not in released
+    with pytest.raises(ValueError, match="hidden tests are allowed only in a graded cell"):
+        source_notebook(lab(tmp_path, code(f"{BEGIN_HIDDEN}\nassert True\n{END_HIDDEN}") + code("assert 1", ":points: 1\n\n")))
 
 
 @pytest.mark.parametrize("body, complaint", [

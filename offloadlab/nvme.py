@@ -312,16 +312,18 @@ class FileTier:
         if path.exists() or path.is_symlink():
             raise ValueError(f"path: {str(path)!r} exists; FileTier.open resumes it, and FileTier never "
                              "overwrites a file")
-        # Built under a scratch name and linked to ``path`` only when complete: a crash during creation
-        # leaves at most a hidden .offloadlab-tier-*.tmp file, never a half-made tier under ``path``.
-        fd, scratch = _unique_file(path.parent)
+        # Built as a file with no name (O_TMPFILE), linked to ``path`` only when complete: a crash during
+        # creation leaves nothing. Where the file system lacks O_TMPFILE, a hidden .offloadlab-tier-*.tmp
+        # name stands in, and a crash can leave that behind — never a half-made tier under ``path``.
+        fd, scratch = _file_to_name_later(path.parent)
         try:
             self._start(fd, path, layout, queue_depth)
             self._format(init)
-            _link(scratch, path)
+            _link(fd, scratch, path)
         except BaseException:
             self._shut()
-            scratch.unlink(missing_ok=True)
+            if scratch is not None:
+                scratch.unlink(missing_ok=True)
             raise
 
     @classmethod
@@ -682,27 +684,39 @@ def _unique_file(folder: Path) -> tuple[int, Path]:
 def _nameless_file(folder: Path) -> int:
     """A new file in ``folder`` with no name: O_TMPFILE where the file system has it, else a fresh
     name removed at once. Its space is freed when the last descriptor closes, however the process ends."""
-    if hasattr(os, "O_TMPFILE"):
-        try:
-            return os.open(folder, os.O_RDWR | os.O_TMPFILE | getattr(os, "O_CLOEXEC", 0), 0o600)
-        except OSError as error:
-            if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                raise
-    fd, scratch = _unique_file(folder)
-    os.unlink(scratch)
+    fd, scratch = _file_to_name_later(folder)
+    if scratch is not None:
+        os.unlink(scratch)
     return fd
 
 
-def _link(scratch: Path, path: Path) -> None:
-    """Give the finished file its name, refusing if ``path`` appeared meanwhile, and drop the scratch name."""
-    try:
-        os.link(scratch, path)
-    except FileExistsError:
-        raise ValueError(f"path: {str(path)!r} appeared while the tier was being created; it was left as it is") \
-            from None
-    os.unlink(scratch)
+def _file_to_name_later(folder: Path) -> tuple[int, Path | None]:
+    """A new file in ``folder`` that :func:`_link` names when it is complete: (descriptor, None) for a
+    nameless O_TMPFILE file that /proc can link, else (descriptor, hidden scratch name)."""
+    if hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd"):
+        try:  # (no O_EXCL: the file may be linked later)
+            return os.open(folder, os.O_RDWR | os.O_TMPFILE | getattr(os, "O_CLOEXEC", 0), 0o600), None
+        except OSError as error:
+            if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    return _unique_file(folder)
+
+
+def _link(fd: int, scratch: Path | None, path: Path) -> None:
+    """Give the finished file (``fd``, or its ``scratch`` name) the name ``path``, refusing if
+    ``path`` appeared meanwhile."""
     folder = os.open(path.parent, os.O_RDONLY)
     try:
+        try:
+            if scratch is None:  # linkat(…, AT_SYMLINK_FOLLOW): Python calls linkat only when given a folder fd
+                os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=folder, follow_symlinks=True)
+            else:
+                os.link(scratch, path)
+        except FileExistsError:
+            raise ValueError(f"path: {str(path)!r} appeared while the tier was being created; it was left as "
+                             f"it is") from None
+        if scratch is not None:
+            os.unlink(scratch)
         os.fsync(folder)
     finally:
         os.close(folder)

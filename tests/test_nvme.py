@@ -363,6 +363,28 @@ def test_a_process_killed_without_close_leaves_its_state_and_no_scratch(tmp_path
         assert tier.step == 0 and torch.equal(_values(tier), torch.arange(1000.0))
 
 
+_KILLED_WHILE_CREATING = """
+    import sys, torch
+    from offloadlab import nvme
+    format_ = nvme.FileTier._format
+    def paused_format(self, init):
+        format_(self, init)
+        print("paused", flush=True)  # reserved and written, not yet given its name
+        sys.stdin.readline()
+    nvme.FileTier._format = paused_format
+    nvme.FileTier(f"{sys.argv[1]}/state.bin", 2**20, init=torch.ones(2**20))
+"""
+
+
+def test_a_process_killed_while_creating_a_tier_leaves_nothing(tmp_path):
+    """The file is built without a name (O_TMPFILE) and named once complete: a crash during creation
+    leaves neither a half-made tier nor a hidden scratch file of its full size."""
+    _kill_when_paused(_child(_KILLED_WHILE_CREATING, tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    with FileTier(tmp_path / "state.bin", 10) as tier:  # and the name is free
+        assert tier.step == 0
+
+
 def test_reads_run_at_the_queue_depth(tmp_path, monkeypatch):
     """Count the preadv calls in flight: at depth 4 four run at once, never more."""
     tier = FileTier(tmp_path / "t.bin", 16 * 1024, block_bytes=BLOCK, queue_depth=4)

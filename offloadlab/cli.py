@@ -142,6 +142,10 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse calls this for every bad argument
         raise UsageError(f"{self.prog}: {re.sub(r'^argument ', '', message)}")
 
+    def _print_message(self, message, file=None):  # argparse's own swallows a failed write (--help > /dev/full)
+        if message:
+            (file or sys.stdout).write(message)
+
 
 def _dumps(payload, indent: int = 2) -> str:
     """Strict JSON: a non-finite number is a bug here (the arguments are bounded), so it raises."""
@@ -504,7 +508,11 @@ def main(argv: list[str] | None = None) -> int:
         return FAULT
     _print_what_the_terminal_can_show()
     try:
-        args = build_parser().parse_args(argv)
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:  # --help, printed: sent to a full disk or a closed pipe, it fails here
+            sys.stdout.flush()
+            raise
         status = args.run(args)
         sys.stdout.flush()  # a closed pipe shows up here, inside the handlers below
         return status
@@ -520,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:  # what the machine refused: a disk, a file system, a device
         _error(f"{error.filename}: {error.strerror}" if error.filename and error.strerror else
                error.strerror or str(error))
+        _stdout_gone()  # what could not be written is not written again at exit
         return FAULT
     except KeyboardInterrupt:
         _error("interrupted")

@@ -128,6 +128,14 @@ def test_a_terminal_that_cannot_show_arrows_gets_question_marks_not_a_traceback(
     assert child.stderr == b"" and b"?" in child.stdout and child.stdout.isascii()
 
 
+@pytest.mark.parametrize("args", [["--help"], ["state", "--params", "1e9"]])
+def test_output_to_a_full_device_is_a_fault_not_a_silent_success(args):
+    with open("/dev/full", "w") as full:
+        child = subprocess.run([sys.executable, "-m", "offloadlab", *args], stdout=full, stderr=subprocess.PIPE,
+                               text=True)
+    assert child.returncode == 1 and child.stderr == "offloadlab: error: No space left on device\n"
+
+
 def test_a_closed_pipe_ends_quietly_with_sigpipe_status():
     """The reader has gone before the first write (deterministic: its end is closed first)."""
     read_end, write_end = os.pipe()

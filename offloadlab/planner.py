@@ -78,6 +78,9 @@ class Workload:
         elif not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape):
             raise ValueError(f"layers: expected layers, hidden and heads given together as positive integers; "
                              f"got {shape}")
+        elif self.hidden % self.heads:
+            raise ValueError(f"heads: expected a divisor of hidden={self.hidden} (each head gets an equal slice); "
+                             f"got {self.heads}")
 
     @property
     def tokens(self) -> int:

@@ -189,6 +189,7 @@ def test_emit_when_nothing_fits_names_the_flag_and_what_to_run():
     (["--params", "1e9", "--interconnect", "450 GB/s"], "need --gpus-per-node above 1"),
     (["--params", "1e9", "--gpus-per-node", "0"], "--gpus-per-node"),
     (["--params", "1e9", "--measured", "/nonexistent.json"], "--measured: expected an `offloadlab probe --json` file"),
+    (["--params", "1e12", "--layers", "2", "--hidden", "10", "--heads", "3"], "heads: expected a divisor of hidden=10"),
 ])
 def test_plan_bad_arguments(args, fragment):
     result = offloadlab("plan", "--gpu-memory", "80 GB", "--link", "25 GB/s", *args)

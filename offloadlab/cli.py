@@ -92,7 +92,8 @@ def _whole_count(text, name):
     return count
 
 
-_PARAMS = _bounded(_whole_count, 1, 1e15, "a whole parameter count from 1 to 1e15, e.g. 10e9")
+_MAX_PARAMS = 1e15
+_PARAMS = _bounded(_whole_count, 1, _MAX_PARAMS, "a whole parameter count from 1 to 1e15, e.g. 10e9")
 _FLOPS = _bounded(units.check_positive, 1, 1e21, "FLOP/s from 1 to 1e21, e.g. 400e12")
 _PARAMS_PER_S = _bounded(units.check_positive, 1, 1e15, "parameters per second from 1 to 1e15, e.g. 3e9")
 _FRACTION = _bounded(units.check_non_negative, 0, 0.999, "a fraction from 0 to 0.999")
@@ -199,6 +200,9 @@ def _plan_workload(args):
     if args.model_config is not None and not Path(args.model_config).is_file():
         raise UsageError(f"--model-config: expected a config.json file; got {args.model_config!r}")
     architecture = architectures.load(args.model if args.model is not None else Path(args.model_config))
+    if architecture.params > _MAX_PARAMS:  # the bound --params has, so no derived figure overflows
+        raise UsageError(f"--model-config: expected a model of at most {_MAX_PARAMS:.0e} parameters; "
+                         f"{args.model_config!r} describes {architecture.params:.3g}")
     return planner.Workload.of_model(architecture, batch=args.batch, seq=args.seq)
 
 

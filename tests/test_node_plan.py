@@ -138,6 +138,15 @@ def test_plan_a_real_model_exactly():
     assert "FSDP2 cannot offload there" in fsdp.stdout and "model.model.layers" in fsdp.stdout
 
 
+def test_a_local_config_beyond_the_params_bound_is_refused(tmp_path):
+    config = json.loads((architectures.CONFIG_FOLDER / "qwen2-7b.json").read_text())
+    config["num_hidden_layers"] = 10**30
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = offloadlab("plan", "--model-config", str(tmp_path / "config.json"), "--gpu-memory", "80 GB",
+                        "--link", "25 GB/s", "--json")
+    assert result.returncode == 2 and "expected a model of at most 1e+15 parameters" in result.stderr
+
+
 def test_plan_a_local_config_on_a_node(tmp_path):
     config = tmp_path / "config.json"
     config.write_text((architectures.CONFIG_FOLDER / "qwen2-7b.json").read_text())

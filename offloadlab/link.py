@@ -464,7 +464,11 @@ class _EmulatedStream:
                 marker._reach(link.now())
                 return marker
             self._pending += 1
-        self._jobs.put(lambda: marker._reach(marker._link.now()))
+        def reach():
+            marker._when = marker._link.now()
+            return marker._reached.set  # (set once the job is let go: see _serve)
+
+        self._jobs.put(reach)
         return marker
 
     def drain(self) -> None:
@@ -482,13 +486,19 @@ class _EmulatedStream:
             job = self._jobs.get()
             if job is None:
                 return
+            announce = None
             try:
-                job()
+                announce = job()  # a job may return what tells its waiters it is done
             except BaseException as error:  # kept for the host, like a CUDA error
                 if self.error is None:
                     self.error = error
             finally:
-                job = None  # let go of the copy's tensors now, not when the next job arrives
+                # Let go of the job (its tensors, and the link it names) before anyone hears it is done:
+                # a waiter that then drops the link must hold its last reference, so that the link's
+                # finalizer runs on the waiter's thread, where torch's thread count is restored.
+                job = None
+                if announce is not None:
+                    announce()
                 with self._idle:
                     self._pending -= 1
                     if self._pending == 0:
@@ -628,19 +638,21 @@ class EmulatedLink(Link):
         else:
             # Pageable memory: the driver stages the copy, the caller waits, and it runs slower.
             engine.drain()
-            self._move(transfer, dst, src, self.bandwidth * self.pageable_fraction, marker, scatter)
+            self._move(transfer, dst, src, self.bandwidth * self.pageable_fraction, marker, scatter)()
         return transfer
 
     def _move(self, transfer: _EmulatedTransfer, dst, src, bandwidth: float, after: Marker | None,
-              scatter=()) -> None:
+              scatter=()):
+        """Run one copy; returns what announces it (landed or failed) to its waiters."""
         try:
             self._paced_copy(transfer, dst, src, bandwidth, after, scatter)
         except BaseException as error:  # the copy's waiter gets it (as a failed CUDA copy raises)
             transfer._error = error
             transfer._start = transfer._end = self.now()
-            transfer._landed.set()
             if not isinstance(error, Exception):
+                transfer._landed.set()
                 raise  # Ctrl-C while the caller's own thread copies (pageable memory): the caller stops
+        return transfer._landed.set
 
     def _paced_copy(self, transfer: _EmulatedTransfer, dst, src, bandwidth: float, after: Marker | None,
                     scatter) -> None:
@@ -658,7 +670,6 @@ class EmulatedLink(Link):
             for target, view in scatter:
                 target.copy_(view)
         transfer._end = time.perf_counter() - self._epoch
-        transfer._landed.set()
 
 
 def _shut_down(streams: list, reserving: bool) -> None:

@@ -95,6 +95,10 @@ _DEFAULTS: dict[str, dict] = {
                         qk_rope_head_dim=64, v_head_dim=128, num_experts_per_tok=8, moe_intermediate_size=2048),
 }
 FAMILIES = tuple(sorted(_DEFAULTS))
+# The most decoder layers a config may have (real ones have a few hundred at most): the weights of
+# every layer are listed, so an absurd count is refused before it is built.
+MAX_LAYERS = 100_000
+_LAYER_FIELDS = ("num_hidden_layers", "n_layer")
 # Elements a plain MLP keeps per element of its width, by activation function (the default: 2).
 _PLAIN_MLP_KEPT = {"relu": 1, "gelu_new": 5}
 # The field that names a multimodal model's language model, and the model types that carry one.
@@ -374,6 +378,8 @@ class _Config:
             raise ValueError(f"{self.source}: expected the field {key!r} for a {self.family} model; it is missing")
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{self.source}: expected {key!r} to be a positive integer; got {value!r}")
+        if key in _LAYER_FIELDS and value > MAX_LAYERS:  # each layer is listed: refuse before building them
+            raise ValueError(f"{self.source}: expected {key!r} to be at most {MAX_LAYERS:,} layers; got {value:,}")
         return value
 
     def count(self, key: str) -> int:

@@ -57,6 +57,11 @@ def _counted(config_text: str, name: str) -> Architecture:
     if not isinstance(family, str) or not family:
         raise ValueError(f"{name}: expected a 'model_type' naming the model's family; got {family!r}")
     fields = {k: v for k, v in config.items() if k != "model_type"}
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):  # the model would be built layer by layer
+        value = fields.get(key)
+        if isinstance(value, int) and value > architectures.MAX_LAYERS:
+            raise ValueError(f"{name}: expected {key!r} to be at most {architectures.MAX_LAYERS:,} layers; "
+                             f"got {value:,}")
     transformers.logging.set_verbosity_error()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

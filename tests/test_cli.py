@@ -100,10 +100,10 @@ def test_json_stays_strict_at_the_bounds(link, window):
                  "--json")
     assert budget.returncode == 0, budget.stderr
     assert _strict(budget.stdout)["traffic_bytes"] > 0
-    plan = run("plan", "--params", "1e15", "--gpu-memory", "1000 PB", "--link", link, "--compute", "1", "--json")
+    plan = run("plan", "--params", "1e15", "--gpu-memory", "1000 PB", "--link", link, "--compute", "1 FLOP/s", "--json")
     assert plan.returncode == 0, plan.stderr
     _strict(plan.stdout)
-    text = run("plan", "--params", "1e15", "--gpu-memory", "80 GB", "--link", link, "--compute", "1")
+    text = run("plan", "--params", "1e15", "--gpu-memory", "80 GB", "--link", link, "--compute", "1 FLOP/s")
     assert text.returncode == 0 and " inf " not in text.stdout and "nan" not in text.stdout
 
 

@@ -47,7 +47,7 @@ def test_nothing_fits():
 def test_400b_fails_on_host_memory_not_on_the_gpu():
     r = report(400e9, batch=1, seq=2048)
     everything = next(p for p in r.plans if p.level == 3 and p.recompute)
-    assert everything.fits_gpu and round(everything.gpu_bytes / 1e9) == 31
+    assert everything.fits_gpu and round(everything.gpu_bytes / 1e9) == 29
     assert everything.host_bytes == 6.4e12 and not everything.fits_host
     assert everything.binding == "host memory: needs 6.4 TB of 2 TB"
     assert r.chosen is None and "6.4 TB of host memory against 2 TB" in r.warnings[0]
@@ -150,7 +150,7 @@ def test_deepspeed_and_fsdp_emission():
     zero3 = engines.deepspeed_config(engines.setup(everything))["zero_optimization"]
     assert zero3["stage"] == 3 and zero3["offload_param"]["pin_memory"] is True
     snippet = engines.fsdp_snippet(engines.setup(everything))
-    assert "CPUOffloadPolicy(pin_memory=torch.cuda.is_available())" in snippet
+    assert 'CPUOffloadPolicy(pin_memory=device.type == "cuda")' in snippet
     compile(snippet, "<fsdp>", "exec")  # tests/test_engines.py validates and runs what engines emit
 
 

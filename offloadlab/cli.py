@@ -331,7 +331,7 @@ def _cmd_plan(args) -> int:
             emitted = {"deepspeed": engines.deepspeed_config(chosen), "deepspeed_python": engines.deepspeed_snippet(chosen)}
         else:
             emitted = {"fsdp": engines.fsdp_snippet(chosen)}
-        emitted["emitted_plan"] = {"engine": engines.ENGINES[args.emit], "note": note, **picked.to_dict()}
+        emitted["emitted_plan"] = {**picked.to_dict(), "note": note}
     if args.json:
         payload = {"params": int(work.params) if float(work.params).is_integer() else work.params,
                    "active_params": work.active_params,

@@ -224,3 +224,73 @@ def test_plan_bad_arguments(args, fragment):
     result = offloadlab("plan", "--gpu-memory", "80 GB", "--link", "25 GB/s", *args)
     assert result.returncode == 2 and fragment in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_long_context_finds_a_plan():
+    """The issue's command: Llama 3.1 8B, 32,768 tokens a GPU, 8 × 80 GB, 1 TB of host memory. With SDPA
+    there is no s² term; the logits and loss, counted now, are most of what remains."""
+    result = offloadlab("plan", "--model", "llama-3.1-8b", "--gpus-per-node", "8", "--gpu-memory", "80 GB",
+                        "--link", "25 GB/s", "--host-memory", "1 TB", "--seq", "32768", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["chosen"]["fits"] and payload["activations"]["attention"] == "sdpa"
+    assert payload["activations"]["logits_bytes"] == 14 * 128256 * 32768
+    assert payload["model"]["counted_by"].startswith(("transformers", "formula"))
+
+
+def test_zero2_offload_on_eight_gpus_fits_by_deepspeeds_loading_peak():
+    """ZeRO-2 with the optimizer offloaded: every one of 8 processes loads the fp32 model, so DeepSpeed
+    asks max(4 · 8, 16) · 1.5 = 48 B a parameter of host memory: 385 GB for 8 B, three times the
+    128 GB of state."""
+    eight_b = planner.Workload.of_model(architectures.load("llama-3.1-8b"))
+    report = planner.plan(eight_b, node(8, host="2 TB"))
+    zero2 = by_name(report, "ZeRO-2 + offload optimizer, activations kept")
+    assert zero2.host_bytes * 8 == pytest.approx(16 * eight_b.params)
+    assert zero2.host_need == pytest.approx(48 * eight_b.params) and round(zero2.host_need / 1e9) == 385
+    stage2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    cpu, _ = stage2.estimate_zero2_model_states_mem_needs(eight_b.params, 8, 1, cpu_offload=True)
+    assert zero2.host_need == pytest.approx(cpu, abs=1)
+    assert not by_name(planner.plan(eight_b, node(8, host="300 GB")), zero2.name).fits
+
+
+def test_deepspeed_sends_fp32_gradients_down_and_uploads_after_the_update():
+    report = planner.plan(WORK, node())
+    zero2 = by_name(report, "ZeRO-2 + offload optimizer, activations kept")
+    assert zero2.d2h_bytes == pytest.approx(4 * P / 8) and zero2.h2d_bytes == pytest.approx(2 * P / 8)
+    assert zero2.serial_upload and zero2.step == pytest.approx(
+        max(zero2.t_compute, zero2.t_interconnect, zero2.t_transfer) + zero2.t_cpu + zero2.t_upload_after
+        + zero2.t_interconnect_after)
+    alone = by_name(report, "data parallel + offload optimizer, activations kept")
+    assert not alone.serial_upload  # offloadlab's own pipeline uploads each layer as it is updated
+
+
+def test_fsdp2_offload_counts_its_pinned_copies_as_torch_rounds_them():
+    """CPUOffloadPolicy pins each sharded parameter and gradient on its own; torch's pinned allocator
+    rounds each to a power of two. Llama 3.1 8B's MLP projection, 14336 × 4096 fp32 on 8 GPUs, is
+    29.4 MB a shard and takes 32 MiB."""
+    from offloadlab import sharding
+
+    shard = 14336 // 8 * 4096 * 4
+    assert sharding.fsdp2_pinned_bytes([(14336, 4096)], 8) == 2 * 2**25 > 2 * shard
+    eight_b = planner.Workload.of_model(architectures.load("llama-3.1-8b"))
+    fsdp = by_name(planner.plan(eight_b, node(8)), "FSDP2 + offload optimizer+parameters, activations kept")
+    exact = 16 * eight_b.params / 8
+    assert exact < fsdp.host_bytes < 1.3 * exact and fsdp.host_need == 8 * fsdp.host_bytes
+
+
+def test_emit_for_another_engine_says_so_and_is_refused_when_that_engine_does_not_fit():
+    args = ["plan", "--model", "llama-3.1-8b", "--gpus-per-node", "8", "--gpu-memory", "24 GB", "--link", "25 GB/s",
+            "--host-memory", "2 TB", "--seq", "4096"]
+    deepspeed = offloadlab(*args, "--emit", "deepspeed")
+    assert deepspeed.returncode == 0 and "note: --emit" not in deepspeed.stdout  # the plan is DeepSpeed's
+    fsdp = offloadlab(*args, "--emit", "fsdp")
+    notes = [line for line in fsdp.stdout.splitlines() if line.startswith("note: --emit fsdp:")]
+    assert fsdp.returncode == 0 and len(notes) == 1 and "FSDP2 runs FSDP2 + offload" in notes[0]
+    single = offloadlab("plan", "--model", "llama-3.1-8b", "--gpu-memory", "80 GB", "--link", "25 GB/s",
+                        "--host-memory", "512 GB", "--emit", "deepspeed", "--json")
+    emitted = json.loads(single.stdout)["emitted_plan"]
+    assert "its update waits for the end of backward" in emitted["note"] and emitted["engine"] == "deepspeed"
+    assert emitted["step_s"] >= json.loads(single.stdout)["chosen"]["step_s"]
+    short = offloadlab("plan", "--model", "llama-3.1-8b", "--gpu-memory", "24 GB", "--link", "25 GB/s",
+                       "--host-memory", "64 GB", "--nvme", "3 GB/s", "--emit", "fsdp")
+    assert short.returncode == 2 and short.stderr.count("\n") == 1 and "no FSDP2 configuration fits" in short.stderr

@@ -8,7 +8,7 @@ from .. import budget, memory
 from ..units import format_bandwidth, format_duration, format_size
 from .node import NodePlan
 from .single import Candidate, Plan
-from .workload import ASSUMED_INTERCONNECT, ASSUMED_VOCAB, Hardware, Workload
+from .workload import ASSUMED_INTERCONNECT, Hardware, Workload
 
 __all__ = ["PlanReport"]
 
@@ -50,7 +50,7 @@ class PlanReport:
                  f"{format_bandwidth(self.hardware.link)} per direction, {sharing}"]
         if self.work.shape_assumed:
             lines.append(f"assumed: a GPT-like shape of {self.work.layers} layers, hidden {self.work.hidden}, "
-                         f"{self.work.heads} heads, vocabulary {ASSUMED_VOCAB:,} (pass --layers/--hidden/--heads, "
+                         f"{self.work.heads} heads, vocabulary {self.work.vocab:,} (pass --layers/--hidden/--heads, "
                          f"or --model)")
         lines += [f"assumed: {a}" for a in self.hardware.assumptions]
         lines.append("candidates in the natural order (bytes freed; traffic added each step):")

@@ -66,7 +66,8 @@ class Workload:
 
     ``attention`` is how attention runs: 'sdpa' (PyTorch's scaled-dot-product attention, flash or
     memory-efficient, transformers' default: no seq × seq tensor is kept) or 'eager' (the scores and
-    probabilities are kept, seq² per head).
+    probabilities are kept, seq² per head). ``vocab`` sizes the logits of a model given by its shape
+    (a real model's architecture has its own; without either, GPT-2's 50,257 is assumed).
     """
 
     params: float
@@ -77,6 +78,7 @@ class Workload:
     seq: int = 2048
     architecture: Architecture | None = None
     attention: str = "sdpa"
+    vocab: int | None = None
     shape_assumed: bool = field(default=False, init=False)
 
     @classmethod
@@ -94,6 +96,12 @@ class Workload:
                 raise ValueError(f"{name}: expected a positive integer; got {value!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention: expected one of {', '.join(ATTENTIONS)}; got {self.attention!r}")
+        if self.architecture is not None:
+            object.__setattr__(self, "vocab", self.architecture.vocab)
+        elif self.vocab is None:
+            object.__setattr__(self, "vocab", ASSUMED_VOCAB)
+        elif isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab <= 0:
+            raise ValueError(f"vocab: expected a positive integer; got {self.vocab!r}")
         shape = (self.layers, self.hidden, self.heads)
         if all(v is None for v in shape):
             object.__setattr__(self, "shape_assumed", True)
@@ -114,10 +122,6 @@ class Workload:
     def active_params(self) -> float:
         """Parameters each token passes through: for a mixture of experts, only its routed experts'."""
         return self.architecture.active_params if self.architecture else self.params
-
-    @property
-    def vocab(self) -> int:
-        return self.architecture.vocab if self.architecture else ASSUMED_VOCAB
 
     def layer_shapes(self) -> tuple[LayerShape, ...]:
         """Each layer's computation: the real model's, or a GPT-like layer (LayerNorm, 4 h GELU MLP)."""

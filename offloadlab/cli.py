@@ -249,7 +249,14 @@ def _plan_workload(args):
     if args.count == "formula" or not model_count.available():
         architecture = dataclasses.replace(architectures.from_config(config, name), notes=notes)
     else:
-        architecture = model_count.architecture(config, name, notes)
+        try:
+            architecture = model_count.architecture(config, name, notes)
+        except ValueError as error:  # this transformers cannot build it: the formula, if it has one, can
+            if args.count == "transformers" or config.get("model_type") not in architectures.FAMILIES:
+                raise
+            architecture = dataclasses.replace(architectures.from_config(config, name), notes=notes + (
+                f"transformers could not build it ({str(error).removeprefix(name + ': ')}): counted by the "
+                f"formula",))
     if architecture.params > _MAX_PARAMS:  # the bound --params has, so no derived figure overflows
         raise UsageError(f"--model-config: expected a model of at most {_MAX_PARAMS:.0e} parameters; "
                          f"{source!r} describes {architecture.params:.3g}")

@@ -392,3 +392,21 @@ def test_recompute_is_chosen_or_forced_layer_by_layer():
         run(*base, "--recompute", "40"), 2)
     assert "--recompute: expected 'auto', 'none', 'all' or a number of layers" in _one_line_error(
         run(*base, "--recompute", "some"), 2)
+
+
+def test_a_model_is_counted_by_transformers_when_it_can_and_by_the_formula_when_it_cannot(monkeypatch, capsys):
+    from offloadlab import model_count
+
+    command = ["plan", "--model", "qwen3-8b", "--gpu-memory", "80 GB", "--link", "25 GB/s"]
+    assert main(command) == 0
+    assert "counted by: transformers " in capsys.readouterr().out
+
+    def cannot(config, name, notes=()):
+        raise ValueError(f"{name}: transformers 9.9 cannot build this qwen3 config")
+
+    monkeypatch.setattr(model_count, "architecture", cannot)
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "counted by: formula" in out and "transformers could not build it" in out and "8,190,735,360" in out
+    assert main([*command, "--count", "transformers"]) == 2
+    assert "cannot build this qwen3 config" in capsys.readouterr().err

@@ -24,6 +24,10 @@ The ordering contract, identical on both links:
 - Pinned host memory from :meth:`Link.host_buffer` belongs to whoever asked for it: it is
   unpinned and freed when the last tensor using it is dropped. :attr:`Link.pinned_bytes` says
   how much is alive. The link keeps the tensors of a copy alive until the copy has finished.
+- Fresh buffers from :meth:`Link.host_buffer` and :meth:`Link.device_buffer` hold poison
+  (:data:`POISON_BYTE` in every byte: NaN in every floating-point format, -1 or the maximum in
+  integers), on both links: on a GPU an uninitialised buffer holds whatever was there before, so
+  a read before the first write must show on a CPU too, not pass because memory came zeroed.
 
 Times are seconds on the link's own clock, which starts when the link is made. Sizes are
 bytes, bandwidths bytes per second. Use :func:`open_link` to get the right link for this machine.
@@ -56,6 +60,8 @@ __all__ = [
     "pinned_allocation_bytes",
     "DEFAULT_EMULATED_BANDWIDTH",
     "DEFAULT_EMULATED_LATENCY",
+    "POISON_BYTE",
+    "poison",
 ]
 
 # The emulated link is scaled to CPU compute, which is about a hundred times slower than a
@@ -65,6 +71,16 @@ DEFAULT_EMULATED_BANDWIDTH = 2e9
 DEFAULT_EMULATED_LATENCY = 20e-6
 _CHUNK_BYTES = 1 << 20  # the emulated engines move and pace data a MiB at a time
 _DIRECTIONS = ("h2d", "d2h")
+# What fresh buffers hold: all-ones bytes are a NaN in fp32, fp16, bf16 and fp64 alike (exponent
+# all ones, mantissa not zero), so flat byte buffers later viewed as floats are poisoned too.
+POISON_BYTE = 0xFF
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill contiguous ``t`` with :data:`POISON_BYTE` in every byte (in place) and return it."""
+    if t.numel():
+        t.view(-1).view(torch.uint8).fill_(POISON_BYTE)
+    return t
 
 
 def pinned_allocation_bytes(nbytes: int) -> int:
@@ -231,7 +247,8 @@ class Link(ABC):
     # ------------------------------------------------------------------ memory
 
     def host_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
-        """An exact-size host tensor that DMA can read and write (page-locked).
+        """An exact-size host tensor that DMA can read and write (page-locked), uninitialised: it
+        holds poison (see the module docstring).
 
         It belongs to the caller: its pinning is released, and it is counted out of
         :attr:`pinned_bytes`, when the last tensor using its memory is dropped.
@@ -249,8 +266,8 @@ class Link(ABC):
         return self._ledger.nbytes
 
     def device_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
-        """An uninitialised tensor on the link's device."""
-        return torch.empty(shape, dtype=dtype, device=self.device)
+        """A tensor on the link's device, uninitialised: it holds poison (see the module docstring)."""
+        return poison(torch.empty(shape, dtype=dtype, device=self.device))
 
     @abstractmethod
     def is_pinned(self, tensor: torch.Tensor) -> bool:
@@ -585,14 +602,14 @@ class EmulatedLink(Link):
         return time.perf_counter() - self._epoch
 
     def _allocate_pinned(self, shape, dtype) -> torch.Tensor:
-        # Page-locked memory is resident: fault its pages in now, not during the first copy.
-        buffer = torch.zeros(shape, dtype=dtype)
+        # Page-locked memory is resident: the poison faults its pages in now, not during the first copy.
+        buffer = poison(torch.empty(shape, dtype=dtype))
         if _nbytes(buffer):
             self._ledger.add(buffer, _nbytes(buffer))
         return buffer
 
     def device_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype)  # device memory has no first-touch page faults
+        return poison(torch.empty(shape, dtype=dtype))  # (the poison also faults the pages in now)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return self._ledger.holds(tensor)
@@ -768,7 +785,7 @@ class CudaLink(Link):
         return f"CudaLink({torch.cuda.get_device_name(self.device)})"
 
     def _allocate_pinned(self, shape, dtype) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype)
+        buffer = poison(torch.empty(shape, dtype=dtype))  # (its pages faulted in before they are pinned)
         nbytes = _nbytes(buffer)
         if nbytes == 0:
             return buffer
@@ -786,7 +803,7 @@ class CudaLink(Link):
                           "buffers now come from PyTorch's allocator, which rounds each up to a power of two",
                           ResourceWarning, stacklevel=3)
             self._warned_fallback = True
-        buffer = torch.empty(shape, dtype=dtype, pin_memory=True)
+        buffer = poison(torch.empty(shape, dtype=dtype, pin_memory=True))
         self._ledger.add(buffer, pinned_allocation_bytes(nbytes))
         return buffer
 

@@ -159,6 +159,10 @@ class HostState:
             for bucket in buckets:
                 for k, (p, (s, e)) in enumerate(zip(bucket.params, bucket.ranges)):
                     self.master[s:e].copy_(p.detach().reshape(-1))
+                    # A bucket's weights go up whole: a parameter without a gradient this step goes up
+                    # as it is, so its outgoing copy must hold it from the start (not poison).
+                    if self.weights_out is not None:
+                        self.weights_out[s:e].copy_(p.detach().reshape(-1))
                     self.exp_avg[s:e].zero_()
                     self.exp_avg_sq[s:e].zero_()
                     bucket.synced[k] = identity(p)

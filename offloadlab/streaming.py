@@ -23,7 +23,10 @@ own saved-tensor hooks keep handling the activations), or twice in one forward (
 add up) — and always get their own weights; a block that needs a buffer when every buffer is held
 raises an error naming it, and so does a block whose parameters were replaced after streaming
 began (e.g. by ``load_state_dict(assign=True)``: load with the default, copying
-``load_state_dict`` instead), or changed between a forward and its backward. Under autocast,
+``load_state_dict`` instead), or changed between a forward and its backward. The host weights
+are what the copies to the device read: ``load_state_dict`` and an optimizer wait for those
+copies before writing them; code that writes them in place itself (``p.mul_(…)`` under
+``no_grad``) calls ``link.synchronize()`` first, as for any pinned buffer a copy may still read. Under autocast,
 backward keeps where to find a trainable weight's cast copy instead of the copy.
 
 What it does not do: streamed parameters' gradients reach ``.grad`` (or the optimizer) through
@@ -147,8 +150,12 @@ class StreamedModel:
         self._reading: dict[int, list] = {}  # block → copies that may still read its host weights
         self._uses = itertools.count(1)
         self._reset_backward()
+        self._load_hooks = []
         for index, block in enumerate(chosen):
             block.forward = functools.partial(self._forward, index)  # shadows the class's forward
+            # load_state_dict copies into the host weights in place: not while a copy still reads them
+            self._load_hooks.append(block.register_load_state_dict_pre_hook(
+                lambda *_, index=index: self._quiesce(index)))
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a streamed model cannot be copied or pickled (its blocks' weights live in this process's "
@@ -181,6 +188,8 @@ class StreamedModel:
         self.link.synchronize()
         for block in self.blocks:
             block.__dict__.pop("forward", None)
+        for hook in self._load_hooks:
+            hook.remove()
         for named in self._params:
             for _, p in named:
                 if _OWNERS.get(p) is self:

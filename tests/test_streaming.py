@@ -12,12 +12,20 @@ from offloadlab.link import CudaLink, EmulatedLink
 from offloadlab.models import GPTConfig, TinyGPT
 from offloadlab.offload import CPUOffloadAdam
 from offloadlab.streaming import StreamedModel
+from tests.cuda_semantics import CudaOrderLink
 
 
-@pytest.fixture
-def link():
-    with EmulatedLink(bandwidth="4 GB/s", latency=0) as emulated:
-        yield emulated
+@pytest.fixture(params=["emulated", "CUDA order checker"])
+def link(request):
+    """The emulated link, and the same under CUDA's ordering rules with training on a stream of
+    its own (tests/cuda_semantics.py): any violation fails the test when it ends."""
+    if request.param == "emulated":
+        with EmulatedLink(bandwidth="4 GB/s", latency=0) as emulated:
+            yield emulated
+        return
+    with CudaOrderLink(bandwidth="4 GB/s", latency=0) as checker, checker.compute_stream("training"):
+        yield checker
+        checker.check()
 
 
 class Counting:
@@ -422,6 +430,7 @@ def test_a_weight_changed_between_forward_and_backward_is_an_error(link):
     StreamedModel(streamed, link)
     x, y = batch()
     loss = streamed(x, y)
+    link.synchronize()  # (writing host weights in place: after the copies that may read them)
     with torch.no_grad():
         streamed.blocks[0].qkv.weight.mul_(2)  # as an update between forward and backward would
     with pytest.raises(RuntimeError, match=r"'qkv.weight' of block 'blocks.0' was modified after forward"):

@@ -27,6 +27,9 @@ emulation behave accordingly:
   (:meth:`~offloadlab.link.Link.mark_on` records on it from any thread). A wait on one stream
   tells nothing about copies ordered after another.
 
+- **pinning inside backward**: allocating pinned memory (``cudaHostRegister`` on a GPU) while a
+  backward pass runs is a violation: it stalls the autograd thread; buffers are pinned when made.
+
 :meth:`CudaOrderLink.check` raises an AssertionError listing every violation; the test fixtures
 call it when a test ends. :meth:`unknown_reads_of` and :meth:`unknown_writes_into` answer, at a
 point a test chooses, which copies may still read or write a tensor's memory.
@@ -104,6 +107,14 @@ class CudaOrderLink(EmulatedLink):
 
     def mark_on(self, marker):
         return self._checked(super().mark_on(marker), getattr(marker, "_stream_name", "default"))
+
+    # ------------------------------------------------------------------ memory
+
+    def _allocate_pinned(self, shape, dtype):
+        if torch._C._current_graph_task_id() != -1:  # on a GPU: cudaHostRegister on the autograd thread
+            self.violations.append(f"pinned memory ({tuple(shape) if not isinstance(shape, int) else shape}, "
+                                   f"{dtype}) was allocated inside a backward pass")
+        return super()._allocate_pinned(shape, dtype)
 
     # ------------------------------------------------------------------ copies
 

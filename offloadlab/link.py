@@ -47,6 +47,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from . import cores
 from .units import parse_bandwidth, parse_duration
 
 __all__ = [
@@ -535,7 +536,7 @@ class _CoreReservation:
         with self._lock:
             if self._holders == 0:
                 self._restore = torch.get_num_threads()
-                torch.set_num_threads(max(1, min(self._restore, (os.cpu_count() or 2) - 1)))
+                torch.set_num_threads(max(1, min(self._restore, cores.worker_threads())))
             self._holders += 1
 
     def give_back(self) -> None:
@@ -586,7 +587,7 @@ class EmulatedLink(Link):
             raise ValueError(f"pageable_fraction: expected a fraction in (0, 1]; got {pageable_fraction!r}")
         self.pageable_fraction = float(pageable_fraction)
         self._epoch = time.perf_counter()
-        self._reserving = reserve_core and (os.cpu_count() or 1) > 1
+        self._reserving = reserve_core and cores.usable_cores() > 1
         if self._reserving:
             _CORE_RESERVATION.take()
         self._compute = _EmulatedStream(self, "emulated-compute")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm  # plain bars: hidden where stderr is not a terminal (notebooks, CI)
 
-from . import machine
+from . import cores, machine
 from .link import Link
 from .units import format_bandwidth, format_size, parse_count, parse_size
 
@@ -98,10 +98,9 @@ def _host_seconds(fn, repeats: int, warmup: int = 1) -> list[float]:
 def host_memory_bandwidth(nbytes="256 MiB", threads=None, repeats: int = 5) -> list[Measurement]:
     """Host DRAM bandwidth for a copy (read + write: 2 × nbytes) and an in-place update
     ``a += b`` (read a, read b, write a: 3 × nbytes), for each torch thread count in ``threads``
-    (default: 1 and every core)."""
+    (default: 1 and every core this process may use, :func:`offloadlab.cores.usable_cores`)."""
     size = int(parse_size(nbytes, "nbytes"))
-    cores = os.cpu_count() or 1
-    counts = sorted({1, cores}) if threads is None else list(threads)
+    counts = sorted({1, cores.usable_cores()}) if threads is None else list(threads)
     for n in counts:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"threads: expected positive integers; got {n!r}")

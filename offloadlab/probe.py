@@ -38,6 +38,7 @@ __all__ = [
     "bidirectional",
     "fit_alpha_beta",
     "fit_sweep",
+    "busy_filler_bytes",
     "check_disk_folder",
     "disk_bandwidth",
     "default_sizes",
@@ -78,6 +79,9 @@ def _summary(samples: list[float]) -> tuple[float, tuple[float, float]]:
 
 
 def _bandwidth_record(quantity, nbytes, seconds, source, method, params, note="") -> Measurement:
+    if not all(s > 0 for s in seconds):
+        raise ValueError(f"seconds: a {quantity} sample of {nbytes} bytes took no measurable time "
+                         f"({min(seconds):.3g} s); measure larger sizes")
     rates = [nbytes / s for s in seconds]
     value, spread = _summary(rates)
     return Measurement(quantity, value, "B/s", source, method, len(seconds), spread,
@@ -159,12 +163,24 @@ def _link_source(link: Link) -> str:
     return "emulated" if link.emulated else "measured"
 
 
-def _timed_transfers(link: Link, direction: str, host, device, repeats: int) -> list[float]:
+def busy_filler_bytes(link: Link) -> int:
+    """Bytes of the copy issued ahead of each timed one (see :func:`link_sweep`): long enough on
+    the link's engine (about 0.5 ms on a GPU's PCIe link, 0.5 ms on the emulated one at its default
+    rate) for the host to issue the timed copy behind it, which takes tens of microseconds."""
+    return (1 if link.emulated else 16) * 2**20
+
+
+def _timed_transfers(link: Link, direction: str, host, device, repeats: int, filler) -> list[float]:
+    """Seconds of each of ``repeats`` copies, each issued while its engine is still busy with a
+    ``filler`` copy (host, device) in the same direction: the copy's begin event then fires when
+    the engine turns to it, not when the host asked, so its time holds no dispatch by the host."""
     start = link.to_device if direction == "h2d" else link.to_host
     pair = (device, host) if direction == "h2d" else (host, device)
+    ahead = (filler[1], filler[0]) if direction == "h2d" else filler
     start(*pair).synchronize()  # warm-up
     seconds = []
     for _ in range(repeats):
+        start(*ahead)
         transfer = start(*pair)
         transfer.synchronize()
         seconds.append(transfer.elapsed)
@@ -176,7 +192,11 @@ def link_sweep(link: Link, sizes=None, directions=("h2d", "d2h"), pinned=(True, 
     """Bandwidth of single transfers over ``link`` for every size, direction and memory kind.
 
     Each transfer is timed on the link's own clock (CUDA events, or the emulated copy
-    thread's timestamps), after one warm-up; the record's value is the median bandwidth.
+    thread's timestamps), after one warm-up; the record's value is the median bandwidth. Each is
+    issued while its copy engine is still busy with a pinned copy of :func:`busy_filler_bytes`
+    ahead of it (as bandwidth tests such as nvbandwidth queue work first), so a small copy's time
+    — the α of :func:`fit_alpha_beta` — is the engine's own latency, without the microseconds the
+    host takes to issue the copy. Each record says how its host memory was pinned.
     """
     if sizes is None:
         chosen = default_sizes(link, quick)
@@ -195,15 +215,20 @@ def link_sweep(link: Link, sizes=None, directions=("h2d", "d2h"), pinned=(True, 
     device = link.device_buffer(largest)
     hosts = {True: link.host_buffer(largest) if True in pinned else None,
              False: torch.zeros(largest) if False in pinned else None}  # ordinary, pageable memory
+    filler_bytes = busy_filler_bytes(link)
+    filler = (link.host_buffer(filler_bytes // 4), link.device_buffer(filler_bytes // 4))
+    pinning = {True: link.pinning_of(hosts[True]) if True in pinned else None, False: "pageable"}
     cases = [(d, p, s) for d in directions for p in pinned for s in chosen]
     records = []
     for direction, is_pinned, size in tqdm(cases, desc="link sweep", disable=None, leave=False):
         numel = size // 4
-        seconds = _timed_transfers(link, direction, hosts[is_pinned][:numel], device[:numel], repeats)
+        seconds = _timed_transfers(link, direction, hosts[is_pinned][:numel], device[:numel], repeats, filler)
         memory = "pinned" if is_pinned else "pageable"
         records.append(_bandwidth_record(
-            f"{direction} bandwidth", size, seconds, source, f"single {memory} transfer, {clock}",
-            {"direction": direction, "pinned": is_pinned, "size": size}))
+            f"{direction} bandwidth", size, seconds, source,
+            f"single {memory} transfer issued behind a {filler_bytes >> 20} MiB copy (no host dispatch in "
+            f"its time), {clock}",
+            {"direction": direction, "pinned": is_pinned, "size": size, "pinning": pinning[is_pinned]}))
     return records
 
 
@@ -224,7 +249,8 @@ def bidirectional(link: Link, nbytes="64 MiB", repeats: int = 5) -> list[Measure
             samples["d2h"].append(d2h.elapsed)
     return [_bandwidth_record(f"{d} bandwidth, both directions at once", size, s, _link_source(link),
                               "pinned transfers in both directions issued together",
-                              {"direction": d, "pinned": True, "size": size, "duplex": True})
+                              {"direction": d, "pinned": True, "size": size, "duplex": True,
+                               "pinning": link.pinning_of(up_host)})
             for d, s in samples.items()]
 
 

@@ -391,3 +391,77 @@ def test_a_copy_that_fails_on_its_engine_raises_to_whoever_waits(link, monkeypat
     with pytest.raises(ValueError, match="^targets: expected tensors autograd does not track"):
         staging = torch.zeros(8)
         link.to_device_scattered([(target, staging[:3])], link.host_buffer(8), staging)
+
+
+# ----------------------------------------------------------------------------- timing that holds
+
+class FakeEvent:
+    """A CUDA event on a fake GPU clock: elapsed_time answers in float32 milliseconds, as CUDA does."""
+
+    def __init__(self, clock):
+        self.t = clock["now"]
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return float(torch.tensor((other.t - self.t) * 1e3, dtype=torch.float32))
+
+
+def test_event_times_keep_their_precision_as_the_link_ages():
+    """From one epoch event, float32 milliseconds step by 0.5 ms two hours on: an 8 µs copy read
+    as 0 (or 0.5 ms). Anchors recorded as the link is used keep every interval to well under 1 µs."""
+    from offloadlab.link import _EventClock
+
+    fake = {"now": 0.0}
+    clock = _EventClock(lambda: FakeEvent(fake), every=1.0, now=lambda: fake["now"])
+    epoch = clock.anchor().event
+    while fake["now"] < 7200:  # two hours of use, a call every half second
+        fake["now"] += 0.5
+        clock.anchor()
+    anchor = clock.anchor()
+    begin = FakeEvent(fake)
+    fake["now"] += 8e-6
+    finish = FakeEvent(fake)
+    assert epoch.elapsed_time(finish) - epoch.elapsed_time(begin) in (0.0, 0.5)  # what the epoch alone gives
+    interval = anchor.seconds_to(finish) - anchor.seconds_to(begin)
+    assert abs(interval - 8e-6) < 1e-7
+    assert abs(anchor.seconds_to(begin) - 7200.0) < 1e-3  # and the absolute time stays on the link's clock
+
+
+def test_event_times_after_a_long_idle_spell_stay_precise_within_it():
+    from offloadlab.link import _EventClock
+
+    fake = {"now": 0.0}
+    clock = _EventClock(lambda: FakeEvent(fake), every=1.0, now=lambda: fake["now"])
+    fake["now"] = 5000.0  # nothing for over an hour, then a burst of copies
+    anchor = clock.anchor()
+    times = []
+    for _ in range(4):
+        times.append(anchor.seconds_to(FakeEvent(fake)))
+        fake["now"] += 3e-6
+    assert all(abs((b - a) - 3e-6) < 1e-7 for a, b in zip(times, times[1:]))
+
+
+def test_a_copy_too_short_for_the_clock_has_no_bandwidth_rather_than_a_division_by_zero(link):
+    transfer = link.to_device(link.device_buffer(0), link.host_buffer(0))
+    transfer.synchronize()
+    transfer._start = transfer._end = 1.0  # as two events in one tick of the clock would read
+    with pytest.raises(RuntimeError, match="below the resolution of the link's clock"):
+        transfer.bandwidth
+
+
+def test_the_link_says_how_each_buffer_was_pinned(link):
+    buffer = link.host_buffer(16)
+    assert link.pinning_of(buffer) == "emulated" and link.pinning_of(torch.zeros(4)) is None
+
+
+def test_a_refused_registration_warns_with_cudas_reason_not_ulimit():
+    from offloadlab.link import _fallback_warning
+
+    text = _fallback_warning(3 << 29, 1 << 31, 2, "out of memory")
+    assert "CUDA error 2 (out of memory)" in text and "memory limit" in text and "ulimit" not in text
+    assert f"{3 << 29} → {1 << 31} bytes" in text

@@ -39,6 +39,7 @@ __all__ = [
     "fit_alpha_beta",
     "fit_sweep",
     "busy_filler_bytes",
+    "default_sizes_for",
     "check_disk_folder",
     "disk_bandwidth",
     "default_sizes",
@@ -151,7 +152,12 @@ def device_memory_bandwidth(nbytes="1 GiB", repeats: int = 10) -> Measurement:
 def default_sizes(link: Link, quick: bool = False) -> list[int]:
     """Transfer sizes for a sweep, 4 KiB upwards by factors of 4, scaled to the machine:
     up to 1 GiB on a GPU (256 MiB with ``quick``), 64 MiB on the emulated link (16 MiB quick)."""
-    top = (16 if quick else 64) * 2**20 if link.emulated else (256 if quick else 1024) * 2**20
+    return default_sizes_for(link.emulated, quick)
+
+
+def default_sizes_for(emulated: bool, quick: bool = False) -> list[int]:
+    """:func:`default_sizes` of a link that is, or is not, emulated (for plans made without one)."""
+    top = (16 if quick else 64) * 2**20 if emulated else (256 if quick else 1024) * 2**20
     sizes, size = [], 4 * 2**10
     while size <= top:
         sizes.append(size)
@@ -163,11 +169,11 @@ def _link_source(link: Link) -> str:
     return "emulated" if link.emulated else "measured"
 
 
-def busy_filler_bytes(link: Link) -> int:
+def busy_filler_bytes(emulated: bool) -> int:
     """Bytes of the copy issued ahead of each timed one (see :func:`link_sweep`): long enough on
-    the link's engine (about 0.5 ms on a GPU's PCIe link, 0.5 ms on the emulated one at its default
+    the engine (about 0.3 ms on a GPU's PCIe 5 link, 0.5 ms on the emulated one at its default
     rate) for the host to issue the timed copy behind it, which takes tens of microseconds."""
-    return (1 if link.emulated else 16) * 2**20
+    return (1 if emulated else 16) * 2**20
 
 
 def _timed_transfers(link: Link, direction: str, host, device, repeats: int, filler) -> list[float]:
@@ -215,7 +221,7 @@ def link_sweep(link: Link, sizes=None, directions=("h2d", "d2h"), pinned=(True, 
     device = link.device_buffer(largest)
     hosts = {True: link.host_buffer(largest) if True in pinned else None,
              False: torch.zeros(largest) if False in pinned else None}  # ordinary, pageable memory
-    filler_bytes = busy_filler_bytes(link)
+    filler_bytes = busy_filler_bytes(link.emulated)
     filler = (link.host_buffer(filler_bytes // 4), link.device_buffer(filler_bytes // 4))
     pinning = {True: link.pinning_of(hosts[True]) if True in pinned else None, False: "pageable"}
     cases = [(d, p, s) for d in directions for p in pinned for s in chosen]

@@ -285,7 +285,7 @@ def test_each_timed_copy_waits_behind_a_busy_engine_so_alpha_holds_no_host_dispa
         with link.record() as recording:
             records = probe.link_sweep(link, sizes=["64 KiB", "256 KiB"], directions=("h2d",), pinned=(True,),
                                        repeats=2)
-    filler = probe.busy_filler_bytes(link)
+    filler = probe.busy_filler_bytes(link.emulated)
     sizes = [t.nbytes for t in recording.transfers]
     assert sizes == [64 * 2**10, filler, 64 * 2**10, filler, 64 * 2**10,
                      256 * 2**10, filler, 256 * 2**10, filler, 256 * 2**10]

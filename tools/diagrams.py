@@ -200,9 +200,9 @@ FIG8_TEXT = 9
 def nvme_path(path: Path) -> Path:
     """Optimizer state on NVMe: read into pinned host memory, updated by the CPU, written back."""
     size = FIG8_TEXT
-    fig, ax = plt.subplots(figsize=(6.6, 3.9))
+    fig, ax = plt.subplots(figsize=(6.6, 3.6))
     ax.set_xlim(0, 6.6)
-    ax.set_ylim(0, 3.9)
+    ax.set_ylim(0.25, 3.85)
     ax.axis("off")
     _flow_box(ax, 0.05, 0.55, 1.55, 2.7, "", COLOURS["engine"])
     ax.text(0.82, 3.0, "NVMe drives", ha="center", fontsize=size + 1, weight="bold")
@@ -228,8 +228,6 @@ def nvme_path(path: Path) -> Path:
     _flow_arrow(ax, (1.45, 3.3), (5.5, 2.9), style="-|>", colour="#777777")
     ax.text(3.37, 3.62, "GPUDirect Storage: drive to GPU memory, no host copy", ha="center",
             fontsize=size, color="#555555")
-    ax.text(3.3, 0.05, "bytes per parameter per step; the CPU needs the state in host memory",
-            ha="center", fontsize=size)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -237,12 +235,10 @@ def nvme_path(path: Path) -> Path:
 def two_slot_commit(path: Path) -> Path:
     """One file, two slots: a commit writes the idle slot, flushes, then flips its header."""
     size = FIG8_TEXT
-    fig, ax = plt.subplots(figsize=(6.6, 3.0))
+    fig, ax = plt.subplots(figsize=(6.6, 2.4))
     ax.set_xlim(0, 6.6)
-    ax.set_ylim(0, 3.0)
+    ax.set_ylim(0.3, 2.7)
     ax.axis("off")
-    ax.text(2.15, 2.82, "one file: two slots, each with a header page", ha="center", fontsize=size,
-            weight="bold")
     rows = [(1.75, ("slot 0: step s\n(current, untouched)", COLOURS["host"]),
              ("slot 1: being written\nwith step s + 1", COLOURS["cpu"])),
             (0.95, ("header 0:\nstep s", "white"), ("header 1: step s − 1,\nthen step s + 1", "white"))]
@@ -255,9 +251,8 @@ def two_slot_commit(path: Path) -> Path:
         ax.text(4.75, y, text, fontsize=size, va="center")
     _flow_arrow(ax, (4.7, 2.25), (4.27, 2.1), colour="#d62728")
     _flow_arrow(ax, (4.7, 1.45), (4.27, 1.3), colour="#d62728")
-    ax.text(3.3, 0.42, "Reopening reads both headers and takes the newest intact one: a crash before 4\n"
-            "finds header 0 and step s, whole; after 4, header 1 and step s + 1.", ha="center",
-            va="center", fontsize=size)
+    ax.text(4.75, 0.6, "reopening: the newest\nintact header wins", fontsize=size, va="center",
+            style="italic")
     fig.tight_layout()
     return _save(fig, path)
 

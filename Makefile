@@ -16,6 +16,8 @@ LAB_ROOT    := $(if $(filter 0,$(shell id -u)),--allow-root)
 OVERRIDES   := $(VENV)/share/jupyter/lab/settings/overrides.json
 MATHJAX     := book/_static/mathjax
 
+# nbgrader's server side, off for a reader alone (Lab's side: etc/self-study/labconfig).
+NO_NBGRADER := {$(foreach e,formgrader course_list assignment_list validate_assignment,"nbgrader.server_extensions.$(e)": False,)"jupyterlab": True}
 STUDENT_DIR ?= build/student
 NBGRADER_DIR ?= build/nbgrader/source
 
@@ -52,7 +54,7 @@ $(PY):
 lab: env
 	$(PY) -m offloadlab.student --keep labs book/student
 	JUPYTER_CONFIG_PATH=$(CURDIR)/etc/self-study $(VENV)/bin/jupyter lab $(LAB_ROOT) \
-		--config=etc/jupyter_server_config.json
+		--config=etc/jupyter_server_config.json '--ServerApp.jpserver_extensions=$(NO_NBGRADER)'
 
 ## test: unit tests, every chapter and lab through nbval, the static site and its browser checks
 test: env $(MATHJAX)/tex-chtml.js

@@ -82,7 +82,11 @@ def set_up_server(spawner):
         environment["OFFLOADLAB_STUDENT"] = "0"
     else:
         environment["OFFLOADLAB_STUDENT"] = "1"
-        environment["JUPYTER_CONFIG_PATH"] = str(COURSE / "course" / "student")  # hides the instructor tools
+        # nbgrader's instructor tools off: the Lab side through course/student/labconfig, the server side
+        # here (the environment's own settings, which enable them, would override a settings file).
+        environment["JUPYTER_CONFIG_PATH"] = str(COURSE / "course" / "student")
+        spawner.args = [*spawner.args, "--ServerApp.jpserver_extensions=" + repr(  # traitlets reads a Python literal
+            {"nbgrader.server_extensions.formgrader": False, "nbgrader.server_extensions.course_list": False})]
     device = gpu_slices().get(name)
     if device:
         environment["CUDA_VISIBLE_DEVICES"] = device

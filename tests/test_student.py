@@ -245,7 +245,11 @@ def test_nbgrader_sources_are_one_assignment_per_lab(tmp_path):
     assert result.returncode == 0, result.stderr
     for path in LABS:
         written = nbformat.read(tmp_path / path.stem[:5] / f"{path.stem}.ipynb", as_version=4)
-        assert written == source_notebook(path) and BEGIN in "".join(c.source for c in written.cells)
+        source = source_notebook(path)
+        assert [(c.cell_type, c.metadata) for c in written.cells] == [(c.cell_type, c.metadata) for c in source.cells]
+        assert [c.source for c in written.cells if c.cell_type == "code"] == \
+            [c.source for c in source.cells if c.cell_type == "code"]
+        assert BEGIN in "".join(c.source for c in written.cells) and "{ref}" not in "".join(c.source for c in written.cells)
 
 
 @pytest.mark.parametrize("arguments, complaint", [(["no-such-folder", "out"], "source_dir"),

@@ -82,9 +82,9 @@ def set_up_server(spawner):
         environment["OFFLOADLAB_STUDENT"] = "0"
     else:
         environment["OFFLOADLAB_STUDENT"] = "1"
-        # nbgrader's instructor tools off: the Lab side through course/student/labconfig, the server side
+        # nbgrader's instructor tools off: the Lab side through course/students/labconfig, the server side
         # here (the environment's own settings, which enable them, would override a settings file).
-        environment["JUPYTER_CONFIG_PATH"] = str(COURSE / "course" / "student")
+        environment["JUPYTER_CONFIG_PATH"] = str(COURSE / "course" / "students")
         spawner.args = [*spawner.args, "--ServerApp.jpserver_extensions=" + repr(  # traitlets reads a Python literal
             {"nbgrader.server_extensions.formgrader": False, "nbgrader.server_extensions.course_list": False})]
     device = gpu_slices().get(name)

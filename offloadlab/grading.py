@@ -19,7 +19,7 @@ from __future__ import annotations
 import ast
 
 __all__ = ["recomputed", "exchange_seconds", "one_buffer_pass_seconds", "disk_step_seconds",
-           "ADAM_STATE_BYTES", "Outcome", "lab01_challenge"]
+           "ADAM_STATE_BYTES", "Outcome", "lab01_challenge", "lab07_challenge"]
 
 # Bytes per parameter that one AdamW step reads from disk and writes back: fp32 master weights
 # and both moments (lab 7, chapter 8).
@@ -116,6 +116,37 @@ def lab01_challenge(trainer, config, device, budget: float = 6, steps: int = 5, 
     verdict = "✓" if per_param <= budget else "✗"
     return Outcome(per_param <= budget, f"{verdict} challenge: {per_param:.2f} bytes of state a parameter after a step "
                                         f"(measured; at most {budget:g}), loss within {worst:.2%} of fp32 AdamW")
+
+
+def lab07_challenge(folder, block_bytes: int, queue_depth: int, reference_rate: float, share: float = 0.5,
+                    params: int = 8 * 2**20, repeats: int = 3) -> Outcome:
+    """Lab 7's challenge, measured: a FileTier of ``params`` fp32 values in ``folder`` with the given
+    request size and queue depth, read whole ``repeats`` times (the median counts); it passes when it
+    reads at ``share`` or more of ``reference_rate`` (bytes/s, the disk's rate as the lab measured it)."""
+    import statistics
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from .nvme import FileTier
+
+    with tempfile.TemporaryDirectory(dir=folder, prefix="lab07-challenge-") as scratch:
+        tier = FileTier(Path(scratch) / "state.bin", params, init=torch.randn(params), block_bytes=block_bytes,
+                        queue_depth=queue_depth)
+        try:
+            values, seconds = torch.empty(params), []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                tier.read(0, values)
+                seconds.append(time.perf_counter() - start)
+        finally:
+            tier.close()
+    rate = 4 * params / statistics.median(seconds)
+    passed = rate >= share * reference_rate
+    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: the tier read at {rate / 1e9:.3g} GB/s (measured), "
+                           f"{rate / reference_rate:.0%} of your disk's rate (at least {share:.0%} needed)")
 
 
 def recomputed(name: str, **inputs):

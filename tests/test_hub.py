@@ -239,9 +239,13 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
     stages = Stages()
     blocks = page_blocks()
     assert [who for who, _ in blocks] == ["root", "root", "root", "root", "instructor", "instructor"], blocks
-    base = Path(tempfile.mkdtemp(prefix="offloadlab-hub-"))
+    kept = os.environ.get("OFFLOADLAB_HUB_TEST_DIR")  # a folder to keep between runs, when debugging this test
+    base = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="offloadlab-hub-"))
+    base.mkdir(parents=True, exist_ok=True)
     base.chmod(0o755)  # the course, its environment and the exchange must be readable by the students
     course, exchange, state = base / "offloadlab", base / "exchange", base / "hub"
+    shutil.rmtree(exchange, ignore_errors=True)
+    shutil.rmtree(state, ignore_errors=True)
     state.mkdir()
     hub_log = base / "hub.log"
     port, token = free_port(), secrets.token_hex(16)
@@ -302,11 +306,13 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
             for student, solve in ((SOLVED, True), (UNSOLVED, False)):
                 listed = hub.user(student, "/assignments/fetch", {"course_id": COURSE_ID, "assignment_id": ASSIGNMENT},
                                   method="POST", form=True)
-                assert any(a["assignment_id"] == ASSIGNMENT and a["status"] == "fetched" for a in listed), listed
+                assert listed["success"], listed
+                assert any(a["assignment_id"] == ASSIGNMENT and a["status"] == "fetched" for a in listed["value"]), listed
                 seen[student] = work_on(hub, student, solve)
                 listed = hub.user(student, "/assignments/submit", {"course_id": COURSE_ID, "assignment_id": ASSIGNMENT},
                                   method="POST", form=True)
-                assert any(a["status"] == "submitted" for a in listed), listed
+                assert listed["success"], listed
+                assert any(a["status"] == "submitted" for a in listed["value"]), listed
         python = str(course / ".venv" / "bin" / "python")
         for student, info in seen.items():
             assert Path(info["python"]).parent == Path(python).parent and info["student"] == "1", info
@@ -340,7 +346,8 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
             subprocess.run(["pkill", "-u", user], capture_output=True)  # the servers the hub left behind
         for user in (SOLVED, UNSOLVED, INSTRUCTOR):
             subprocess.run(["userdel", "-r", user], capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
+        if not kept:
+            shutil.rmtree(base, ignore_errors=True)
         print(json.dumps(stages.seconds))
 
 

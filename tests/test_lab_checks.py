@@ -121,6 +121,8 @@ WRONG = {
          "my_disk_seconds = 4 * n / read_rate + 4 * n / write_rate", "only the master weights"),
         ("my_resume_step = max(master_steps)", "the newest step of the first file",
          "my_resume_step = min(exp_avg_sq_steps)", "the oldest step of the last file"),
+        ("my_block_bytes, my_queue_depth = 16 * 2**10, 1", "small requests, one at a time",
+         "my_block_bytes, my_queue_depth = 4096, 16", "page-sized requests, many in flight"),
     ],
     "lab08": [
         ("predicted_gather = 2 * 2 * P", "chapter 9's 2wP, the root counted twice",

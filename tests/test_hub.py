@@ -164,8 +164,8 @@ def run_cells(hub: Hub, user: str, path: str, cells: list[str]) -> list[dict]:
     url = hub.url.replace("http", "ws", 1) + f"/user/{user}/api/kernels/{kernel}/channels"
 
     async def talk():
-        request = HTTPRequest(url, headers={"Authorization": f"token {hub.user_tokens[user]}"})
-        socket_ = await websocket_connect(request, connect_timeout=60)
+        request = HTTPRequest(url, headers={"Authorization": f"token {hub.user_tokens[user]}"}, connect_timeout=60)
+        socket_ = await websocket_connect(request)
         results = []
         for code in cells:
             msg_id = secrets.token_hex(8)
@@ -263,12 +263,14 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
                 if source.is_file() and not source.is_symlink():
                     (course / name).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(source, course / name)
-                elif source.is_symlink():
+                elif source.is_symlink() and not (course / name).is_symlink():
                     (course / name).parent.mkdir(parents=True, exist_ok=True)
                     (course / name).symlink_to(os.readlink(source))
             subprocess.run(["chmod", "-R", "a+rX", str(course)], check=True)
         names = ["packages and proxy", "make course", "accounts and exchange"]
         for (who, commands), name in zip(blocks[:3], names):
+            if kept and name == "make course" and (course / ".venv" / "bin" / "jupyterhub-singleuser").exists():
+                continue  # debugging with a kept folder: its environment is already made
             with stages(name):
                 result = subprocess.run(["bash", "-euo", "pipefail", "-c", runnable(commands)], env=env, cwd=base,
                                         capture_output=True, text=True)

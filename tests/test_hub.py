@@ -321,6 +321,7 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         assert seen[SOLVED]["gpu"] == FAKE_SLICE and seen[SOLVED]["note"] == ""
         assert seen[UNSOLVED]["gpu"] == "" and "no GPU slice for olab-grace" in seen[UNSOLVED]["note"]
         assert f"no GPU slice for {UNSOLVED}" in hub_log.read_text()
+        assert "No nbgrader_config.py" not in hub_log.read_text()  # the servers' log: the shared settings were found
         memlock = [info["memlock"] for info in seen.values()]
         with stages("instructor: collect, autograde, feedback"):
             instructor(blocks[5][1], env)

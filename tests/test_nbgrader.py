@@ -17,7 +17,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from offloadlab.student import BEGIN, END, STUB, assignment_name, find_labs, points, release_notebook, source_notebook
+from offloadlab.student import BEGIN, BEGIN_HIDDEN, END, STUB, assignment_name, find_labs, points, release_notebook, source_notebook
 from tests.conftest import ROOT
 
 LABS = find_labs(ROOT / "labs")
@@ -93,7 +93,12 @@ def test_autograde_gives_full_points_to_the_solved_lab_and_zero_to_the_unsolved(
     submit(course, "solved", path, nbformat.read(course / "source" / lab / f"{path.stem}.ipynb", as_version=4))
     submit(course, "unsolved", path, released(course, path))
     log = nbgrader(course, "autograde", lab, "--create")
-    complaints = [line for line in log.splitlines() if "App | ERROR]" in line or "App | WARNING]" in line]
+    # nbgrader stores a graded cell's checksum with its hidden tests and compares it with the released
+    # cell, which has none: it warns about every cell with hidden tests (jupyter/nbgrader#1961) and
+    # grades it right all the same, from the stored source.
+    hidden = {c.metadata.nbgrader["grade_id"] for c in source_notebook(path).cells if BEGIN_HIDDEN in c.source}
+    complaints = [line for line in log.splitlines() if ("App | ERROR]" in line or "App | WARNING]" in line)
+                  and not any(f"Attribute 'checksum' for cell {cell} has changed" in line for cell in hidden)]
     assert not complaints, "\n".join(complaints)
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
         solved = gradebook.find_submission_notebook(path.stem, lab, "solved")

@@ -41,7 +41,12 @@ What crosses the host link is what each engine's code copies, not the recipe's d
 casts each gradient to fp32 on the GPU before it goes down (``stage_1_and_2.py``,
 ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``; ``stage3.py``, ``partition_grads`` into an
 fp32 host buffer): 4 B per parameter down, and the updated 16-bit weights, cast on the host, come
-up at w. FSDP2 with ``CPUOffloadPolicy`` keeps fp32 shards on the host: each gather copies the
+up at w. With its optimizer offloaded, DeepSpeed's ZeRO-3 (0.19, ``stage3.py``) keeps every
+rank's 16-bit gradient partitions in one pinned host buffer (``grad_partitions_flat_buffer``):
+each micro-batch's reduced gradient is copied into it and straight back to the GPU (g down, g up),
+and at the accumulation boundary the GPU copy is cast to fp32 and sent down (4 B). One micro-batch
+therefore moves g + 4 = 6 B down and g + w = 4 B up, or g + 2 w = 6 B up with the parameters on
+the host too. FSDP2 with ``CPUOffloadPolicy`` keeps fp32 shards on the host: each gather copies the
 fp32 shard up (4 B, for forward and again for backward) and each reduced gradient, cast back to
 fp32 on the GPU, goes down (4 B). It pins every shard and gradient on its own
 (``_fsdp_param.py``), and torch's pinned allocator rounds each request up to a power of two
@@ -92,7 +97,9 @@ class Layout:
     transient working set of gathered weights and their gradients. ``interconnect_overlapped``
     runs during forward and backward (gathers, gradient reductions); ``interconnect_after``
     runs after the update (ZeRO-1/2's all-gather of new weights). ``h2d_bytes``/``d2h_bytes`` cross
-    the GPU's host link; ``cpu_params`` is how many parameters this GPU's rank updates on the CPU.
+    the GPU's host link, ``upload_after`` of the ``h2d_bytes`` after the update (the new 16-bit
+    weights; the rest moves during the passes); ``cpu_params`` is how many parameters this GPU's
+    rank updates on the CPU.
     """
 
     strategy: str
@@ -109,6 +116,7 @@ class Layout:
     nvme_bytes: float = 0.0
     nvme_during_passes: float = 0.0
     nvme_after: float = 0.0
+    upload_after: float = 0.0
 
     @property
     def interconnect_bytes(self) -> float:
@@ -149,13 +157,14 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
     shard = p / n
     reduce_grads = ring_bytes("reduce-scatter", g * p, n)
     gather_weights = ring_bytes("all-gather", w * p, n)
-    h2d = d2h = cpu = host = 0.0
+    h2d = d2h = cpu = host = upload = 0.0
     after = 0.0
     if strategy == "ddp":
         gathered, overlapped = 0.0, ring_bytes("all-reduce", g * p, n)
         if offload == "optimizer":  # a whole copy per GPU: state, gradient landing buffer, 16-bit weights
             gpu, host = (w + g) * p, (optimizer + g + w) * p
             d2h, h2d, cpu = g * p, w * p, p
+            upload = h2d
         else:
             gpu = (w + g + optimizer) * p
     elif strategy in ("zero1", "zero2"):
@@ -166,6 +175,7 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
             gpu = replicated * p      # reduced gradient buckets go straight down, leaving no shard behind
             host = (DEEPSPEED_FP32_GRADIENT + optimizer) * shard
             d2h, h2d, cpu = DEEPSPEED_FP32_GRADIENT * shard, w * shard, shard
+            upload = h2d
         else:
             gpu = replicated * p + sharded * shard
     elif strategy == "zero3":
@@ -174,14 +184,15 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
         state = w + DEEPSPEED_FP32_GRADIENT + optimizer
         if offload == "none":
             gpu = state * shard + gathered
-        elif offload == "optimizer":
+        elif offload == "optimizer":  # the gradient's host round trip, then fp32 down; new weights up
             gpu = w * shard + gathered
             host = (DEEPSPEED_FP32_GRADIENT + optimizer) * shard
-            d2h, h2d, cpu = DEEPSPEED_FP32_GRADIENT * shard, w * shard, shard
+            d2h, h2d, cpu = (g + DEEPSPEED_FP32_GRADIENT) * shard, (g + w) * shard, shard
+            upload = w * shard
         else:  # the 16-bit shard lives on the host too and comes up for forward and for backward
             gpu = gathered
             host = state * shard
-            d2h, h2d, cpu = DEEPSPEED_FP32_GRADIENT * shard, 2 * w * shard, shard
+            d2h, h2d, cpu = (g + DEEPSPEED_FP32_GRADIENT) * shard, (g + 2 * w) * shard, shard
     else:  # fsdp2: fp32 sharded parameters (the master copy), fp32 sharded gradients, moments
         master = kinds.get("master_weights", 0) or w
         moments = optimizer - kinds.get("master_weights", 0)
@@ -195,7 +206,7 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
             pinned = fsdp2_pinned_bytes(shapes, n, master) if shapes else 2 * master * shard
             host = pinned + moments * shard  # the moments are the optimizer's own, pageable, unrounded
             h2d, d2h, cpu = 2 * master * shard, master * shard, shard
-    return Layout(strategy, offload, n, gpu, gathered, host, overlapped, after, h2d, d2h, cpu)
+    return Layout(strategy, offload, n, gpu, gathered, host, overlapped, after, h2d, d2h, cpu, upload_after=upload)
 
 
 def fsdp2_pinned_bytes(shapes, gpus: int, element: float = 4) -> float:

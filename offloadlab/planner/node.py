@@ -225,7 +225,7 @@ def _node_plan(work: Workload, hw: Hardware, strategy: str, offload: str, checkp
     both, _ = budget.both_directions_rate(mine.link, duplex)
     # With only the optimizer offloaded the new weights go up after the update; with parameters
     # offloaded they stay on the host and come up with the next step's gathers.
-    after_update = parts.h2d_bytes if offload == "optimizer" else 0.0
+    after_update = parts.upload_after
     t_compute = work.compute_flops(checkpointed) / (hw.compute or ASSUMED_COMPUTE)
     drive = (hw.nvme or float("inf")) / n  # the drive's sustained rate, shared by the node's GPUs
     return NodePlan(parts, checkpointed > 0, gpu, t_compute, parts.interconnect_overlapped / net,

@@ -49,8 +49,8 @@ def test_400b_fails_on_host_memory_not_on_the_gpu():
     everything = next(p for p in r.plans if p.level == 3 and p.recompute)
     assert everything.fits_gpu and round(everything.gpu_bytes / 1e9) == 29
     assert everything.host_bytes == 6.4e12 and not everything.fits_host
-    assert everything.binding == "host memory: needs 6.4 TB of 2 TB"
-    assert r.chosen is None and "6.4 TB of host memory against 2 TB" in r.warnings[0]
+    assert everything.binding == "host memory: needs 6.4 TB of the 1.8 TB usable of 2 TB"
+    assert r.chosen is None and "6.4 TB of host memory against the 1.8 TB usable of 2 TB" in r.warnings[0]
 
 
 def test_binding_of_a_plan_that_does_not_fit_is_the_memory():
@@ -344,3 +344,18 @@ print(engines.setup(report, "deepspeed").stage, "torch" in sys.modules)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["3", "False"]
+
+
+def test_host_memory_keeps_a_reserve_as_gpu_memory_does():
+    """A plan whose state fills host memory to the byte does not fit: the OS, each rank's process
+    and the page cache need some of it (review M8: 480 GB of state on a 480 GB Grace was accepted)."""
+    work = planner.Workload(10e9, batch=1, seq=1024)
+    state = next(p for p in planner.plan(work, planner.Hardware("80 GB", "25 GB/s")).plans
+                 if p.offload == "optimizer" and not p.recompute).host_bytes
+    exact = next(p for p in planner.plan(work, planner.Hardware("80 GB", "25 GB/s", host_memory=state)).plans
+                 if p.offload == "optimizer" and not p.recompute)
+    assert not exact.fits_host and "usable" in exact.binding
+    roomy = planner.Hardware("80 GB", "25 GB/s", host_memory=state / (1 - planner.HOST_RESERVE_FRACTION))
+    assert next(p for p in planner.plan(work, roomy).plans if p.offload == "optimizer" and not p.recompute).fits_host
+    node = planner.Hardware("80 GB", "25 GB/s", host_memory="1 TB", gpus_per_node=8)
+    assert node.usable_host_memory == 0.9e12

@@ -79,7 +79,7 @@ def _nothing_fits_on_one_gpu(work: Workload, hw: Hardware, plans: list[Plan], du
     warnings.append(f"nothing fits: the GPU holds it once {least.offload} are offloaded "
                     f"({format_size(least.gpu_bytes)} of {format_size(least.gpu_usable)}), but host memory "
                     f"does not: that needs {format_size(least.host_bytes)} of host memory against "
-                    f"{format_size(hw.host_memory)}; the next tier, NVMe, can hold it at a lower speed"
+                    f"the {format_size(hw.usable_host_memory)} usable of {format_size(hw.host_memory)}; the next tier, NVMe, can hold it at a lower speed"
                     + ("" if hw.nvme else " (give the drive's bandwidth, --nvme, to plan on it)"))
     if not hw.nvme:  # what the next tier would give, at an assumed rate
         on_drive = [p for p in nvme_plans(work, hw.replaced(nvme=ASSUMED_NVME), duplex, recipe) if p.fits]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from .. import budget, memory, sharding
 from ..units import format_duration, format_size
 from .single import HIDDEN_FRACTION, recompute_choices
-from .workload import ASSUMED_COMPUTE, ASSUMED_CPU_ADAM, ASSUMED_INTERCONNECT, Hardware, Workload
+from .workload import ASSUMED_COMPUTE, ASSUMED_CPU_ADAM, ASSUMED_INTERCONNECT, Hardware, Workload, usable_host
 
 __all__ = ["NodePlan", "NODE_CANDIDATES", "node_plans", "nvme_plans", "engine_of", "LOAD_BYTES_PER_PARAM"]
 
@@ -108,7 +108,7 @@ class NodePlan:
 
     @property
     def fits_host(self) -> bool:
-        return self.host_memory is None or self.host_need <= self.host_memory
+        return self.host_memory is None or self.host_need <= usable_host(self.host_memory)
 
     @property
     def fits(self) -> bool:
@@ -135,7 +135,8 @@ class NodePlan:
         if not self.fits_host:
             whose = "by DeepSpeed's estimate" if self.estimate else "for the node"
             return (f"host memory: needs {format_size(self.host_need)} {whose} ({format_size(self.host_bytes)} "
-                    f"per GPU of state) of the node's {format_size(self.host_memory)}"
+                    f"per GPU of state) of the {format_size(usable_host(self.host_memory))} usable of the "
+                    f"node's {format_size(self.host_memory)}"
                     + (f", {format_size(self.host_memory / gpus)} a GPU" if gpus > 1 else ""))
         if self.waiting <= HIDDEN_FRACTION * self.step:
             return "compute: collectives and transfers hide behind it"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from .. import budget, memory, overlap
 from ..units import format_duration, format_size
-from .workload import ASSUMED_COMPUTE, ASSUMED_CPU_ADAM, Hardware, Workload
+from .workload import ASSUMED_COMPUTE, ASSUMED_CPU_ADAM, Hardware, Workload, usable_host
 
 __all__ = ["Candidate", "candidates", "Plan", "schedule", "single_gpu_plans", "OFFLOAD_LEVELS", "HIDDEN_FRACTION",
            "MAX_SIMULATED_LAYERS", "RECOMPUTE_CHOICES", "recompute_choices", "gpu_binding"]
@@ -122,7 +122,7 @@ class Plan:
 
     @property
     def fits_host(self) -> bool:
-        return self.host_memory is None or self.host_bytes <= self.host_memory
+        return self.host_memory is None or self.host_bytes <= usable_host(self.host_memory)
 
     @property
     def fits(self) -> bool:
@@ -153,7 +153,8 @@ class Plan:
             return (f"GPU memory: needs {format_size(self.gpu_bytes)} of the "
                     f"{format_size(self.gpu_usable)} usable")
         if not self.fits_host:
-            return f"host memory: needs {format_size(self.host_bytes)} of {format_size(self.host_memory)}"
+            return (f"host memory: needs {format_size(self.host_bytes)} of the "
+                    f"{format_size(usable_host(self.host_memory))} usable of {format_size(self.host_memory)}")
         if self.level == 0:
             return "nothing: it fits on the GPU without offload"
         if self.waiting <= HIDDEN_FRACTION * self.t_step:

@@ -17,6 +17,7 @@ from ..units import (check_positive, format_bandwidth, format_size, parse_bandwi
 
 __all__ = ["Workload", "Hardware", "Activations", "typical_shape", "ATTENTIONS", "ASSUMED_COMPUTE",
            "ASSUMED_CPU_ADAM", "ASSUMED_INTERCONNECT", "ASSUMED_NVME", "ASSUMED_VOCAB", "WORKSPACE_FRACTION",
+           "HOST_RESERVE_FRACTION",
            "BYTES_MOVED_PER_ADAM_PARAM"]
 
 # Used only when the reader gives no measurement; every report names them as assumptions.
@@ -29,6 +30,10 @@ ASSUMED_INTERCONNECT = 450e9  # bytes/s each way per GPU: NVLink inside a node, 
 ASSUMED_NVME = 2e9
 ASSUMED_VOCAB = 50257  # GPT-2's vocabulary, for the logits of a model known only by its size
 WORKSPACE_FRACTION = 0.10   # of GPU memory kept back for the framework, kernels and fragmentation
+# Of host memory kept back (an assumption, as the GPU's workspace is): the OS and page cache, each
+# rank's Python and CUDA context, data-loader workers. A plan whose state fills host memory exactly
+# does not fit.
+HOST_RESERVE_FRACTION = 0.10
 BYTES_MOVED_PER_ADAM_PARAM = 28  # host bytes one fused AdamW update reads and writes per parameter
 ATTENTIONS = ("sdpa", "eager")
 # The smallest GPU memory and host link taken as meant when given as a bare Python number of bytes
@@ -195,6 +200,11 @@ class Workload:
         return [w.shape for w in self.architecture.weights if not w.tied]
 
 
+def usable_host(host_memory: float) -> float:
+    """Of ``host_memory`` bytes, what a plan's state may fill."""
+    return host_memory * (1 - HOST_RESERVE_FRACTION)
+
+
 def typical_shape(params: float) -> tuple[int, int, int]:
     """A GPT-like (layers, hidden, heads) for ``params``: P ≈ 12·L·h² with h ≈ 128·L, heads of 128.
 
@@ -292,6 +302,11 @@ class Hardware:
     @property
     def usable_gpu_memory(self) -> float:
         return self.gpu_memory * (1 - WORKSPACE_FRACTION)
+
+    @property
+    def usable_host_memory(self) -> float | None:
+        """Host memory a plan may fill, bytes: the node's less ``HOST_RESERVE_FRACTION``."""
+        return None if self.host_memory is None else usable_host(self.host_memory)
 
     @classmethod
     def from_probe(cls, record: dict, **given) -> "Hardware":

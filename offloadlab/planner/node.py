@@ -49,7 +49,8 @@ class NodePlan:
 
     Bytes are per GPU (``host_bytes`` is this GPU's share of the state); ``host_need`` is what the
     node must hold for the plan, by the engine's own account (DeepSpeed's estimate, a loading
-    peak), and ``host_memory`` is the node's. The step model: collectives that run during forward
+    peak), and ``host_memory`` is the node's, of which a plan may fill all but
+    ``HOST_RESERVE_FRACTION``. The step model: collectives that run during forward
     and backward (weight gathers, gradient reductions) and the link's traffic in those passes
     overlap compute, each on its own wire; after backward come the CPU update of this GPU's shard
     on its Nth of the cores, its upload (after the update for DeepSpeed, ``serial_upload``;

@@ -90,7 +90,8 @@ def test_host_memory_is_fitted_by_deepspeeds_own_estimate():
     assert planner.plan(model, node(host="1.2 TB")).chosen is None  # 1.19 TB leaves no reserve
     assert planner.plan(model, node(host="1.4 TB")).chosen.strategy == "fsdp2"
     fits = planner.plan(model, node(host="2 TB"))
-    assert by_name(fits, name).fits and "DeepSpeed's own estimate: GPU" in fits.explain()
+    zero3 = by_name(fits, name)
+    assert zero3.fits and zero3.to_dict()["deepspeed_estimate"]["host_bytes_per_node"] == pytest.approx(cpu, abs=1)
 
 
 def test_nvme_is_planned_only_when_the_drive_is_given():
@@ -239,6 +240,17 @@ def test_long_context_finds_a_plan():
     assert payload["chosen"]["fits"] and payload["activations"]["attention"] == "sdpa"
     assert payload["activations"]["logits_bytes"] == 14 * 128256 * 32768
     assert payload["model"]["counted_by"].startswith(("transformers", "formula"))
+    chosen = payload["chosen"]
+    if chosen["engine"] == "deepspeed":  # fitted, and printed, by DeepSpeed's own estimate too
+        stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+        cpu, gpu, _ = stage3.estimate_zero3_model_states_mem_needs(
+            payload["params"], payload["model"]["largest_module_params"], 8, 1, cpu_offload=True,
+            cpu_offload_params=chosen["offload"] == "optimizer+parameters", zero_init=1)
+        assert chosen["deepspeed_estimate"]["host_bytes_per_node"] == pytest.approx(cpu, abs=1)
+        assert chosen["deepspeed_estimate"]["gpu_bytes"] == pytest.approx(gpu, abs=1)
+        text = offloadlab("plan", "--model", "llama-3.1-8b", "--gpus-per-node", "8", "--gpu-memory", "80 GB",
+                          "--link", "25 GB/s", "--host-memory", "1 TB", "--seq", "32768").stdout
+        assert "DeepSpeed's own estimate: GPU" in text
 
 
 def test_zero2_offload_on_eight_gpus_fits_by_deepspeeds_loading_peak():

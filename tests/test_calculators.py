@@ -471,6 +471,11 @@ def test_the_calculators_add_at_most_15_mb_to_the_site(built_site):
 from tests.test_lab_server import lab_server, open_in_lab, scroll_to  # noqa: E402,F401  (lab_server: a fixture)
 
 
+def test_lab_hides_the_calculators_code(lab_server):  # noqa: F811
+    names = {item["name"] for item in lab_server.request("/api/contents/")["content"]}
+    assert "04_bandwidth_budget.md" in names and "_ext" not in names
+
+
 def test_lab_shows_the_note_as_readable_text(lab_server, browser):  # noqa: F811
     """jupyterlab-myst draws the note as an admonition with its command, not as an unknown directive."""
     page = browser.new_page(viewport={"width": 1280, "height": 900})

@@ -21,7 +21,9 @@ a bad field gets the command's exit-2 message under it. No figure is computed in
 The build refuses (fails) when the estimates layer stops being portable: every module of it
 imports, at module level, only the standard library and other modules of the layer. Inside a
 function a module may import an optional library named in ``OPTIONAL_IMPORTS`` (the calculators
-never reach those functions); anything else fails the build, saying where.
+never reach those functions); anything else fails the build, saying where. And before any page is
+written, every note's example runs from the archive alone, by a Python without site-packages:
+whatever the command imports on a calculator's path must be in the archive.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import html
 import io
 import json
 import shlex
+import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -352,7 +356,9 @@ def _command_of(note: nodes.Element) -> str | None:
 
 
 def read_calculators(app, doctree):
-    """Check each calculator note's command as the CLI would, and remember it on the note."""
+    """Check each calculator note's command as the CLI would, and remember it on the note and in
+    the environment: {page: (the digest it was read with, [(command, values), …])}."""
+    examples = []
     for note in doctree.findall(nodes.admonition):
         if "calculator" not in note["classes"]:
             continue
@@ -366,8 +372,11 @@ def read_calculators(app, doctree):
             raise ExtensionError(f"{where}: calculator: {error}") from None
         note["calculator_command"] = command
         note["calculator_values"] = json.dumps(values)
-        app.env.calculator_docs = {**getattr(app.env, "calculator_docs", {}),
-                                   app.env.docname: getattr(app, "calculator_digest", None)}
+        examples.append((command, values))
+    pages = {k: v for k, v in getattr(app.env, "calculator_docs", {}).items() if k != app.env.docname}
+    if examples:
+        pages[app.env.docname] = (getattr(app, "calculator_digest", None), examples)
+    app.env.calculator_docs = pages
 
 
 def rewrite_when_the_calculators_change(app, env, added, changed, removed):
@@ -375,7 +384,7 @@ def rewrite_when_the_calculators_change(app, env, added, changed, removed):
     extension changed since they were read (their notebooks' outputs come from the execution cache)."""
     digest = getattr(app, "calculator_digest", None)
     pages = getattr(env, "calculator_docs", {})
-    return sorted(name for name, seen in pages.items() if digest is not None and seen != digest
+    return sorted(name for name, (seen, _) in pages.items() if digest is not None and seen != digest
                   and name not in removed)
 
 
@@ -386,6 +395,38 @@ def forget_the_page(app, env, docname):
 def merge_the_pages(app, env, docnames, other):
     theirs = getattr(other, "calculator_docs", {})
     env.calculator_docs = {**getattr(env, "calculator_docs", {}), **{k: theirs[k] for k in docnames if k in theirs}}
+
+
+def run_alone(archive: bytes, examples: list[tuple[str, dict[str, str]]]) -> list[dict]:
+    """Each example's answer from the archive alone, unpacked and run by a Python without
+    site-packages (no torch, numpy or transformers, as in Pyodide): a module the archive lacks, or
+    an import it cannot satisfy, fails there as it would in the browser."""
+    script = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport calculator_runtime\n"
+              "for command, fields in json.loads(sys.stdin.read()):\n"
+              "    print(calculator_runtime.calculate(command, json.dumps(fields)))\n")
+    cases = [(command, [[flag, value, True] for flag, value in values.items()]) for command, values in examples]
+    with tempfile.TemporaryDirectory() as folder:
+        with zipfile.ZipFile(io.BytesIO(archive)) as unpacked:
+            unpacked.extractall(folder)
+        run = subprocess.run([sys.executable, "-I", "-S", "-c", script, folder], input=json.dumps(cases),
+                             capture_output=True, text=True, cwd=folder)
+    if run.returncode != 0:
+        raise ExtensionError("calculators: the shipped modules fail on their own (as they would in the browser):\n"
+                             + run.stderr[-3000:])
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+def check_the_examples_run_alone(app, env):
+    """After reading, before writing: every note's example runs from the shipped archive alone."""
+    if app.builder.name != "html":
+        return []
+    pages = getattr(env, "calculator_docs", {})
+    examples = [example for name in sorted(pages) for example in pages[name][1]]
+    for (command, values), answer in zip(examples, run_alone(app.calculator_archive, examples)):
+        if answer["status"] != 0:
+            raise ExtensionError(f"calculators: `{answer['command']}` fails from the shipped modules alone: "
+                                 f"{answer['error']}")
+    return []
 
 
 def draw_calculators(app, doctree, docname):
@@ -453,8 +494,9 @@ def setup(app):
     app.connect("env-get-outdated", rewrite_when_the_calculators_change)
     app.connect("env-purge-doc", forget_the_page)
     app.connect("env-merge-info", merge_the_pages)
+    app.connect("env-updated", check_the_examples_run_alone)
     app.connect("doctree-resolved", draw_calculators)
     app.connect("html-page-context", load_on_calculator_pages)
     app.connect("build-finished", write_the_archive)
     # env_version: a new one makes Sphinx read every page again (what the env keeps changed).
-    return {"version": "1", "env_version": 2, "parallel_read_safe": True, "parallel_write_safe": True}
+    return {"version": "1", "env_version": 3, "parallel_read_safe": True, "parallel_write_safe": True}

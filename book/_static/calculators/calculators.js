@@ -24,10 +24,28 @@
     });
   }
 
+  // Pyodide 0.29 never settles loadPyodide() when pyodide.asm.wasm fails to arrive: it only warns
+  // "wasm instantiation failed!" on the console (pyodide/pyodide#6296). Listen for that warning
+  // while it loads, so that the reader is told and can try again instead of waiting forever.
+  function loadPyodideOrFail() {
+    const warn = console.warn;
+    return new Promise((resolve, reject) => {
+      console.warn = (...args) => {
+        warn.apply(console, args);
+        if (String(args[0]).includes("wasm instantiation failed")) {
+          reject(new Error("Python's WebAssembly interpreter (pyodide.asm.wasm) did not load"));
+        }
+      };
+      globalThis.loadPyodide({ indexURL: pyodideFolder.href }).then(resolve, reject);
+    }).finally(() => {
+      console.warn = warn;
+    });
+  }
+
   async function startPython(archive, progress) {
-    progress(1, "Loading Python for your browser (Pyodide, about 12 MB, once per visit)…");
-    await loadScript(new URL("pyodide.js", pyodideFolder));
-    const pyodide = await globalThis.loadPyodide({ indexURL: pyodideFolder.href });
+    progress(1, "Loading Python into your browser (Pyodide, about 12 MB)…");
+    if (!globalThis.loadPyodide) await loadScript(new URL("pyodide.js", pyodideFolder));
+    const pyodide = await loadPyodideOrFail();
     progress(2, "Loading offloadlab's estimates…");
     const response = await fetch(new URL(archive, here));
     if (!response.ok) throw new Error(`could not load the package (${response.status} ${response.url})`);

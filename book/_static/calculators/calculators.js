@@ -42,16 +42,22 @@
     });
   }
 
+  // Marks on the page's performance timeline (performance.getEntriesByType("mark")) say how long
+  // the start took: Python, then the package.
   async function startPython(archive, progress) {
+    performance.mark("calculators:asked");
     progress(1, "Loading Python into your browser (Pyodide, about 12 MB)…");
     if (!globalThis.loadPyodide) await loadScript(new URL("pyodide.js", pyodideFolder));
     const pyodide = await loadPyodideOrFail();
+    performance.mark("calculators:python-ready");
     progress(2, "Loading offloadlab's estimates…");
     const response = await fetch(new URL(archive, here));
     if (!response.ok) throw new Error(`could not load the package (${response.status} ${response.url})`);
     pyodide.unpackArchive(await response.arrayBuffer(), "zip", { extractDir: "/home/pyodide/site" });
     pyodide.runPython("import sys; sys.path.insert(0, '/home/pyodide/site')");
-    return pyodide.pyimport("calculator_runtime");
+    const runtime = pyodide.pyimport("calculator_runtime");
+    performance.mark("calculators:package-ready");
+    return runtime;
   }
 
   function setUp(form) {

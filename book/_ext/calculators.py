@@ -6,8 +6,9 @@ names the command it stands for, pre-filled with the book's running example::
     :::{admonition} Try it with your numbers
     :class: calculator
 
-    The cell above computes this budget. With your numbers: change its inputs, or run
+    The cell above reads the running example. For your own link, window and offload,
     `offloadlab budget --link "32 GB/s" --window "250 ms" --params 10e9 --offload optimizer`
+    prints the verdict; on the book's website, the form here runs that command in your browser.
     :::
 
 JupyterLab and the PDF show that note as it is. On the HTML site this extension adds, inside
@@ -44,9 +45,6 @@ from pathlib import Path
 
 from docutils import nodes
 from sphinx.errors import ExtensionError
-from sphinx.util import logging
-
-logger = logging.getLogger(__name__)
 
 BOOK = Path(__file__).resolve().parent.parent
 PACKAGE = BOOK.parent / "offloadlab"
@@ -422,7 +420,7 @@ def check_the_examples_run_alone(app, env):
         return []
     pages = getattr(env, "calculator_docs", {})
     examples = [example for name in sorted(pages) for example in pages[name][1]]
-    for (command, values), answer in zip(examples, run_alone(app.calculator_archive, examples)):
+    for answer in run_alone(app.calculator_archive, examples):
         if answer["status"] != 0:
             raise ExtensionError(f"calculators: `{answer['command']}` fails from the shipped modules alone: "
                                  f"{answer['error']}")
@@ -444,7 +442,7 @@ def draw_calculators(app, doctree, docname):
 
 
 def visit_calculator_form(self, node):
-    archive = f"offloadlab.zip?v={self.builder.app.calculator_digest}"
+    archive = f"{Path(ARCHIVE).name}?v={self.builder.app.calculator_digest}"  # beside the script
     self.body.append(form_html(node["command"], node["values"], node["prefix"], archive))
     raise nodes.SkipNode
 

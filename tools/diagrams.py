@@ -11,6 +11,10 @@ output is byte-stable: no date, fixed element ids.
   engine.
 - ``double_buffer.svg`` (chapter 7): two device buffers taking turns, and the two events that
   order each refill.
+- ``nvme_path.svg`` (chapter 8): optimizer state from the drives through pinned host memory to
+  the CPU update and back, a chunk at a time; the GPU's 4 bytes per parameter beside it.
+- ``two_slot_commit.svg`` (chapter 8): one file, two headers, two slots, and the four steps of a
+  commit.
 
 Usage: python tools/diagrams.py [--out FOLDER]
 """
@@ -188,7 +192,73 @@ def double_buffer(path: Path) -> Path:
     return _save(fig, path)
 
 
-DIAGRAMS = {"pcie_topology.svg": pcie_topology, "offload_step.svg": offload_step, "double_buffer.svg": double_buffer}
+# Chapter 8's diagrams. They are drawn at 6.6 inches or less with text of 9 points or more, so that
+# at the site's column width (672 CSS px) no text is under 11 px; captions stay in the chapter.
+FIG8_TEXT = 9
+
+
+def nvme_path(path: Path) -> Path:
+    """Optimizer state on NVMe: read into pinned host memory, updated by the CPU, written back."""
+    size = FIG8_TEXT
+    fig, ax = plt.subplots(figsize=(6.6, 3.6))
+    ax.set_xlim(0, 6.6)
+    ax.set_ylim(0.25, 3.85)
+    ax.axis("off")
+    _flow_box(ax, 0.05, 0.55, 1.55, 2.7, "", COLOURS["engine"])
+    ax.text(0.82, 3.0, "NVMe drives", ha="center", fontsize=size + 1, weight="bold")
+    for i in range(4):
+        _flow_box(ax, 0.2, 2.35 - 0.5 * i, 1.25, 0.38, f"drive {i}", "white", size=size)
+    ax.text(0.82, 0.65, "striped", ha="center", fontsize=size)
+    _flow_box(ax, 2.15, 0.3, 2.45, 3.2, "", COLOURS["host"])
+    ax.text(3.37, 3.22, "host memory (pinned)", ha="center", fontsize=size + 1, weight="bold")
+    _flow_box(ax, 2.3, 2.35, 2.15, 0.6, "chunk i + 1: reads\nlanding", "white", size=size)
+    _flow_box(ax, 2.3, 1.45, 2.15, 0.7, "chunk i: CPU AdamW\non master, m, v (fp32)", COLOURS["cpu"],
+              size=size)
+    _flow_box(ax, 2.3, 0.5, 2.15, 0.6, "chunk i − 1: writes\nleaving", "white", size=size)
+    _flow_arrow(ax, (1.6, 2.65), (2.3, 2.65), "12 B read", size=size)
+    _flow_arrow(ax, (2.3, 0.8), (1.6, 0.8), "12 B written", size=size)
+    _flow_arrow(ax, (3.37, 2.35), (3.37, 2.15))
+    _flow_arrow(ax, (3.37, 1.45), (3.37, 1.1))
+    _flow_box(ax, 5.1, 1.0, 1.45, 1.9, "", COLOURS["gpu"])
+    ax.text(5.82, 2.6, "GPU", ha="center", fontsize=size + 1, weight="bold")
+    ax.text(5.82, 1.95, "bf16 weights,\nforward and\nbackward", ha="center", va="center", fontsize=size)
+    _flow_arrow(ax, (5.1, 1.55), (4.45, 1.55), "2 B", offset=(0, 0.05), size=size)
+    _flow_arrow(ax, (4.45, 1.25), (5.1, 1.25), "2 B", offset=(0, -0.32), size=size)
+    ax.text(5.82, 0.72, "gradient down,\nweights up (PCIe)", ha="center", va="center", fontsize=size)
+    _flow_arrow(ax, (1.45, 3.3), (5.5, 2.9), style="-|>", colour="#777777")
+    ax.text(3.37, 3.62, "GPUDirect Storage: drive to GPU memory, no host copy", ha="center",
+            fontsize=size, color="#555555")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def two_slot_commit(path: Path) -> Path:
+    """One file, two slots: a commit writes the idle slot, flushes, then flips its header."""
+    size = FIG8_TEXT
+    fig, ax = plt.subplots(figsize=(6.6, 2.4))
+    ax.set_xlim(0, 6.6)
+    ax.set_ylim(0.3, 2.7)
+    ax.axis("off")
+    rows = [(1.75, ("slot 0: step s\n(current, untouched)", COLOURS["host"]),
+             ("slot 1: being written\nwith step s + 1", COLOURS["cpu"])),
+            (0.95, ("header 0:\nstep s", "white"), ("header 1: step s − 1,\nthen step s + 1", "white"))]
+    for y, left, right in rows:
+        _flow_box(ax, 0.05, y, 2.0, 0.7, left[0], left[1], size=size)
+        _flow_box(ax, 2.2, y, 2.05, 0.7, right[0], right[1], size=size)
+    phases = [(2.25, "1. write slot 1"), (1.9, "2. flush: data on disk"),
+              (1.45, "3. write header 1"), (1.1, "4. flush: step s + 1 holds")]
+    for y, text in phases:
+        ax.text(4.75, y, text, fontsize=size, va="center")
+    _flow_arrow(ax, (4.7, 2.25), (4.27, 2.1), colour="#d62728")
+    _flow_arrow(ax, (4.7, 1.45), (4.27, 1.3), colour="#d62728")
+    ax.text(4.75, 0.6, "reopening: the newest\nintact header wins", fontsize=size, va="center",
+            style="italic")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+DIAGRAMS = {"pcie_topology.svg": pcie_topology, "offload_step.svg": offload_step, "double_buffer.svg": double_buffer,
+            "nvme_path.svg": nvme_path, "two_slot_commit.svg": two_slot_commit}
 
 
 def main(argv=None) -> int:

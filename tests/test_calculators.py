@@ -85,6 +85,17 @@ def test_the_estimates_layer_imports_only_the_standard_library_and_itself():
     assert not any(name.startswith(("offloadlab/link", "offloadlab/probe", "offloadlab/offload/")) for name in shipped)
 
 
+def test_the_shipped_layer_is_the_reading_pages_estimates_and_base():
+    """Two lists name the layer (the extension's, and the "Reading the package" page's): they agree."""
+    from tests.test_reading_the_package import PAGE_NAMESPACE
+
+    page = [module for layer, members in PAGE_NAMESPACE["LAYERS"].items()
+            if layer.startswith(("estimates:", "base:")) for module in members]
+    assert sorted(page) == sorted(calculators.ESTIMATES_LAYER)
+    assert calculators.FACE == ("cli",) and "cli" in next(m for layer, m in PAGE_NAMESPACE["LAYERS"].items()
+                                                        if layer.startswith("face:"))
+
+
 @pytest.fixture
 def package_copy(tmp_path):
     """A copy of the package's shipped files, to break."""

@@ -382,8 +382,9 @@ CASES = {
         {"compute": "200 TFLOP/s"}, {"bytes": "8 GB", "window": ""},  # refused
     ],
     "04_bandwidth_budget": [
-        {},                                                       # the running example, half duplex
-        {"duplex": "full"}, {"duplex": "20 GB/s"},
+        {},                                                       # the running example: 25 GB/s, 2,048 tokens
+        {"link": "32 GB/s", "window": "250 ms", "duplex": "half"},  # the sources' reading: 5× over
+        {"duplex": "half"}, {"duplex": "20 GB/s"},
         {"params": "", "offload": ""},                            # the budget alone
         {"offload": "optimizer,gradients,parameters", "recipe": "fp32-adam", "window": "4.9152 s"},
         {"duplex": "40 GB/s"}, {"offload": "optimizer,optimizer"}, {"params": ""}, {"window": "250"},  # refused
@@ -420,7 +421,10 @@ def test_each_calculator_answers_as_the_command_does(browser, served_site, chapt
         page.close()
 
 
-def test_chapter_4_gives_the_running_example_half_duplex(browser, served_site):
+def test_chapter_4_gives_the_running_example_and_the_sources_5x(browser, served_site):
+    """Pre-filled with the chapter's canonical reading (25 GB/s each way, one 2,048-token step,
+    full duplex): 0.8 s, 1.3× the window. The sources' reading (32 GB/s, half duplex, 250 ms):
+    1.25 s, 5× over."""
     page, calculator, requests = open_calculator(browser, served_site, "04_bandwidth_budget")
     try:
         assert not [url for url in requests if "/pyodide/" in url or "offloadlab.zip" in url]  # not before asked
@@ -428,11 +432,16 @@ def test_chapter_4_gives_the_running_example_half_duplex(browser, served_site):
         calculator.ask()
         loaded = time.monotonic() - started
         shown = calculator.answer
-        assert shown["command"] == ("offloadlab budget --link '32 GB/s' --window '250 ms' --params 10e9 "
-                                    "--offload optimizer --duplex half --recipe mixed-adam")
-        assert "20 GB up, 20 GB down → 1.25 s on the link" in shown["text"]
-        assert "verdict: 5× over budget" in shown["text"]
-        assert shown["json"]["transfer_s"] == 1.25 and shown["json"]["ratio"] == 5
+        assert shown["command"] == ("offloadlab budget --link '25 GB/s' --window '614.4 ms' --params 10e9 "
+                                    "--offload optimizer --duplex full --recipe mixed-adam")
+        assert "20 GB up, 20 GB down → 800 ms on the link" in shown["text"]
+        assert shown["json"]["transfer_s"] == 0.8 and round(shown["json"]["ratio"], 2) == 1.3
+        calculator.fill(link="32 GB/s", window="250 ms", duplex="half")
+        calculator.ask()
+        sources = calculator.answer
+        assert "20 GB up, 20 GB down → 1.25 s on the link" in sources["text"]
+        assert "verdict: 5× over budget" in sources["text"]
+        assert sources["json"]["transfer_s"] == 1.25 and sources["json"]["ratio"] == 5
         assert any(url.endswith("/_static/pyodide/pyodide.asm.wasm") for url in requests)
         assert all(url.startswith(served_site) for url in requests)
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from . import cores
+from . import _torch_compat, cores
 from .units import parse_bandwidth, parse_duration
 
 __all__ = [
@@ -923,7 +923,7 @@ class CudaLink(Link):
             dst.copy_(src, non_blocking=True)
             if scatter:
                 with torch.no_grad():
-                    torch._foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])
+                    _torch_compat.foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])
             transfer._finish.record(stream)
         (dst if direction == "h2d" else src).record_stream(stream)
         for target, _ in scatter:

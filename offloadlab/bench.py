@@ -13,7 +13,6 @@ so the real, slower machine stays under them.
 from __future__ import annotations
 
 import contextlib
-import math
 import statistics
 import sys
 import time
@@ -303,98 +302,179 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
             "note": "" if deepspeed else f"DeepSpeedCPUAdam: absent ({deepspeed_absent})"}
 
 
-def _offload_setup(gpu: bool, quick: bool):
-    """(config, batch, steps, dtype) of :func:`offload` on a GPU or on the emulated link."""
+OFFLOAD_TARGETS = {"at step": 1.30, "delayed": 1.15, "fast link": 2.00}  # step over AdamW's, emulated link
+
+
+def _offload_models(gpu: bool) -> list[tuple]:
+    """(name, config, batch) of the two models :func:`offload` trains: a small GPT, and a deep narrow
+    decoder of 400 tensors (33 layers of two norms, four projections and their biases, the
+    embeddings and the final norm), as many small tensors as a real decoder has (Llama-3.1-8B: 291)."""
     from .models import GPTConfig
 
     if gpu:
-        return GPTConfig(layers=12, hidden=1024, heads=16, vocab=8192, seq=512), 8, 5 if quick else 20, torch.bfloat16
-    # CPUs without bf16 units emulate bf16 matmuls slowly: fp32 there
-    return GPTConfig(layers=2, hidden=256, heads=4, vocab=1024, seq=64), 4, 3 if quick else 8, torch.float32
+        return [("TinyGPT", GPTConfig(layers=8, hidden=1024, heads=16, vocab=8192, seq=512), 8),
+                ("400 tensors", GPTConfig(layers=33, hidden=512, heads=8, vocab=8192, seq=256), 8)]
+    return [("TinyGPT", GPTConfig(layers=2, hidden=256, heads=4, vocab=1024, seq=64), 4),
+            ("400 tensors", GPTConfig(layers=33, hidden=64, heads=4, vocab=256, seq=32), 2)]
+
+
+def _offload_rounds(gpu: bool, quick: bool) -> tuple[int, int]:
+    """(rounds, timed steps per contender and round) of :func:`offload`."""
+    return (3, 2) if quick else (5, 4)
+
+
+def _offload_contenders(torchao: bool) -> int:
+    """How many contenders keep their state in pinned memory at once (one model's)."""
+    return 4 + torchao  # at step, eager, delayed; the fast link's (emulated only); torchao's (GPU only)
 
 
 def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
-    """What :func:`offload` asks of a GPU of ``profile``: CPUOffloadAdam's pinned state (16 bytes
-    per parameter with bf16 weights), and on the device AdamW's contender, the largest: bf16
-    weights, gradients and two moments (8 bytes per parameter) and the saved activations."""
-    from .offload.capacity import saved_activation_bytes
+    """What :func:`offload` asks of a GPU of ``profile``, model by model (each model's contenders are
+    alive at once, the models one after the other): every offloaded contender's pinned state (16
+    bytes per parameter with bf16 weights: fp32 master and moments, bf16 gradients and weights),
+    and on the device every contender's bf16 weights, AdamW's gradients and moments, each
+    offloaded contender's gather and staging buffers, and the saved activations of one step."""
+    import importlib.util
 
-    config, batch, steps, dtype = _offload_setup(True, quick)
-    params = config.params
-    activations = saved_activation_bytes(config, batch, dtype)
-    flops = 6 * params * batch * config.seq  # forward and backward
-    device_step = flops / (profile.bf16_flops * ASSUMED["matmul_efficiency"])
-    offloaded_step = max(device_step, 28 * params / ASSUMED["host_bandwidth"])  # the CPU update's memory traffic
-    build = 3.0  # a fresh model, and for the offloaded ones its pinned state
-    seconds = (build + (steps + 1) * device_step) * 2 + 3 * (build + (steps + 1) * offloaded_step)
-    return Footprint(16 * params, 8 * params + activations, seconds,
-                     f"TinyGPT of {params / 1e6:.0f} M parameters, batch {batch} × {config.seq}, {steps} steps per "
-                     f"contender; activations counted on the meta device")
+    from .offload.capacity import saved_activation_bytes
+    from .offload.optimizer import DEFAULT_BUCKET_BYTES
+
+    rounds, per_round = _offload_rounds(True, quick)
+    torchao = importlib.util.find_spec("torchao") is not None
+    offloaded = _offload_contenders(torchao) - 1  # (no fast link on a GPU)
+    pinned, device, seconds = 0, 0, 0.0
+    for _, config, batch in _offload_models(True):
+        params = config.params
+        activations = saved_activation_bytes(config, batch, torch.bfloat16)
+        flops = 6 * params * batch * config.seq  # forward and backward
+        device_step = flops / (profile.bf16_flops * ASSUMED["matmul_efficiency"])
+        offloaded_step = max(device_step, 28 * params / ASSUMED["host_bandwidth"])  # the CPU update's traffic
+        build = 3.0  # a fresh model, and for the offloaded ones its pinned state
+        steps = rounds * (1 + per_round)
+        seconds += (2 + offloaded) * build + steps * (2 * device_step + offloaded * offloaded_step)
+        pinned = max(pinned, offloaded * 16 * params)
+        device = max(device, (2 + offloaded) * 2 * params + 6 * params + offloaded * 3 * DEFAULT_BUCKET_BYTES
+                     + activations)
+    models = " and ".join(f"{name} of {config.params / 1e6:.0f} M parameters" for name, config, _ in
+                          _offload_models(True))
+    return Footprint(pinned, device, seconds, f"{models}, {rounds} rounds of {1 + per_round} steps per "
+                                              f"contender; activations counted on the meta device")
+
+
+def _offload_rounds_timed(runs: dict, rounds: int, per_round: int, threads: int, device: str) -> dict:
+    """{contender: seconds of each timed step}: ``rounds`` rounds in which every contender of
+    ``runs`` ({name: (model, optimizer or None, batches)}) takes 1 + ``per_round`` steps in a row."""
+    seconds = {name: [] for name in runs}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(rounds):
+            for name, (model, optimizer, data) in runs.items():
+                for step in range(1 + per_round):
+                    inputs, labels = next(data)
+                    start = time.perf_counter()
+                    (optimizer or model).zero_grad()
+                    model(inputs.to(device), labels.to(device)).backward()
+                    if optimizer is not None:
+                        optimizer.step()
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    if step:
+                        seconds[name].append(time.perf_counter() - start)
+                if hasattr(optimizer, "synchronize"):
+                    optimizer.synchronize()  # (a delayed update: applied now, not in the next contender's turn)
+    finally:
+        torch.set_num_threads(previous)
+    return seconds
 
 
 def offload(quick: bool = False) -> dict:
-    """Step time of a small GPT under CPUOffloadAdam (at step(), eager, delayed update) against
-    plain AdamW on the device and torchao's CPUOffloadOptimizer when installed.
+    """Step time under CPUOffloadAdam (at step(), eager, delayed update) against plain AdamW on the
+    device and torchao's CPUOffloadOptimizer when installed, on two models: a small GPT, and a deep
+    narrow decoder of 400 small tensors, where what each tensor costs shows.
 
     Like with like: every contender runs with the same torch threads, and CPUOffloadAdam's CPU
-    update with as many OpenMP threads (without a GPU the "device" is those same cores).
+    update with as many OpenMP threads (without a GPU the "device" is those same cores). Each
+    model also runs forward and backward alone: a contender's overhead per tensor is its step
+    minus that, over the model's tensors. On the emulated link, the 400-tensor model also runs
+    CPUOffloadAdam over a 1 TB/s link without latency, where little but that overhead is left.
+
+    A model's contenders are timed in rounds, each contender a few steps in a row in every round
+    (the first untimed: the one where a delayed update has nothing pending yet), so that a slow
+    spell of a shared machine slows them all alike; the figure is the median of the timed steps.
+    Targets (emulated link, default rate): at step ≤ 1.30× AdamW's step, delayed ≤ 1.15×, and
+    ≤ 2× on the fast link.
     """
+    from .link import EmulatedLink
     from .models import TinyGPT, batches, markov_corpus
     from .offload import CPUOffloadAdam
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
-    config, batch, steps, dtype = _offload_setup(gpu, quick)
-    corpus = markov_corpus(config.vocab, 50_000)
-
+    dtype = torch.bfloat16 if gpu else torch.float32  # CPUs without bf16 units emulate bf16 matmuls slowly
+    rounds, per_round = _offload_rounds(gpu, quick)
     threads = torch.get_num_threads() if gpu else max(1, torch.get_num_threads() - 1)  # emulation: a core copies
-
-    def timed(make_optimizer) -> float:
-        torch.manual_seed(0)
-        model = TinyGPT(config).to(device, dtype)
-        previous = torch.get_num_threads()
-        optimizer = make_optimizer(model)
-        torch.set_num_threads(threads)
-        data = batches(corpus, batch, config.seq)
-
-        def one_step():
-            inputs, targets = next(data)
-            optimizer.zero_grad()
-            model(inputs.to(device), targets.to(device)).backward()
-            optimizer.step()
-            if gpu:
-                torch.cuda.synchronize()
-
-        try:
-            seconds = _median_seconds(one_step, steps)
-        finally:
-            if hasattr(optimizer, "close"):
-                optimizer.close()
-            torch.set_num_threads(previous)
-        return seconds
-
-    rows = [{"contender": "AdamW on the device", "seconds": timed(lambda m: torch.optim.AdamW(m.parameters()))},
-            {"contender": "CPUOffloadAdam (update at step)",
-             "seconds": timed(lambda m: CPUOffloadAdam(m.parameters(), threads=threads))},
-            {"contender": "CPUOffloadAdam, eager (accumulation_steps=1)",
-             "seconds": timed(lambda m: CPUOffloadAdam(m.parameters(), threads=threads, accumulation_steps=1))},
-            {"contender": "CPUOffloadAdam, delayed update",
-             "seconds": timed(lambda m: CPUOffloadAdam(m.parameters(), threads=threads, delayed_update=True))}]
-    note = f"every contender: {threads} torch threads; CPUOffloadAdam's CPU update: {threads} OpenMP threads"
+    alone, adamw, fast = "forward and backward alone", "AdamW on the device", \
+        "CPUOffloadAdam (update at step), 1 TB/s link, no latency"
+    contenders = {alone: lambda m: None,
+                  adamw: lambda m: torch.optim.AdamW(m.parameters()),
+                  "CPUOffloadAdam (update at step)": lambda m: CPUOffloadAdam(m.parameters(), threads=threads),
+                  "CPUOffloadAdam, eager (accumulation_steps=1)":
+                      lambda m: CPUOffloadAdam(m.parameters(), threads=threads, accumulation_steps=1),
+                  "CPUOffloadAdam, delayed update":
+                      lambda m: CPUOffloadAdam(m.parameters(), threads=threads, delayed_update=True)}
+    targets = {"CPUOffloadAdam (update at step)": "at step", "CPUOffloadAdam, delayed update": "delayed",
+               fast: "fast link"}
+    note = (f"every contender: {threads} torch threads; CPUOffloadAdam's CPU update: {threads} OpenMP threads; "
+            f"median of {rounds} rounds × {per_round} steps")
     try:
         from torchao.optim import CPUOffloadOptimizer
     except Exception:
         note += "; torchao CPUOffloadOptimizer: absent (pip install torchao to compare)"
     else:
         if gpu:
-            rows.append({"contender": "torchao CPUOffloadOptimizer", "seconds": timed(
-                lambda m: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, fused=True))})
+            contenders["torchao CPUOffloadOptimizer"] = lambda m: CPUOffloadOptimizer(
+                m.parameters(), torch.optim.AdamW, fused=True)
         else:
             note += "; torchao CPUOffloadOptimizer: needs a GPU"
-    base = rows[0]["seconds"]
-    ratios = {f"{r['contender']} / AdamW on the device": r["seconds"] / base for r in rows[1:]}
+    if gpu:
+        note += "; the 1 TB/s link is the emulated one's: not run on a GPU"
+    rows, ratios = [], {}
+    for model_name, config, batch in _offload_models(gpu):
+        mine, fast_link = dict(contenders), None
+        if not gpu and model_name == "400 tensors":
+            fast_link = EmulatedLink(bandwidth=1e12, latency=0)
+            mine[fast] = lambda m: CPUOffloadAdam(m.parameters(), threads=threads, link=fast_link)
+        runs = {}
+        try:
+            for name, make in mine.items():
+                torch.manual_seed(0)
+                model = TinyGPT(config).to(device, dtype)
+                runs[name] = (model, make(model), batches(markov_corpus(config.vocab, 50_000), batch, config.seq))
+            seconds = _offload_rounds_timed(runs, rounds, per_round, threads, device)
+        finally:
+            for _, optimizer, _ in runs.values():
+                if hasattr(optimizer, "close"):
+                    optimizer.close()
+            if fast_link is not None:
+                fast_link.close()
+        median = {name: statistics.median(values) for name, values in seconds.items()}
+        tensors = len(list(runs[alone][0].parameters()))
+        for name, value in median.items():
+            row = {"contender": name, "model": model_name, "tensors": tensors, "params": config.params,
+                   "seconds": value}
+            if name != alone:
+                row["overhead_per_tensor_s"] = (value - median[alone]) / tensors
+            rows.append(row)
+            if name not in (alone, adamw):
+                target = targets.get(name)
+                label = f"{model_name}: {name} / {adamw}"
+                if target and not gpu:
+                    label += f" (target ≤ {OFFLOAD_TARGETS[target]:.2f})"
+                ratios[label] = value / median[adamw]
     return {"benchmark": "offload", "source": "measured" if gpu else "emulated", "rows": rows, "ratios": ratios,
-            "params": config.params, "provenance": machine.provenance(), "note": note}
+            "params": {name: config.params for name, config, _ in _offload_models(gpu)},
+            "provenance": machine.provenance(), "note": note}
 
 
 PREFETCH_LAYERS = 8
@@ -661,6 +741,11 @@ def format_result(result: dict) -> str:
             lines.append(f"  {row['contender']:<22} {format_duration(row['seconds']):>10}  "
                          f"{row['ratio_to_bound']:.2f}× max(compute, transfer)  "
                          f"link {row['link_percent_of_peak']:.0f}% of pinned peak")
+        elif "model" in row:
+            overhead = (f"  {row['overhead_per_tensor_s'] * 1e6:+7.1f} µs per tensor"
+                        if "overhead_per_tensor_s" in row else "")
+            lines.append(f"  {row['model'] + ':':<12} {row['contender']:<58} "
+                         f"{format_duration(row['seconds']):>10} per step{overhead}")
         elif "t_compute_s" not in row and "seconds" in row:
             lines.append(f"  {row['contender']:<40} {format_duration(row['seconds']):>10} per step")
         elif "bytes_per_s" in row:

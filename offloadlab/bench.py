@@ -181,9 +181,9 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _interleaved_medians(contenders: dict, repeats: int) -> dict:
-    """Median seconds of each contender, timed in rounds that run every contender once, after a
-    warm-up round: a slow spell of a shared machine then slows every contender alike."""
+def _interleaved_samples(contenders: dict, repeats: int) -> dict:
+    """Seconds of each run of each contender, timed in rounds that run every contender once,
+    after a warm-up round: a slow spell of a shared machine then slows every contender alike."""
     samples = {name: [] for name in contenders}
     for round_ in range(repeats + 1):
         for name, step in contenders.items():
@@ -191,7 +191,7 @@ def _interleaved_medians(contenders: dict, repeats: int) -> dict:
             step()
             if round_:
                 samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return samples
 
 
 def _deepspeed_step(weights):
@@ -215,17 +215,48 @@ def _adam_params(quick: bool) -> int:
     return int(16e6 if quick else 64e6)
 
 
+FLOOR_MARGIN = 1.05   # a contender this much faster than its floor shows the floor was not a floor
+FLOOR_PASSES = 3      # floor passes per round: the floor is the best of them all
+FLOOR_CACHE_MULTIPLE = 4  # the step's arrays, at least this many times the last-level cache
+
+
 def adam_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
     """What :func:`adam` asks: host memory only (ordinary, not pinned), bound by its bandwidth."""
     import importlib.util
 
     count = _adam_params(quick)
-    contenders = 9  # the floor's update, two variants, the same job, torch's two and the cast, DeepSpeed's two
-    step = 28 * count / ASSUMED["host_bandwidth"]
+    contenders = 8 + 3 * FLOOR_PASSES  # two variants, the same job, torch's two and the cast, DeepSpeed's two;
+    step = 28 * count / ASSUMED["host_bandwidth"]  # and three floors
     deepspeed = 60.0 if importlib.util.find_spec("deepspeed") else 0.0  # its CPU Adam may compile at first use
     return Footprint(0, 0, contenders * ((3 if quick else 5) + 1) * step + deepspeed + 2.0,
                      f"{count / 1e6:.0f} M parameters, every contender in interleaved rounds"
                      + ("; DeepSpeed's CPU Adam may compile at first use (60 s assumed)" if deepspeed else ""))
+
+
+# What each contender reads and writes: (gradient dtype, dtype of the weights' copy, or None).
+_BF16_IN_OUT, _FP32_IN, _FP32_IN_BF16_OUT = (torch.bfloat16, torch.bfloat16), (torch.float32, None), \
+    (torch.float32, torch.bfloat16)
+_FLOOR_NAMES = {_BF16_IN_OUT: "bf16 gradients in, bf16 weights out", _FP32_IN: "fp32 gradients in, no copy",
+                _FP32_IN_BF16_OUT: "fp32 gradients in, bf16 weights out"}
+
+
+def floor_verdict(seconds: dict, floors: dict, streams: dict, array_bytes: int, cache_bytes: int | None) -> str:
+    """Why the floors of :func:`adam` are not floors, or '' when they are.
+
+    ``seconds``: each contender's median; ``floors``: seconds of the floor of each kind of streams;
+    ``streams``: each contender's kind. Not floors: arrays that fit in a few last-level caches
+    (``cache_bytes``), or a contender faster than its floor by more than :data:`FLOOR_MARGIN`.
+    """
+    if cache_bytes is not None and array_bytes < FLOOR_CACHE_MULTIPLE * cache_bytes:
+        return (f"the step's arrays ({array_bytes / 2**20:.0f} MiB) are less than {FLOOR_CACHE_MULTIPLE}× the "
+                f"last-level cache ({cache_bytes / 2**20:.0f} MiB): give more parameters")
+    beaten = [(name, floors[streams[name]] / value) for name, value in seconds.items()
+              if floors[streams[name]] / value > FLOOR_MARGIN]
+    if beaten:
+        name, factor = max(beaten, key=lambda item: item[1])
+        return (f"{name} ran at {100 * factor:.0f} % of its floor (over {100 * FLOOR_MARGIN:.0f} %): the floor "
+                f"passes were slowed, or the arrays were in cache")
+    return ""
 
 
 def adam(quick: bool = False, params: float | None = None, threads: int | None = None) -> dict:
@@ -236,9 +267,14 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     (fp32 gradients, 28 B/param) and fused followed by a separate bf16 cast; and, when it is
     installed and its extension builds, DeepSpeedCPUAdam (its own OpenMP threads) alone and
     followed by the cast. The peers' steps alone do not make the bf16 copy, so offloadlab's step
-    doing their job (fp32 gradients, no copy) is timed as well. The floor is the bytes the step
-    must move over the bandwidth of an in-place update ``a += b`` timed in the same rounds, with
-    the same threads. All contenders are timed round-robin.
+    doing their job (fp32 gradients, no copy) is timed as well. All are timed round-robin.
+
+    The floor, STREAM's way: :func:`offloadlab.cpu_adam.floor_pass`, the kernel's own loop with
+    AdamW's arithmetic taken out, compiled in the kernel's build, on arrays as large as the
+    step's, with the same threads, in the same rounds — best of all its passes. There is one
+    floor per kind of streams the contenders move (bf16 in and out; fp32 in; fp32 in and bf16
+    out), and each contender is set against its own. Floors are not printed when they are not
+    floors (see :func:`floor_verdict`): ``floor`` in the result then says why.
     """
     from . import cpu_adam
 
@@ -256,12 +292,12 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     grad, out16 = torch.randn(count).to(torch.bfloat16), torch.empty(count, dtype=torch.bfloat16)
     weights = torch.randn(count, requires_grad=True)
     weights.grad = torch.randn(count)
-    a, b = torch.ones(count), torch.ones(count)
     steps = iter(range(1, 10**9))
-    contenders = {"in-place update a += b": lambda: a.add_(b)}
+    contenders, streams = {}, {}
     for variant in variants:
         contenders[labels[variant]] = lambda variant=variant: cpu_adam.adamw_step(
             master, m, v, grad, out16, step=next(steps), lr=1e-3, threads=threads, variant=variant)
+        streams[labels[variant]] = _BF16_IN_OUT
     contenders[same_job] = lambda: cpu_adam.adamw_step(master, m, v, weights.grad, step=next(steps), lr=1e-3,
                                                        threads=threads, variant=variants[0])
     foreach = torch.optim.AdamW([weights], lr=1e-3, foreach=True)
@@ -273,22 +309,43 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     if deepspeed:
         contenders["DeepSpeedCPUAdam"] = deepspeed
         contenders["DeepSpeedCPUAdam + bf16 cast"] = lambda: (deepspeed(), out16.copy_(weights.detach()))
+    for name in contenders:
+        streams.setdefault(name, _FP32_IN_BF16_OUT if name.endswith("bf16 cast") else _FP32_IN)
+    timed = dict(contenders)
+    if kernel.compiled:  # the floors: arrays of their own, the kernel's loop without the arithmetic
+        floor_arrays = [torch.zeros(count) for _ in range(3)]
+        inputs = {torch.bfloat16: torch.zeros(count, dtype=torch.bfloat16), torch.float32: torch.zeros(count)}
+        for kind in _FLOOR_NAMES:
+            grad_dtype, out_dtype = kind
+            floor_out = None if out_dtype is None else torch.empty(count, dtype=out_dtype)
+            for k in range(FLOOR_PASSES):
+                timed[("floor", kind, k)] = lambda grad_in=inputs[grad_dtype], floor_out=floor_out: \
+                    cpu_adam.floor_pass(*floor_arrays, grad_in, floor_out, threads=threads, variant=variants[0])
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        seconds = _interleaved_medians(contenders, repeats)
+        samples = _interleaved_samples(timed, repeats)
     finally:
         torch.set_num_threads(previous)
-    update_bandwidth = 3 * 4 * count / seconds.pop("in-place update a += b")
-    floor = cpu_adam.bytes_per_param() * count / update_bandwidth  # seconds
-    moved = cpu_adam.bytes_per_param() * count
-    rows = [{"contender": name, "seconds": value, "params_per_s": count / value, "bytes_per_s": moved / value,
-             "percent_of_floor": 100 * floor / value} for name, value in seconds.items()]
+    seconds = {name: statistics.median(samples[name]) for name in contenders}
+    floors = {kind: min(t for key, values in samples.items() if key[:2] == ("floor", kind) for t in values)
+              for kind in _FLOOR_NAMES} if kernel.compiled else {}
+    array_bytes = cpu_adam.bytes_per_param() * count
+    cache = machine.last_level_cache_bytes()
+    why = floor_verdict(seconds, floors, streams, array_bytes, cache) if kernel.compiled else \
+        f"no compiled kernel, whose loop the floor is ({kernel.describe()})"
+    rows = []
+    for name, value in seconds.items():
+        moved = cpu_adam.bytes_per_param(*streams[name]) * count
+        row = {"contender": name, "seconds": value, "params_per_s": count / value, "bytes_per_s": moved / value}
+        if not why:
+            row["percent_of_floor"] = 100 * floors[streams[name]] / value
+        rows.append(row)
     ours = seconds[labels[variants[0]]]
     baseline = seconds[labels[variants[1]]] if len(variants) > 1 else None
     cast = seconds["torch AdamW fused + bf16 cast"]
     ratios = {
-        "offloadlab step / bandwidth floor (target ≤ 1.10)": ours / floor,
+        "offloadlab step / bandwidth floor (target ≤ 1.10)": None if why else ours / floors[_BF16_IN_OUT],
         "fused + cast / offloadlab step (target ≥ 1.5)": cast / ours,
         "fused + cast / offloadlab baseline step (target ≥ 1.0)": cast / baseline if baseline else None,
         "DeepSpeedCPUAdam + cast / offloadlab step (target ≥ 1.0)":
@@ -296,8 +353,12 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
         "DeepSpeedCPUAdam / offloadlab step, same job (target ≥ 1.0)":
             seconds["DeepSpeedCPUAdam"] / seconds[same_job] if deepspeed else None,
     }
+    floor = {"valid": not why, "why_not": why, "passes": FLOOR_PASSES * repeats, "last_level_cache_bytes": cache,
+             "array_bytes": array_bytes,
+             "kinds": [{"streams": _FLOOR_NAMES[kind], "seconds": floors[kind],
+                        "bytes_per_s": cpu_adam.bytes_per_param(*kind) * count / floors[kind]} for kind in floors]}
     return {"benchmark": "adam", "source": "measured", "rows": rows, "ratios": ratios,
-            "params": count, "threads": threads, "floor_seconds": floor, "update_bandwidth": update_bandwidth,
+            "params": count, "threads": threads, "floor": floor,
             "backend": cpu_adam.backend(), "provenance": machine.provenance(),
             "note": "" if deepspeed else f"DeepSpeedCPUAdam: absent ({deepspeed_absent})"}
 
@@ -734,9 +795,10 @@ def format_result(result: dict) -> str:
     """A short plain-text report of a benchmark result."""
     lines = [f"benchmark {result['benchmark']} ({result['source']})"]
     for row in result["rows"]:
-        if "percent_of_floor" in row:
+        if "params_per_s" in row:
+            of_floor = f"  {row['percent_of_floor']:5.1f}% of floor" if "percent_of_floor" in row else ""
             lines.append(f"  {row['contender']:<58} {row['seconds'] * 1e3:8.1f} ms  {row['params_per_s'] / 1e9:5.2f} "
-                         f"G params/s  {format_bandwidth(row['bytes_per_s']):>10}  {row['percent_of_floor']:5.1f}% of floor")
+                         f"G params/s  {format_bandwidth(row['bytes_per_s']):>10}{of_floor}")
         elif "ratio_to_bound" in row:
             lines.append(f"  {row['contender']:<22} {format_duration(row['seconds']):>10}  "
                          f"{row['ratio_to_bound']:.2f}× max(compute, transfer)  "
@@ -754,6 +816,12 @@ def format_result(result: dict) -> str:
         else:
             lines.append(f"  {row['contender']:<40} compute {format_duration(row['t_compute_s'])}, transfer "
                          f"{format_duration(row['t_transfer_s'])}, both {format_duration(row['t_both_s'])}")
+    floor = result.get("floor")
+    if floor and floor["valid"]:
+        lines += [f"  floor, {kind['streams']:<52} {kind['seconds'] * 1e3:8.1f} ms  best of {floor['passes']} passes  "
+                  f"{format_bandwidth(kind['bytes_per_s']):>10}" for kind in floor["kinds"]]
+    elif floor:
+        lines.append(f"  floor not valid, so not shown: {floor['why_not']}")
     lines.append("  ratios:")
     for name, value in result["ratios"].items():
         lines.append(f"    {name:<60} {'unknown' if value is None else f'{value:.2f}×'}")

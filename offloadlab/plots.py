@@ -6,10 +6,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import memory
+from . import memory, sharding
 from .units import format_count, parse_count
 
-__all__ = ["state_vs_model_size", "ladder", "timeline"]
+__all__ = ["state_vs_model_size", "state_breakdown", "who_holds_what", "held_per_param", "ladder", "timeline"]
 
 
 def state_vs_model_size(recipes=("mixed-adam", "bf16-adam", "adam-8bit"), params_range=(1e8, 1e12)):
@@ -203,4 +203,128 @@ follow each other without a gap are parted by a thin white edge. The title says
     axes[-1, 0].set_xlabel("time from the variant's first event (ms)" if len(variants) > 1 else "time (ms)")
     fig.suptitle(f"{title} ({source})", fontsize=11)
     fig.tight_layout()
+    return fig
+
+
+# One colour per kind of state: the two the passes use in blues, the optimizer's own in oranges.
+_KIND_COLOURS = {"weights": "#2166ac", "gradients": "#67a9cf", "master_weights": "#b35806",
+                 "first_moment": "#f1a340", "second_moment": "#fdb863", "quantization_scales": "#7f3b08",
+                 "fp32 gradient shard": "#4d9221"}
+_KIND_LABELS = {"weights": "weights", "gradients": "gradients", "master_weights": "fp32 master weights",
+                "first_moment": "first moment", "second_moment": "second moment",
+                "quantization_scales": "8-bit scales", "fp32 gradient shard": "fp32 gradient shard"}
+
+
+def state_breakdown(recipes=("mixed-adam", "mixed-adam-fp32-grads", "fp32-adam", "bf16-adam", "adam-8bit")):
+    """Bytes per parameter of each recipe as one stacked bar, segment by kind of state.
+
+    The kinds only the optimizer's update touches are drawn in oranges, the weights and gradients
+    the forward and backward passes use in blues; each segment wide enough to hold it is labelled
+    with its bytes.
+    """
+    import matplotlib.pyplot as plt
+
+    names = list(recipes)
+    if not names:
+        raise ValueError("recipes: expected one or more recipe names; got none")
+    chosen = [memory.get_recipe(name) for name in names]
+    fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.55 * len(chosen)))
+    seen = set()
+    for row, recipe in enumerate(chosen):
+        left = 0.0
+        for kind in memory.KINDS:
+            size = recipe.bytes_per_param.get(kind, 0)
+            if not size:
+                continue
+            label = _KIND_LABELS[kind]
+            ax.barh(row, size, left=left, height=0.62, color=_KIND_COLOURS[kind], edgecolor="white", linewidth=1,
+                    label=None if label in seen else label)
+            seen.add(label)
+            if size >= 1:
+                ax.text(left + size / 2, row, f"{size:g}", ha="center", va="center", fontsize=8, color="white")
+            left += size
+        ax.text(left + 0.2, row, f"{recipe.total:.3g} B", va="center", fontsize=8)
+    ax.set_yticks(range(len(chosen)), names, fontsize=8)
+    ax.set_ylim(len(chosen) - 0.5, -0.5)
+    ax.set_xlim(0, max(r.total for r in chosen) * 1.12)
+    ax.set_xlabel("bytes of persistent state per parameter")
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=7, ncol=4, loc="lower center", frameon=False)
+    ax.set_title("Where the bytes per parameter go", fontsize=10)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
+    return fig
+
+
+def held_per_param(strategy: str, gpus: int, recipe: str = memory.DEFAULT_RECIPE) -> dict:
+    """Bytes of model state per parameter one GPU holds under ``strategy`` (no offload), by kind.
+
+    Each value is (bytes, sharded): a sharded kind is the GPU's 1/``gpus`` share. Gathered
+    weights (ZeRO-3, FSDP2's working set) are left out; the totals are
+    :func:`offloadlab.sharding.layout`'s ``gpu_bytes`` per parameter for a model without them.
+    """
+    if strategy not in sharding.STRATEGIES:
+        raise ValueError(f"strategy: expected one of {', '.join(sharding.STRATEGIES)}; got {strategy!r}")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus: expected a positive integer; got {gpus!r}")
+    kinds = memory.get_recipe(recipe).bytes_per_param
+    w = kinds["weights"]
+    optimizer = {k: kinds[k] for k in ("master_weights", "first_moment", "second_moment") if k in kinds}
+    share, fp32 = 1 / gpus, sharding.DEEPSPEED_FP32_GRADIENT
+    if strategy == "fsdp2":  # the sharded fp32 parameters are the master copy; gradients take their dtype
+        master = kinds.get("master_weights", 0) or w
+        moments = {k: v * share for k, v in optimizer.items() if k != "master_weights"}
+        return {"master_weights": (master * share, True), "gradients": (master * share, True),
+                **{k: (v, True) for k, v in moments.items()}}
+    whole = {"ddp": ("weights", "gradients"), "zero1": ("weights", "gradients"), "zero2": ("weights",),
+             "zero3": ()}[strategy]
+    split = {"ddp": (), "zero1": (), "zero2": ("gradients",), "zero3": ("weights",)}[strategy]
+    held = {kind: (kinds[kind], False) for kind in whole}
+    held.update({kind: (kinds[kind] * share, True) for kind in split})
+    if strategy != "ddp":  # DeepSpeed's fp32 copy of the rank's gradient partition, read by its optimizer
+        held["fp32 gradient shard"] = (fp32 * share, True)
+    for kind, size in optimizer.items():
+        held[kind] = (size, False) if strategy == "ddp" else (size * share, True)
+    return held
+
+
+def who_holds_what(gpus: int = 4, strategies=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
+                   recipe: str = memory.DEFAULT_RECIPE):
+    """For each strategy, the bytes per parameter each of ``gpus`` GPUs holds, stacked by kind.
+
+    A kind every GPU holds whole is drawn solid; a sharded kind is hatched and labelled with the
+    shard the GPU owns (k/N), so the picture shows who holds what, not only how much.
+    """
+    import matplotlib.pyplot as plt
+
+    names = list(strategies)
+    if not names:
+        raise ValueError("strategies: expected one or more of " + ", ".join(sharding.STRATEGIES) + "; got none")
+    labels = {"ddp": "data parallel", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp2": "FSDP2"}
+    fig, axes = plt.subplots(1, len(names), figsize=(1.55 * len(names) + 1.6, 3.6), sharey=True, squeeze=False)
+    seen = set()
+    for ax, strategy in zip(axes[0], names):
+        held = held_per_param(strategy, gpus, recipe)
+        for gpu in range(gpus):
+            bottom = 0.0
+            for kind, (size, sharded) in held.items():
+                fp32 = strategy == "fsdp2" and kind == "gradients"  # FSDP2's gradients take the fp32 shard's dtype
+                label = "fp32 gradients" if fp32 else f"16-bit {kind}" if kind in ("weights", "gradients") \
+                    else _KIND_LABELS[kind]
+                colour = _KIND_COLOURS["fp32 gradient shard" if fp32 else kind]
+                ax.bar(gpu, size, bottom=bottom, width=0.78, color=colour, edgecolor="white", linewidth=0.6,
+                       hatch="///" if sharded else None, label=None if label in seen else label)
+                seen.add(label)
+                bottom += size
+            ax.text(gpu, bottom + 0.25, f"{bottom:.3g}", ha="center", fontsize=7)
+        ax.set_title(labels[strategy], fontsize=9)
+        ax.set_xticks(range(gpus), [str(i) for i in range(gpus)], fontsize=7)
+        ax.tick_params(axis="x", length=0)
+        ax.set_xlabel("GPU (its shard)", fontsize=7)
+    axes[0, 0].set_ylabel("bytes per parameter on each GPU")
+    handles, texts = [], []
+    for ax in axes[0]:
+        h, t = ax.get_legend_handles_labels()
+        handles, texts = handles + h, texts + t
+    fig.legend(handles, texts, fontsize=7, loc="center right", frameon=False)
+    fig.suptitle(f"Who holds what on {gpus} GPUs (hatched: each GPU's own 1/{gpus} shard)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.8, 1))
     return fig

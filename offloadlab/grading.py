@@ -149,6 +149,129 @@ def lab07_challenge(folder, block_bytes: int, queue_depth: int, reference_rate: 
                            f"{rate / reference_rate:.0%} of your disk's rate (at least {share:.0%} needed)")
 
 
+def hidden_share(copies, computes) -> float:
+    """The share of the copies' time that ran while compute ran, from their intervals
+    ``[(start, end), ...]`` on one clock (seconds; compute intervals from one in-order stream, so
+    they do not overlap one another). 1.0 when there were no copies."""
+    total = sum(end - start for start, end in copies)
+    behind = sum(max(0.0, min(end, c_end) - max(start, c_start))
+                 for start, end in copies for c_start, c_end in computes)
+    return behind / total if total > 0 else 1.0
+
+
+class _WatchedLink:
+    """A link that notes the device buffers a student's code asks for; everything else is the link's."""
+
+    def __init__(self, link):
+        self._link, self.device_bytes, self.storages = link, 0, set()
+
+    def device_buffer(self, *args, **kwargs):
+        buffer = self._link.device_buffer(*args, **kwargs)
+        self.device_bytes += buffer.numel() * buffer.element_size()
+        self.storages.add(buffer.untyped_storage().data_ptr())
+        return buffer
+
+    def __getattr__(self, name):
+        return getattr(self._link, name)
+
+
+def lab05_challenge(prefetch, link, budget: int = 3, share: float = 0.85, items: int = 12,
+                    work_seconds: float | None = None) -> Outcome:
+    """Lab 5's challenge, measured: a pass of ``prefetch(items, link)`` over uneven items, every
+    fourth eight times the size of the others, with a consumer whose work on each item lasts four
+    times a small item's copy and half a large one's.
+
+    On a GPU, ``link`` itself: the work is a chain of matrix products of about ``work_seconds``
+    (default 4 ms), and the sizes follow the work's and the link's times measured here. On the
+    emulated link, the grader's own at 0.5 GB/s (slow enough that its copy thread's memcpy stays a
+    small share of each copy on a busy host), and the work a fixed wait of ``work_seconds``
+    (default 25 ms) on its compute stream, as a kernel of known length would be. It passes when
+    every item arrives intact, in order, in device buffers of at most ``budget`` times the
+    largest item's bytes, and at least ``share`` of the copies' time ran behind the work: read
+    from the pass's own timeline (copy events against compute markers), not from a wall clock.
+    """
+    import time
+
+    from . import experiment
+    from .link import EmulatedLink
+
+    if link.emulated:
+        seconds = 0.025 if work_seconds is None else work_seconds
+        with EmulatedLink(bandwidth=0.5e9, latency=20e-6) as own:
+            return _lab05_pass(prefetch, own, lambda: time.sleep(seconds), seconds, own.bandwidth, budget, share,
+                               items)
+    work = experiment.overlap_work(link, 0.004 if work_seconds is None else work_seconds)
+    timed = []
+    for _ in range(3):
+        begin = link.mark()
+        link.launch(work)
+        timed.append(link.mark().time - begin.time)
+    host, device = link.host_buffer(2**22), link.device_buffer(2**22)
+    copies = [link.to_device(device, host, after=None) for _ in range(3)]
+    rate = 4 * 2**22 / sorted(c.elapsed for c in copies)[1]
+    return _lab05_pass(prefetch, link, work, sorted(timed)[1], rate, budget, share, items)
+
+
+def _lab05_pass(prefetch, link, work, seconds: float, rate: float, budget: int, share: float, items: int) -> Outcome:
+    import torch
+
+    small = max(1024, int(0.25 * seconds * rate) // 4096 * 1024)  # fp32 elements, whole 4 KiB pages
+    sizes = [8 * small if i % 4 == 3 else small for i in range(items)]
+    sources = [link.host_buffer(size).fill_(float(i + 1)) for i, size in enumerate(sizes)]
+    stride = 1024
+    wrong = torch.zeros(items, 2, dtype=torch.int64, device=link.device)
+
+    def consume(i, tensor):  # on the compute stream: check, work, check again, poison what was checked
+        wrong[i, 0] = (tensor[::stride] != float(i + 1)).sum()
+        work()
+        wrong[i, 1] = (tensor[::stride] != float(i + 1)).sum()
+        tensor[::stride].fill_(float("nan"))
+
+    def one_pass():
+        watched = _WatchedLink(link)
+        computes, delivered, foreign = [], [], 0
+        with link.record() as recording:
+            for i, tensor in enumerate(prefetch(sources, watched)):
+                if i >= items or tensor.numel() != sizes[i]:
+                    return Outcome(False, f"✗ challenge: item {i} came with {tensor.numel()} elements; expected "
+                                          f"{sizes[i] if i < items else 'no more items'}"), None
+                foreign += tensor.untyped_storage().data_ptr() not in watched.storages
+                begin = link.mark()
+                link.launch(consume, i, tensor)
+                computes.append((begin, link.mark()))
+                delivered.append(i)
+            link.synchronize()
+        if delivered != list(range(items)):
+            return Outcome(False, f"✗ challenge: the items delivered were {delivered}, not 0 to {items - 1}"), None
+        if foreign:
+            return Outcome(False, f"✗ challenge: {foreign} items were not in buffers from link.device_buffer"), None
+        bad = wrong.cpu()
+        if bad.any():
+            i = int(bad.sum(dim=1).nonzero()[0])
+            when = "before its copy landed" if bad[i, 0] else "and overwritten while in use"
+            return Outcome(False, f"✗ challenge: item {i} was delivered {when}"), None
+        moved = sum(t.nbytes for t in recording.transfers if t.direction == "h2d")
+        if moved < 4 * sum(sizes):
+            return Outcome(False, f"✗ challenge: the copies moved {moved} bytes, less than the items hold"), None
+        return None, (watched.device_bytes, [(t.start, t.end) for t in recording.transfers],
+                      [(begin.time, end.time) for begin, end in computes])
+
+    failed, _ = one_pass()  # a warm-up: the first pass allocates
+    if failed is None:
+        failed, (device_bytes, copies, computes) = one_pass()
+    if failed is not None:
+        return failed
+    largest = 4 * max(sizes)
+    achieved = hidden_share(copies, computes)
+    span = computes[-1][1] - min(start for start, _ in copies)
+    busier = max(sum(e - s for s, e in copies), sum(e - s for s, e in computes))
+    passed = achieved >= share and device_bytes <= budget * largest
+    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: {achieved:.0%} of the copy time ran behind the "
+                           f"work ({'emulated' if link.emulated else 'measured'}, from the pass's timeline; at least "
+                           f"{share:.0%} needed), in {device_bytes / largest:.2g} largest items' worth of device "
+                           f"buffers (at most {budget}); the pass took {span / busier:.2f}× its busier side's time")
+
+
 def recomputed(name: str, **inputs):
     """The value the student's latest cell that assigns ``name`` (a variable or a function) gives
     when run again with ``inputs`` in place of the notebook's variables of those names.

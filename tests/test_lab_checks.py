@@ -24,6 +24,20 @@ from nbclient.exceptions import CellExecutionError
 from offloadlab.student import source_notebook
 from tests.conftest import ROOT
 
+# Lab 5's challenge: a prefetcher over uneven items with `count` buffers (the worked answer has three).
+LAB05_AHEAD = """def my_ahead(items, link):  # {why}
+    buffers = [link.device_buffer(max(item.numel() for item in items)) for _ in range({count})]
+    released, transfers = [None] * {count}, {{}}
+    for i in range(min({count}, len(items))):
+        transfers[i] = link.to_device(buffers[i][: items[i].numel()], items[i], after=None)
+    for i in range(len(items)):
+        transfers.pop(i).wait()
+        yield buffers[i % {count}][: items[i].numel()]
+        released[i % {count}] = link.mark()
+        if i + {count} < len(items):
+            transfers[i + {count}] = link.to_device(buffers[i % {count}][: items[i + {count}].numel()],
+                                                    items[i + {count}], after=released[i % {count}])"""
+
 WRONG = {
     "lab01": [
         ("P * (4 + 4 + 4)", "fp32 AdamW without the gradients",
@@ -100,6 +114,10 @@ WRONG = {
          "        yield buffers[i % 2]", "two buffers, no prefetch"),
         ("predicted_one_buffer = len(items) * max(copy_seconds, work_seconds)", "the double buffer's time",
          "predicted_one_buffer = copy_seconds + len(items) * work_seconds", "only the first copy exposed"),
+        (LAB05_AHEAD.format(count=2, why="a double buffer: the large copies have one item's work to hide behind"),
+         "a double buffer",
+         LAB05_AHEAD.format(count=4, why="four buffers: ahead enough, but over the memory budget"),
+         "four buffers, over the budget"),
     ],
     "lab06": [
         ("my_gpu_bytes = mixed.total * arch.params + activations", "nothing offloaded",

@@ -17,9 +17,11 @@ does nothing.
 from __future__ import annotations
 
 import ast
+import math
 
 __all__ = ["recomputed", "exchange_seconds", "one_buffer_pass_seconds", "disk_step_seconds",
-           "ADAM_STATE_BYTES", "Outcome", "lab01_challenge", "lab07_challenge"]
+           "ADAM_STATE_BYTES", "Outcome", "lab01_challenge", "lab02_challenge", "lab05_challenge",
+           "lab07_challenge"]
 
 # Bytes per parameter that one AdamW step reads from disk and writes back: fp32 master weights
 # and both moments (lab 7, chapter 8).
@@ -147,6 +149,26 @@ def lab07_challenge(folder, block_bytes: int, queue_depth: int, reference_rate: 
     passed = rate >= share * reference_rate
     return Outcome(passed, f"{'✓' if passed else '✗'} challenge: the tier read at {rate / 1e9:.3g} GB/s (measured), "
                            f"{rate / reference_rate:.0%} of your disk's rate (at least {share:.0%} needed)")
+
+
+def lab02_challenge(probe, link, reference: float, budget: int = 32 * 2**20, rel_tol: float = 0.15) -> Outcome:
+    """Lab 2's challenge, measured: run ``probe(link)``, which returns the link's host→device
+    bandwidth β in bytes/s, while the link records every copy; it passes when the copies moved
+    ``budget`` bytes or fewer (both directions, warm-ups included) and β is within ``rel_tol``
+    of ``reference`` (bytes/s: the lab's full sweep, or the emulated link's own rate)."""
+    with link.record() as recording:
+        beta = probe(link)
+    moved = sum(t.nbytes for t in recording.transfers)
+    if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not (math.isfinite(beta) and beta > 0):
+        return Outcome(False, f"✗ challenge: the probe returned {beta!r}; expected a bandwidth in bytes/s")
+    if moved > budget:
+        return Outcome(False, f"✗ challenge: the probe moved {moved / 2**20:.1f} MiB (measured by the link); "
+                              f"at most {budget / 2**20:g} MiB allowed")
+    error = beta / reference - 1
+    passed = abs(error) <= rel_tol
+    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: your probe's β is {abs(error):.1%} "
+                           f"{'above' if error > 0 else 'below'} the reference (at most {rel_tol:.0%} allowed), "
+                           f"from {moved / 2**20:.1f} MiB of copies (at most {budget / 2**20:g} MiB)")
 
 
 def hidden_share(copies, computes) -> float:

@@ -72,6 +72,12 @@ WRONG = {
          "def my_time(size):\n    return 1.3 * (fit.alpha + size / fit.beta)", "30 % too long"),
         ("my_exchange_seconds = exchange / h2d_both + exchange / d2h_both", "one direction after the other",
          "my_exchange_seconds = 3 * 2**30 / min(h2d_both, d2h_both)", "3 GiB instead of 3 GB"),
+        ("def my_probe(link):  # from pageable memory: the staging rate, not β\n"
+         "    host, device = torch.empty(2**20), link.device_buffer(2**20)\n"
+         "    seconds = sorted(link.to_device(device, host).elapsed for _ in range(5))\n"
+         "    return 4 * 2**20 / seconds[2]", "pageable memory",
+         "def my_probe(link):  # the sweep's answer, passed on: right here, wrong on any other link\n"
+         "    return fit.beta", "known, not measured"),
     ],
     "lab03": [
         ("predicted_batch = math.floor(t_transfer / seconds_per_sample)", "rounded down",

@@ -1,0 +1,55 @@
+"""The labs' measured challenges (offloadlab.grading), graded on links whose speed the test sets.
+
+The labs' own run (tests/test_lab_checks.py) grades the worked answer and two wrong ones on the
+one link the lab measured; here each bar is checked against a link's known rate, on either
+side of it, and each way out of it (too many bytes, not a number) gives its own line.
+"""
+
+import pytest
+
+from offloadlab import grading
+from offloadlab.link import open_link
+
+
+def two_size_probe(link, repeats=5, small=2**20, large=4 * 2**20):
+    """Lab 2's worked answer: α cancels in the difference of two sizes' fastest times."""
+    host, device = link.host_buffer(large // 4), link.device_buffer(large // 4)
+
+    def fastest_seconds(size):
+        seconds = []
+        for _ in range(repeats):
+            transfer = link.to_device(device[: size // 4], host[: size // 4])
+            transfer.synchronize()
+            seconds.append(transfer.elapsed)
+        return min(seconds)
+
+    link.to_device(device[: small // 4], host[: small // 4]).synchronize()
+    return (large - small) / (fastest_seconds(large) - fastest_seconds(small))
+
+
+@pytest.mark.parametrize("bandwidth", [0.25e9, 1.2e9])
+def test_lab02_a_probe_that_measures_passes_on_any_link(bandwidth, capsys):
+    with open_link(emulated=True, bandwidth=bandwidth, latency=60e-6) as link:
+        outcome = grading.lab02_challenge(two_size_probe, link, reference=link.bandwidth)
+    assert outcome, capsys.readouterr().out
+    assert "from 26.0 MiB of copies" in outcome.line
+
+
+def test_lab02_a_number_known_in_advance_fails_on_another_link(capsys):
+    with open_link(emulated=True, bandwidth=0.25e9, latency=60e-6) as link:
+        outcome = grading.lab02_challenge(lambda link: 0.8e9, link, reference=link.bandwidth)
+    assert not outcome and "above the reference" in outcome.line
+
+
+def test_lab02_the_link_counts_the_bytes_a_probe_moves(capsys):
+    with open_link(emulated=True, bandwidth=1.2e9, latency=60e-6) as link:
+        outcome = grading.lab02_challenge(lambda link: two_size_probe(link, repeats=9), link,
+                                          reference=link.bandwidth)
+    assert not outcome and "the probe moved 46.0 MiB (measured by the link); at most 32 MiB" in outcome.line
+
+
+@pytest.mark.parametrize("returned", [None, "1e9", float("nan"), -1.0, True])
+def test_lab02_a_probe_that_returns_no_bandwidth_gets_one_line(returned, capsys):
+    with open_link(emulated=True, bandwidth=1.2e9, latency=60e-6) as link:
+        outcome = grading.lab02_challenge(lambda link: returned, link, reference=link.bandwidth)
+    assert not outcome and f"the probe returned {returned!r}; expected a bandwidth in bytes/s" in outcome.line

@@ -17,6 +17,7 @@ skipped, and CI runs it as root. Each stage's seconds go to build/hub-stages.jso
 """
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -234,6 +235,19 @@ def work_on(hub: Hub, user: str, solve: bool) -> dict:
     return seen
 
 
+def fetch_work_submit(hub: Hub, student: str, solve: bool) -> dict:
+    """A student's part, through their own server: fetch, work (see work_on), submit."""
+    form = {"course_id": COURSE_ID, "assignment_id": ASSIGNMENT}
+    listed = hub.user(student, "/assignments/fetch", form, method="POST", form=True)
+    assert listed["success"], listed
+    assert any(a["assignment_id"] == ASSIGNMENT and a["status"] == "fetched" for a in listed["value"]), listed
+    seen = work_on(hub, student, solve)
+    listed = hub.user(student, "/assignments/submit", form, method="POST", form=True)
+    assert listed["success"], listed
+    assert any(a["status"] == "submitted" for a in listed["value"]), listed
+    return seen
+
+
 def test_the_course_page_recipe_runs_a_class_end_to_end():
     stages = Stages()
     blocks = page_blocks()
@@ -287,11 +301,14 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
                 except (OSError, urllib.error.HTTPError):
                     assert hub_process.poll() is None, "the hub exited:\n" + hub_log.read_text()[-3000:]
                     time.sleep(0.5)
-        with stages("instructor: course and release"):
-            instructor(blocks[4][1], env)
-        with stages("spawn three servers"):
-            for user in (SOLVED, UNSOLVED, INSTRUCTOR):
+        # The students' servers start while the instructor makes the release, which neither waits
+        # for; the instructor's starts once the course folder it serves exists, as in a class.
+        with stages("spawn three servers, and the instructor's course and release meanwhile"):
+            for user in (SOLVED, UNSOLVED):
                 hub.spawn(user)
+            with stages("instructor: course and release"):
+                instructor(blocks[4][1], env)
+            hub.spawn(INSTRUCTOR)
             for user in (SOLVED, UNSOLVED, INSTRUCTOR):
                 hub.wait_ready(user)
         # Instructor tools for the instructor only, and no error for anybody.
@@ -302,18 +319,11 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
             assert "@jupyter/nbgrader:create-assignment" in disabled_extensions(page)
             assert "@jupyter/nbgrader:assignment-list" not in disabled_extensions(page)
         assert "@jupyter/nbgrader:create-assignment" not in disabled_extensions(hub.user(INSTRUCTOR, "/lab"))
-        with stages("students fetch, run and submit"):
-            seen = {}
-            for student, solve in ((SOLVED, True), (UNSOLVED, False)):
-                listed = hub.user(student, "/assignments/fetch", {"course_id": COURSE_ID, "assignment_id": ASSIGNMENT},
-                                  method="POST", form=True)
-                assert listed["success"], listed
-                assert any(a["assignment_id"] == ASSIGNMENT and a["status"] == "fetched" for a in listed["value"]), listed
-                seen[student] = work_on(hub, student, solve)
-                listed = hub.user(student, "/assignments/submit", {"course_id": COURSE_ID, "assignment_id": ASSIGNMENT},
-                                  method="POST", form=True)
-                assert listed["success"], listed
-                assert any(a["status"] == "submitted" for a in listed["value"]), listed
+        with stages("students fetch, run and submit"):  # at once, as a class does: each in their own server
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                working = {student: pool.submit(fetch_work_submit, hub, student, solve)
+                           for student, solve in ((SOLVED, True), (UNSOLVED, False))}
+                seen = {student: future.result() for student, future in working.items()}
         python = str(course / ".venv" / "bin" / "python")
         for student, info in seen.items():
             assert Path(info["python"]).parent == Path(python).parent and info["student"] == "1", info

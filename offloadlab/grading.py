@@ -20,7 +20,7 @@ import ast
 import math
 
 __all__ = ["recomputed", "exchange_seconds", "one_buffer_pass_seconds", "disk_step_seconds",
-           "ADAM_STATE_BYTES", "Outcome", "lab01_challenge", "lab02_challenge", "lab05_challenge",
+           "ADAM_STATE_BYTES", "Outcome", "lab01_challenge", "lab02_challenge", "lab03_challenge", "lab05_challenge",
            "lab07_challenge"]
 
 # Bytes per parameter that one AdamW step reads from disk and writes back: fp32 master weights
@@ -169,6 +169,101 @@ def lab02_challenge(probe, link, reference: float, budget: int = 32 * 2**20, rel
     return Outcome(passed, f"{'✓' if passed else '✗'} challenge: your probe's β is {abs(error):.1%} "
                            f"{'above' if error > 0 else 'below'} the reference (at most {rel_tol:.0%} allowed), "
                            f"from {moved / 2**20:.1f} MiB of copies (at most {budget / 2**20:g} MiB)")
+
+
+def lab03_challenge(step, link, copy_share: float = 1.25, share: float = 0.8, steps: int = 8,
+                    work_seconds: float | None = None) -> Outcome:
+    """Lab 3's challenge, measured: ``steps`` training steps, each ``step(link, work, host, device)``,
+    which must launch the step's compute ``work`` once and bring ``host`` into ``device`` so that
+    the check the grader launches next, on the compute stream, reads the new bytes. The copy lasts
+    ``copy_share`` times the work. It passes when every check read its own step's bytes and at
+    least ``share`` of the time that could overlap (each step's shorter side) did: copies against
+    the work's own intervals on the link's timeline, not a wall clock.
+
+    On a GPU, ``link`` itself, with a chain of matrix products of about ``work_seconds`` (default
+    4 ms) and the copy sized from the link's rate measured here; on the emulated link, the
+    grader's own at 0.5 GB/s and the work a wait of ``work_seconds`` (default 20 ms) on its
+    compute thread, as in lab 5's challenge.
+    """
+    import time
+
+    from . import experiment
+    from .link import EmulatedLink
+
+    if link.emulated:
+        seconds = 0.02 if work_seconds is None else work_seconds
+        with EmulatedLink(bandwidth=0.5e9, latency=20e-6) as own:
+            intervals = []
+
+            def waited():  # runs on the compute thread: its own clock readings are the interval
+                begin = own.now()
+                time.sleep(seconds)
+                intervals.append((begin, own.now()))
+
+            return _lab03_steps(step, own, waited, lambda: list(intervals), intervals.clear, seconds,
+                                own.bandwidth, copy_share, share, steps)
+    products = experiment.overlap_work(link, 0.004 if work_seconds is None else work_seconds)
+    timed = []
+    for _ in range(3):
+        begin = link.mark()
+        link.launch(products)
+        timed.append(link.mark().time - begin.time)
+    host, device = link.host_buffer(2**22), link.device_buffer(2**22)
+    copies = [link.to_device(device, host, after=None) for _ in range(3)]
+    rate = 4 * 2**22 / sorted(c.elapsed for c in copies)[1]
+    marks = []
+
+    def marked():  # on a GPU the kernels run later: events around them time them
+        begin = link.mark()
+        products()
+        marks.append((begin, link.mark()))
+
+    return _lab03_steps(step, link, marked, lambda: [(begin.time, end.time) for begin, end in marks],
+                        marks.clear, sorted(timed)[1], rate, copy_share, share, steps)
+
+
+def _lab03_steps(step, link, work, work_intervals, forget_work, seconds: float, rate: float,
+                 copy_share: float, share: float, steps: int) -> Outcome:
+    """One pass of the steps after a warm-up; ``work_intervals()`` reads the work's (start, end)
+    seconds on the link's clock once the pass is done, ``forget_work()`` starts a pass afresh."""
+    import torch
+
+    elements = max(1024, int(copy_share * seconds * rate) // 4096 * 1024)  # fp32, whole 4 KiB pages
+    sources = [link.host_buffer(elements).fill_(float(value)) for value in (1, 2)]  # steps alternate
+    device = link.device_buffer(elements)
+    stride = 1024
+    wrong = torch.zeros(steps, dtype=torch.int64, device=link.device)
+
+    def check(i):  # on the compute stream, after the step: did this step's bytes arrive?
+        wrong[i] = (device[::stride] != float(i % 2 + 1)).sum()
+
+    def run():
+        wrong.zero_()
+        forget_work()
+        with link.record() as recording:
+            for i in range(steps):
+                step(link, work, sources[i % 2], device)
+                link.launch(check, i)
+            link.synchronize()
+        return [(t.start, t.end) for t in recording.transfers if t.direction == "h2d"]
+
+    run()  # a warm-up: the first pass allocates
+    copies = run()
+    computes = work_intervals()
+    if len(computes) != steps:
+        return Outcome(False, f"✗ challenge: the work ran {len(computes)} times in {steps} steps; launch it once a step")
+    bad = wrong.cpu().nonzero()
+    if len(bad):
+        return Outcome(False, f"✗ challenge: step {int(bad[0])}'s check read the bytes of another step: was the "
+                              "copy ordered after the last use of the buffer, and the compute after the copy?")
+    copy_total = sum(end - start for start, end in copies)
+    behind = hidden_share(copies, computes) * copy_total
+    could = sum(min(end - start, copy_total / steps) for start, end in computes)  # each step's shorter side
+    achieved = behind / could if could > 0 else 0.0
+    passed = achieved >= share
+    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: {achieved:.0%} of the time that could overlap did "
+                           f"({'emulated' if link.emulated else 'measured'}, from the steps' timeline: copies "
+                           f"against the work; at least {share:.0%} needed)")
 
 
 def hidden_share(copies, computes) -> float:

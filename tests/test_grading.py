@@ -53,3 +53,51 @@ def test_lab02_a_probe_that_returns_no_bandwidth_gets_one_line(returned, capsys)
     with open_link(emulated=True, bandwidth=1.2e9, latency=60e-6) as link:
         outcome = grading.lab02_challenge(lambda link: returned, link, reference=link.bandwidth)
     assert not outcome and f"the probe returned {returned!r}; expected a bandwidth in bytes/s" in outcome.line
+
+
+def overlapped_step(link, work, host, device):
+    """Lab 3's worked answer: the copy after the buffer's last use, beside the work."""
+    free = link.mark()
+    transfer = link.to_device(device, host, after=free)
+    link.launch(work)
+    transfer.wait()
+
+
+def serial_step(link, work, host, device):
+    link.to_device(device, host).wait()
+    link.launch(work)
+
+
+def unordered_step(link, work, host, device):
+    transfer = link.to_device(device, host, after=None)  # may land while the last step still reads
+    link.launch(work)
+    transfer.wait()
+
+
+def unwaited_step(link, work, host, device):
+    link.to_device(device, host, after=link.mark())
+    link.launch(work)
+
+
+@pytest.mark.parametrize("copy_share", [1.25, 0.6])
+def test_lab03_a_copy_beside_the_work_passes_whichever_is_longer(copy_share, capsys):
+    with open_link(emulated=True) as link:
+        outcome = grading.lab03_challenge(overlapped_step, link, copy_share=copy_share)
+    assert outcome, outcome.line
+
+
+def test_lab03_a_copy_before_the_work_is_too_slow(capsys):
+    with open_link(emulated=True) as link:
+        outcome = grading.lab03_challenge(serial_step, link)
+    overlapped = int(outcome.line.split("challenge: ", 1)[1].split("%", 1)[0])
+    assert not outcome and overlapped < 20, outcome.line
+
+
+# Each mistake where it cannot go unseen: a copy issued early lands inside the last step's work
+# when the work is the longer; an unwaited copy is still moving when the check runs when it is.
+@pytest.mark.parametrize("step, copy_share", [(unordered_step, 0.6), (unwaited_step, 1.25)],
+                         ids=["not after the last use", "not waited for"])
+def test_lab03_a_copy_out_of_order_reads_another_steps_bytes(step, copy_share, capsys):
+    with open_link(emulated=True) as link:
+        outcome = grading.lab03_challenge(step, link, copy_share=copy_share)
+    assert not outcome and "read the bytes of another step" in outcome.line, outcome.line

@@ -87,6 +87,13 @@ WRONG = {
         ("measured_batch = max((b for b, r in zip(cross.batches, cross.results) if r.t_both > 1.10 * r.t_compute),\n"
          "                     default=None)", "the last batch that still stalls",
          "measured_batch = predicted_batch", "the prediction, not the measurement"),
+        ("def my_step(link, work, host, device):  # the copy waited for before the work: they take turns\n"
+         "    link.to_device(device, host).wait()\n"
+         "    link.launch(work)", "one after the other",
+         "def my_step(link, work, host, device):  # a copy ordered after nothing: it overwrites what is read\n"
+         "    transfer = link.to_device(device, host, after=None)\n"
+         "    link.launch(work)\n"
+         "    transfer.wait()", "not after the buffer's last use"),
     ],
     "lab04": [
         ("predicted_host = P * 12", "only the fp32 state",

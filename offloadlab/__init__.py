@@ -22,11 +22,11 @@ LAYERS = {
     "kernel: the CPU AdamW step and its build": ["cpu_adam", "kernel_build"],
     "workload: a model to train, sharded runs": ["models", "distributed"],
     "measurement: what this machine has and does": [
-        "probe", "ladder", "experiment", "machine", "devices", "model_count", "reference"],
+        "probe", "ladder", "experiment", "machine", "devices", "reference"],
     "transfer engine: copies, events, traces": ["link", "layout", "trace"],
     "torch's private parts: every one the package uses, in one place": ["_torch_compat"],
     "estimates: pure arithmetic, no device code": [
         "memory", "overlap", "budget", "planner", "sharding", "architectures",
-        "engines"],
+        "model_count", "engines"],
     "base: units, safe files, usable cores": ["units", "files", "cores"],
 }

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from . import files, memory, units
-from .units import format_count, format_size
+from .units import format_bandwidth, format_count, format_duration, format_size
 
 USAGE_ERROR = 2
 FAULT = 1
@@ -218,6 +218,41 @@ def _cmd_budget(args) -> int:
                                 recipe=args.recipe)
     print(_dumps(result.to_dict()) if args.json else result.summary())
     return 0
+
+
+def _cmd_overlap(args) -> int:
+    import math
+
+    from . import overlap
+
+    if (args.bytes is None) != (args.window is None):
+        raise UsageError("offloadlab overlap: give --bytes and --window together, or neither")
+    tokens = overlap.crossover_tokens(args.compute, args.link)
+    behind_backward = overlap.crossover_tokens(args.compute, args.link, flops_per_param_token=4)
+    stage = overlap.stage(args.bytes, args.link, args.window) if args.bytes is not None else None
+    if args.json:
+        condition = {"transfer_s": stage.t_transfer, "hidden": stage.hidden, "stall_s": stage.stall,
+                     "regime": stage.regime} if stage else dict.fromkeys(("transfer_s", "hidden", "stall_s", "regime"))
+        print(_dumps({"bandwidth_bytes_per_s": args.link, "flops": args.compute, "crossover_tokens": tokens,
+                      "crossover_tokens_backward_only": behind_backward, "crossover_assumes": _CROSSOVER_ASSUMES,
+                      "bytes": args.bytes, "window_s": args.window, **condition}))
+        return 0
+    if stage is not None:
+        print(f"overlap: {format_size(args.bytes)} over {format_bandwidth(args.link)} takes "
+              f"{format_duration(stage.t_transfer)}; the window is {format_duration(stage.t_compute)} → "
+              f"{stage.regime}" + (f": the GPU waits {format_duration(stage.stall)}" if stage.stall else ""))
+    def whole(t: float) -> str:  # the fewest whole tokens that reach T*
+        return f"{max(1, math.ceil(t - 1e-9)):,}"
+    print(f"crossover: T* = R/(3B) = {format_count(args.compute)}FLOP/s ÷ (3 × {format_bandwidth(args.link)}): "
+          f"from {whole(tokens)} tokens per step with all of forward and backward as the window; "
+          f"R/(2B): from {whole(behind_backward)} with backward alone")
+    print(f"  assumes {_CROSSOVER_ASSUMES}")
+    return 0
+
+
+_CROSSOVER_ASSUMES = ("optimizer offload of mixed-precision training (2 B per parameter each way: 16-bit "
+                      "gradients down, 16-bit weights up), full duplex, 6 FLOPs per parameter per token "
+                      "(4 in backward); the model's size cancels")
 
 
 def _plan_workload(args):
@@ -537,6 +572,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"bytes per parameter of each kind of state: one of {', '.join(memory.RECIPES)}")
     budget.add_argument("--json", action="store_true", help="print a JSON object")
     budget.set_defaults(run=_cmd_budget)
+
+    overlap = commands.add_parser("overlap", help="the overlap condition and the crossover tokens T*")
+    overlap.add_argument("--link", required=True, type=_BANDWIDTH, help="one direction's bandwidth, e.g. '25 GB/s'")
+    overlap.add_argument("--compute", required=True, type=_FLOPS, help="sustained FLOP/s of the GPU, e.g. 200e12")
+    overlap.add_argument("--bytes", type=_SIZE, help="bytes one direction moves in the step, e.g. '20 GB'")
+    overlap.add_argument("--window", type=_DURATION, help="compute the copy can hide behind, e.g. '250 ms'")
+    overlap.add_argument("--json", action="store_true", help="print a JSON object")
+    overlap.set_defaults(run=_cmd_overlap)
 
     plan = commands.add_parser("plan", help="what to offload, in what order, and the predicted step")
     plan.add_argument("--params", type=_PARAMS, help="parameter count, e.g. 30e9 (or --model / --model-config)")

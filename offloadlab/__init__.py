@@ -1,19 +1,32 @@
 """offloadlab: train models larger than GPU memory by offloading state to CPU memory and NVMe.
 
-The package behind the offloadlab textbook and lab kit. Layers, bottom first (each imports
-only those below it):
-
-- base: ``units`` (sizes, bandwidths, times: parsing, validation, formatting), ``files`` (result
-  files checked before a run and written atomically);
-- models (pure arithmetic, the standard library only): ``memory``, ``overlap``, ``budget``, ``architectures``,
-  ``sharding``, ``planner`` (a package), ``engines``;
-- machine and transfer engine: ``machine``, ``link`` (CUDA and emulated);
-- measurement: ``probe``, ``ladder``, ``experiment``, ``model_count`` (transformers' own parameter
-  counts, built on the meta device), ``reference`` (shipped
-  and the user's own reference measurements);
-- mechanisms: ``cpu_adam``, ``offload`` (``CPUOffloadAdam``), ``prefetch``, ``nvme``;
-- for the chapters and labs: ``models`` (a small GPT and its data), ``plots``, ``check``,
-  ``student``, ``bench``, ``gpucheck`` and ``cli`` (the ``offloadlab`` command).
+The package behind the offloadlab textbook and lab kit. It is built in layers, listed in
+:data:`LAYERS` from the top down: each module imports only modules of its own layer or of the
+layers below it (``tests/test_layers.py`` holds every module to that), and the two lowest — pure
+arithmetic and the base — import nothing outside the standard library when they are imported, so
+they also run in a browser (the static site's calculators run them in Pyodide). A package (link,
+nvme, offload, planner) belongs to its layer with all its modules. Importing offloadlab changes
+nothing in torch.
 """
 
 __version__ = "0.1.0"
+
+# layer (top first): its modules. "Reading the package" in the book shows this map with each
+# module's job, computed from this very dict.
+LAYERS = {
+    "face: the command, benchmarks, the GPU kit": [
+        "cli", "bench", "gpucheck", "__main__"],
+    "course: figures, lab checks, the student release": ["plots", "check", "student", "grading"],
+    "mechanisms: offload, streaming, prefetch, NVMe": [
+        "offload", "streaming", "ownership", "prefetch", "gather", "nvme"],
+    "kernel: the CPU AdamW step and its build": ["cpu_adam", "kernel_build"],
+    "workload: a model to train, sharded runs": ["models", "distributed"],
+    "measurement: what this machine has and does": [
+        "probe", "ladder", "experiment", "machine", "devices", "model_count", "reference"],
+    "transfer engine: copies, events, traces": ["link", "layout", "trace"],
+    "torch's private parts: every one the package uses, in one place": ["_torch_compat"],
+    "estimates: pure arithmetic, no device code": [
+        "memory", "overlap", "budget", "planner", "sharding", "architectures",
+        "engines"],
+    "base: units, safe files, usable cores": ["units", "files", "cores"],
+}

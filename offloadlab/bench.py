@@ -13,7 +13,6 @@ so the real, slower machine stays under them.
 from __future__ import annotations
 
 import contextlib
-import math
 import statistics
 import sys
 import time
@@ -182,9 +181,9 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _interleaved_medians(contenders: dict, repeats: int) -> dict:
-    """Median seconds of each contender, timed in rounds that run every contender once, after a
-    warm-up round: a slow spell of a shared machine then slows every contender alike."""
+def _interleaved_samples(contenders: dict, repeats: int) -> dict:
+    """Seconds of each run of each contender, timed in rounds that run every contender once,
+    after a warm-up round: a slow spell of a shared machine then slows every contender alike."""
     samples = {name: [] for name in contenders}
     for round_ in range(repeats + 1):
         for name, step in contenders.items():
@@ -192,7 +191,7 @@ def _interleaved_medians(contenders: dict, repeats: int) -> dict:
             step()
             if round_:
                 samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return samples
 
 
 def _deepspeed_step(weights):
@@ -216,17 +215,48 @@ def _adam_params(quick: bool) -> int:
     return int(16e6 if quick else 64e6)
 
 
+FLOOR_MARGIN = 1.05   # a contender this much faster than its floor shows the floor was not a floor
+FLOOR_PASSES = 3      # floor passes per round: the floor is the best of them all
+FLOOR_CACHE_MULTIPLE = 4  # the step's arrays, at least this many times the last-level cache
+
+
 def adam_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
     """What :func:`adam` asks: host memory only (ordinary, not pinned), bound by its bandwidth."""
     import importlib.util
 
     count = _adam_params(quick)
-    contenders = 9  # the floor's update, two variants, the same job, torch's two and the cast, DeepSpeed's two
-    step = 28 * count / ASSUMED["host_bandwidth"]
+    contenders = 8 + 3 * FLOOR_PASSES  # two variants, the same job, torch's two and the cast, DeepSpeed's two;
+    step = 28 * count / ASSUMED["host_bandwidth"]  # and three floors
     deepspeed = 60.0 if importlib.util.find_spec("deepspeed") else 0.0  # its CPU Adam may compile at first use
     return Footprint(0, 0, contenders * ((3 if quick else 5) + 1) * step + deepspeed + 2.0,
                      f"{count / 1e6:.0f} M parameters, every contender in interleaved rounds"
                      + ("; DeepSpeed's CPU Adam may compile at first use (60 s assumed)" if deepspeed else ""))
+
+
+# What each contender reads and writes: (gradient dtype, dtype of the weights' copy, or None).
+_BF16_IN_OUT, _FP32_IN, _FP32_IN_BF16_OUT = (torch.bfloat16, torch.bfloat16), (torch.float32, None), \
+    (torch.float32, torch.bfloat16)
+_FLOOR_NAMES = {_BF16_IN_OUT: "bf16 gradients in, bf16 weights out", _FP32_IN: "fp32 gradients in, no copy",
+                _FP32_IN_BF16_OUT: "fp32 gradients in, bf16 weights out"}
+
+
+def floor_verdict(seconds: dict, floors: dict, streams: dict, array_bytes: int, cache_bytes: int | None) -> str:
+    """Why the floors of :func:`adam` are not floors, or '' when they are.
+
+    ``seconds``: each contender's median; ``floors``: seconds of the floor of each kind of streams;
+    ``streams``: each contender's kind. Not floors: arrays that fit in a few last-level caches
+    (``cache_bytes``), or a contender faster than its floor by more than :data:`FLOOR_MARGIN`.
+    """
+    if cache_bytes is not None and array_bytes < FLOOR_CACHE_MULTIPLE * cache_bytes:
+        return (f"the step's arrays ({array_bytes / 2**20:.0f} MiB) are less than {FLOOR_CACHE_MULTIPLE}× the "
+                f"last-level cache ({cache_bytes / 2**20:.0f} MiB): give more parameters")
+    beaten = [(name, floors[streams[name]] / value) for name, value in seconds.items()
+              if floors[streams[name]] / value > FLOOR_MARGIN]
+    if beaten:
+        name, factor = max(beaten, key=lambda item: item[1])
+        return (f"{name} ran at {100 * factor:.0f} % of its floor (over {100 * FLOOR_MARGIN:.0f} %): the floor "
+                f"passes were slowed, or the arrays were in cache")
+    return ""
 
 
 def adam(quick: bool = False, params: float | None = None, threads: int | None = None) -> dict:
@@ -237,9 +267,14 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     (fp32 gradients, 28 B/param) and fused followed by a separate bf16 cast; and, when it is
     installed and its extension builds, DeepSpeedCPUAdam (its own OpenMP threads) alone and
     followed by the cast. The peers' steps alone do not make the bf16 copy, so offloadlab's step
-    doing their job (fp32 gradients, no copy) is timed as well. The floor is the bytes the step
-    must move over the bandwidth of an in-place update ``a += b`` timed in the same rounds, with
-    the same threads. All contenders are timed round-robin.
+    doing their job (fp32 gradients, no copy) is timed as well. All are timed round-robin.
+
+    The floor, STREAM's way: :func:`offloadlab.cpu_adam.floor_pass`, the kernel's own loop with
+    AdamW's arithmetic taken out, compiled in the kernel's build, on arrays as large as the
+    step's, with the same threads, in the same rounds — best of all its passes. There is one
+    floor per kind of streams the contenders move (bf16 in and out; fp32 in; fp32 in and bf16
+    out), and each contender is set against its own. Floors are not printed when they are not
+    floors (see :func:`floor_verdict`): ``floor`` in the result then says why.
     """
     from . import cpu_adam
 
@@ -257,12 +292,12 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     grad, out16 = torch.randn(count).to(torch.bfloat16), torch.empty(count, dtype=torch.bfloat16)
     weights = torch.randn(count, requires_grad=True)
     weights.grad = torch.randn(count)
-    a, b = torch.ones(count), torch.ones(count)
     steps = iter(range(1, 10**9))
-    contenders = {"in-place update a += b": lambda: a.add_(b)}
+    contenders, streams = {}, {}
     for variant in variants:
         contenders[labels[variant]] = lambda variant=variant: cpu_adam.adamw_step(
             master, m, v, grad, out16, step=next(steps), lr=1e-3, threads=threads, variant=variant)
+        streams[labels[variant]] = _BF16_IN_OUT
     contenders[same_job] = lambda: cpu_adam.adamw_step(master, m, v, weights.grad, step=next(steps), lr=1e-3,
                                                        threads=threads, variant=variants[0])
     foreach = torch.optim.AdamW([weights], lr=1e-3, foreach=True)
@@ -274,22 +309,43 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     if deepspeed:
         contenders["DeepSpeedCPUAdam"] = deepspeed
         contenders["DeepSpeedCPUAdam + bf16 cast"] = lambda: (deepspeed(), out16.copy_(weights.detach()))
+    for name in contenders:
+        streams.setdefault(name, _FP32_IN_BF16_OUT if name.endswith("bf16 cast") else _FP32_IN)
+    timed = dict(contenders)
+    if kernel.compiled:  # the floors: arrays of their own, the kernel's loop without the arithmetic
+        floor_arrays = [torch.zeros(count) for _ in range(3)]
+        inputs = {torch.bfloat16: torch.zeros(count, dtype=torch.bfloat16), torch.float32: torch.zeros(count)}
+        for kind in _FLOOR_NAMES:
+            grad_dtype, out_dtype = kind
+            floor_out = None if out_dtype is None else torch.empty(count, dtype=out_dtype)
+            for k in range(FLOOR_PASSES):
+                timed[("floor", kind, k)] = lambda grad_in=inputs[grad_dtype], floor_out=floor_out: \
+                    cpu_adam.floor_pass(*floor_arrays, grad_in, floor_out, threads=threads, variant=variants[0])
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        seconds = _interleaved_medians(contenders, repeats)
+        samples = _interleaved_samples(timed, repeats)
     finally:
         torch.set_num_threads(previous)
-    update_bandwidth = 3 * 4 * count / seconds.pop("in-place update a += b")
-    floor = cpu_adam.bytes_per_param() * count / update_bandwidth  # seconds
-    moved = cpu_adam.bytes_per_param() * count
-    rows = [{"contender": name, "seconds": value, "params_per_s": count / value, "bytes_per_s": moved / value,
-             "percent_of_floor": 100 * floor / value} for name, value in seconds.items()]
+    seconds = {name: statistics.median(samples[name]) for name in contenders}
+    floors = {kind: min(t for key, values in samples.items() if key[:2] == ("floor", kind) for t in values)
+              for kind in _FLOOR_NAMES} if kernel.compiled else {}
+    array_bytes = cpu_adam.bytes_per_param() * count
+    cache = machine.last_level_cache_bytes()
+    why = floor_verdict(seconds, floors, streams, array_bytes, cache) if kernel.compiled else \
+        f"no compiled kernel, whose loop the floor is ({kernel.describe()})"
+    rows = []
+    for name, value in seconds.items():
+        moved = cpu_adam.bytes_per_param(*streams[name]) * count
+        row = {"contender": name, "seconds": value, "params_per_s": count / value, "bytes_per_s": moved / value}
+        if not why:
+            row["percent_of_floor"] = 100 * floors[streams[name]] / value
+        rows.append(row)
     ours = seconds[labels[variants[0]]]
     baseline = seconds[labels[variants[1]]] if len(variants) > 1 else None
     cast = seconds["torch AdamW fused + bf16 cast"]
     ratios = {
-        "offloadlab step / bandwidth floor (target ≤ 1.10)": ours / floor,
+        "offloadlab step / bandwidth floor (target ≤ 1.10)": None if why else ours / floors[_BF16_IN_OUT],
         "fused + cast / offloadlab step (target ≥ 1.5)": cast / ours,
         "fused + cast / offloadlab baseline step (target ≥ 1.0)": cast / baseline if baseline else None,
         "DeepSpeedCPUAdam + cast / offloadlab step (target ≥ 1.0)":
@@ -297,104 +353,189 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
         "DeepSpeedCPUAdam / offloadlab step, same job (target ≥ 1.0)":
             seconds["DeepSpeedCPUAdam"] / seconds[same_job] if deepspeed else None,
     }
+    floor = {"valid": not why, "why_not": why, "passes": FLOOR_PASSES * repeats, "last_level_cache_bytes": cache,
+             "array_bytes": array_bytes,
+             "kinds": [{"streams": _FLOOR_NAMES[kind], "seconds": floors[kind],
+                        "bytes_per_s": cpu_adam.bytes_per_param(*kind) * count / floors[kind]} for kind in floors]}
     return {"benchmark": "adam", "source": "measured", "rows": rows, "ratios": ratios,
-            "params": count, "threads": threads, "floor_seconds": floor, "update_bandwidth": update_bandwidth,
+            "params": count, "threads": threads, "floor": floor,
             "backend": cpu_adam.backend(), "provenance": machine.provenance(),
             "note": "" if deepspeed else f"DeepSpeedCPUAdam: absent ({deepspeed_absent})"}
 
 
-def _offload_setup(gpu: bool, quick: bool):
-    """(config, batch, steps, dtype) of :func:`offload` on a GPU or on the emulated link."""
+OFFLOAD_TARGETS = {"at step": 1.30, "delayed": 1.15, "fast link": 2.00}  # step over AdamW's, emulated link
+
+
+def _offload_models(gpu: bool) -> list[tuple]:
+    """(name, config, batch) of the two models :func:`offload` trains: a small GPT, and a deep narrow
+    decoder of 400 tensors (33 layers of two norms, four projections and their biases, the
+    embeddings and the final norm), as many small tensors as a real decoder has (Llama-3.1-8B: 291)."""
     from .models import GPTConfig
 
     if gpu:
-        return GPTConfig(layers=12, hidden=1024, heads=16, vocab=8192, seq=512), 8, 5 if quick else 20, torch.bfloat16
-    # CPUs without bf16 units emulate bf16 matmuls slowly: fp32 there
-    return GPTConfig(layers=2, hidden=256, heads=4, vocab=1024, seq=64), 4, 3 if quick else 8, torch.float32
+        return [("TinyGPT", GPTConfig(layers=8, hidden=1024, heads=16, vocab=8192, seq=512), 8),
+                ("400 tensors", GPTConfig(layers=33, hidden=512, heads=8, vocab=8192, seq=256), 8)]
+    return [("TinyGPT", GPTConfig(layers=2, hidden=256, heads=4, vocab=1024, seq=64), 4),
+            ("400 tensors", GPTConfig(layers=33, hidden=64, heads=4, vocab=256, seq=32), 2)]
+
+
+def _offload_rounds(gpu: bool, quick: bool) -> tuple[int, int]:
+    """(rounds, timed steps per contender and round) of :func:`offload`."""
+    return (3, 2) if quick else (5, 4)
+
+
+def _offload_contenders(torchao: bool) -> int:
+    """How many contenders keep their state in pinned memory at once (one model's)."""
+    return 4 + torchao  # at step, eager, delayed; the fast link's (emulated only); torchao's (GPU only)
 
 
 def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
-    """What :func:`offload` asks of a GPU of ``profile``: CPUOffloadAdam's pinned state (16 bytes
-    per parameter with bf16 weights), and on the device AdamW's contender, the largest: bf16
-    weights, gradients and two moments (8 bytes per parameter) and the saved activations."""
-    from .offload.capacity import saved_activation_bytes
+    """What :func:`offload` asks of a GPU of ``profile``, model by model (each model's contenders are
+    alive at once, the models one after the other): every offloaded contender's pinned state (16
+    bytes per parameter with bf16 weights: fp32 master and moments, bf16 gradients and weights),
+    and on the device every contender's bf16 weights, AdamW's gradients and moments, each
+    offloaded contender's gather and staging buffers, and the saved activations of one step."""
+    import importlib.util
 
-    config, batch, steps, dtype = _offload_setup(True, quick)
-    params = config.params
-    activations = saved_activation_bytes(config, batch, dtype)
-    flops = 6 * params * batch * config.seq  # forward and backward
-    device_step = flops / (profile.bf16_flops * ASSUMED["matmul_efficiency"])
-    offloaded_step = max(device_step, 28 * params / ASSUMED["host_bandwidth"])  # the CPU update's memory traffic
-    build = 3.0  # a fresh model, and for the offloaded ones its pinned state
-    seconds = (build + (steps + 1) * device_step) * 2 + 3 * (build + (steps + 1) * offloaded_step)
-    return Footprint(16 * params, 8 * params + activations, seconds,
-                     f"TinyGPT of {params / 1e6:.0f} M parameters, batch {batch} × {config.seq}, {steps} steps per "
-                     f"contender; activations counted on the meta device")
+    from .offload.capacity import saved_activation_bytes
+    from .offload.optimizer import DEFAULT_BUCKET_BYTES
+
+    rounds, per_round = _offload_rounds(True, quick)
+    torchao = importlib.util.find_spec("torchao") is not None
+    offloaded = _offload_contenders(torchao) - 1  # (no fast link on a GPU)
+    pinned, device, seconds = 0, 0, 0.0
+    for _, config, batch in _offload_models(True):
+        params = config.params
+        activations = saved_activation_bytes(config, batch, torch.bfloat16)
+        flops = 6 * params * batch * config.seq  # forward and backward
+        device_step = flops / (profile.bf16_flops * ASSUMED["matmul_efficiency"])
+        offloaded_step = max(device_step, 28 * params / ASSUMED["host_bandwidth"])  # the CPU update's traffic
+        build = 3.0  # a fresh model, and for the offloaded ones its pinned state
+        steps = rounds * (1 + per_round)
+        seconds += (2 + offloaded) * build + steps * (2 * device_step + offloaded * offloaded_step)
+        pinned = max(pinned, offloaded * 16 * params)
+        device = max(device, (2 + offloaded) * 2 * params + 6 * params + offloaded * 3 * DEFAULT_BUCKET_BYTES
+                     + activations)
+    models = " and ".join(f"{name} of {config.params / 1e6:.0f} M parameters" for name, config, _ in
+                          _offload_models(True))
+    return Footprint(pinned, device, seconds, f"{models}, {rounds} rounds of {1 + per_round} steps per "
+                                              f"contender; activations counted on the meta device")
+
+
+def _offload_rounds_timed(runs: dict, rounds: int, per_round: int, threads: int, device: str) -> dict:
+    """{contender: seconds of each timed step}: ``rounds`` rounds in which every contender of
+    ``runs`` ({name: (model, optimizer or None, batches)}) takes 1 + ``per_round`` steps in a row."""
+    seconds = {name: [] for name in runs}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(rounds):
+            for name, (model, optimizer, data) in runs.items():
+                for step in range(1 + per_round):
+                    inputs, labels = next(data)
+                    start = time.perf_counter()
+                    (optimizer or model).zero_grad()
+                    model(inputs.to(device), labels.to(device)).backward()
+                    if optimizer is not None:
+                        optimizer.step()
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    if step:
+                        seconds[name].append(time.perf_counter() - start)
+                if hasattr(optimizer, "synchronize"):
+                    optimizer.synchronize()  # (a delayed update: applied now, not in the next contender's turn)
+    finally:
+        torch.set_num_threads(previous)
+    return seconds
 
 
 def offload(quick: bool = False) -> dict:
-    """Step time of a small GPT under CPUOffloadAdam (at step(), eager, delayed update) against
-    plain AdamW on the device and torchao's CPUOffloadOptimizer when installed.
+    """Step time under CPUOffloadAdam (at step(), eager, delayed update) against plain AdamW on the
+    device and torchao's CPUOffloadOptimizer when installed, on two models: a small GPT, and a deep
+    narrow decoder of 400 small tensors, where what each tensor costs shows.
 
     Like with like: every contender runs with the same torch threads, and CPUOffloadAdam's CPU
-    update with as many OpenMP threads (without a GPU the "device" is those same cores).
+    update with as many OpenMP threads (without a GPU the "device" is those same cores). Each
+    model also runs forward and backward alone: a contender's overhead per tensor is its step
+    minus that, over the model's tensors. On the emulated link, the 400-tensor model also runs
+    CPUOffloadAdam over a 1 TB/s link without latency, where little but that overhead is left.
+
+    A model's contenders are timed in rounds, each contender a few steps in a row in every round
+    (the first untimed: the one where a delayed update has nothing pending yet), so that a slow
+    spell of a shared machine slows them all alike; the figure is the median of the timed steps.
+    Targets (emulated link, default rate): at step ≤ 1.30× AdamW's step, delayed ≤ 1.15×, and
+    ≤ 2× on the fast link.
     """
+    from .link import EmulatedLink
     from .models import TinyGPT, batches, markov_corpus
     from .offload import CPUOffloadAdam
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
-    config, batch, steps, dtype = _offload_setup(gpu, quick)
-    corpus = markov_corpus(config.vocab, 50_000)
-
+    dtype = torch.bfloat16 if gpu else torch.float32  # CPUs without bf16 units emulate bf16 matmuls slowly
+    rounds, per_round = _offload_rounds(gpu, quick)
     threads = torch.get_num_threads() if gpu else max(1, torch.get_num_threads() - 1)  # emulation: a core copies
-
-    def timed(make_optimizer) -> float:
-        torch.manual_seed(0)
-        model = TinyGPT(config).to(device, dtype)
-        previous = torch.get_num_threads()
-        optimizer = make_optimizer(model)
-        torch.set_num_threads(threads)
-        data = batches(corpus, batch, config.seq)
-
-        def one_step():
-            inputs, targets = next(data)
-            optimizer.zero_grad()
-            model(inputs.to(device), targets.to(device)).backward()
-            optimizer.step()
-            if gpu:
-                torch.cuda.synchronize()
-
-        try:
-            seconds = _median_seconds(one_step, steps)
-        finally:
-            if hasattr(optimizer, "close"):
-                optimizer.close()
-            torch.set_num_threads(previous)
-        return seconds
-
-    rows = [{"contender": "AdamW on the device", "seconds": timed(lambda m: torch.optim.AdamW(m.parameters()))},
-            {"contender": "CPUOffloadAdam (update at step)",
-             "seconds": timed(lambda m: CPUOffloadAdam(m.parameters(), threads=threads))},
-            {"contender": "CPUOffloadAdam, eager (accumulation_steps=1)",
-             "seconds": timed(lambda m: CPUOffloadAdam(m.parameters(), threads=threads, accumulation_steps=1))},
-            {"contender": "CPUOffloadAdam, delayed update",
-             "seconds": timed(lambda m: CPUOffloadAdam(m.parameters(), threads=threads, delayed_update=True))}]
-    note = f"every contender: {threads} torch threads; CPUOffloadAdam's CPU update: {threads} OpenMP threads"
+    alone, adamw, fast = "forward and backward alone", "AdamW on the device", \
+        "CPUOffloadAdam (update at step), 1 TB/s link, no latency"
+    contenders = {alone: lambda m: None,
+                  adamw: lambda m: torch.optim.AdamW(m.parameters()),
+                  "CPUOffloadAdam (update at step)": lambda m: CPUOffloadAdam(m.parameters(), threads=threads),
+                  "CPUOffloadAdam, eager (accumulation_steps=1)":
+                      lambda m: CPUOffloadAdam(m.parameters(), threads=threads, accumulation_steps=1),
+                  "CPUOffloadAdam, delayed update":
+                      lambda m: CPUOffloadAdam(m.parameters(), threads=threads, delayed_update=True)}
+    targets = {"CPUOffloadAdam (update at step)": "at step", "CPUOffloadAdam, delayed update": "delayed",
+               fast: "fast link"}
+    note = (f"every contender: {threads} torch threads; CPUOffloadAdam's CPU update: {threads} OpenMP threads; "
+            f"median of {rounds} rounds × {per_round} steps")
     try:
         from torchao.optim import CPUOffloadOptimizer
     except Exception:
         note += "; torchao CPUOffloadOptimizer: absent (pip install torchao to compare)"
     else:
         if gpu:
-            rows.append({"contender": "torchao CPUOffloadOptimizer", "seconds": timed(
-                lambda m: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, fused=True))})
+            contenders["torchao CPUOffloadOptimizer"] = lambda m: CPUOffloadOptimizer(
+                m.parameters(), torch.optim.AdamW, fused=True)
         else:
             note += "; torchao CPUOffloadOptimizer: needs a GPU"
-    base = rows[0]["seconds"]
-    ratios = {f"{r['contender']} / AdamW on the device": r["seconds"] / base for r in rows[1:]}
+    if gpu:
+        note += "; the 1 TB/s link is the emulated one's: not run on a GPU"
+    rows, ratios = [], {}
+    for model_name, config, batch in _offload_models(gpu):
+        mine, fast_link = dict(contenders), None
+        if not gpu and model_name == "400 tensors":
+            fast_link = EmulatedLink(bandwidth=1e12, latency=0)
+            mine[fast] = lambda m: CPUOffloadAdam(m.parameters(), threads=threads, link=fast_link)
+        runs = {}
+        try:
+            for name, make in mine.items():
+                torch.manual_seed(0)
+                model = TinyGPT(config).to(device, dtype)
+                runs[name] = (model, make(model), batches(markov_corpus(config.vocab, 50_000), batch, config.seq))
+            seconds = _offload_rounds_timed(runs, rounds, per_round, threads, device)
+        finally:
+            for _, optimizer, _ in runs.values():
+                if hasattr(optimizer, "close"):
+                    optimizer.close()
+            if fast_link is not None:
+                fast_link.close()
+        median = {name: statistics.median(values) for name, values in seconds.items()}
+        tensors = len(list(runs[alone][0].parameters()))
+        for name, value in median.items():
+            row = {"contender": name, "model": model_name, "tensors": tensors, "params": config.params,
+                   "seconds": value}
+            if name != alone:
+                row["overhead_per_tensor_s"] = (value - median[alone]) / tensors
+            rows.append(row)
+            if name not in (alone, adamw):
+                target = targets.get(name)
+                label = f"{model_name}: {name} / {adamw}"
+                if target and not gpu:
+                    label += f" (target ≤ {OFFLOAD_TARGETS[target]:.2f})"
+                ratios[label] = value / median[adamw]
     return {"benchmark": "offload", "source": "measured" if gpu else "emulated", "rows": rows, "ratios": ratios,
-            "params": config.params, "provenance": machine.provenance(), "note": note}
+            "params": {name: config.params for name, config, _ in _offload_models(gpu)},
+            "provenance": machine.provenance(), "note": note}
 
 
 PREFETCH_LAYERS = 8
@@ -654,13 +795,19 @@ def format_result(result: dict) -> str:
     """A short plain-text report of a benchmark result."""
     lines = [f"benchmark {result['benchmark']} ({result['source']})"]
     for row in result["rows"]:
-        if "percent_of_floor" in row:
+        if "params_per_s" in row:
+            of_floor = f"  {row['percent_of_floor']:5.1f}% of floor" if "percent_of_floor" in row else ""
             lines.append(f"  {row['contender']:<58} {row['seconds'] * 1e3:8.1f} ms  {row['params_per_s'] / 1e9:5.2f} "
-                         f"G params/s  {format_bandwidth(row['bytes_per_s']):>10}  {row['percent_of_floor']:5.1f}% of floor")
+                         f"G params/s  {format_bandwidth(row['bytes_per_s']):>10}{of_floor}")
         elif "ratio_to_bound" in row:
             lines.append(f"  {row['contender']:<22} {format_duration(row['seconds']):>10}  "
                          f"{row['ratio_to_bound']:.2f}× max(compute, transfer)  "
                          f"link {row['link_percent_of_peak']:.0f}% of pinned peak")
+        elif "model" in row:
+            overhead = (f"  {row['overhead_per_tensor_s'] * 1e6:+7.1f} µs per tensor"
+                        if "overhead_per_tensor_s" in row else "")
+            lines.append(f"  {row['model'] + ':':<12} {row['contender']:<58} "
+                         f"{format_duration(row['seconds']):>10} per step{overhead}")
         elif "t_compute_s" not in row and "seconds" in row:
             lines.append(f"  {row['contender']:<40} {format_duration(row['seconds']):>10} per step")
         elif "bytes_per_s" in row:
@@ -669,6 +816,12 @@ def format_result(result: dict) -> str:
         else:
             lines.append(f"  {row['contender']:<40} compute {format_duration(row['t_compute_s'])}, transfer "
                          f"{format_duration(row['t_transfer_s'])}, both {format_duration(row['t_both_s'])}")
+    floor = result.get("floor")
+    if floor and floor["valid"]:
+        lines += [f"  floor, {kind['streams']:<52} {kind['seconds'] * 1e3:8.1f} ms  best of {floor['passes']} passes  "
+                  f"{format_bandwidth(kind['bytes_per_s']):>10}" for kind in floor["kinds"]]
+    elif floor:
+        lines.append(f"  floor not valid, so not shown: {floor['why_not']}")
     lines.append("  ratios:")
     for name, value in result["ratios"].items():
         lines.append(f"    {name:<60} {'unknown' if value is None else f'{value:.2f}×'}")

@@ -57,8 +57,8 @@ import torch
 
 from . import cores, kernel_build
 
-__all__ = ["adamw_step", "grad_sum_of_squares", "backend", "load", "Kernel", "Library", "bytes_per_param",
-           "default_threads", "TORCH", "VARIANT_ENV"]
+__all__ = ["adamw_step", "grad_sum_of_squares", "floor_pass", "backend", "load", "Kernel", "Library",
+           "bytes_per_param", "default_threads", "TORCH", "VARIANT_ENV"]
 
 TORCH = "torch"  # the name of the pure-torch step among the variants
 VARIANT_ENV = "OFFLOADLAB_CPU_ADAM_VARIANT"
@@ -158,6 +158,9 @@ def _try_open(path: Path, origin: str, problems: list[str]) -> Library | None:
                                         ctypes.POINTER(_Coefficients), ctypes.c_int]
     handle.offloadlab_sumsq.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
                                         ctypes.POINTER(ctypes.c_double)]
+    handle.offloadlab_floor.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                        ctypes.c_int]
     count = range(handle.offloadlab_variant_count())
     variants = tuple(handle.offloadlab_variant_name(v).decode() for v in count)
     runnable = tuple(variants[v] for v in count if handle.offloadlab_variant_runs_here(v))
@@ -336,6 +339,35 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: fl
     master.addcdiv_(exp_avg, denom, value=neg_step_size)
     if out is not None:
         out.copy_(master)
+
+
+def floor_pass(master, exp_avg, exp_avg_sq, grad, out=None, *, threads: int | None = None,
+               variant: str | None = None) -> None:
+    """One pass of the step's memory traffic without its arithmetic: the floor of ``bench adam``.
+
+    The compiled kernel's loop with AdamW's operations replaced by one add per array: it reads
+    and writes every element of ``master``, ``exp_avg`` and ``exp_avg_sq`` in place, reads
+    ``grad`` and writes ``out`` as :func:`adamw_step` does, in the same tiles, with the same
+    ``threads`` and the same ``variant`` (the three arrays end up holding sums, not a state).
+    ValueError without a compiled kernel: a floor needs the kernel's own build.
+    """
+    n = master.numel()
+    _check("master", master, (torch.float32,), None)
+    _check("exp_avg", exp_avg, (torch.float32,), n)
+    _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    _check("grad", grad, _DTYPES, n)
+    if out is not None:
+        _check("out", out, _DTYPES, n)
+    _check_disjoint(master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad, out=out)
+    threads = _check_threads(threads)
+    kernel = load(variant)
+    if not kernel.compiled:
+        raise ValueError(f"variant: the floor is the compiled kernel's loop; got the {kernel.describe()}")
+    index = kernel.library.variants.index(kernel.variant)
+    _raise_for(kernel.library.handle.offloadlab_floor(
+        index, master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), _KIND[grad.dtype],
+        None if out is None else out.data_ptr(), _KIND[None if out is None else out.dtype], n, threads),
+        "floor_pass")
 
 
 def grad_sum_of_squares(grad: torch.Tensor, threads: int | None = None, *, variant: str | None = None) -> float:

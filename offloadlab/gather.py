@@ -3,10 +3,11 @@
 Backward produces one gradient tensor per parameter, many of them small (biases, norms). Sending
 each on its own pays a transfer's fixed cost per tensor; :class:`GradientGather` copies them, as
 they arrive, into their places in a flat device buffer laid out like the group's host buffer
-(a :class:`~offloadlab.prefetch.Layout`), and sends the whole group down in one device→host
+(a :class:`~offloadlab.layout.Layout`), and sends the whole group down in one device→host
 copy once its last gradient is in. A *group* is whatever the caller sends together: a streamed
 block (:class:`~offloadlab.streaming.StreamedModel`) or an optimizer bucket
-(:class:`~offloadlab.offload.CPUOffloadAdam`).
+(:class:`~offloadlab.offload.CPUOffloadAdam`). Each arriving gradient costs the same whatever the
+size of its group: one view, one device copy.
 
 A group that is still incomplete when :meth:`GradientGather.flush` is called (the end of a
 backward pass: some parameters got no gradient), or when every gather buffer is busy, goes down
@@ -19,24 +20,23 @@ from __future__ import annotations
 
 import torch
 
+from .layout import Layout
 from .link import Link
-from .prefetch import Layout
+from .ownership import GradientSink
 
 __all__ = ["GradientGather"]
 
 
 class GradientGather:
-    """Gather gradients of ``layouts``' groups on ``link``'s device, and send them to the host.
+    """Gather gradients of ``layouts``' groups on ``link``'s device, and send them to ``sink``.
 
-    ``destination(group, positions)`` returns the flat pinned host tensor (uint8, laid out as the
-    group's layout) that the gradients at ``positions`` are about to be copied into, and is called
-    just before the copy; ``arrived(group, transfers, positions)`` is told of the copies. ``buffers``
-    device gather buffers of the largest group of several tensors are allocated once.
+    Group ``i`` is laid out as ``layouts[i]`` (packed) on the device and in the host tensor the
+    sink gives for it (see :class:`~offloadlab.ownership.GradientSink`). ``buffers`` device gather
+    buffers of the largest group of several tensors are allocated once.
     """
 
-    def __init__(self, link: Link, layouts: list[Layout], destination, arrived, names=None, buffers: int = 2):
-        self.link, self.layouts = link, list(layouts)
-        self._destination, self._arrived = destination, arrived
+    def __init__(self, link: Link, layouts: list[Layout], sink: GradientSink, names=None, buffers: int = 2):
+        self.link, self.layouts, self.sink = link, list(layouts), sink
         self._names = names or (lambda group: f"group {group}")
         self._buffers = [link.device_buffer(self.buffer_bytes, torch.uint8) for _ in range(buffers)]
         self._sent: list[list] = [[] for _ in range(buffers)]  # per buffer: the copies still reading it
@@ -45,7 +45,7 @@ class GradientGather:
     @property
     def buffer_bytes(self) -> int:
         """Bytes of each device gather buffer (the largest group of several tensors)."""
-        return max([layout.nbytes for layout in self.layouts if len(layout.specs) > 1] + [1])
+        return max([layout.nbytes for layout in self.layouts if len(layout) > 1] + [1])
 
     @property
     def device_bytes(self) -> int:
@@ -65,26 +65,26 @@ class GradientGather:
 
         A tensor whose gradient comes twice (a block run twice in one forward) is summed on the
         device while its group is being gathered, and starts the group's next round once the group
-        has gone down; the receiver adds the rounds up.
+        has gone down; the sink adds the rounds up.
         """
         layout = self.layouts[group]
-        if len(layout.specs) == 1:  # nothing to gather: the gradient goes down as it is
-            destination = self._destination(group, [position])
-            nbytes = layout.specs[0][0].numel() * grad.element_size()
-            transfer = self.link.to_host(destination[:nbytes], grad.reshape(-1).view(torch.uint8), after="compute",
+        if len(layout) == 1:  # nothing to gather: the gradient goes down as it is
+            destination = self.sink.gradient_destination(group, [position])
+            start, end = layout.byte_range(0)
+            transfer = self.link.to_host(destination[start:end], grad.reshape(-1).view(torch.uint8), after="compute",
                                          label=f"grad {self._names(group)}")
-            self._arrived(group, [transfer], [position])
+            self.sink.gradients_sent(group, [transfer], [position])
             return
         if group not in self._gathering:
             self._gathering[group] = (self._free_buffer(), set())
         buffer, positions = self._gathering[group]
-        view = layout.views(self._buffers[buffer])[position]
+        view = layout.view(self._buffers[buffer], position)
         if position in positions:
             view.add_(grad.reshape(view.shape))
         else:
             view.copy_(grad.reshape(view.shape))
             positions.add(position)
-        if len(positions) == len(layout.specs):
+        if len(positions) == len(layout):
             self._send(group)
 
     def flush(self) -> None:
@@ -104,13 +104,13 @@ class GradientGather:
 
     def _send(self, group: int) -> None:
         buffer, positions = self._gathering.pop(group)
-        layout = self.layouts[group]
-        destination = self._destination(group, sorted(positions))
-        if len(positions) == len(layout.specs):
+        layout, positions = self.layouts[group], sorted(positions)
+        destination = self.sink.gradient_destination(group, positions)
+        if len(positions) == len(layout):
             ranges = [(0, layout.nbytes)]
         else:
-            ranges = [layout.byte_range(k) for k in sorted(positions)]
+            ranges = [layout.byte_range(k) for k in positions]
         transfers = [self.link.to_host(destination[a:b], self._buffers[buffer][a:b], after="compute",
                                        label=f"grad {self._names(group)}") for a, b in ranges]
         self._sent[buffer] = transfers
-        self._arrived(group, transfers, sorted(positions))
+        self.sink.gradients_sent(group, transfers, positions)

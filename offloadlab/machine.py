@@ -29,6 +29,7 @@ __all__ = [
     "pcie_link",
     "pcie_bandwidth",
     "disk",
+    "last_level_cache_bytes",
     "describe",
     "provenance",
 ]
@@ -147,6 +148,29 @@ def disk(path: str | os.PathLike = ".") -> Disk:
         raise ValueError(f"path: expected an existing folder; got {str(path)!r}")
     usage = shutil.disk_usage(folder)
     return Disk(str(folder.resolve()), usage.total, usage.free)
+
+
+def last_level_cache_bytes(root: str | os.PathLike = "/") -> int | None:
+    """Bytes of the CPUs' last-level cache, every instance of it counted once (one per socket, or
+    per core complex on AMD): the data a loop over all cores keeps close. From Linux's sysfs;
+    None where it cannot be read."""
+    caches: dict[tuple[int, str], int] = {}  # (level, the CPUs that share it) → bytes
+    for index in Path(root, "sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            kind = (index / "type").read_text().strip()
+            level = int((index / "level").read_text())
+            shared = (index / "shared_cpu_list").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        number, unit = size.rstrip("KMG"), size[len(size.rstrip("KMG")):]
+        if kind == "Instruction" or not number.isdigit() or len(unit) > 1:
+            continue
+        caches[level, shared] = int(number) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[unit]
+    if not caches:
+        return None
+    last = max(level for level, _ in caches)
+    return sum(nbytes for (level, _), nbytes in caches.items() if level == last)
 
 
 def _cpu_name() -> str:

@@ -11,8 +11,8 @@ wait for the last pass's compute. Three switches reproduce the classic mistakes:
 ``pinned=False`` (copies straight from pageable memory) and ``buffers=1`` (nothing can be
 fetched ahead).
 
-:class:`Layout` places a group of tensors in one flat, 64-byte-aligned byte buffer, so a group
-moves as one copy; :class:`~offloadlab.streaming.StreamedModel` uses it for a model's blocks.
+:class:`~offloadlab.layout.Layout` places a group of tensors in one flat, 64-byte-aligned byte
+buffer, so a group moves as one copy (it is importable from here too, where it first lived).
 """
 
 from __future__ import annotations
@@ -21,53 +21,10 @@ import weakref
 
 import torch
 
+from .layout import Layout
 from .link import Link
 
 __all__ = ["Prefetcher", "Layout"]
-
-_ALIGN = 64  # bytes: every tensor in a flat buffer starts on a 64-byte boundary (vector loads, cuBLAS)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class Layout:
-    """Where each of a group of tensors sits in one flat byte buffer.
-
-    ``align`` (bytes) is where each tensor may start: 64 by default, for tensors that compute
-    reads (vector loads, cuBLAS); ``packed=True`` puts them end to end (each still starts on a
-    multiple of its element size), for buffers that only copies touch.
-    """
-
-    def __init__(self, tensors, packed: bool = False):
-        tensors = list(tensors)
-        align = max((t.element_size() for t in tensors), default=1) if packed else _ALIGN
-        self.specs: list[tuple[torch.Size, torch.dtype, int]] = []  # (shape, dtype, byte offset)
-        offset = 0
-        for t in tensors:
-            offset = (offset + align - 1) // align * align
-            self.specs.append((t.shape, t.dtype, offset))
-            offset += _nbytes(t)
-        self.nbytes = (offset + align - 1) // align * align  # bytes of the flat buffer, padding included
-
-    def byte_range(self, which: int) -> tuple[int, int]:
-        """Where tensor ``which`` starts and ends in the flat buffer, in bytes."""
-        shape, dtype, offset = self.specs[which]
-        return offset, offset + shape.numel() * torch.tensor([], dtype=dtype).element_size()
-
-    def views(self, flat: torch.Tensor) -> tuple:
-        """The group's tensors as views into ``flat`` (a uint8 tensor of at least ``nbytes``)."""
-        out = []
-        for which, (shape, dtype, _) in enumerate(self.specs):
-            start, end = self.byte_range(which)
-            out.append(flat[start:end].view(dtype).view(shape))
-        return tuple(out)
-
-    def pack(self, tensors, flat: torch.Tensor) -> None:
-        """Copy ``tensors`` into their places in ``flat``."""
-        for view, t in zip(self.views(flat), tensors):
-            view.copy_(t)
 
 
 class Prefetcher:
@@ -153,7 +110,6 @@ class Prefetcher:
         slot = index % self.buffers
         group, layout = self.sources[index], self.layouts[index]
         after = "compute" if self.synchronous else self._released[slot]
-        destinations = layout.views(self._slots[slot])
         label = str(index)
         if self.pinned and not all(self.link.is_pinned(t) for t in group):
             staging = self._staging[slot]
@@ -164,7 +120,8 @@ class Prefetcher:
                                              after=after, label=label)]
             self._staging_reads[slot] = transfers
         else:
-            transfers = [self.link.to_device(d, s, after=after, label=label) for d, s in zip(destinations, group)]
+            transfers = [self.link.to_device(d, s, after=after, label=label)
+                         for d, s in zip(layout.views(self._slots[slot]), group)]
         return slot, transfers
 
     def _run(self):

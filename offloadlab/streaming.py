@@ -44,23 +44,20 @@ import functools
 import itertools
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 from torch import nn
-from torch.nn.utils.stateless import _reparametrize_module
 
+from . import _torch_compat, ownership
 from .gather import GradientGather
+from .layout import Layout
 from .link import Link, Marker
-from .prefetch import Layout
+from .ownership import GradientSink
 
 __all__ = ["StreamedModel", "streamed_model_of"]
-
-# Every streamed parameter → its StreamedModel, so an optimizer can find who moves its gradients.
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise: key by identity
 
 
 def streamed_model_of(param: torch.Tensor) -> "StreamedModel | None":
     """The :class:`StreamedModel` that streams ``param``, or None."""
-    return _OWNERS.get(param)
+    return ownership.streamer_of(param)
 
 
 class _Buffer:
@@ -125,6 +122,7 @@ class StreamedModel:
 
         self.layouts = [Layout([p for _, p in named]) for named in self._params]
         self._trainable = [[k for k, (_, p) in enumerate(named) if p.requires_grad] for named in self._params]
+        self._gradient_position = [{k: position for position, k in enumerate(ks)} for ks in self._trainable]
         self.gradient_layouts = [Layout([named[k][1] for k in ks], packed=True)
                                  for named, ks in zip(self._params, self._trainable)]
         self._host = []
@@ -136,21 +134,23 @@ class StreamedModel:
                     p.data = view
                 self._host.append(flat)
         self._addresses = [[p.data_ptr() for _, p in named] for named in self._params]
+        self._block_of = {id(p): index for index, named in enumerate(self._params) for _, p in named}
         for named in self._params:
             for _, p in named:
-                _OWNERS[p] = self
+                ownership.hold(p, streamer=self)
 
         self.block_bytes = max(layout.nbytes for layout in self.layouts)
         self._weights = [_Buffer(link.device_buffer(self.block_bytes, torch.uint8)) for _ in range(buffers)]
         allocated = link.mark()  # the first fill of each buffer waits for what used its memory before
         for buffer in self._weights:
             buffer.released = allocated
-        self._gather = GradientGather(link, self.gradient_layouts, self._gradient_destination, self._gradient_sent,
+        self._gather = GradientGather(link, self.gradient_layouts, sink=self,
                                       names=lambda index: f"block {self.names[index]!r}")
         self._landing_bytes = max(layout.nbytes for layout in self.gradient_layouts)
         self._landing_buffers: list[torch.Tensor] = []  # pinned, for blocks whose gradients go to .grad
         self._allocate_landing()
-        self._sinks: dict[int, object] = {}
+        self._sinks: dict[int, tuple[GradientSink, int]] = {}  # block → the sink attached to it, and its group there
+        self._backward = _torch_compat.EndOfBackward(self._end_backward)
         self._reading: dict[int, list] = {}  # block → copies that may still read its host weights
         self._uses = itertools.count(1)
         self._reset_backward()
@@ -160,6 +160,10 @@ class StreamedModel:
             # load_state_dict copies into the host weights in place: not while a copy still reads them
             self._load_hooks.append(block.register_load_state_dict_pre_hook(
                 lambda *_, index=index: self._quiesce(index)))
+        # model.zero_grad() after a backward that raised: that pass's gradients land first, to be
+        # cleared with the rest, as autograd's would be (this model's zero_grad only, not torch's)
+        self._outer_zero_grad = model.__dict__.get("zero_grad")  # (another StreamedModel's, on the same model)
+        model.zero_grad = self._zero_grad
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a streamed model cannot be copied or pickled (its blocks' weights live in this process's "
@@ -192,14 +196,22 @@ class StreamedModel:
         self.link.synchronize()
         for block in self.blocks:
             block.__dict__.pop("forward", None)
+        if self.model.__dict__.get("zero_grad") == self._zero_grad:
+            if self._outer_zero_grad is None:
+                del self.model.zero_grad
+            else:
+                self.model.zero_grad = self._outer_zero_grad
         for hook in self._load_hooks:
             hook.remove()
         for named in self._params:
             for _, p in named:
-                if _OWNERS.get(p) is self:
-                    del _OWNERS[p]
+                ownership.release(p, self)
 
-    # ------------------------------------------------------------------ optimizers
+    # ------------------------------------------------------------------ optimizers (the ownership.Streamer protocol)
+
+    def block_of(self, param: torch.Tensor) -> int:
+        """The index of the streamed block ``param`` belongs to."""
+        return self._block_of[id(param)]
 
     def gradient_layout(self, block: int) -> tuple[list[torch.Tensor], Layout]:
         """Block ``block``'s trainable parameters and where their gradients sit in its gradient buffer."""
@@ -219,23 +231,22 @@ class StreamedModel:
         for transfer in self._reading.pop(block, []):
             transfer.synchronize()
 
-    def attach_sink(self, block: int, sink) -> None:
-        """Send block ``block``'s gradients to ``sink`` instead of ``.grad``.
+    def attach_sink(self, block: int, sink: GradientSink, group: int) -> None:
+        """Send block ``block``'s gradients to ``sink`` (a :class:`~offloadlab.ownership.GradientSink`),
+        as its group ``group``, instead of ``.grad``; they are laid out as :meth:`gradient_layout`.
 
-        ``sink.gradient_destination(block, positions)`` gives the pinned flat host tensor (laid out
-        as :meth:`gradient_layout`) that the gradients of the block's trainable parameters at
-        ``positions`` are about to be copied into; ``sink.gradient_arriving(block, transfers,
-        positions)`` is told of the copies. Gradients already landed here go to ``.grad`` (where
-        the sink's owner finds them) and the block's own landing buffer is freed.
+        Gradients already landed here go to ``.grad`` (where the sink's owner finds them), and once
+        every block has a sink the landing buffers are freed.
         """
         if block in self._landing:
             self._land(block)  # (waits for their copies)
-        self._sinks[block] = sink
+        self._sinks[block] = (sink, group)
         if all(self._sinks.get(i) is not None for i, ks in enumerate(self._trainable) if ks):
             self._landing_buffers = []  # every gradient goes to a sink: the landing buffers are not needed
 
-    def detach_sink(self, block: int, sink) -> None:
-        if self._sinks.get(block) is sink:
+    def detach_sink(self, block: int, sink: GradientSink) -> None:
+        """Put block ``block``'s gradients in ``.grad`` again (``sink`` is closing)."""
+        if self._sinks.get(block, (None,))[0] is sink:
             del self._sinks[block]
             self._allocate_landing()  # (outside backward: an optimizer is being closed)
 
@@ -249,8 +260,8 @@ class StreamedModel:
     def _forward(self, index: int, *args, **kwargs):
         block = self.blocks[index]
         self._check_parameters(index)
-        in_backward = torch._C._current_graph_task_id() != -1  # a block recomputed by checkpointing
-        buffer = self._acquire(index, -1 if in_backward else +1)
+        recomputed = _torch_compat.in_backward()  # a block recomputed by activation checkpointing
+        buffer = self._acquire(index, -1 if recomputed else +1)
         try:
             views = self.layouts[index].views(buffer.memory)
             track = torch.is_grad_enabled()
@@ -264,10 +275,10 @@ class StreamedModel:
                 first.register_hook(functools.partial(self._input_gradient_done, index))
             # Hooks already in force (activation checkpointing's) keep handling everything but the
             # streamed weights: ours would otherwise hide the block's activations from them.
-            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            outer = _torch_compat.saved_tensors_default_hooks()
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, index, buffer, nodes, outer),
                                                           functools.partial(self._unpack, outer)):
-                with _reparametrize_module(block, fetched):
+                with _torch_compat.reparametrize_module(block, fetched):
                     return type(block).forward(block, *args, **kwargs)
         finally:
             self._release(buffer)
@@ -316,7 +327,7 @@ class StreamedModel:
         return next((b for b in self._weights if b.block == index and b.versions == versions), None)
 
     def _versions(self, index: int) -> tuple:
-        return tuple(p._version for _, p in self._params[index])
+        return tuple(_torch_compat.version(p) for _, p in self._params[index])
 
     def _free_buffer(self, avoid: set) -> _Buffer | None:
         """An unheld buffer to fill, preferring empty ones, then ones not holding a block in ``avoid``, then the LRU."""
@@ -357,16 +368,6 @@ class StreamedModel:
         self._backward_holds: dict[int, _Buffer] = {}
         self._landing: dict[int, list] = {}  # block → [(transfers, positions)] sent to a landing buffer
         self._landing_slot: dict[int, int] = {}  # block → the landing buffer its gradients are in
-        self._armed: int | None = None  # the backward pass (graph task) whose end is awaited
-
-    def _arm(self) -> None:
-        """Have the end of this backward pass call :meth:`_end_backward` (once per pass)."""
-        task = torch._C._current_graph_task_id()
-        if self._armed is not None and self._armed != task:
-            self._end_backward()  # an earlier pass raised before its end: close it now
-        if self._armed is None:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._armed = task
 
     def _pack(self, index: int, buffer: _Buffer, nodes: dict, outer, t: torch.Tensor):
         cast = self._cast_of_weight(index, nodes, t)
@@ -375,41 +376,43 @@ class StreamedModel:
         if t.device.type != self.link.device.type or \
                 t.untyped_storage().data_ptr() != buffer.memory.untyped_storage().data_ptr():
             return t if outer is None else outer[0](t)
-        byte = t.storage_offset() * t.element_size()
-        for which, (_, dtype, offset) in enumerate(self.layouts[index].specs):
-            if dtype == t.dtype and offset <= byte < self.layouts[index].byte_range(which)[1]:
-                return _SavedWeight(index, which, t.size(), t.stride(), t.storage_offset() - offset // t.element_size(),
-                                    self._params[index][which][1]._version)
+        layout = self.layouts[index]
+        which = layout.which_holds(t.storage_offset() * t.element_size())
+        if which is not None and layout.specs[which][1] == t.dtype:
+            offset = layout.specs[which][2]
+            return _SavedWeight(index, which, t.size(), t.stride(), t.storage_offset() - offset // t.element_size(),
+                                _torch_compat.version(self._params[index][which][1]))
         return t if outer is None else outer[0](t)
 
     def _cast_of_weight(self, index: int, nodes: dict, t: torch.Tensor) -> _SavedWeight | None:
         """A tensor autocast made from one of the block's trainable weights (or a view of one),
         saved as where to fetch and cast it again: otherwise every block's cast weights would stay
         on the device until backward."""
-        source = t._base if t._base is not None else t
+        base = _torch_compat.view_base(t)
+        source = base if base is not None else t
         fn = source.grad_fn
-        if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        if fn is None or not _torch_compat.is_cast_node(fn) or not fn.next_functions:
             return None
         which = nodes.get(id(fn.next_functions[0][0]))
         if which is None or source.shape != self._params[index][which][1].shape or not source.is_contiguous():
             return None
         return _SavedWeight(index, which, t.size(), t.stride(), t.storage_offset() - source.storage_offset(),
-                            self._params[index][which][1]._version, cast=source.dtype)
+                            _torch_compat.version(self._params[index][which][1]), cast=source.dtype)
 
     def _unpack(self, outer, saved):
         if not isinstance(saved, _SavedWeight):
             return saved if outer is None else outer[1](saved)
-        self._arm()
+        self._backward.arm()
         index = saved.block
         name, param = self._params[index][saved.which]
-        if param._version != saved.version:  # what autograd checks for a saved tensor modified in place
+        if _torch_compat.version(param) != saved.version:  # what autograd checks for a saved tensor modified in place
             raise RuntimeError(f"StreamedModel: {name!r} of block {self.names[index]!r} was modified after forward "
                                f"saved it for backward (an update between forward and backward, or — with an eager "
                                f"optimizer — backward reading a weight after its gradient was complete)")
         buffer = self._backward_holds.get(index)
         if buffer is None:
             buffer = self._backward_holds[index] = self._acquire(index, -1)
-        view = self.layouts[index].views(buffer.memory)[saved.which]
+        view = self.layouts[index].view(buffer.memory, saved.which)
         if saved.cast is not None:
             cast = view.to(saved.cast)
             return cast.as_strided(saved.size, saved.stride, cast.storage_offset() + saved.offset)
@@ -422,13 +425,17 @@ class StreamedModel:
             self._release(buffer)
 
     def _gradient(self, index: int, which: int, grad: torch.Tensor) -> None:
-        self._arm()
-        self._gather.add(index, self._trainable[index].index(which), grad)
+        self._backward.arm()
+        self._gather.add(index, self._gradient_position[index][which], grad)
 
-    def _gradient_destination(self, index: int, positions: list) -> torch.Tensor:
-        sink = self._sinks.get(index)
-        if sink is not None:
-            return sink.gradient_destination(index, positions)
+    # The GradientSink its gather delivers to: the block's attached sink, or a landing buffer.
+
+    def gradient_destination(self, index: int, positions: list) -> torch.Tensor:
+        """Where block ``index``'s gradients at ``positions`` go (see :class:`~offloadlab.ownership.GradientSink`)."""
+        attached = self._sinks.get(index)
+        if attached is not None:
+            sink, group = attached
+            return sink.gradient_destination(group, positions)
         if any(p in sent for _, sent in self._landing.get(index, []) for p in positions):
             self._land(index)  # a block run twice: take in the first gradients before the next land on them
         if index not in self._landing_slot:
@@ -439,10 +446,12 @@ class StreamedModel:
             self._landing_slot[index] = next(i for i in range(len(self._landing_buffers)) if i not in taken)
         return self._landing_buffers[self._landing_slot[index]]
 
-    def _gradient_sent(self, index: int, transfers: list, positions: list) -> None:
-        sink = self._sinks.get(index)
-        if sink is not None:
-            sink.gradient_arriving(index, transfers, positions)
+    def gradients_sent(self, index: int, transfers: list, positions: list) -> None:
+        """Block ``index``'s gradients at ``positions`` are on their way down."""
+        attached = self._sinks.get(index)
+        if attached is not None:
+            sink, group = attached
+            sink.gradients_sent(group, transfers, positions)
         else:  # a block may go down in parts (some parameters unused): they land in disjoint places
             self._landing.setdefault(index, []).append((transfers, positions))
 
@@ -461,11 +470,18 @@ class StreamedModel:
             else:
                 p.grad.add_(landed[position])
 
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        """The model's zero_grad, once a backward pass that raised has put its gradients in place."""
+        self.settle()
+        if self._outer_zero_grad is not None:
+            self._outer_zero_grad(set_to_none)
+        else:
+            type(self.model).zero_grad(self.model, set_to_none)
+
     def settle(self) -> None:
         """Outside backward: close a pass that raised before its end (its gradients land in .grad or
         go to the optimizer, as autograd's would have, and its buffers are released)."""
-        if self._armed is not None and torch._C._current_graph_task_id() == -1:
-            self._end_backward()
+        self._backward.settle()
 
     def _end_backward(self) -> None:
         """Send what partly used blocks gathered, release every buffer, put landed gradients in .grad."""
@@ -493,8 +509,6 @@ class StreamedModel:
             if id(p) in inside and everywhere[id(p)] > inside[id(p)]:
                 raise ValueError(f"blocks: parameter {name!r} is also used outside the streamed blocks (tied "
                                  f"weights); stream blocks whose parameters are their own")
-        from .offload import managed  # late import: offload builds on streaming
-
-        if any(managed(p) for named in self._params for _, p in named):
+        if any(ownership.optimizer_of(p) is not None for named in self._params for _, p in named):
             raise ValueError("model: its parameters already belong to a CPUOffloadAdam; build the StreamedModel "
                              "first, then the optimizer")

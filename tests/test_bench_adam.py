@@ -39,7 +39,9 @@ def test_rows_for_the_best_and_the_baseline_variant_and_deepspeed_absent_with_it
     ratios = result["ratios"]
     assert ratios["DeepSpeedCPUAdam + cast / offloadlab step (target ≥ 1.0)"] is None
     assert ratios["DeepSpeedCPUAdam / offloadlab step, same job (target ≥ 1.0)"] is None
-    assert ratios["offloadlab step / bandwidth floor (target ≤ 1.10)"] > 0
+    floor = result["floor"]  # 200,000 parameters fit in a cache: no floor there, and the bench says why
+    assert (ratios["offloadlab step / bandwidth floor (target ≤ 1.10)"] is None) == (not floor["valid"])
+    assert floor["valid"] or floor["why_not"] in bench.format_result(result)
     assert (ratios["fused + cast / offloadlab baseline step (target ≥ 1.0)"] is None) == (len(expected) == 1)
     assert "DeepSpeedCPUAdam: absent" in bench.format_result(result)
 
@@ -48,3 +50,32 @@ def test_deepspeed_not_installed_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed raises ModuleNotFoundError
     step, why = bench._deepspeed_step(None)
     assert step is None and why == "not installed: pip install deepspeed to compare"
+
+
+STREAMS = {"ours": bench._BF16_IN_OUT, "torch": bench._FP32_IN}
+
+
+def test_a_contender_beating_its_floor_by_more_than_five_percent_makes_the_floor_invalid():
+    floors = {bench._BF16_IN_OUT: 1.0, bench._FP32_IN: 0.5}
+    fine = bench.floor_verdict({"ours": 1.2, "torch": 0.5 / 1.04}, floors, STREAMS, 10**9, 32 * 2**20)
+    assert fine == ""
+    why = bench.floor_verdict({"ours": 1.2, "torch": 0.5 / 1.06}, floors, STREAMS, 10**9, 32 * 2**20)
+    assert why.startswith("torch ran at 106 % of its floor (over 105 %)")
+
+
+def test_arrays_that_a_few_caches_hold_have_no_floor():
+    floors = {bench._BF16_IN_OUT: 1.0, bench._FP32_IN: 0.5}
+    seconds = {"ours": 1.2, "torch": 0.6}
+    assert "less than 4× the last-level cache (32 MiB)" in bench.floor_verdict(seconds, floors, STREAMS, 100 * 2**20,
+                                                                                32 * 2**20)
+    assert bench.floor_verdict(seconds, floors, STREAMS, 128 * 2**20, 32 * 2**20) == ""
+    assert bench.floor_verdict(seconds, floors, STREAMS, 2**20, None) == ""  # (cache unknown: the margin still holds)
+
+
+def test_an_invalid_floor_is_said_instead_of_printed():
+    result = {"benchmark": "adam", "source": "measured", "ratios": {"offloadlab step / bandwidth floor": None},
+              "rows": [{"contender": "torch AdamW fused", "seconds": 0.05, "params_per_s": 3e8, "bytes_per_s": 9e9}],
+              "floor": {"valid": False, "why_not": "torch AdamW fused ran at 120 % of its floor (over 105 %)"}}
+    text = bench.format_result(result)
+    assert "floor not valid, so not shown: torch AdamW fused ran at 120 %" in text and "% of floor" not in text
+    assert "unknown" in text

@@ -213,6 +213,34 @@ def test_sum_of_squares_is_exact_here_and_the_same_for_any_threads_and_variant(l
         assert cpu_adam.grad_sum_of_squares(torch.zeros(0), variant=variant) == 0.0
 
 
+def test_the_floor_touches_every_element_the_step_does_in_every_variant_and_pair(library):
+    """bench adam's floor: for each gradient and copy dtype, every element of the three fp32 arrays
+    read and written (here: the gradient added), the copy written from the weights, a ragged length,
+    any threads."""
+    n = 3 * 1024 * 33 + 5  # several threads' grains and a partial tile
+    for variant in library.runnable:
+        for grad_dtype in (torch.float32, *LOW):
+            for out_dtype in (None, torch.float32, *LOW):
+                arrays = [torch.full((n,), float(k)) for k in (1, 2, 3)]
+                grad = torch.arange(n, dtype=torch.float32).remainder(7).to(grad_dtype)
+                out = None if out_dtype is None else torch.full((n,), float("nan")).to(out_dtype)
+                cpu_adam.floor_pass(*arrays, grad, out, threads=3, variant=variant)
+                for k, array in enumerate(arrays, 1):
+                    assert torch.equal(array, k + grad.float()), (variant, grad_dtype, out_dtype)
+                if out is not None:
+                    assert torch.equal(out, arrays[0].to(out_dtype)), (variant, grad_dtype, out_dtype)
+
+
+def test_the_floor_needs_the_compiled_kernel_and_checks_its_arguments(library):
+    arrays = [torch.zeros(8) for _ in range(3)]
+    with pytest.raises(ValueError, match="^variant: the floor is the compiled kernel's loop"):
+        cpu_adam.floor_pass(*arrays, torch.zeros(8), variant=cpu_adam.TORCH)
+    with pytest.raises(ValueError, match="^grad: expected 8 elements"):
+        cpu_adam.floor_pass(*arrays, torch.zeros(9))
+    with pytest.raises(ValueError, match="^exp_avg: expected memory of its own"):
+        cpu_adam.floor_pass(arrays[0], arrays[0], arrays[2], torch.zeros(8))
+
+
 def test_the_torch_step_is_torch_adamw_exactly():
     hyper = adamw_reference.CASES["low beta1, scaled"]
     for dtype in (torch.float32, *LOW):

@@ -467,7 +467,7 @@ def test_a_refused_registration_warns_with_cudas_reason_not_ulimit():
 def test_cuda_links_fallback_is_a_user_warning_with_cudas_reason(monkeypatch):
     """Without a GPU, the CUDA runtime faked: a refused cudaHostRegister must be seen (Python's
     default filters hid the ResourceWarning), say CUDA's reason, and count the rounded bytes."""
-    from offloadlab import link as link_module
+    from offloadlab.link import cuda as link_module  # (the CUDA link lives there since link became a package)
 
     class Refusing:
         def cudaHostRegister(self, address, nbytes, flags):
@@ -487,3 +487,54 @@ def test_cuda_links_fallback_is_a_user_warning_with_cudas_reason(monkeypatch):
         buffer = cuda.host_buffer(3 * 2**18)  # 3 MiB of fp32
     assert cuda.pinning_of(buffer) == "caching allocator" and cuda.pinned_bytes == 4 * 2**20
     assert torch.isnan(buffer).all()  # poisoned, like every fresh buffer
+
+
+class _RegisteringRuntime:
+    """cudaHostRegister as the driver keeps it, without a GPU: pages are what get locked, so a range
+    that shares a page with one already registered is refused (cudaErrorHostMemoryAlreadyRegistered)."""
+
+    def __init__(self, page: int):
+        self.page, self.registered = page, {}  # base address → (first page, last page)
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        first, last = address // self.page, (address + nbytes - 1) // self.page
+        if any(a <= last and first <= b for a, b in self.registered.values()):
+            return 712
+        self.registered[address] = (first, last)
+        return 0
+
+    def cudaHostUnregister(self, address):
+        del self.registered[address]  # (CUDA wants the very address that was registered)
+        return 0
+
+    def cudaGetErrorString(self, status):
+        return "part or all of the requested memory range is already mapped"
+
+
+def test_small_host_buffers_each_register_on_pages_of_their_own(monkeypatch):
+    """Many small pinned buffers (a model's biases and norms, staging slots) from one CudaLink: each is
+    registered, none falls back to the caching allocator, and each is unregistered when dropped."""
+    import mmap
+    import warnings
+
+    runtime = _RegisteringRuntime(mmap.PAGESIZE)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    cuda = CudaLink.__new__(CudaLink)  # (its constructor needs a GPU; the allocation path does not)
+    Link.__init__(cuda)
+    cuda._warned_fallback = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback warns
+        buffers = [cuda.host_buffer(shape, dtype) for _ in range(4)
+                   for shape in [(1,), (3, 5), (100,), (1000,), (mmap.PAGESIZE // 4 + 1,)]
+                   for dtype in (torch.float32, torch.bfloat16, torch.uint8)]
+    assert all(cuda.pinning_of(b) == "registered" for b in buffers) and len(runtime.registered) == len(buffers)
+    for b in buffers:
+        assert b.data_ptr() % mmap.PAGESIZE == 0 and b.is_contiguous()
+        assert (torch.isnan(b).all() if b.is_floating_point() else (b == 255).all())  # poisoned, as ever
+    buffers[0].fill_(1)
+    assert not torch.isnan(buffers[0]).any() and torch.isnan(buffers[3]).all()  # one's writes stay in it
+    pages = sum(last - first + 1 for first, last in runtime.registered.values())
+    assert cuda.pinned_bytes == pages * mmap.PAGESIZE  # whole pages, counted as pinned
+    del buffers, b
+    gc.collect()
+    assert runtime.registered == {} and cuda.pinned_bytes == 0

@@ -44,7 +44,7 @@ def _memory_step(memory, grad, step):
 def io_path(request, monkeypatch):
     """Run a test twice: with O_DIRECT as the file system allows, and as on one that refuses it."""
     if request.param == "page cache":
-        monkeypatch.setattr(nvme, "_reopen_direct", lambda fd: (fd, False))
+        monkeypatch.setattr(nvme.direct_io, "reopen_direct", lambda fd: (fd, False))
     return request.param
 
 
@@ -235,7 +235,7 @@ def test_a_failed_step_leaves_all_three_files_at_the_previous_step(tmp_path, mon
     elif fault == "read":
         _fail_on_call(monkeypatch, os, "preadv", 20, OSError(errno.EIO, "Input/output error"))
     elif fault == "second commit":  # exp_avg's data sync, after master committed
-        _fail_on_call(monkeypatch, nvme, "_sync", 6, OSError(errno.ENOSPC, "No space left on device"))
+        _fail_on_call(monkeypatch, nvme.direct_io, "sync", 6, OSError(errno.ENOSPC, "No space left on device"))
     else:
         _fail_on_call(monkeypatch, cpu_adam, "adamw_step", 4, KeyboardInterrupt())
     grad = torch.randn(n)

@@ -118,6 +118,8 @@ def test_a_wheel_carries_the_compiled_kernel_and_runs_it_without_a_compiler(tmp_
     names = zipfile.ZipFile(wheel).namelist()
     assert f"offloadlab/{kernel_build.LIBRARY_NAME}" in names
     assert {f"offloadlab/csrc/{name}" for name in kernel_build.SOURCES} <= set(names)
+    modules = {path.relative_to(source).as_posix() for path in (source / "offloadlab").rglob("*.py")}
+    assert modules <= set(names), f"pyproject's packages leave out {sorted(modules - set(names))}"
     python = make_environment(tmp_path / "venv")
     pip(python, "install", "--no-deps", str(wheel))
     # No compiler and an empty cache at run time: the kernel must be the one in the wheel.
@@ -149,6 +151,8 @@ def test_without_a_compiler_the_install_succeeds_and_the_first_use_compiles(tmp_
     names = zipfile.ZipFile(wheel).namelist()
     assert f"offloadlab/{kernel_build.LIBRARY_NAME}" not in names
     assert {f"offloadlab/csrc/{name}" for name in kernel_build.SOURCES} <= set(names)
+    modules = {path.relative_to(source).as_posix() for path in (source / "offloadlab").rglob("*.py")}
+    assert modules <= set(names), f"pyproject's packages leave out {sorted(modules - set(names))}"
     python = make_environment(tmp_path / "venv")
     pip(python, "install", "--no-deps", str(wheel))
     # Still no compiler at run time: the torch step, with one warning naming the reason.

@@ -228,6 +228,36 @@ int VARIANT_FUNCTION(offloadlab_adamw)(ADAMW_PARAMETERS) {
     return STATUS_OK;
 }
 
+/* The floor under the step, for `offloadlab bench adam`: the step's memory traffic with its
+ * arithmetic taken out. Each element is read and written where the step reads and writes it
+ * (the three fp32 arrays in place, the gradient converted a tile at a time, the copy stored
+ * from the tile), in the same tiles and threads, with one add per array so that no load or
+ * store can be left out. STREAM's discipline applies where it is timed: best of several
+ * passes, on arrays well past the last-level cache. A step that runs faster than this is
+ * measuring something else (a warm cache, a slow spell during the floor's passes). */
+static inline void floor_tile(float *restrict p, float *restrict m, float *restrict v, const float *restrict g,
+                              int64_t len) {
+    for (int64_t i = 0; i < len; i++) {
+        p[i] += g[i];
+        m[i] += g[i];
+        v[i] += g[i];
+    }
+}
+
+int VARIANT_FUNCTION(offloadlab_floor)(FLOOR_PARAMETERS) {
+    if (!adamw_kinds_supported(grad_kind, out_kind)) return STATUS_BAD_KIND;
+    threads = threads_for(n, threads);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t start = 0; start < n; start += TILE) {
+        _Alignas(64) float scratch[TILE];
+        int64_t len = n - start < TILE ? n - start : TILE;
+        floor_tile(param + start, exp_avg + start, exp_avg_sq + start,
+                   gradient_tile(grad, grad_kind, start, len, scratch), len);
+        store_copy(param + start, out, out_kind, start, len);
+    }
+    return STATUS_OK;
+}
+
 /* Σ g² in double precision, in an order fixed by n alone: chunks of SUM_CHUNK elements are
  * summed in PARTIALS interleaved partial sums (so the loop vectorises without reassociating
  * anything), and the chunks' sums are added in order — the same bits on every run, for any

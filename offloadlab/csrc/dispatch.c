@@ -60,7 +60,10 @@ static int runs_portable(void) { return 1; } /* plain C for the architecture's b
 
 #endif
 
-#define X(name) int offloadlab_adamw_##name(ADAMW_PARAMETERS); int offloadlab_sumsq_##name(SUMSQ_PARAMETERS);
+#define X(name)                                                                                       \
+    int offloadlab_adamw_##name(ADAMW_PARAMETERS);                                                    \
+    int offloadlab_sumsq_##name(SUMSQ_PARAMETERS);                                                    \
+    int offloadlab_floor_##name(FLOOR_PARAMETERS);
 OFFLOADLAB_VARIANTS
 #undef X
 
@@ -69,8 +72,9 @@ static const struct variant {
     int (*runs)(void);
     int (*adamw)(ADAMW_PARAMETERS);
     int (*sumsq)(SUMSQ_PARAMETERS);
+    int (*floor)(FLOOR_PARAMETERS);
 } variants[] = {
-#define X(name) {#name, runs_##name, offloadlab_adamw_##name, offloadlab_sumsq_##name},
+#define X(name) {#name, runs_##name, offloadlab_adamw_##name, offloadlab_sumsq_##name, offloadlab_floor_##name},
     OFFLOADLAB_VARIANTS
 #undef X
 };
@@ -114,4 +118,10 @@ EXPORT int offloadlab_sumsq(int variant, SUMSQ_PARAMETERS) {
     int status = check_variant(variant);
     if (status != STATUS_OK) return status;
     return variants[variant].sumsq(grad, grad_kind, n, threads, result);
+}
+
+EXPORT int offloadlab_floor(int variant, FLOOR_PARAMETERS) {
+    int status = check_variant(variant);
+    if (status != STATUS_OK) return status;
+    return variants[variant].floor(param, exp_avg, exp_avg_sq, grad, grad_kind, out, out_kind, n, threads);
 }

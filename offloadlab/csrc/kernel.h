@@ -38,6 +38,10 @@ struct adamw_coefficients {
     const void *restrict grad, int grad_kind, void *restrict out, int out_kind, int64_t n,   \
     const struct adamw_coefficients *coefficients, int threads
 #define SUMSQ_PARAMETERS const void *restrict grad, int grad_kind, int64_t n, int threads, double *result
+/* The floor's: the step's arrays and threads, no coefficients (cpu_adam.c's offloadlab_floor). */
+#define FLOOR_PARAMETERS                                                                     \
+    float *restrict param, float *restrict exp_avg, float *restrict exp_avg_sq,              \
+    const void *restrict grad, int grad_kind, void *restrict out, int out_kind, int64_t n, int threads
 
 /* The library exports only dispatch.c's entry points (everything is built with
  * -fvisibility=hidden): a caller cannot reach a copy without the CPU check in front of it. */

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from .. import _torch_compat
 from ..models import GPTConfig, TinyGPT
 
 __all__ = ["HEADROOM", "LAB_CONFIG", "LAB_BATCH", "DeviceNeed", "saved_activation_bytes", "offloaded_need",
@@ -47,12 +48,12 @@ def saved_activation_bytes(config: GPTConfig, batch: int, dtype: torch.dtype = t
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        saved[storage._cdata] = storage.nbytes()  # one entry per storage, however many views of it
+        saved[_torch_compat.storage_key(storage)] = storage.nbytes()  # one entry per storage, however many views of it
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(tokens, tokens)
-    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    weights = {_torch_compat.storage_key(p.untyped_storage()) for p in model.parameters()}
     return sum(n for key, n in saved.items() if key not in weights)
 
 

@@ -5,8 +5,13 @@ worker (and its thread), the loss scaler and the timeline. Nothing in it refers 
 optimizer object, so when a user drops the optimizer without closing it (re-running a notebook
 cell), a finalizer on the optimizer can close the engine: hooks removed, thread stopped.
 
-Parameters belong to one engine at a time: a new engine over parameters that a live one still
-manages closes the old one (with a warning) and takes them over.
+Parameters belong to one engine at a time (:mod:`offloadlab.ownership` keeps the record): a new
+engine over parameters that a live one still manages closes the old one (with a warning) and
+takes them over.
+
+When the update runs is a schedule object (:mod:`~offloadlab.offload.schedule`); ``step`` reads
+straight down: gradients in, the schedule's first word, this step's scale, the buckets handed to
+the worker, the schedule's last word.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ import threading
 import warnings
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import cpu_adam
+from .. import cpu_adam, ownership
 from ..link import CudaLink, Link, open_link
-from ..streaming import streamed_model_of
-from .host_state import HostState, check_group, make_buckets
+from ..ownership import streamer_of
+from . import schedule
+from .bucket import make_buckets
+from .host_state import HostState, check_group
 from .intake import GradientIntake
 from .loss_scaler import LossScaler
 from .worker import UpdateWorker
@@ -29,8 +35,6 @@ from .worker import UpdateWorker
 __all__ = ["OffloadEngine", "StepTimeline", "managed", "owner", "DEVICE_DTYPES"]
 
 DEVICE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise: key by identity
 
 
 def managed(param: torch.Tensor) -> bool:
@@ -40,7 +44,7 @@ def managed(param: torch.Tensor) -> bool:
 
 def owner(param: torch.Tensor) -> "OffloadEngine | None":
     """The live engine that manages ``param``, or None."""
-    engine = _OWNERS.get(param)
+    engine = ownership.optimizer_of(param)
     return engine if engine is not None and engine.closed is None else None
 
 
@@ -95,7 +99,7 @@ class OffloadEngine:
         self._zero_grad: set[int] = set()
         trainable = [p for g in param_groups for p in g["params"] if p.requires_grad]
         self.device, self.dtype = self._check_params(trainable, link)
-        streamed = next((m for p in trainable if (m := streamed_model_of(p)) is not None), None)
+        streamed = next((m for p in trainable if (m := streamer_of(p)) is not None), None)
         if link is None and streamed is not None:
             link = streamed.link  # its gradient copies land in our buffers: one link, one set of engines
         if link is not None and link.device.type != self.device.type:
@@ -116,12 +120,12 @@ class OffloadEngine:
                loss_scale, bucket_bytes, record_timeline) -> None:
         self.threads = threads or cpu_adam.default_threads()
         self.max_grad_norm = max_grad_norm
-        self.delayed_update = delayed_update
         self.fp16 = self.dtype == torch.float16
         scaler = LossScaler.from_argument(loss_scale)  # checked whatever the dtype: a typo is a typo
         self.scaler = scaler if self.fp16 else None
         self.bucket_bytes = bucket_bytes
-        eager = accumulation_steps is not None and max_grad_norm is None and not self.fp16 and not delayed_update
+        self.schedule = schedule.choose(accumulation_steps, delayed_update, clipping=max_grad_norm is not None,
+                                        fp16=self.fp16)
         self.accumulation_steps = accumulation_steps
         self.step_count = 0  # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
         self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
@@ -131,17 +135,17 @@ class OffloadEngine:
         self._take_over(trainable, stacklevel=5)  # an earlier optimizer finishes before we copy the weights
         self.timeline = StepTimeline(record_timeline)
         self.host = HostState(self.link, self.dtype, buckets)
-        self.intake = GradientIntake(self.link, self.host, accumulation_steps if eager else None,
+        self.intake = GradientIntake(self.link, self.host, self.schedule.eager_after,
                                      ready=self._ready, record=self._record_arrival, usable=self._usable)
-        self.worker = UpdateWorker(self.link, self.host, self.intake, self.threads,
-                                   upload_after_update=not delayed_update, record=self.timeline.record)
+        self.worker = UpdateWorker(self.link, self.host, self.threads,
+                                   upload_after_update=self.schedule.upload_after_update, record=self.timeline.record)
         for p in trainable:
-            _OWNERS[p] = self
+            ownership.hold(p, optimizer=self)
 
     # ------------------------------------------------------------------ parameters
 
     def _check_params(self, trainable: list, link: Link | None):
-        devices = {p.device for p in trainable if streamed_model_of(p) is None}
+        devices = {p.device for p in trainable if streamer_of(p) is None}
         if len(devices) > 1:
             raise ValueError(f"params: expected every parameter on one device (or streamed); "
                              f"got {sorted(map(str, devices))}")
@@ -154,13 +158,13 @@ class OffloadEngine:
         if devices:
             device = devices.pop()
         else:  # only streamed parameters: they compute on their StreamedModel's device
-            device = next((streamed_model_of(p).link.device for p in trainable), torch.device("cpu"))
+            device = next((streamer_of(p).link.device for p in trainable), torch.device("cpu"))
         return device, (dtypes.pop() if dtypes else torch.float32)
 
     def _take_over(self, trainable: list, stacklevel: int) -> None:
         """Close live engines that manage any of ``trainable``; the warning names the user's line
         ``stacklevel`` frames up (CPUOffloadAdam(...) or add_param_group(...))."""
-        previous = {id(e): e for p in trainable if (e := _OWNERS.get(p)) is not None and e.closed is None}
+        previous = {id(e): e for p in trainable if (e := owner(p)) is not None}
         for engine in previous.values():
             engine.close(reason="its parameters were taken over by a newer CPUOffloadAdam")
         if previous:
@@ -188,26 +192,42 @@ class OffloadEngine:
         self.worker.resize()
         self.intake.take_existing(trainable)  # gradients they got before they were ours (AdamW would use them)
         for p in trainable:
-            _OWNERS[p] = self
+            ownership.hold(p, optimizer=self)
 
     # ------------------------------------------------------------------ the step
 
-    def _usable(self) -> bool:
-        return self.closed is None and self.worker.error is None
+    def step(self) -> None:
+        """One optimizer step, under the schedule (see :mod:`~offloadlab.offload.schedule`)."""
+        self.check_usable()
+        for i, group in enumerate(self.param_groups):  # a scheduler's bad value is refused, not run
+            check_group(group, f"param_groups[{i}]: ")
+        self._take_in_gradients()
+        self.schedule.before_update(self._finish, self._submitted())
+        self._take_zero_gradients()
+        ready = [b for b in self.host.buckets if b.received.any() and not b.submitted]
+        scale = self._grad_scale(ready)
+        self._clip_now = None
+        if scale is None:  # fp16 overflow: this step is skipped
+            for bucket in ready:
+                bucket.discard()
+            self.scaler.update(overflowed=True)
+            return
+        self.step_count += 1
+        for bucket in ready:
+            self.worker.submit(bucket, scale, self.step_count)
+        self.schedule.after_handing_over(self._finish, self._submitted())
+        if self.scaler is not None:
+            self.scaler.update(overflowed=False)
 
-    def check_usable(self) -> None:
-        if self.worker.error is not None and self.closed is None:
-            self._fail()
-        if self.closed is not None:
-            raise RuntimeError(f"CPUOffloadAdam: closed ({self.closed}); make a new optimizer (and load a "
-                               f"checkpoint into it) to go on training")
+    def _take_in_gradients(self) -> None:
+        """Before a step or a clip: close a backward pass that raised, and take in gradients left in
+        ``.grad`` (see :meth:`GradientIntake.take_existing`)."""
+        self.intake.settle()
+        self._check_unmanaged_gradients()
+        self.intake.take_loose()
 
-    def _fail(self) -> None:
-        error, step = self.worker.error, self.worker.failed_step
-        self.close(reason=f"the CPU update of step {step} failed, and the step may have been partly applied: "
-                          f"{error!r}")
-        raise RuntimeError(f"CPUOffloadAdam: the CPU update failed ({error!r}); the optimizer is closed, because "
-                           f"step {step} may have been only partly applied — reload a checkpoint") from error
+    def _submitted(self) -> list:
+        return [b for b in self.host.buckets if b.submitted]
 
     def _ready(self, bucket) -> None:  # eager: the bucket's last micro-batch is in
         self.worker.submit(bucket, 1.0, self.step_count + 1)
@@ -215,41 +235,12 @@ class OffloadEngine:
     def _record_arrival(self, lane, interval, label) -> None:
         self.timeline.record(lane, interval, label, self.step_count + 1)
 
-    def step(self) -> None:
-        """Finish this step's updates (or, with a delayed update, apply the last step's and start this one's)."""
-        self.check_usable()
-        for i, group in enumerate(self.param_groups):  # a scheduler's bad value is refused, not run
-            check_group(group, f"param_groups[{i}]: ")
-        self.intake.settle()
-        self._check_unmanaged_gradients()
-        self.intake.take_loose()
-        if self.delayed_update:
-            previous = [b for b in self.host.buckets if b.submitted]
-            self._finish(previous, upload=True)
-        self._take_zero_gradients()
-        ready = [b for b in self.host.buckets if any(b.arrivals) and not b.submitted]
-        scale = self._grad_scale(ready)
-        self._clip_now = None
-        if scale is None:  # fp16 overflow: this step is skipped
-            for bucket in ready:
-                self.intake.discard(bucket)
-            self.scaler.update(overflowed=True)
-            return
-        self.step_count += 1
-        for bucket in ready:
-            self.worker.submit(bucket, scale, self.step_count)
-        if not self.delayed_update:
-            self._finish([b for b in self.host.buckets if b.submitted], upload=False)
-        if self.scaler is not None:
-            self.scaler.update(overflowed=False)
-
     def _check_unmanaged_gradients(self) -> None:
         """AdamW would update a parameter of its groups that has a gradient; one this optimizer does
         not hold state for (it did not require grad when the optimizer was made) is an error."""
-        held = {id(p) for b in self.host.buckets for p in b.params}
         for i, group in enumerate(self.param_groups):
             for j, p in enumerate(group["params"]):
-                if p.grad is not None and id(p) not in held:
+                if p.grad is not None and self.intake.position(p) is None:
                     raise RuntimeError(f"CPUOffloadAdam: param_groups[{i}]['params'][{j}] has a gradient, but it "
                                        f"did not require grad when the optimizer was made, so it has no state here; "
                                        f"give it to the optimizer with add_param_group once it is trainable")
@@ -261,13 +252,15 @@ class OffloadEngine:
         for bucket in self.host.buckets:
             if bucket.submitted:
                 continue
-            for k, (p, (s, e)) in enumerate(zip(bucket.params, bucket.ranges)):
-                if bucket.arrivals[k]:
+            counts = bucket.received.counts
+            for k, p in enumerate(bucket.params):
+                if counts[k]:
                     self._has_grad.add(id(p))
                     self._zero_grad.discard(id(p))
                 elif id(p) in self._zero_grad:
+                    s, e = bucket.ranges[k]
                     self.host.grads[s:e].zero_()
-                    bucket.arrivals[k], bucket.folded[k] = 1, 0
+                    bucket.give_zero_gradient(k)
 
     def _note_zero_grad(self, params, set_to_none: bool) -> None:
         """What zero_grad does to these parameters' .grad under AdamW: None, or (for those that have
@@ -276,16 +269,16 @@ class OffloadEngine:
             if set_to_none:
                 self._has_grad.discard(id(p))
                 self._zero_grad.discard(id(p))
-            elif id(p) in self._has_grad or self._arrived(p):
+            elif id(p) in self._has_grad or self._received(p):
                 self._has_grad.add(id(p))
                 self._zero_grad.add(id(p))
 
-    def _arrived(self, p) -> bool:
-        where = self.intake.position(p)
-        return where is not None and not where[0].submitted and where[0].arrivals[where[1]] > 0
+    def _received(self, p) -> bool:
+        bucket, k = self.intake.position(p)
+        return not bucket.submitted and bucket.received.counts[k] > 0
 
     def _finish(self, buckets: list, upload: bool) -> None:
-        """Wait for the buckets' CPU updates; send their weights up (delayed update) and order the
+        """Wait for the buckets' CPU updates; with ``upload``, send their weights up now; order the
         compute stream after the copies."""
         for bucket in buckets:
             bucket.updated.wait()
@@ -296,7 +289,7 @@ class OffloadEngine:
                 self.worker.upload(bucket, after="compute", step=self.step_count)
             if bucket.upload is not None:
                 bucket.upload.wait()
-            bucket.submitted = False
+            bucket.settle()
         if buckets:
             self.timeline.close(self.step_count)
 
@@ -318,21 +311,22 @@ class OffloadEngine:
 
     def gradient_norm(self, buckets: list | None = None) -> float:
         """The global L2 norm of this step's gradients (loss scale divided out), once they have landed."""
-        if buckets is None:  # (with a delayed update the last step's are still submitted: theirs have landed)
-            buckets = [b for b in self.host.buckets if any(b.arrivals)]
+        if buckets is None:  # (with a delayed update the last step's are handed over: this step's are received)
+            buckets = [b for b in self.host.buckets if b.received.any()]
         total = 0.0
         for bucket in buckets:
-            self.intake.landed(bucket.downloads)
-            self.intake.fold(bucket, bucket.arrivals, bucket.folded, final=True)
-            for first, stop in bucket.runs(bucket.arrivals):
-                grad = self.intake.gradient(bucket, first, stop, bucket.arrivals)
+            received = bucket.received
+            received.landed()
+            self.host.fold(bucket, received, final=True)
+            for first, stop in bucket.runs(received.counts):
+                grad = self.host.gradient(bucket, first, stop, received.counts)
                 total += cpu_adam.grad_sum_of_squares(grad, self.threads)
         return math.sqrt(total) / (self.scaler.scale if self.scaler is not None else 1.0)
 
     def clip(self, max_norm: float, error_if_nonfinite: bool) -> float:
         """Clip this step's update to a global gradient norm of ``max_norm``; returns the norm."""
         self.check_usable()
-        if self.intake.eager_after is not None:
+        if self.schedule.eager_after is not None:
             raise RuntimeError("clip_grad_norm_: with accumulation_steps set (and no max_grad_norm) the update "
                                "starts during backward, before anything can be clipped; pass max_grad_norm=… to "
                                "the constructor instead")
@@ -345,6 +339,25 @@ class OffloadEngine:
         self._clip_now = (max_norm, norm)
         return norm
 
+    # ------------------------------------------------------------------ lifecycle
+
+    def _usable(self) -> bool:
+        return self.closed is None and self.worker.error is None
+
+    def check_usable(self) -> None:
+        if self.worker.error is not None and self.closed is None:
+            self._fail()
+        if self.closed is not None:
+            raise RuntimeError(f"CPUOffloadAdam: closed ({self.closed}); make a new optimizer (and load a "
+                               f"checkpoint into it) to go on training")
+
+    def _fail(self) -> None:
+        error, step = self.worker.error, self.worker.failed_step
+        self.close(reason=f"the CPU update of step {step} failed, and the step may have been partly applied: "
+                          f"{error!r}")
+        raise RuntimeError(f"CPUOffloadAdam: the CPU update failed ({error!r}); the optimizer is closed, because "
+                           f"step {step} may have been only partly applied — reload a checkpoint") from error
+
     def discard(self, set_to_none: bool = True) -> None:
         """Forget gradients received since the last step (zero_grad)."""
         if self.closed is not None:
@@ -355,20 +368,12 @@ class OffloadEngine:
         self.intake.settle()
         for bucket in self.host.buckets:
             if not bucket.submitted:  # a submitted bucket's gradients already belong to an update
-                self.intake.discard(bucket)
-
-    def forget(self, params, set_to_none: bool = True) -> None:
-        """Forget gradients of ``params`` received since the last step (a module's zero_grad)."""
-        if self.closed is None:
-            self.intake.settle()  # (streamed blocks settled already by the caller)
-            self._note_zero_grad(params, set_to_none)
-            self.intake.discard_params(params)
+                bucket.discard()
 
     def synchronize(self) -> None:
         """Finish every pending update and weight copy (for a delayed update: apply it now)."""
         self.check_usable()
-        pending = [b for b in self.host.buckets if b.submitted]
-        self._finish(pending, upload=self.delayed_update)
+        self._finish(self._submitted(), upload=self.schedule.pending_upload())
         for bucket in self.host.buckets:
             if bucket.upload is not None:
                 bucket.upload.synchronize()
@@ -398,5 +403,4 @@ class OffloadEngine:
             self.host.release()
             for bucket in self.host.buckets:
                 for p in bucket.params:
-                    if _OWNERS.get(p) is self:
-                        del _OWNERS[p]
+                    ownership.release(p, self)

@@ -1,13 +1,15 @@
-"""CPUOffloadAdam's host memory: buckets of parameters and the flat buffers that hold their state.
+"""CPUOffloadAdam's host memory: the flat buffers that hold every bucket's state, and its state dict.
 
-Every trainable parameter has a place in one *bucket* — a run of parameters whose gradients go
-down, whose CPU update runs and whose new weights go up together — and every bucket a range of
-the flat, exact-size, pinned host buffers: fp32 master weights and both moments, the gradients
+Every trainable parameter has a place in one *bucket* (:mod:`~offloadlab.offload.bucket`) — a run
+of parameters whose gradients go down, whose CPU update runs and whose new weights go up
+together — and every bucket a range of the flat, exact-size, pinned host buffers: fp32 master weights and both moments, the gradients
 as they land (in the parameters' dtype), the outgoing low-precision weights; and (only once a
 step accumulates several micro-batches) an fp32 gradient sum, in ordinary memory: only the CPU
 touches it, and it is made in the middle of a backward pass, where pinning memory would stall it. A bucket's parameters sit end to
-end in it, in the same order and layout (a packed :class:`~offloadlab.prefetch.Layout`) as in
+end in it, in the same order and layout (a packed :class:`~offloadlab.layout.Layout`) as in
 the device buffers that gather and scatter them, so each bucket moves as one copy each way.
+Several micro-batches of one parameter are folded into the fp32 sum before a newer one lands
+over the landed one (:meth:`HostState.fold`).
 
 :func:`export_state` and :func:`check_state` map this state to and from
 ``torch.optim.AdamW``'s state-dict layout (per parameter: ``step``, ``exp_avg``,
@@ -24,111 +26,12 @@ import threading
 import torch
 
 from ..link import Link
-from ..prefetch import Layout
+from .bucket import Bucket, Received
 
-__all__ = ["Bucket", "HostState", "identity", "make_buckets", "export_state", "check_state", "check_hyperparameters",
-           "check_group", "UNSUPPORTED_FLAGS"]
+__all__ = ["HostState", "export_state", "check_state", "check_hyperparameters", "check_group", "UNSUPPORTED_FLAGS"]
 
 # AdamW options CPUOffloadAdam does not implement: a state dict or group that turns one on is refused.
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
-
-
-def identity(p: torch.Tensor) -> tuple[int, int]:
-    """What changes when a parameter's values are changed or replaced: its version counter and address."""
-    return p._version, p.data_ptr()
-
-
-class Bucket:
-    """Parameters that move and update together, their place in the host buffers and their progress.
-
-    ``start`` is the bucket's first element in the flat host buffers; parameter ``k`` occupies
-    elements ``ranges[k]``. ``block`` is the :class:`~offloadlab.streaming.StreamedModel` block
-    whose trainable parameters the bucket holds (their gradients come from the streaming, their
-    new weights go to its host memory), or None for parameters on the device.
-    """
-
-    def __init__(self, index: int, params: list, groups: list, start: int, streamed=None, block=None):
-        self.index, self.params, self.groups = index, params, groups
-        self.layout = Layout(params, packed=True)
-        itemsize = params[0].element_size()
-        self.start = start
-        self.ranges = [(start + offset // itemsize, start + offset // itemsize + shape.numel())
-                       for shape, _, offset in self.layout.specs]
-        self.numel = self.layout.nbytes // itemsize
-        self.streamed, self.block = streamed, block
-        self.steps = [0] * len(params)      # AdamW's per-parameter step count: updates applied so far
-        self.arrivals = [0] * len(params)   # gradients received since the last step (micro-batches)
-        self.folded = [0] * len(params)     # of those, how many are already in the fp32 sum
-        self.synced = [None] * len(params)  # each parameter's (version, address) when its master copy matched it
-        self.downloads: list = []           # copies bringing the newest gradients down
-        self.upload = None                  # the copy taking the newest weights up
-        self.marker = None                  # compute-stream point after the backward that produced them
-        self.submitted = False              # handed to the update worker this step
-        self.updated = threading.Event()    # set when no update of this bucket is running
-        self.updated.set()
-
-    @property
-    def end(self) -> int:
-        return self.start + self.numel
-
-    def runs(self, arrivals):
-        """Consecutive parameters that one kernel call can update: each received a gradient
-        (``arrivals`` micro-batches of them), same group, same step count, same micro-batches.
-        Yields (first, last + 1) positions."""
-        first = previous = None
-        for k in (k for k, n in enumerate(arrivals) if n):
-            if first is not None and (k != previous + 1 or self.groups[k] is not self.groups[first]
-                                      or self.steps[k] != self.steps[first] or arrivals[k] != arrivals[first]):
-                yield first, previous + 1
-                first = None
-            if first is None:
-                first = k
-            previous = k
-        if first is not None:
-            yield first, previous + 1
-
-    def span(self, first: int, stop: int) -> tuple[int, int]:
-        """Elements of the host buffers that parameters ``first`` … ``stop - 1`` occupy."""
-        return self.ranges[first][0], self.ranges[stop - 1][1]
-
-
-def make_buckets(param_groups, bucket_bytes: int, start_index: int = 0, start: int = 0) -> list[Bucket]:
-    """Buckets of at most ``bucket_bytes`` gradient bytes over the trainable parameters of
-    ``param_groups``, in the reverse of the order given (the order backward produces gradients
-    for ``model.parameters()``). Streamed blocks make one bucket each, as they are streamed."""
-    from ..streaming import streamed_model_of
-
-    buckets, blocks_done = [], set()
-    group_of = {id(p): g for g in param_groups for p in g["params"]}
-    for group in param_groups:
-        current: list = []
-        for p in reversed([p for p in group["params"] if p.requires_grad]):
-            streamed = streamed_model_of(p)
-            if streamed is not None:
-                block = next(i for i, named in enumerate(streamed._params) if any(q is p for _, q in named))
-                if (id(streamed), block) in blocks_done:
-                    continue
-                blocks_done.add((id(streamed), block))
-                params, _ = streamed.gradient_layout(block)
-                missing = [q for q in params if id(q) not in group_of]
-                if missing:
-                    raise ValueError(f"params: block {streamed.names[block]!r} is streamed; give the optimizer all "
-                                     f"of its trainable parameters or none of them")
-                bucket = Bucket(start_index + len(buckets), params, [group_of[id(q)] for q in params], start,
-                                streamed, block)
-                buckets.append(bucket)
-                start = bucket.end
-                continue
-            if current and sum(q.numel() * q.element_size() for q in current) + p.numel() * p.element_size() \
-                    > bucket_bytes:
-                buckets.append(Bucket(start_index + len(buckets), current, [group] * len(current), start))
-                start = buckets[-1].end
-                current = []
-            current.append(p)
-        if current:
-            buckets.append(Bucket(start_index + len(buckets), current, [group] * len(current), start))
-            start = buckets[-1].end
-    return buckets
 
 
 class HostState:
@@ -159,7 +62,7 @@ class HostState:
         self.numel = numel
         with torch.no_grad():
             for bucket in buckets:
-                for k, (p, (s, e)) in enumerate(zip(bucket.params, bucket.ranges)):
+                for p, (s, e) in zip(bucket.params, bucket.ranges):
                     self.master[s:e].copy_(p.detach().reshape(-1))
                     # A bucket's weights go up whole: a parameter without a gradient this step goes up
                     # as it is, so its outgoing copy must hold it from the start (not poison).
@@ -167,7 +70,7 @@ class HostState:
                         self.weights_out[s:e].copy_(p.detach().reshape(-1))
                     self.exp_avg[s:e].zero_()
                     self.exp_avg_sq[s:e].zero_()
-                    bucket.synced[k] = identity(p)
+                bucket.synced_now()
         self.buckets += buckets
 
     @torch.no_grad()
@@ -175,12 +78,11 @@ class HostState:
         """Take weights changed outside the optimizer since it last wrote them (a
         ``model.load_state_dict`` after the optimizer was made, ``p.data = …``) into the master
         copy, as torch.optim.AdamW, which updates the parameters themselves, would see them."""
-        for k, (p, (s, e)) in enumerate(zip(bucket.params, bucket.ranges)):
-            if bucket.synced[k] != identity(p):
-                self.master[s:e].copy_(p.detach().reshape(-1))
-                if self.weights_out is not None:
-                    self.weights_out[s:e].copy_(p.detach().reshape(-1))
-                bucket.synced[k] = identity(p)
+        for k in bucket.changed_outside():
+            p, (s, e) = bucket.params[k], bucket.ranges[k]
+            self.master[s:e].copy_(p.detach().reshape(-1))
+            if self.weights_out is not None:
+                self.weights_out[s:e].copy_(p.detach().reshape(-1))
 
     def _grow(self, old, numel: int, dtype) -> torch.Tensor:
         new = self.link.host_buffer(max(numel, 1), dtype)
@@ -198,6 +100,34 @@ class HostState:
             if self.accumulated is None:
                 self.accumulated = torch.empty(max(self.numel, 1), dtype=torch.float32)
         return self.accumulated
+
+    def fold(self, bucket: Bucket, received: Received, final: bool, positions=None) -> None:
+        """Add landed gradients of parameters that have several micro-batches into the fp32 sum.
+
+        Not final: before a newer gradient lands over the landed one (only ``positions``, if
+        given). Final: the last micro-batch, before the update reads the sum. ``received`` is the
+        bucket's record of the step concerned (its ``folded`` counts move on); its copies must
+        have landed. A parameter with a single micro-batch is updated from the landed gradient
+        itself and never touches the sum.
+        """
+        counts, folded = received.counts, received.folded
+        candidates = range(len(counts)) if positions is None else positions
+        pending = [k for k in candidates if folded[k] < counts[k] and (counts[k] > 1 or not final)]
+        if not pending:
+            return
+        total = self.accumulation()
+        for k in pending:
+            s, e = bucket.ranges[k]
+            if folded[k] == 0:
+                total[s:e].copy_(self.grads[s:e])
+            else:
+                total[s:e].add_(self.grads[s:e])
+            folded[k] = counts[k]
+
+    def gradient(self, bucket: Bucket, first: int, stop: int, counts: list) -> torch.Tensor:
+        """The host gradient of parameters ``first`` … ``stop - 1`` (a run): landed, or the fp32 sum."""
+        s, e = bucket.span(first, stop)
+        return self.accumulated[s:e] if counts[first] > 1 else self.grads[s:e]
 
     def outgoing(self) -> torch.Tensor:
         """The buffer the device's new weights are copied from: the low-precision copy, or the fp32 master."""
@@ -220,10 +150,10 @@ class HostState:
         a parameter without one starts afresh. Master weights missing from an entry come from the
         parameter itself, and the outgoing weights are made from the master weights."""
         for bucket in self.buckets:
+            bucket.restore_steps([entries.get(p, {}).get("step", 0) for p in bucket.params])
             for k, p in enumerate(bucket.params):
                 s, e = bucket.ranges[k]
                 entry = entries.get(p, {})
-                bucket.steps[k] = entry.get("step", 0)
                 self.exp_avg[s:e].copy_(entry["exp_avg"].reshape(-1) if entry else 0)
                 self.exp_avg_sq[s:e].copy_(entry["exp_avg_sq"].reshape(-1) if entry else 0)
                 self.master[s:e].copy_(entry.get("master", p.detach()).reshape(-1))

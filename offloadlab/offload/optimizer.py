@@ -22,10 +22,15 @@ When does the update run?
   step's update to the worker and returns; it runs during the next forward and backward, and the
   weights it produces are applied at the next ``step()`` — one step late.
 
-Clipping: ``max_grad_norm`` in the constructor, or ``optimizer.clip_grad_norm_(max_norm)``
-between backward and step. The usual ``torch.nn.utils.clip_grad_norm_(model.parameters(), …)``
-would see no gradients (they have already left the model) and do nothing; it raises instead
-(:mod:`offloadlab.offload.torch_calls`).
+Gradients leave the model during backward, so two usual calls must go to the optimizer instead:
+
+- clipping: ``max_grad_norm`` in the constructor, or ``optimizer.clip_grad_norm_(max_norm)``
+  between backward and step. ``torch.nn.utils.clip_grad_norm_(model.parameters(), …)`` finds
+  no gradients there: it returns a norm of 0 and clips nothing;
+- discarding a step's gradients: ``optimizer.zero_grad()``. ``model.zero_grad()`` clears the
+  model's ``.grad``, which is empty: the gradients the optimizer has taken stay with it.
+
+(offloadlab does not patch torch to redirect them: importing it changes nothing in torch.)
 
 Lifecycle: :meth:`close` (or dropping the optimizer, or a new CPUOffloadAdam over the same
 parameters, which takes them over with a warning) removes the hooks, stops the worker and frees
@@ -41,6 +46,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .. import _torch_compat
 from .engine import OffloadEngine, managed
 from .host_state import check_group, check_hyperparameters, check_state, export_state
 
@@ -75,6 +81,9 @@ class _StateView(Mapping):
         return len(self._entries())
 
 
+# torch.amp.GradScaler.step() then hands step() its scale instead of reading .grad (which it would
+# find empty: the gradients are on the host), so step() can refuse it in plain words.
+@_torch_compat.accepts_grad_scaler
 class CPUOffloadAdam(torch.optim.Optimizer):
     """AdamW (torch.optim.AdamW's semantics and arguments) with state and update on the CPU.
 
@@ -90,10 +99,6 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     updates and weight copies as {lane: [(start, end, label)]} in seconds on the link's clock
     (:func:`offloadlab.trace.write_chrome_trace` writes it for Perfetto).
     """
-
-    # torch.amp.GradScaler.step() then hands this step() its scale instead of reading .grad (which
-    # it would find empty: the gradients are on the host), so step() can refuse it in plain words.
-    _step_supports_amp_scaling = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  link=None, threads: int | None = None, max_grad_norm: float | None = None,
@@ -208,8 +213,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     def step(self, closure=None):
         """Finish this step's CPU updates (or, with delayed_update, apply the previous step's)."""
         self._engine.check_usable()
-        if "found_inf" in self.__dict__:  # set by torch.amp.GradScaler.step(), which removes it after a step
-            del self.__dict__["found_inf"], self.__dict__["grad_scale"]
+        if _torch_compat.grad_scaler_stepped(self):
             raise RuntimeError("CPUOffloadAdam: torch.amp.GradScaler cannot check gradients that are already on "
                                "the host; this optimizer scales fp16 losses itself (loss_scale=..., then "
                                "opt.scale_loss(loss).backward() and opt.step()), and bf16 or fp32 need no scaler. "
@@ -252,26 +256,26 @@ class CPUOffloadAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
 
-    @torch._disable_dynamo
+    @_torch_compat.disable_dynamo
     def state_dict(self) -> dict:
         """torch.optim.AdamW's layout (step, exp_avg, exp_avg_sq per parameter) plus the fp32
         ``master`` weights, as host tensors shaped like each parameter; torch's state-dict hooks run.
 
         With a delayed update, the pending update is applied first.
         """
-        for hook in self._optimizer_state_dict_pre_hooks.values():
+        for hook in _torch_compat.optimizer_hooks(self, "state_dict_pre"):
             hook(self)
         self._engine.synchronize()
         state_dict = export_state(self._engine.host, self.param_groups)
         scaler = self._engine.scaler
         state_dict["offload"] = scaler.state_dict() if scaler is not None else {}
-        for hook in self._optimizer_state_dict_post_hooks.values():
+        for hook in _torch_compat.optimizer_hooks(self, "state_dict_post"):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
         return state_dict
 
-    @torch._disable_dynamo
+    @_torch_compat.disable_dynamo
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict from this class or from torch.optim.AdamW and send the weights to the device.
 
@@ -282,7 +286,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         Everything is checked first — group sizes, every tensor's shape, flags this class does
         not implement (amsgrad, maximize, …) — so a refused state dict changes nothing.
         """
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+        for hook in _torch_compat.optimizer_hooks(self, "load_state_dict_pre"):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
@@ -296,5 +300,5 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             own.update(values)
         engine.host.load(entries)
         engine.upload_all()
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
+        for hook in _torch_compat.optimizer_hooks(self, "load_state_dict_post"):
             hook(self)

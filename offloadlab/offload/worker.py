@@ -24,8 +24,8 @@ import torch
 
 from .. import cpu_adam
 from ..link import Link
-from .host_state import Bucket, HostState, identity
-from .intake import GradientIntake
+from .bucket import Bucket, Received
+from .host_state import HostState
 
 __all__ = ["UpdateWorker"]
 
@@ -33,9 +33,8 @@ __all__ = ["UpdateWorker"]
 class UpdateWorker:
     """Runs bucket updates on a thread of its own with ``threads`` OpenMP threads for the kernel."""
 
-    def __init__(self, link: Link, host: HostState, intake: GradientIntake, threads: int, upload_after_update: bool,
-                 record):
-        self.link, self.host, self.intake, self.threads = link, host, intake, threads
+    def __init__(self, link: Link, host: HostState, threads: int, upload_after_update: bool, record):
+        self.link, self.host, self.threads = link, host, threads
         self.upload_after_update, self._record = upload_after_update, record
         self.error: BaseException | None = None
         self.failed_step: int | None = None  # the step whose update raised
@@ -60,12 +59,9 @@ class UpdateWorker:
         """Hand this step's gradients of ``bucket`` to the thread (``grad_scale`` multiplies them
         first), with its groups' hyperparameters as they are now (a scheduler may change them next)."""
         self.host.refresh(bucket)  # weights changed since the optimizer last wrote them are the ones to update
-        arrivals, folded, downloads = self.intake.take(bucket)
         hyper = {id(g): (float(g["lr"]), tuple(map(float, g["betas"])), float(g["eps"]), float(g["weight_decay"]))
                  for g in bucket.groups}  # (a tensor lr, as AdamW allows, is read now: a scheduler may change it)
-        bucket.submitted = True
-        bucket.updated.clear()
-        self._jobs.put((bucket, grad_scale, arrivals, folded, downloads, step, hyper))
+        self._jobs.put((bucket, bucket.hand_over(), grad_scale, step, hyper))
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -76,53 +72,51 @@ class UpdateWorker:
             job = self._jobs.get()
             if job is None:
                 return
-            bucket = job[0]
+            bucket, step = job[0], job[3]
             try:
                 if self.error is None:
                     self._update(*job)
             except BaseException as error:  # re-raised on the caller's thread by the optimizer
-                self.error, self.failed_step = error, job[5]
+                self.error, self.failed_step = error, step
             finally:
-                bucket.updated.set()
+                bucket.update_done()
 
-    def _update(self, bucket: Bucket, grad_scale: float, arrivals: list, folded: list, downloads: list,
-                step: int, hyper: dict) -> None:
-        self.intake.landed(downloads)
-        self.intake.fold(bucket, arrivals, folded, final=True)
+    def _update(self, bucket: Bucket, received: Received, grad_scale: float, step: int, hyper: dict) -> None:
+        received.landed()
+        self.host.fold(bucket, received, final=True)
         if bucket.upload is not None:
             bucket.upload.synchronize()  # the last copy of these weights up has read them: overwrite now
         host, out = self.host, self.host.weights_out
         started = self.link.now()
-        for first, stop in bucket.runs(arrivals):
+        for first, stop in bucket.runs(received.counts):
             s, e = bucket.span(first, stop)
             count = bucket.steps[first] + 1
             lr, betas, eps, weight_decay = hyper[id(bucket.groups[first])]
             cpu_adam.adamw_step(host.master[s:e], host.exp_avg[s:e], host.exp_avg_sq[s:e],
-                                self.intake.gradient(bucket, first, stop, arrivals), None if out is None else out[s:e],
+                                host.gradient(bucket, first, stop, received.counts), None if out is None else out[s:e],
                                 step=count, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                 grad_scale=grad_scale, threads=self.threads)
-            for k in range(first, stop):
-                bucket.steps[k] = count
+            bucket.advance(first, stop, count)
         self._record("CPU", (started, self.link.now()), f"b{bucket.index}", step)
         if self.upload_after_update:
-            self.upload(bucket, after=self.link.mark_on(bucket.marker), step=step)
+            self.upload(bucket, after=self.link.mark_on(received.marker), step=step)
 
     def upload(self, bucket: Bucket, after="compute", step: int | None = None) -> None:
         """Send the bucket's current weights to its parameters (device) or its block's host memory."""
         outgoing = self.host.outgoing()
-        values = [outgoing[s:e] for s, e in bucket.ranges]
         if bucket.streamed is not None:
-            bucket.streamed.write_host_weights(bucket.block, values)
-            bucket.synced = [identity(p) for p in bucket.params]
+            bucket.streamed.write_host_weights(bucket.block, [outgoing[s:e] for s, e in bucket.ranges])
+            bucket.weights_sent(None)
             return
         torch.autograd.graph.increment_version(bucket.params)  # a later reader of the old weights fails loudly
-        bucket.synced = [identity(p) for p in bucket.params]
         label = f"b{bucket.index}"
         if len(bucket.params) == 1:
-            bucket.upload = self.link.to_device(bucket.params[0].data.view(-1), values[0], after=after, label=label)
+            s, e = bucket.ranges[0]
+            transfer = self.link.to_device(bucket.params[0].data.view(-1), outgoing[s:e], after=after, label=label)
         else:
             staging = self._staging[:bucket.layout.nbytes]
             targets = list(zip((p.data for p in bucket.params), bucket.layout.views(staging)))
-            bucket.upload = self.link.to_device_scattered(targets, outgoing[bucket.start:bucket.end].view(torch.uint8),
-                                                          staging, after=after, label=label)
-        self._record("H2D", bucket.upload, label, step)
+            transfer = self.link.to_device_scattered(targets, outgoing[bucket.start:bucket.end].view(torch.uint8),
+                                                     staging, after=after, label=label)
+        bucket.weights_sent(transfer)
+        self._record("H2D", transfer, label, step)

@@ -62,17 +62,28 @@ bibtex_default_style = "plain"
 # Everything a page loads comes from the site itself: MathJax is vendored into _static by
 # `make book` (see the Makefile), and no widget JavaScript is pulled from a CDN.
 html_static_path = ["_static"]
-html_css_files = ["offloadlab.css"]  # code wraps at the column, on screen and in print
+html_css_files = ["offloadlab.css"]  # code scrolls sideways, never wraps; the print layout for `make pdf`
+html_js_files = ["offloadlab.js"]    # the sidebar and page-contents buttons at every width
 mathjax_path = "mathjax/tex-chtml.js"
 nb_ipywidgets_js = {}
 
-# Build-time settings for the reader's tools (empty means: no such button).
+# Build-time settings for the reader's tools (empty means: no such button). Without a
+# repository address the header's "Repository" link says so and leads to the landing page's
+# "How to use it", which says the same where it tells the reader to clone the repository.
 REPOSITORY_URL = os.environ.get("OFFLOADLAB_REPOSITORY_URL", "")
 html_theme = "sphinx_book_theme"
-html_context = {"default_mode": "light"}  # a stated mode: the theme logs an error for an empty one
+html_context = {"default_mode": "auto", "offloadlab_repository": REPOSITORY_URL}  # auto: the reader's OS decides
 html_favicon = "_static/favicon.svg"
 html_title = "offloadlab: training beyond GPU memory"
+# The header carries the title, the one search box and the repository link; the sidebar only the
+# chapters and labs (the theme would put a second title and a second search box there).
+html_sidebars = {"**": ["sbt-sidebar-nav.html"]}
 html_theme_options = {
+    "logo": {"text": "offloadlab"},  # the header's title; the page title says the rest
+    "navbar_start": ["navbar-logo"],
+    "navbar_center": [],
+    "navbar_persistent": ["search-button-field"],
+    "navbar_end": ["offloadlab-repository.html"],
     "show_toc_level": 2,
     "use_download_button": True,
     "repository_url": REPOSITORY_URL,
@@ -108,7 +119,16 @@ def citation(cff_path: Path = BOOK.parent / "CITATION.cff") -> dict:
     return {"version": cff["version"], "citation": text, "bibtex": bibtex}
 
 
-myst_substitutions = citation()
+def repository_text(url: str = REPOSITORY_URL) -> str:
+    """How the landing page names the repository: a link, or a plain statement that this copy
+    of the site was built without its address (OFFLOADLAB_REPOSITORY_URL)."""
+    if url:
+        return f"[the repository]({url})"
+    return ("the repository (this copy of the site was built without its address: ask whoever "
+            "gave you the site, or set `OFFLOADLAB_REPOSITORY_URL` when you build it)")
+
+
+myst_substitutions = {**citation(), "repository": repository_text()}
 
 
 def publish_notebook_download(app, pagename, templatename, context, doctree):

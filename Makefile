@@ -12,6 +12,7 @@ PY          := $(VENV)/bin/python
 SPHINXOPTS  ?= -W --keep-going -n
 LAB_ROOT    := $(if $(filter 0,$(shell id -u)),--allow-root)
 OVERRIDES   := $(VENV)/share/jupyter/lab/settings/overrides.json
+KERNEL_CONF := $(VENV)/etc/ipython/ipython_kernel_config.py
 MATHJAX     := book/_static/mathjax
 
 .PHONY: env lab test book book-student pdf student gpu-check format clean
@@ -23,6 +24,8 @@ env:
 	$(PY) -m pip install --quiet -e ".[lab,book,test]"
 	@# Open the Jupytext .md chapters as notebooks by default in JupyterLab.
 	install -D -m 644 etc/jupyterlab-overrides.json $(OVERRIDES)
+	@# Every kernel of the environment draws figures as SVG in the book's style.
+	install -D -m 644 etc/ipython_kernel_config.py $(KERNEL_CONF)
 
 ## lab: start JupyterLab on the book; the URL it prints opens chapter 1 as a notebook
 ## (etc/jupyter_server_config.json: rooted at book/, the site's build files hidden)

@@ -46,9 +46,21 @@ hide_solutions = bool(os.environ.get("OFFLOADLAB_STUDENT"))
 # Execute every notebook; a failing cell fails the build. The cache keeps rebuilds fast. The
 # student site has a cache of its own: its labs run in student mode, where a check never shows
 # the expected value.
+#
+# The cache knows a notebook only by its code; its figures also depend on what draws them: the
+# kernel settings (SVG in the book's style: etc/ipython_kernel_config.py, installed by `make env`)
+# and offloadlab/plots.py. A change to either starts a cache of its own instead of serving the
+# old figures.
+def figure_settings_key() -> str:
+    import hashlib
+
+    drawn_by = [BOOK.parent / "etc" / "ipython_kernel_config.py", BOOK.parent / "offloadlab" / "plots.py"]
+    return hashlib.sha256(b"".join(path.read_bytes() for path in drawn_by)).hexdigest()[:10]
+
+
 nb_execution_mode = "cache"
-nb_execution_cache_path = str(Path(__file__).parent / "_build" /
-                              (".jupyter_cache-student" if hide_solutions else ".jupyter_cache"))
+nb_execution_cache_path = str(BOOK / "_build" / ((".jupyter_cache-student" if hide_solutions else ".jupyter_cache")
+                                                 + f"-{figure_settings_key()}"))
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_execution_timeout = 900

@@ -316,6 +316,44 @@ def test_references_link_to_their_doi_or_arxiv_entry(built_site):
     assert all(re.search(r'href="https://(doi\.org/10\.|arxiv\.org/abs/\d{4}\.\d{4,5})', e) for e in papers)
 
 
+# The smallest figure text a reader gets: on a phone (its 342 px column), and on anything wider.
+SMALLEST_FIGURE_TEXT_PX = {390: 9.0, 768: 11.0, 1280: 11.0}
+VISIBLE_IMAGES = """() => [...document.querySelectorAll("article.bd-article img")]
+  .filter(i => i.getClientRects().length && i.getBoundingClientRect().width > 0)
+  .map(i => ({src: i.getAttribute("src"), shown: i.getBoundingClientRect().width}))"""
+
+
+def smallest_text(svg: str) -> tuple[float, float]:
+    """An SVG's smallest font size and its width, both in its own user units."""
+    view_box = re.search(r'<svg[^>]*viewBox="[\d.]+ [\d.]+ ([\d.]+) [\d.]+"', svg)
+    sizes = [float(size) for size in re.findall(r"font-size: ?([\d.]+)px", svg)]
+    return (min(sizes) if sizes else float("inf")), float(view_box.group(1))
+
+
+def test_figures_are_vector_with_readable_text_at_every_width(built_site, served, page_at_width):
+    """Every figure on the site is SVG with its text kept as text, and its smallest text, as drawn
+    at this width, is at least 9 CSS px on a phone and 11 px on a tablet or a laptop."""
+    page, width = page_at_width, page_at_width.viewport_size["width"]
+    minimum, problems, measured = SMALLEST_FIGURE_TEXT_PX[width], [], []
+    for path in pages(built_site):
+        page.goto(f"{served}/{path.relative_to(built_site).as_posix()}", wait_until="load")
+        for image in page.evaluate(VISIBLE_IMAGES):
+            file = (path.parent / image["src"]).resolve()
+            if file.suffix != ".svg":
+                problems.append(f"{path.name}: {file.name} is not vector")
+                continue
+            font, view_width = smallest_text(file.read_text(encoding="utf-8"))
+            shown = font * image["shown"] / view_width
+            measured.append(shown)
+            if shown < minimum:
+                problems.append(f"{path.name}: {file.name}: smallest text {shown:.1f} px")
+    assert len(measured) >= 20, f"only {len(measured)} figures seen"
+    assert not problems, f"at {width} px (minimum {minimum} px):\n" + "\n".join(problems)
+    (SCREENSHOTS / f"figure_text_{width}px.txt").parent.mkdir(parents=True, exist_ok=True)
+    (SCREENSHOTS / f"figure_text_{width}px.txt").write_text(f"{len(measured)} figures; smallest text "
+                                                          f"{min(measured):.1f} px\n")
+
+
 def host_paths() -> list[str]:
     """Absolute paths of this machine that must never appear in a page built on it."""
     candidates = {str(ROOT), str(Path.home()), tempfile.gettempdir(), "/root/", "/home/", "/tmp/", "/var/folders/",

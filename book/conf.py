@@ -5,6 +5,7 @@ a cell that raises fails the build. The build needs no network.
 """
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from docutils import nodes
 import offloadlab
 
 BOOK = Path(__file__).resolve().parent
-PDF = BOOK / "_build" / "pdf" / "offloadlab.pdf"  # written by `make pdf`; linked when present
+# The book as one PDF, written by `make pdf` (which `make book` runs first when Chromium is
+# there); the site ships and links it when present, and says so when not.
+PDF = Path(os.environ.get("OFFLOADLAB_PDF", BOOK / "_build" / "pdf" / "offloadlab.pdf"))
 
 project = "offloadlab"
 author = "the offloadlab authors"
@@ -70,6 +73,36 @@ nb_render_markdown_format = "myst"  # Markdown outputs with tables, as the chapt
 numfig = True
 bibtex_bibfiles = ["references.bib"]
 bibtex_default_style = "plain"
+# Citations read "(Ren et al., 2021)", in round brackets, several parted by semicolons: as
+# JupyterLab shows them (see lab_links_to_roles below).
+bibtex_reference_style = "author_year_round"
+
+
+def _register_round_brackets():
+    """sphinxcontrib-bibtex's author-year style with round brackets (its own are square), the
+    way its documentation shows a custom style is made."""
+    from dataclasses import dataclass, field
+
+    import sphinxcontrib.bibtex.plugin
+    from sphinxcontrib.bibtex.style.referencing import BracketStyle
+    from sphinxcontrib.bibtex.style.referencing.author_year import AuthorYearReferenceStyle
+
+    def round_brackets() -> BracketStyle:
+        return BracketStyle(left="(", right=")", sep="; ")
+
+    @dataclass
+    class RoundAuthorYear(AuthorYearReferenceStyle):
+        bracket_parenthetical: BracketStyle = field(default_factory=round_brackets)
+        bracket_textual: BracketStyle = field(default_factory=round_brackets)
+        bracket_author: BracketStyle = field(default_factory=round_brackets)
+        bracket_label: BracketStyle = field(default_factory=round_brackets)
+        bracket_year: BracketStyle = field(default_factory=round_brackets)
+
+    sphinxcontrib.bibtex.plugin.register_plugin("sphinxcontrib.bibtex.style.referencing", bibtex_reference_style,
+                                                RoundAuthorYear)
+
+
+_register_round_brackets()
 
 # Everything a page loads comes from the site itself: MathJax is vendored into _static by
 # `make book` (see the Makefile), and no widget JavaScript is pulled from a CDN.
@@ -202,8 +235,21 @@ def alt_text_from_captions(app, doctree, docname):
 
 
 def link_the_pdf(app, pagename, templatename, context, doctree):
-    """Tell the footer where the PDF is: only on the HTML site, and only when `make pdf` has made it."""
-    context["offloadlab_pdf"] = PDF.name if app.builder.name == "html" and PDF.exists() else ""
+    """Offer the PDF on the HTML site when `make pdf` has made it: in the footer, and in the
+    download menu beside the page's .ipynb and .md (the theme's own ".pdf" prints one page)."""
+    shipped = app.builder.name == "html" and PDF.exists()
+    context["offloadlab_pdf"] = PDF.name if shipped else ""
+    context["offloadlab_pdf_missing"] = app.builder.name == "html" and not shipped
+    if not shipped:
+        return
+    for group in context.get("header_buttons", []):
+        if group.get("label") == "download-buttons":
+            for button in group["buttons"]:
+                if button.get("label") == "download-pdf-button":
+                    button.update(text="print page", tooltip="Print this page")
+            group["buttons"].append({"type": "link", "url": context["pathto"](PDF.name, 1), "text": "book .pdf",
+                                     "tooltip": "The whole book as one PDF", "icon": "fas fa-book",
+                                     "label": "download-book-pdf-button"})
 
 
 def ship_the_pdf(app):
@@ -211,7 +257,25 @@ def ship_the_pdf(app):
         app.config.html_extra_path.append(str(PDF))
 
 
+# How tools/lab_references.py writes citations and references to other chapters, so that
+# JupyterLab (jupyterlab-myst, one notebook at a time, no bibliography) shows their text:
+#   [(Ren et al., 2021)](cite:ren2021zerooffload)
+#   [2. The memory-tier ladder](../02_memory_tier_ladder.md#ch-ladder)
+# Before MyST reads a page, Sphinx gets the roles back: {cite:p}, which sphinxcontrib-bibtex
+# renders and lists, and {ref}, which resolves the label wherever it is (a file link would not
+# cross the book/labs symlink: Sphinx resolves it to labs/, outside the source folder).
+CITE_LINK = re.compile(r"\[\([^\]]*\)\]\(cite:([^()\s]+)\)")
+LABEL_LINK = re.compile(r"\[([^\]`<>]+)\]\((?:[\w.-]+/)*[\w.-]+\.md#([\w-]+)\)")
+
+
+def lab_links_to_roles(app, docname, source):
+    """Turn the Lab-readable citation and reference links of a page back into Sphinx roles."""
+    text = CITE_LINK.sub(lambda m: f"{{cite:p}}`{m[1]}`", source[0])
+    source[0] = LABEL_LINK.sub(lambda m: f"{{ref}}`{m[1]} <{m[2]}>`", text)
+
+
 def setup(app):
+    app.connect("source-read", lab_links_to_roles)
     # myst-nb draws folded cells (the labs' answers, tag hide-input) for the html builder only;
     # the single-page build that `make pdf` prints uses the same HTML for them.
     from myst_nb.sphinx_ import HideCodeCellNode, depart_HideCellInput, visit_HideCellInput
@@ -223,5 +287,5 @@ def setup(app):
     app.connect("doctree-resolved", alt_text_from_captions)
     if hide_solutions:
         app.connect("doctree-read", stub_lab_answers)
-    app.connect("html-page-context", link_the_pdf)
+    app.connect("html-page-context", link_the_pdf, priority=510)  # after the theme's download menu (501)
     app.connect("html-page-context", publish_notebook_download, priority=502 if REPOSITORY_URL else 500)

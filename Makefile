@@ -36,8 +36,14 @@ lab: env
 test: env $(MATHJAX)/tex-chtml.js
 	$(PY) -m pytest
 
-## book: build the static site into book/_build/html (executes every notebook)
+## book: build the static site into book/_build/html (executes every notebook), with the book as
+## a PDF it offers on every page; without Chromium, the site alone, saying it has no PDF
 book: env $(MATHJAX)/tex-chtml.js
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+		$(MAKE) --no-print-directory pdf; \
+	else \
+		echo "make book: no Chromium here, so the site has no PDF (apt-get install chromium, then make book)"; \
+	fi
 	$(PY) -m sphinx $(SPHINXOPTS) -b html book book/_build/html
 
 ## book-student: the same site without the exercises' solutions, into book/_build/student
@@ -45,7 +51,8 @@ book-student: env $(MATHJAX)/tex-chtml.js
 	OFFLOADLAB_STUDENT=1 $(PY) -m sphinx $(SPHINXOPTS) -b html book book/_build/student
 
 ## pdf: the whole book as one PDF, book/_build/pdf/offloadlab.pdf: Chromium prints the single-page
-## build (needs Debian's chromium); a `make book` after it links the PDF from every page
+## build (needs Debian's chromium) with a title page, contents with page numbers, bookmarks and
+## running heads; `make book` runs it first and links the PDF from every page
 pdf: env $(MATHJAX)/tex-chtml.js
 	$(PY) -m sphinx $(SPHINXOPTS) -b singlehtml book book/_build/singlehtml
 	$(PY) tools/print_pdf.py book/_build/singlehtml book/_build/pdf/offloadlab.pdf

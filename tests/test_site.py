@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import html as htmllib
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -430,3 +431,69 @@ def test_student_site_has_no_solutions(tmp_path):
     lab = re.sub(r"<[^>]+>", "", (target / "labs" / "lab05_build_a_double_buffer.html").read_text(encoding="utf-8"))
     assert "NotImplementedError" in lab and "released[i % 2] = link.mark()" not in lab
     assert not list(target.rglob("_sources/**/*.md")) and not list(target.rglob("_sources/**/*.ipynb"))
+
+
+# Checks for the content pass of issue 28 (asserts moved into hidden cells, code kept to 88
+# characters), written before it: each runs now and, while the sources still fail it, is skipped
+# saying how far they are. The lead sets this True once the pass is merged; from then on a
+# failure fails.
+CONTENT_PASS_MERGED = False
+LONGEST_CODE_LINE = 88
+
+
+def skip_until_the_content_pass(problems: list[str], what: str) -> None:
+    if problems and not CONTENT_PASS_MERGED:
+        pytest.skip(f"{len(problems)} {what} today; this check is enforced once issue 28's content pass "
+                    f"is merged (CONTENT_PASS_MERGED in tests/test_site.py). First: {problems[0]}")
+
+
+def code_lines(path: Path, printed_only: bool = False) -> list[str]:
+    """Every line of code in a notebook: code cells and fenced code in the text. ``printed_only``:
+    leave out the cells the site and the PDF do not show (tags remove-cell, remove-input)."""
+    import jupytext
+
+    lines = []
+    for cell in jupytext.read(path).cells:
+        left_out = {"remove-cell", "remove-input"} & set(cell.metadata.get("tags", []))
+        if cell.cell_type == "code" and not (printed_only and left_out):
+            lines += cell.source.splitlines()
+        elif cell.cell_type == "markdown":
+            fences = []  # open fences, innermost last: (marker, holds code)
+            for line in cell.source.splitlines():
+                stripped = line.strip()
+                opening = re.match(r"^(`{3,}|~{3,})(.*)$", stripped)
+                if fences and stripped == fences[-1][0]:
+                    fences.pop()
+                elif opening and not (fences and fences[-1][1]):
+                    fences.append((opening[1], not opening[2].strip().startswith("{")))
+                elif fences and fences[-1][1]:
+                    lines.append(line)
+    return lines
+
+
+def test_no_code_line_is_longer_than_88_characters():
+    from tests.nbval_markdown import is_text_notebook
+
+    notebooks = sorted(p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p))
+    long_lines = [f"{p.relative_to(ROOT)}: {len(line)} characters: {line.strip()[:50]}…"
+                  for p in notebooks for line in code_lines(p) if len(line) > LONGEST_CODE_LINE]
+    skip_until_the_content_pass(long_lines, f"code lines longer than {LONGEST_CODE_LINE} characters")
+    assert not long_lines, "\n".join(long_lines[:30])
+
+
+def visible_asserts(html: str) -> list[str]:
+    """The ``assert`` statements in a page's code cells that a reader sees without unfolding anything."""
+    shown = re.sub(r'<details class="hide[^"]*">.*?</details>', "", html, flags=re.S)  # folded cells
+    found = []
+    for cell in re.findall(r'<div class="cell_input[^"]*"[^>]*>(.*?)</pre>', shown, flags=re.S):
+        code = htmllib.unescape(re.sub(r"<[^>]+>", "", cell))
+        found += [line.strip() for line in code.splitlines() if re.match(r"\s*assert\b", line)]
+    return found
+
+
+def test_no_assert_is_visible_on_the_site(built_site):
+    found = [f"{page.relative_to(built_site)}: {line[:60]}" for page in pages(built_site)
+             for line in visible_asserts(page.read_text(encoding="utf-8"))]
+    pages_with_asserts = sorted({line.split(":")[0] for line in found})
+    skip_until_the_content_pass(found, f"visible asserts on {len(pages_with_asserts)} pages")
+    assert not found, "\n".join(found[:30])

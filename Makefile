@@ -63,10 +63,15 @@ student: env
 	$(PY) -m offloadlab.student --force labs build/student
 	$(PY) -m offloadlab.student --force --nbgrader labs build/nbgrader/source
 
-## gpu-check: every GPU test, notebook and benchmark on a CUDA machine, results in build/gpu-check
-## (and reference data in offloadlab/reference); without a GPU, the CPU parts only
-gpu-check: env
-	$(PY) -m offloadlab.gpucheck --out build/gpu-check
+## gpu-check: every GPU test, notebook (quick mode) and benchmark on a CUDA machine, results in
+## build/gpu-check (and reference data in offloadlab/reference); without a GPU, the CPU parts only.
+## It runs in the environment `make env` made and installs nothing (a bare `pip install torch` could
+## replace the CUDA build that matches the driver). GPU_CHECK=--dry-run prints the plan instead:
+## each part's pinned and device memory and estimated time (add --profile NAME for another GPU).
+GPU_CHECK ?=
+gpu-check:
+	@test -x $(PY) || { echo "gpu-check: no environment in $(VENV); make one first: make env TORCH=<the torch build for this GPU's driver>"; exit 2; }
+	$(PY) -m offloadlab gpu-check --out build/gpu-check $(GPU_CHECK)
 
 ## format: rewrite every chapter and lab to the exact text Jupytext writes for it, so that saving
 ## in JupyterLab changes nothing (metadata and wrapping only), and give each {ref} to a heading

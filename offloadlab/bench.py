@@ -3,6 +3,11 @@
 Wall-clock figures on shared machines are noisy; a ratio between two things measured
 side by side in the same run is not. Each benchmark returns a dict with ``rows`` (one per
 contender, with its figures) and ``ratios`` (named comparisons), plus provenance.
+
+On a GPU each benchmark sizes its work from the GPU's :class:`~offloadlab.devices.DeviceProfile`
+and then from what it measures, never beyond what its plan (``*_plan(profile)``, what
+``offloadlab gpu-check --dry-run`` prints) allows: the plan's bytes come from datasheet peaks,
+so the real, slower machine stays under them.
 """
 
 from __future__ import annotations
@@ -15,11 +20,15 @@ import time
 
 import torch
 
-from . import experiment, machine, probe
+from . import devices, experiment, machine, probe
+from .devices import ASSUMED, Footprint
 from .link import open_link
 from .units import format_bandwidth, format_duration, parse_size
 
-__all__ = ["link", "overlap", "adam", "offload", "prefetch", "nvme", "check_nvme_folder", "format_result"]
+__all__ = ["link", "overlap", "adam", "offload", "prefetch", "nvme", "check_nvme_folder", "format_result",
+           "link_plan", "overlap_plan", "adam_plan", "offload_plan", "prefetch_plan", "nvme_plan", "OVERLAP_CASES"]
+
+MiB = 2**20
 
 
 def _plain_copy_bandwidth(nbytes: int, direction: str, repeats: int) -> float:
@@ -38,6 +47,21 @@ def _plain_copy_bandwidth(nbytes: int, direction: str, repeats: int) -> float:
         if i:
             seconds.append(time.perf_counter() - start)
     return nbytes / statistics.median(seconds)
+
+
+def link_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
+    """What :func:`link` asks of a GPU of ``profile``: the sweep's buffers, then both directions at
+    once over two buffers of its largest size (at most twice that, pinned and on the device)."""
+    sizes = probe.default_sizes_for(emulated=False, quick=quick)
+    filler, repeats, top = probe.busy_filler_bytes(False), 3 if quick else 5, sizes[-1]
+    pinned_rate = profile.link_bytes_per_s * ASSUMED["link_efficiency"]
+    pageable_rate = profile.link_bytes_per_s * ASSUMED["pageable_efficiency"]
+    sweep = sum(2 * ((repeats + 1) * size / rate + repeats * filler / pinned_rate)
+                for size in sizes for rate in (pinned_rate, pageable_rate))
+    both = (repeats + 1) * top / pinned_rate
+    plain = 2 * (repeats + 2) * top / pageable_rate
+    return Footprint(max(top + filler, 2 * top), max(top + filler, 2 * top), sweep + both + plain + 2.0,
+                     f"a sweep of 4 KiB to {top >> 20} MiB each way, pinned and pageable, {repeats} repeats")
 
 
 def link(quick: bool = False) -> dict:
@@ -85,26 +109,66 @@ def link(quick: bool = False) -> dict:
             "note": "" if emulated or nominal else "nominal PCIe rate unknown (NVML unavailable)"}
 
 
+OVERLAP_CASES = (("transfer hidden (¼ of compute)", 0.25), ("balanced (equal)", 1.0),
+                 ("bandwidth-bound (4× compute)", 4.0))
+_CALIBRATION_BYTES = {True: 8 * MiB, False: 256 * MiB}  # by emulated
+
+
+def _overlap_window(quick: bool) -> float:
+    return experiment.WINDOW / 2 if quick else experiment.WINDOW
+
+
+def overlap_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
+    """What :func:`overlap` asks of a GPU of ``profile``: the largest case's transfer (one pinned
+    buffer and one device buffer serve all three), the products' memory, and its time."""
+    window = _overlap_window(quick)
+    largest = max(experiment.transfer_bytes(profile, 1.1 * f, window) for _, f in OVERLAP_CASES)
+    buffers = max(largest, _CALIBRATION_BYTES[False])
+    rate = profile.link_bytes_per_s * ASSUMED["link_efficiency"]
+
+    def experiment_seconds(nbytes: int, repeats: int) -> float:  # measure_overlap: warm-up, repeats, timeline
+        compute = window  # (the run counts its products from their measured time)
+        transfer = nbytes / rate
+        both = max(compute, transfer)
+        return both + repeats * (compute + transfer + both) + both
+
+    repeats = 3 if quick else 5
+    seconds = experiment_seconds(_CALIBRATION_BYTES[False], 1) + sum(
+        experiment_seconds(experiment.transfer_bytes(profile, f, window), repeats) for _, f in OVERLAP_CASES)
+    return Footprint(buffers, buffers + experiment.matmul_device_bytes(*experiment.GPU_SHAPE), seconds,
+                     f"transfers of ¼, 1 and 4 compute windows of {window * 1e3:.0f} ms over the nominal link, "
+                     f"in one pinned buffer")
+
+
 def overlap(quick: bool = False) -> dict:
     """Measured step over predicted step, max(compute, transfer), in three regimes.
 
     The transfer is sized to a quarter of, equal to, and four times the compute; a ratio near
-    1.0 means the overlap model predicts the machine.
+    1.0 means the overlap model predicts the machine. On a GPU the compute is sized to a window of
+    :data:`offloadlab.experiment.WINDOW` seconds (half of it with ``quick``) from the product's
+    measured time, and no transfer exceeds what :func:`overlap_plan` allows.
     """
     with open_link() as chosen:
-        rows, hidden = (256, 512) if chosen.emulated else (8192, 8192)
-        work = experiment.MatmulWork(rows, hidden, 8 if quick else 16, chosen.device)
-        calibration = experiment.measure_overlap(chosen, "8 MiB" if chosen.emulated else "256 MiB", work, 1)
+        if chosen.emulated:
+            work, limit = experiment.MatmulWork(*experiment.EMULATED_SHAPE, 8 if quick else 16, chosen.device), None
+        else:
+            profile = devices.present()
+            work = experiment.overlap_work(chosen, _overlap_window(quick))
+            limit = {f: experiment.transfer_bytes(profile, 1.1 * f, _overlap_window(quick)) for _, f in OVERLAP_CASES}
+        calibration = experiment.measure_overlap(chosen, _CALIBRATION_BYTES[chosen.emulated], work, 1)
         bandwidth = calibration.nbytes / calibration.t_transfer
         result_rows, ratios = [], {}
-        for name, factor in (("transfer hidden (¼ of compute)", 0.25), ("balanced (equal)", 1.0),
-                             ("bandwidth-bound (4× compute)", 4.0)):
+        for name, factor in reversed(OVERLAP_CASES):  # the largest first: the others reuse its buffers
             nbytes = max(4096, int(factor * calibration.t_compute * bandwidth))
+            if limit is not None:
+                nbytes = min(nbytes, limit[factor])
             r = experiment.measure_overlap(chosen, nbytes, work, repeats=3 if quick else 5)
-            result_rows.append({"contender": name, **r.to_dict()})
+            result_rows.insert(0, {"contender": name, "factor": factor, **r.to_dict()})
             ratios[f"{name}: measured / predicted step"] = r.ratio
+        ratios = dict(reversed(list(ratios.items())))
         source = "emulated" if chosen.emulated else "measured"
     return {"benchmark": "overlap", "source": source, "rows": result_rows, "ratios": ratios,
+            "compute": {"rows": work.rows, "hidden": work.hidden, "products": work.count},
             "provenance": machine.provenance()}
 
 
@@ -148,6 +212,23 @@ def _deepspeed_step(weights):
     return optimizer.step, ""
 
 
+def _adam_params(quick: bool) -> int:
+    return int(16e6 if quick else 64e6)
+
+
+def adam_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
+    """What :func:`adam` asks: host memory only (ordinary, not pinned), bound by its bandwidth."""
+    import importlib.util
+
+    count = _adam_params(quick)
+    contenders = 9  # the floor's update, two variants, the same job, torch's two and the cast, DeepSpeed's two
+    step = 28 * count / ASSUMED["host_bandwidth"]
+    deepspeed = 60.0 if importlib.util.find_spec("deepspeed") else 0.0  # its CPU Adam may compile at first use
+    return Footprint(0, 0, contenders * ((3 if quick else 5) + 1) * step + deepspeed + 2.0,
+                     f"{count / 1e6:.0f} M parameters, every contender in interleaved rounds"
+                     + ("; DeepSpeed's CPU Adam may compile at first use (60 s assumed)" if deepspeed else ""))
+
+
 def adam(quick: bool = False, params: float | None = None, threads: int | None = None) -> dict:
     """The CPU AdamW step against its peers and the memory-bandwidth floor, same threads, one run.
 
@@ -162,7 +243,7 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     """
     from . import cpu_adam
 
-    count = int(params or (16e6 if quick else 64e6))
+    count = int(params or _adam_params(quick))
     threads = threads or torch.get_num_threads()
     repeats = 3 if quick else 5
     kernel = cpu_adam.load()
@@ -222,6 +303,35 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
             "note": "" if deepspeed else f"DeepSpeedCPUAdam: absent ({deepspeed_absent})"}
 
 
+def _offload_setup(gpu: bool, quick: bool):
+    """(config, batch, steps, dtype) of :func:`offload` on a GPU or on the emulated link."""
+    from .models import GPTConfig
+
+    if gpu:
+        return GPTConfig(layers=12, hidden=1024, heads=16, vocab=8192, seq=512), 8, 5 if quick else 20, torch.bfloat16
+    # CPUs without bf16 units emulate bf16 matmuls slowly: fp32 there
+    return GPTConfig(layers=2, hidden=256, heads=4, vocab=1024, seq=64), 4, 3 if quick else 8, torch.float32
+
+
+def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
+    """What :func:`offload` asks of a GPU of ``profile``: CPUOffloadAdam's pinned state (16 bytes
+    per parameter with bf16 weights), and on the device AdamW's contender, the largest: bf16
+    weights, gradients and two moments (8 bytes per parameter) and the saved activations."""
+    from .offload.capacity import saved_activation_bytes
+
+    config, batch, steps, dtype = _offload_setup(True, quick)
+    params = config.params
+    activations = saved_activation_bytes(config, batch, dtype)
+    flops = 6 * params * batch * config.seq  # forward and backward
+    device_step = flops / (profile.bf16_flops * ASSUMED["matmul_efficiency"])
+    offloaded_step = max(device_step, 28 * params / ASSUMED["host_bandwidth"])  # the CPU update's memory traffic
+    build = 3.0  # a fresh model, and for the offloaded ones its pinned state
+    seconds = (build + (steps + 1) * device_step) * 2 + 3 * (build + (steps + 1) * offloaded_step)
+    return Footprint(16 * params, 8 * params + activations, seconds,
+                     f"TinyGPT of {params / 1e6:.0f} M parameters, batch {batch} × {config.seq}, {steps} steps per "
+                     f"contender; activations counted on the meta device")
+
+
 def offload(quick: bool = False) -> dict:
     """Step time of a small GPT under CPUOffloadAdam (at step(), eager, delayed update) against
     plain AdamW on the device and torchao's CPUOffloadOptimizer when installed.
@@ -229,17 +339,13 @@ def offload(quick: bool = False) -> dict:
     Like with like: every contender runs with the same torch threads, and CPUOffloadAdam's CPU
     update with as many OpenMP threads (without a GPU the "device" is those same cores).
     """
-    from .models import GPTConfig, TinyGPT, batches, markov_corpus
+    from .models import TinyGPT, batches, markov_corpus
     from .offload import CPUOffloadAdam
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
-    config = GPTConfig(layers=12, hidden=1024, heads=16, vocab=8192, seq=512) if gpu else \
-        GPTConfig(layers=2, hidden=256, heads=4, vocab=1024, seq=64)
-    batch = 8 if gpu else 4
-    steps = (5 if quick else 20) if gpu else (3 if quick else 8)
+    config, batch, steps, dtype = _offload_setup(gpu, quick)
     corpus = markov_corpus(config.vocab, 50_000)
-    dtype = torch.bfloat16 if gpu else torch.float32  # CPUs without bf16 units emulate bf16 matmuls slowly
 
     threads = torch.get_num_threads() if gpu else max(1, torch.get_num_threads() - 1)  # emulation: a core copies
 
@@ -291,27 +397,66 @@ def offload(quick: bool = False) -> dict:
             "params": config.params, "provenance": machine.provenance(), "note": note}
 
 
+PREFETCH_LAYERS = 8
+PREFETCH_COMPUTE_RATIO = 2.0  # each layer's compute over its transfer: double buffering can then hide the copy
+_PREFETCH_LAYER_BYTES = {True: 4 * MiB, False: 64 * MiB}  # by emulated
+_PREFETCH_HIDDEN = 2048  # on a GPU: (rows × 2048) @ (2048 × 2048) products, rows sized to the link
+_PRODUCTS_PER_TRANSFER = 4  # products that last one layer's transfer: compute is counted in quarters of it
+
+
+def prefetch_shape(profile: devices.DeviceProfile) -> tuple[int, int, int]:
+    """(rows, hidden, products per layer) of a layer's compute on ``profile``: products about a
+    quarter of a layer's transfer long at the datasheet rate, as many as make the compute twice the
+    transfer — so that the real GPU, whose rate is lower, still rounds to a ratio near 2."""
+    transfer = _PREFETCH_LAYER_BYTES[False] / profile.link_bytes_per_s
+    rate = profile.matmul_flops(torch.float32)
+    hidden = _PREFETCH_HIDDEN
+    rows = max(64, round(transfer / _PRODUCTS_PER_TRANSFER * rate / (2 * hidden * hidden) / 64) * 64)
+    per_product = 2 * rows * hidden * hidden / rate
+    return rows, hidden, max(1, round(PREFETCH_COMPUTE_RATIO * transfer / per_product))
+
+
+def prefetch_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
+    """What :func:`prefetch` asks of a GPU of ``profile`` (with Accelerate's comparison, when installed)."""
+    layer = _PREFETCH_LAYER_BYTES[False]
+    sweep = probe.default_sizes_for(emulated=False, quick=True)[-1] + probe.busy_filler_bytes(False)
+    rows, hidden, count = prefetch_shape(profile)
+    streaming = PREFETCH_LAYERS * layer  # the pinned weights (the pageable copies are ordinary memory)
+    accelerate = 16 * 4096 * 4096 * 4  # its Linear stack, streamed from pinned memory by StreamedModel
+    pinned = streaming + max(sweep, accelerate)  # (the weights live through the sweep and the comparison)
+    device = max(sweep, 2 * layer + experiment.matmul_device_bytes(rows, hidden),
+                 2 * 4096 * 4096 * 4 + 3 * 4096 * 4096 * 4)
+    transfer = PREFETCH_LAYERS * layer / (profile.link_bytes_per_s * ASSUMED["link_efficiency"])
+    compute = PREFETCH_COMPUTE_RATIO * transfer
+    passes = 4 * (1 + 5) + 2 * 3  # four variants: a warm-up and five passes each; compute alone thrice
+    return Footprint(pinned, device, passes * (compute + transfer) + 10.0,
+                     f"{PREFETCH_LAYERS} layers of {layer >> 20} MiB, each computing {count} products of "
+                     f"{rows}×{hidden} (twice its transfer at the datasheet rates)")
+
+
 def prefetch(quick: bool = False) -> dict:
     """Layer streaming per variant: step time over max(compute, transfer), and link utilisation.
 
     Eight layers of weights in pinned host memory stream through a prefetcher while each
-    layer's compute (calibrated to twice its transfer) is launched on the device's compute
-    stream; the pageable variant streams ordinary copies of the same weights. On a GPU, also a
-    Linear stack under Accelerate's ``cpu_offload`` against the same stack under
+    layer's compute (twice its transfer: counted from the measured product and transfer times)
+    is launched on the device's compute stream; the pageable variant streams ordinary copies of
+    the same weights. On a GPU the products' shape comes from :func:`prefetch_shape` (quarter-
+    transfer products, so the ratio can be met to within an eighth), and also a Linear stack
+    under Accelerate's ``cpu_offload`` is set against the same stack under
     :class:`~offloadlab.streaming.StreamedModel`.
     """
     from .prefetch import Prefetcher
 
-    layers = 8
+    layers = PREFETCH_LAYERS
     with open_link() as chosen:
         gpu = not chosen.emulated
-        layer_bytes = (64 if gpu else 4) * 2**20
+        layer_bytes = _PREFETCH_LAYER_BYTES[chosen.emulated]
         weights = [chosen.host_buffer(layer_bytes // 4).normal_() for _ in range(layers)]
         pageable = [w.clone() for w in weights]
         peak = probe.fit_sweep(probe.link_sweep(chosen, directions=("h2d",), pinned=(True,), quick=True,
                                                 repeats=3)).beta
         t_layer_transfer = layer_bytes / peak
-        rows_, hidden = (8192, 8192) if gpu else (256, 512)
+        rows_, hidden, _ = prefetch_shape(devices.present()) if gpu else (*experiment.EMULATED_SHAPE, None)
 
         def on_device(work, count=1) -> float:
             """Seconds of ``count`` launches of ``work`` on the compute stream, on the link's clock."""
@@ -322,8 +467,10 @@ def prefetch(quick: bool = False) -> dict:
             return end.time - begin.time
 
         probe_work = experiment.MatmulWork(rows_, hidden, 16, chosen.device)
+        on_device(probe_work)  # warm-up: cuBLAS picks its kernel
         per_product = statistics.median(on_device(probe_work) for _ in range(3)) / 16
-        work = experiment.MatmulWork(rows_, hidden, max(1, math.ceil(2 * t_layer_transfer / per_product)), chosen.device)
+        count = max(1, round(PREFETCH_COMPUTE_RATIO * t_layer_transfer / per_product))
+        work = probe_work.with_count(count)
 
         def one_pass(prefetcher) -> float:
             begin = chosen.mark()
@@ -354,6 +501,7 @@ def prefetch(quick: bool = False) -> dict:
             by_name["synchronous copy"] / by_name["double buffered"]
         ratios["double buffered: link bandwidth / pinned peak (GPU target ≥ 0.90)"] = \
             result_rows[0]["link_percent_of_peak"] / 100
+        ratios["compute / transfer per layer (aimed at 2)"] = compute_alone / transfer_alone
         source = "measured" if gpu else "emulated"
     note = "median of 5 passes per variant"
     try:
@@ -367,6 +515,7 @@ def prefetch(quick: bool = False) -> dict:
             note += "; Accelerate cpu_offload: needs a GPU"
     return {"benchmark": "prefetch", "source": source, "rows": result_rows, "ratios": ratios,
             "compute_seconds": compute_alone, "transfer_seconds": transfer_alone, "peak_bytes_per_s": peak,
+            "compute": {"rows": rows_, "hidden": hidden, "products_per_layer": count},
             "provenance": machine.provenance(), "note": note}
 
 
@@ -406,6 +555,17 @@ def _nvme_bytes(quick: bool, nbytes=None) -> int:
     if size < 2**20:
         raise ValueError(f"nbytes: expected at least 1 MiB; got {nbytes!r}")
     return size - size % 2**20
+
+
+def nvme_plan(profile: devices.DeviceProfile | None = None, quick: bool = False) -> Footprint:
+    """What :func:`nvme` asks: no pinned or device memory; time bound by the disk (see :data:`ASSUMED`)."""
+    size, repeats = _nvme_bytes(quick), 2 if quick else 3
+    # per depth: both tiers' two slots written once, then per repeat each tier writes and reads and the
+    # probe writes twice (untimed, then timed) and reads, at that depth and at its own
+    moved = len(NVME_DEPTHS) * size * (4 + repeats * 10)
+    return Footprint(0, 0, moved / ASSUMED["disk_bandwidth"] + 2.0,
+                     f"{size >> 20} MiB of state at queue depths {', '.join(map(str, NVME_DEPTHS))}, "
+                     f"{moved / 1e9:.0f} GB of disk traffic")
 
 
 def check_nvme_folder(folder=".", quick: bool = False, nbytes=None) -> None:

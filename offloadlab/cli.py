@@ -403,6 +403,32 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_gpu_check(args) -> int:
+    from . import gpucheck
+
+    if not args.dry_run:
+        for flag, given in (("--profile", args.profile), ("--json", args.json)):
+            if given is not None:
+                raise UsageError(f"{flag}: only with --dry-run (the real run measures the GPU present)")
+        if args.disk is not None and not Path(args.disk).is_dir():
+            raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
+        return gpucheck.run(Path(args.out), quick=not args.full, disk=Path(args.disk) if args.disk else None)
+    target = _output_target(args.json, args.force)
+    with _arguments(profile="--profile"):
+        profile = gpucheck.profile_for(args.profile)
+    planned = gpucheck.plan(profile, quick=not args.full)
+    text = _dumps(planned, indent=1) + "\n"
+    saves = [] if target is None else [("--json", target, lambda path: files.write_atomically(path, text, args.force),
+                                        f"wrote the plan to {target}")]
+    notes, faults = _save(saves, text)
+    print(gpucheck.format_plan(planned))
+    for note in notes:
+        print(note)
+    if faults:
+        raise Fault("; ".join(faults))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="offloadlab", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -477,6 +503,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--force", action="store_true", help="replace an existing --json file")
     bench.add_argument("--disk", metavar="DIR", help="folder for bench nvme's scratch files (default: here)")
     bench.set_defaults(run=_cmd_bench)
+
+    check = commands.add_parser("gpu-check", help="the GPU kit: every CUDA path, benchmarks and reference data "
+                                                  "(or, with --dry-run, its plan)")
+    check.add_argument("--dry-run", action="store_true",
+                       help="print the plan (memory and time of each part) and run nothing heavy; works without a GPU")
+    check.add_argument("--profile", help="with --dry-run: plan for this GPU instead of the one present: "
+                                         "h100-sxm, h200, a100-40gb, l4 or rtx-4090")
+    check.add_argument("--json", metavar="FILE", help="with --dry-run: write the plan to FILE")
+    check.add_argument("--force", action="store_true", help="replace an existing --json file")
+    check.add_argument("--full", action="store_true", help="full-size benchmarks and probe (past 8 minutes)")
+    check.add_argument("--quick", action="store_true", help="quick benchmarks and probe (the default)")
+    check.add_argument("--out", default="build/gpu-check", help="folder for the results and logs (default build/gpu-check)")
+    check.add_argument("--disk", metavar="DIR", help="folder for the NVMe bench's scratch files (default: --out)")
+    check.set_defaults(run=_cmd_gpu_check)
     return parser
 
 

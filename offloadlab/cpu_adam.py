@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from . import kernel_build
+from . import cores, kernel_build
 
 __all__ = ["adamw_step", "grad_sum_of_squares", "backend", "load", "Kernel", "Library", "bytes_per_param",
            "default_threads", "TORCH", "VARIANT_ENV"]
@@ -119,8 +119,9 @@ _opened: Library | None = None
 
 
 def default_threads() -> int:
-    """All cores but one: the remaining core drives the copies and the training loop."""
-    return max(1, (os.cpu_count() or 2) - 1)
+    """Every core this process may use but one (its affinity and cgroup CPU quota, see
+    :mod:`offloadlab.cores`): the remaining core drives the copies and the training loop."""
+    return cores.worker_threads()
 
 
 def bytes_per_param(grad_dtype=torch.bfloat16, out_dtype=torch.bfloat16) -> int:

@@ -4,6 +4,14 @@ Compute is a chain of matrix products on the compute stream (on the CPU's main t
 the emulated link); the transfer runs on the link's copy stream (its copy thread). Times
 come from the link's clock: CUDA events on a GPU, the copy thread's timestamps otherwise.
 Every result says whether it is ``measured`` or ``emulated``. Units: seconds and bytes.
+
+Sizes follow the device (:func:`overlap_work`): on a GPU the products are sized for a compute
+window of :data:`WINDOW` seconds from the GPU's measured product time (planned beforehand from
+its :class:`~offloadlab.devices.DeviceProfile`), so a transfer of a few windows' worth stays a
+few GB. Sized from a fixed count of products instead, 16 fp32 8192³ products with TF32 off take
+about a third of a second on an H100: transfers of a quarter of, one and four times that came to
+94 GB, all kept. :func:`measure_overlap` also keeps one pinned buffer per link, the largest asked
+for, so a series of experiments holds its largest transfer, not their sum.
 """
 
 from __future__ import annotations
@@ -14,15 +22,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import overlap
+from . import devices, overlap
 from .link import Link
 from .units import parse_size
 
-__all__ = ["MatmulWork", "OverlapResult", "measure_overlap", "CrossoverResult", "measure_crossover"]
+__all__ = ["MatmulWork", "OverlapResult", "measure_overlap", "CrossoverResult", "measure_crossover",
+           "WINDOW", "GPU_SHAPE", "overlap_work", "planned_count", "transfer_bytes", "matmul_device_bytes"]
+
+WINDOW = 0.04  # seconds of compute the overlap experiments hide transfers behind, on a GPU
+GPU_SHAPE = (2048, 4096)  # rows × hidden of each product on a GPU (fp32: 69 GFLOP, 1–4 ms)
+EMULATED_SHAPE = (256, 512)  # on the emulated link (a CPU's products)
 
 
 class MatmulWork:
-    """``count`` products of a (rows × hidden) activation with a (hidden × hidden) weight."""
+    """``count`` products of a (rows × hidden) activation with a (hidden × hidden) weight (fp32)."""
 
     def __init__(self, rows: int, hidden: int, count: int, device):
         for name, value in (("rows", rows), ("hidden", hidden), ("count", count)):
@@ -31,8 +44,20 @@ class MatmulWork:
         generator = torch.Generator().manual_seed(0)
         self.x = torch.randn(rows, hidden, generator=generator).to(device)
         self.w = (torch.randn(hidden, hidden, generator=generator) / hidden**0.5).to(device)
-        self.count = count
+        self.rows, self.hidden, self.count = rows, hidden, count
         self.flops = 2.0 * rows * hidden * hidden * count
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory while it runs (see :func:`matmul_device_bytes`)."""
+        return matmul_device_bytes(self.rows, self.hidden)
+
+    def with_count(self, count: int) -> "MatmulWork":
+        """The same products (same tensors), ``count`` of them."""
+        work = MatmulWork.__new__(MatmulWork)
+        work.x, work.w, work.rows, work.hidden, work.count = self.x, self.w, self.rows, self.hidden, count
+        work.flops = 2.0 * self.rows * self.hidden * self.hidden * count
+        return work
 
     def __call__(self) -> torch.Tensor:
         y = self.x
@@ -72,17 +97,61 @@ class OverlapResult:
                 "ratio": self.ratio, "regime": self.predicted.regime, "source": self.source}
 
 
-_BUFFERS: "weakref.WeakKeyDictionary[Link, dict]" = weakref.WeakKeyDictionary()
+def matmul_device_bytes(rows: int, hidden: int) -> int:
+    """Device memory of a :class:`MatmulWork` while it runs: fp32 activation and weight, and two
+    products alive at once (the one being read and the one being written)."""
+    return 4 * (3 * rows * hidden + hidden * hidden)
+
+
+def planned_count(profile: devices.DeviceProfile, shape=GPU_SHAPE, window: float = WINDOW) -> int:
+    """Products of ``shape`` that fill ``window`` seconds on ``profile`` at its datasheet fp32
+    rate (TF32 as torch is set now), at least one."""
+    rows, hidden = shape
+    return max(1, round(window * profile.matmul_flops(torch.float32) / (2.0 * rows * hidden * hidden)))
+
+
+def transfer_bytes(profile: devices.DeviceProfile, factor: float, window: float = WINDOW) -> int:
+    """Bytes of a transfer ``factor`` compute windows long over ``profile``'s nominal link: an upper
+    bound for the real link, which is slower."""
+    return int(factor * window * profile.link_bytes_per_s) // 4 * 4
+
+
+def overlap_work(link: Link, window: float | None = None) -> MatmulWork:
+    """The chain of products for an overlap experiment on ``link``'s device.
+
+    On a GPU: products of :data:`GPU_SHAPE`, as many as fill ``window`` seconds (default
+    :data:`WINDOW`, half of it in the kit's quick mode, :func:`offloadlab.devices.quick_mode`),
+    counted from the product's time measured here (the datasheet's rate is a peak; the real one
+    is lower, and TF32 may be on or off). On the emulated link: a CPU's small products, eight.
+    """
+    if window is None:
+        window = WINDOW / 2 if devices.quick_mode() else WINDOW
+    if link.emulated:
+        return MatmulWork(*EMULATED_SHAPE, 8, link.device)
+    one = MatmulWork(*GPU_SHAPE, 1, link.device)
+    one()  # warm-up: cuBLAS picks its kernel
+    seconds = []
+    for _ in range(3):
+        begin = link.mark()
+        one()
+        seconds.append(link.mark().time - begin.time)
+    return one.with_count(max(1, round(window / statistics.median(seconds))))
+
+
+_BUFFERS: "weakref.WeakKeyDictionary[Link, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _buffers(link: Link, nbytes):
-    """Pinned host and device buffers of ``nbytes``, reused per link (pinned memory lives until close)."""
+    """Pinned host and device buffers of ``nbytes``: views of one pair per link, the largest asked
+    for so far (pinned memory lives until the link is dropped), so that a series of experiments
+    holds the largest transfer, not the sum of them."""
     size = int(parse_size(nbytes, "nbytes"))
     numel = max(1, size // 4)
-    cache = _BUFFERS.setdefault(link, {})
-    if numel not in cache:
-        cache[numel] = (link.host_buffer(numel), link.device_buffer(numel))
-    return (*cache[numel], numel * 4)
+    host, device = _BUFFERS.get(link, (None, None))
+    if host is None or host.numel() < numel:
+        host = device = _BUFFERS.pop(link, None)  # the smaller pair goes before the larger one is made
+        _BUFFERS[link] = host, device = link.host_buffer(numel), link.device_buffer(numel)
+    return host[:numel], device[:numel], numel * 4
 
 
 def _run_once(link: Link, work: MatmulWork, host, device, mode: str):

@@ -24,6 +24,10 @@ The ordering contract, identical on both links:
 - Pinned host memory from :meth:`Link.host_buffer` belongs to whoever asked for it: it is
   unpinned and freed when the last tensor using it is dropped. :attr:`Link.pinned_bytes` says
   how much is alive. The link keeps the tensors of a copy alive until the copy has finished.
+- Fresh buffers from :meth:`Link.host_buffer` and :meth:`Link.device_buffer` hold poison
+  (:data:`POISON_BYTE` in every byte: NaN in every floating-point format, -1 or the maximum in
+  integers), on both links: on a GPU an uninitialised buffer holds whatever was there before, so
+  a read before the first write must show on a CPU too, not pass because memory came zeroed.
 
 Times are seconds on the link's own clock, which starts when the link is made. Sizes are
 bytes, bandwidths bytes per second. Use :func:`open_link` to get the right link for this machine.
@@ -43,6 +47,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from . import cores
 from .units import parse_bandwidth, parse_duration
 
 __all__ = [
@@ -56,6 +61,8 @@ __all__ = [
     "pinned_allocation_bytes",
     "DEFAULT_EMULATED_BANDWIDTH",
     "DEFAULT_EMULATED_LATENCY",
+    "POISON_BYTE",
+    "poison",
 ]
 
 # The emulated link is scaled to CPU compute, which is about a hundred times slower than a
@@ -65,6 +72,16 @@ DEFAULT_EMULATED_BANDWIDTH = 2e9
 DEFAULT_EMULATED_LATENCY = 20e-6
 _CHUNK_BYTES = 1 << 20  # the emulated engines move and pace data a MiB at a time
 _DIRECTIONS = ("h2d", "d2h")
+# What fresh buffers hold: all-ones bytes are a NaN in fp32, fp16, bf16 and fp64 alike (exponent
+# all ones, mantissa not zero), so flat byte buffers later viewed as floats are poisoned too.
+POISON_BYTE = 0xFF
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill contiguous ``t`` with :data:`POISON_BYTE` in every byte (in place) and return it."""
+    if t.numel():
+        t.view(-1).view(torch.uint8).fill_(POISON_BYTE)
+    return t
 
 
 def pinned_allocation_bytes(nbytes: int) -> int:
@@ -86,8 +103,8 @@ def _nbytes(t: torch.Tensor) -> int:
 class Marker:
     """A point in the compute stream, recorded by :meth:`Link.mark`."""
 
-    def __init__(self, link: "Link", event=None, stream=None):
-        self._link, self._event, self._stream = link, event, stream
+    def __init__(self, link: "Link", event=None, stream=None, anchor=None):
+        self._link, self._event, self._stream, self._anchor = link, event, stream, anchor
         self._when: float | None = None
         self._reached = threading.Event()  # the emulated compute stream sets it
 
@@ -101,7 +118,7 @@ class Marker:
         if self._when is None:
             if self._event is not None:
                 self._event.synchronize()
-                self._when = self._link._epoch.elapsed_time(self._event) / 1e3
+                self._when = self._anchor.seconds_to(self._event)
             else:
                 self._reached.wait()
         return self._when
@@ -148,13 +165,19 @@ class Transfer:
 
     @property
     def elapsed(self) -> float:
-        """Seconds the copy took."""
+        """Seconds the copy took (blocks until done)."""
         return self.end - self.start
 
     @property
     def bandwidth(self) -> float:
-        """Achieved bytes per second."""
-        return self.nbytes / self.elapsed
+        """Achieved bytes per second (blocks until done). A copy too short for the link's clock to
+        see (a duration of 0) has no bandwidth: that is an error, not a division by zero."""
+        elapsed = self.elapsed
+        if not elapsed > 0:
+            raise RuntimeError(f"Transfer.bandwidth: the {self.direction} copy {self.label!r} of {self.nbytes} bytes "
+                               f"took {elapsed:.3g} s, below the resolution of the link's clock "
+                               f"({self.link.resolution:.3g} s); time a larger copy, or several")
+        return self.nbytes / elapsed
 
 
 class Recording:
@@ -182,13 +205,13 @@ class _PinnedLedger:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._live: dict[int, int] = {}
+        self._live: dict[int, tuple[int, str]] = {}  # address → (bytes pinned, how)
 
-    def add(self, tensor: torch.Tensor, nbytes: int, release=None) -> None:
+    def add(self, tensor: torch.Tensor, nbytes: int, how: str, release=None) -> None:
         storage = tensor.untyped_storage()
         address = storage.data_ptr()
         with self._lock:
-            self._live[address] = nbytes
+            self._live[address] = (nbytes, how)
         weakref.finalize(storage, self._drop, address, release)
 
     def _drop(self, address: int, release) -> None:
@@ -196,6 +219,11 @@ class _PinnedLedger:
             release()
         with self._lock:
             self._live.pop(address, None)
+
+    def pinning(self, tensor: torch.Tensor) -> str | None:
+        with self._lock:
+            entry = self._live.get(tensor.untyped_storage().data_ptr()) if tensor.device.type == "cpu" else None
+        return None if entry is None else entry[1]
 
     def holds(self, tensor: torch.Tensor) -> bool:
         if tensor.device.type != "cpu":
@@ -208,7 +236,7 @@ class _PinnedLedger:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(self._live.values())
+            return sum(nbytes for nbytes, _ in self._live.values())
 
 
 class Link(ABC):
@@ -231,7 +259,8 @@ class Link(ABC):
     # ------------------------------------------------------------------ memory
 
     def host_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
-        """An exact-size host tensor that DMA can read and write (page-locked).
+        """An exact-size host tensor that DMA can read and write (page-locked), uninitialised: it
+        holds poison (see the module docstring).
 
         It belongs to the caller: its pinning is released, and it is counted out of
         :attr:`pinned_bytes`, when the last tensor using its memory is dropped.
@@ -248,9 +277,18 @@ class Link(ABC):
         """Bytes of page-locked host memory from :meth:`host_buffer` that are still alive."""
         return self._ledger.nbytes
 
+    def pinning_of(self, tensor: torch.Tensor) -> str | None:
+        """How the memory of a buffer from :meth:`host_buffer` was pinned: ``"registered"``
+        (``cudaHostRegister``, exact size), ``"caching allocator"`` (PyTorch's pinned allocator,
+        rounded up to a power of two) or ``"emulated"``; None for memory the link did not hand out."""
+        return self._ledger.pinning(tensor)
+
+    #: Seconds: the finest duration the link's clock tells apart (CUDA events: about 0.5 µs).
+    resolution: float = 0.5e-6
+
     def device_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
-        """An uninitialised tensor on the link's device."""
-        return torch.empty(shape, dtype=dtype, device=self.device)
+        """A tensor on the link's device, uninitialised: it holds poison (see the module docstring)."""
+        return poison(torch.empty(shape, dtype=dtype, device=self.device))
 
     @abstractmethod
     def is_pinned(self, tensor: torch.Tensor) -> bool:
@@ -518,7 +556,7 @@ class _CoreReservation:
         with self._lock:
             if self._holders == 0:
                 self._restore = torch.get_num_threads()
-                torch.set_num_threads(max(1, min(self._restore, (os.cpu_count() or 2) - 1)))
+                torch.set_num_threads(max(1, min(self._restore, cores.worker_threads())))
             self._holders += 1
 
     def give_back(self) -> None:
@@ -558,6 +596,7 @@ class EmulatedLink(Link):
 
     emulated = True
     device = torch.device("cpu")
+    resolution = time.get_clock_info("perf_counter").resolution
 
     def __init__(self, bandwidth=DEFAULT_EMULATED_BANDWIDTH, latency=DEFAULT_EMULATED_LATENCY,
                  pageable_fraction: float = 0.5, reserve_core: bool = True):
@@ -569,7 +608,7 @@ class EmulatedLink(Link):
             raise ValueError(f"pageable_fraction: expected a fraction in (0, 1]; got {pageable_fraction!r}")
         self.pageable_fraction = float(pageable_fraction)
         self._epoch = time.perf_counter()
-        self._reserving = reserve_core and (os.cpu_count() or 1) > 1
+        self._reserving = reserve_core and cores.usable_cores() > 1
         if self._reserving:
             _CORE_RESERVATION.take()
         self._compute = _EmulatedStream(self, "emulated-compute")
@@ -585,14 +624,14 @@ class EmulatedLink(Link):
         return time.perf_counter() - self._epoch
 
     def _allocate_pinned(self, shape, dtype) -> torch.Tensor:
-        # Page-locked memory is resident: fault its pages in now, not during the first copy.
-        buffer = torch.zeros(shape, dtype=dtype)
+        # Page-locked memory is resident: the poison faults its pages in now, not during the first copy.
+        buffer = poison(torch.empty(shape, dtype=dtype))
         if _nbytes(buffer):
-            self._ledger.add(buffer, _nbytes(buffer))
+            self._ledger.add(buffer, _nbytes(buffer), "emulated")
         return buffer
 
     def device_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype)  # device memory has no first-touch page faults
+        return poison(torch.empty(shape, dtype=dtype))  # (the poison also faults the pages in now)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return self._ledger.holds(tensor)
@@ -696,11 +735,69 @@ def _sleep_until(deadline: float) -> None:
 
 # ----------------------------------------------------------------------------- CUDA
 
+class _Anchor:
+    """A reference event of an :class:`_EventClock` and its offset from the clock's epoch.
+
+    The offset is resolved on first use, as the previous anchor's offset plus the interval from
+    it (both events done by then), summed in float64: every step is a short interval, so float32's
+    rounding never grows with the link's age.
+    """
+
+    def __init__(self, event, previous: "_Anchor | None", offset: float | None = None):
+        self.event, self._previous, self._offset = event, previous, offset
+
+    def offset(self) -> float:
+        chain, anchor = [], self
+        while anchor._offset is None:  # (a loop, not recursion: the chain may be long)
+            chain.append(anchor)
+            anchor = anchor._previous
+        for anchor in reversed(chain):
+            anchor.event.synchronize()
+            anchor._offset = anchor._previous._offset + anchor._previous.event.elapsed_time(anchor.event) / 1e3
+            anchor._previous = None  # resolved: the older anchors are no longer needed
+        return self._offset
+
+    def seconds_to(self, event) -> float:
+        """Seconds from the clock's epoch to ``event`` (which must be done)."""
+        return self.offset() + self.event.elapsed_time(event) / 1e3
+
+
+class _EventClock:
+    """Times of CUDA events in seconds since an epoch, precise however long the link lives.
+
+    ``cudaEventElapsedTime`` answers in float32 milliseconds: measured from one epoch event, its
+    step is 7.8 µs two minutes on and a quarter of a millisecond after an hour, so an 8 µs copy
+    would read 0 or 15.6 µs and timelines would be quantised. Instead every event is timed from an
+    *anchor* recorded just before it: a new anchor is recorded, on an idle stream of the clock's
+    own (so it completes at once), when the last is ``every`` seconds old in host time.
+    ``record()`` records and returns an event on that stream.
+    """
+
+    def __init__(self, record, every: float = 1.0, now=time.perf_counter):
+        self._record, self._every, self._now = record, every, now
+        epoch = record()
+        epoch.synchronize()
+        self._latest, self._when = _Anchor(epoch, None, 0.0), now()
+        self._lock = threading.Lock()
+
+    def anchor(self) -> _Anchor:
+        """The anchor to time an event recorded from now on against."""
+        with self._lock:
+            now = self._now()
+            if now - self._when >= self._every:
+                previous = self._latest
+                self._latest, self._when = _Anchor(self._record(), previous), now
+                if previous.event.query():
+                    previous.offset()  # keep the chain short while nobody asks for times
+            return self._latest
+
+
 class _CudaTransfer(Transfer):
-    def __init__(self, link, direction, nbytes, pinned, label, tensors):
+    def __init__(self, link, direction, nbytes, pinned, label, tensors, anchor: _Anchor):
         super().__init__(link, direction, nbytes, pinned, label)
         self._begin = torch.cuda.Event(enable_timing=True)
         self._finish = torch.cuda.Event(enable_timing=True)
+        self._anchor = anchor
         self._tensors = tensors  # kept alive until the copy is known to be done
 
     def done(self) -> bool:
@@ -717,14 +814,19 @@ class _CudaTransfer(Transfer):
         torch.cuda.current_stream(self.link.device).wait_event(self._finish)
 
     @property
+    def elapsed(self) -> float:
+        """Seconds from the copy's begin event to its finish event, measured between the two."""
+        self.synchronize()
+        return self._begin.elapsed_time(self._finish) / 1e3
+
+    @property
     def start(self) -> float:
         self.synchronize()
-        return self.link._epoch.elapsed_time(self._begin) / 1e3
+        return self._anchor.seconds_to(self._begin)
 
     @property
     def end(self) -> float:
-        self.synchronize()
-        return self.link._epoch.elapsed_time(self._finish) / 1e3
+        return self.start + self.elapsed
 
 
 class CudaLink(Link):
@@ -740,8 +842,14 @@ class CudaLink(Link):
 
     Pinned buffers are ordinary host allocations registered with ``cudaHostRegister`` (exact
     size, no power-of-two rounding; portable across contexts) and unregistered when their memory
-    is freed. Where registration is refused (``ulimit -l`` too low, as in many containers), the
-    link clears CUDA's error state and falls back to PyTorch's pinned allocator, which rounds up, and warns once.
+    is freed. Where the driver refuses a registration (the host cannot lock that much memory — a
+    container's memory limit, or too little free RAM — or the platform does not support it), the
+    link clears CUDA's error state, falls back to PyTorch's pinned allocator, which rounds each
+    buffer up to a power of two, and says so in a UserWarning naming CUDA's reason;
+    :meth:`pinning_of` tells which way a buffer was pinned.
+
+    Times: each transfer's duration is the interval between its own begin and finish events; its
+    start, and a marker's time, are measured from a recent anchor event (see :class:`_EventClock`).
     """
 
     emulated = False
@@ -759,35 +867,41 @@ class CudaLink(Link):
         self._in_flight: collections.deque = collections.deque()
         self._issuing = threading.Lock()  # copies are issued from several threads (an optimizer's worker)
         self._warned_fallback = False
-        self._epoch = torch.cuda.Event(enable_timing=True)
-        self._epoch.record(torch.cuda.current_stream(self.device))
-        self._epoch.synchronize()
+        clock_stream = torch.cuda.Stream(self.device)  # idle but for the clock's anchors
+        self._clock = _EventClock(lambda: self._event_on(clock_stream))
         self._epoch_host = time.perf_counter()  # host time of the epoch, to place CPU work on the same clock
 
     def __repr__(self) -> str:
         return f"CudaLink({torch.cuda.get_device_name(self.device)})"
 
+    @staticmethod
+    def _event_on(stream):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
     def _allocate_pinned(self, shape, dtype) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype)
+        buffer = poison(torch.empty(shape, dtype=dtype))  # (its pages faulted in before they are pinned)
         nbytes = _nbytes(buffer)
         if nbytes == 0:
             return buffer
         cudart = torch.cuda.cudart()
         address = buffer.data_ptr()
         # Flag 1 (cudaHostRegisterPortable): pinned for every CUDA context, as PyTorch pins.
-        if int(cudart.cudaHostRegister(address, nbytes, 1)) == 0:
-            self._ledger.add(buffer, nbytes, release=lambda: cudart.cudaHostUnregister(address))
+        status = cudart.cudaHostRegister(address, nbytes, 1)
+        if int(status) == 0:
+            self._ledger.add(buffer, nbytes, "registered", release=lambda: cudart.cudaHostUnregister(address))
             return buffer
         # A refused call leaves CUDA's per-thread "last error" set, and the next kernel launch on this
         # thread would report it as its own failure: clear it before going on.
         _clear_cuda_error()
+        rounded = pinned_allocation_bytes(nbytes)
         if not self._warned_fallback:
-            warnings.warn("cudaHostRegister was refused (is `ulimit -l` low in this container?); pinned "
-                          "buffers now come from PyTorch's allocator, which rounds each up to a power of two",
-                          ResourceWarning, stacklevel=3)
+            warnings.warn(_fallback_warning(nbytes, rounded, int(status), _cuda_error_text(cudart, status)),
+                          UserWarning, stacklevel=3)
             self._warned_fallback = True
-        buffer = torch.empty(shape, dtype=dtype, pin_memory=True)
-        self._ledger.add(buffer, pinned_allocation_bytes(nbytes))
+        buffer = poison(torch.empty(shape, dtype=dtype, pin_memory=True))
+        self._ledger.add(buffer, rounded, "caching allocator")
         return buffer
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
@@ -803,7 +917,7 @@ class CudaLink(Link):
             stream.wait_stream(torch.cuda.current_stream(self.device))
         elif isinstance(after, Marker):
             stream.wait_event(after._event)
-        transfer = _CudaTransfer(self, direction, nbytes, pinned, label, (dst, src, scatter))
+        transfer = _CudaTransfer(self, direction, nbytes, pinned, label, (dst, src, scatter), self._clock.anchor())
         with torch.cuda.stream(stream):
             transfer._begin.record(stream)
             dst.copy_(src, non_blocking=True)
@@ -833,13 +947,36 @@ class CudaLink(Link):
         return self._record(marker._stream)
 
     def _record(self, stream) -> Marker:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return Marker(self, event=event, stream=stream)
+        anchor = self._clock.anchor()
+        return Marker(self, event=self._event_on(stream), stream=stream, anchor=anchor)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
         self._in_flight.clear()
+
+
+def _cuda_error_text(cudart, status) -> str:
+    try:
+        return str(cudart.cudaGetErrorString(status))
+    except Exception:  # an old binding: the number is still said
+        return "no description"
+
+
+# cudaError_t values cudaHostRegister returns, with what each means for the person running it.
+_REGISTER_REFUSALS = {
+    2: "the host could not lock that much memory: it has less free RAM than asked, or the process's "
+       "memory limit (a container's, a job's cgroup) is lower",
+    712: "the memory was already registered",
+    801: "this platform does not support registering ordinary host memory (some virtualised GPUs, WSL)",
+}
+
+
+def _fallback_warning(nbytes: int, rounded: int, code: int, text: str) -> str:
+    """The warning for a refused cudaHostRegister: CUDA's own reason, what it means, what it costs."""
+    meaning = _REGISTER_REFUSALS.get(code, "see CUDA's description")
+    return (f"cudaHostRegister refused {nbytes} bytes with CUDA error {code} ({text}): {meaning}. Pinned buffers "
+            f"now come from PyTorch's caching allocator, which rounds each up to a power of two (this one: "
+            f"{nbytes} → {rounded} bytes) and keeps freed blocks; link.pinned_bytes counts the rounded sizes")
 
 
 def _clear_cuda_error() -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from . import cores
+
 __all__ = [
     "Accelerator",
     "PCIeLink",
@@ -88,6 +90,7 @@ class Machine:
     cpu: str
     logical_cores: int
     physical_cores: int | None
+    usable_cores: int  # what this process may run on: affinity and cgroup quota (offloadlab.cores)
     host_memory_bytes: int
     accelerator: Accelerator
     pcie: PCIeLink
@@ -165,6 +168,7 @@ def describe(disk_path: str | os.PathLike = ".") -> Machine:
         cpu=_cpu_name(),
         logical_cores=os.cpu_count() or 1,
         physical_cores=psutil.cpu_count(logical=False),
+        usable_cores=cores.usable_cores(),
         host_memory_bytes=psutil.virtual_memory().total,
         accelerator=acc,
         pcie=pcie_link() if acc.kind == "cuda" else PCIeLink(source="unknown (no NVIDIA GPU)"),
@@ -180,6 +184,7 @@ def provenance() -> dict:
         "hostname": socket.gethostname(),
         "cpu": _cpu_name(),
         "logical_cores": os.cpu_count(),
+        "usable_cores": cores.usable_cores(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm  # plain bars: hidden where stderr is not a terminal (notebooks, CI)
 
-from . import machine
+from . import cores, machine
 from .link import Link
 from .units import format_bandwidth, format_size, parse_count, parse_size
 
@@ -38,6 +38,8 @@ __all__ = [
     "bidirectional",
     "fit_alpha_beta",
     "fit_sweep",
+    "busy_filler_bytes",
+    "default_sizes_for",
     "check_disk_folder",
     "disk_bandwidth",
     "default_sizes",
@@ -78,6 +80,9 @@ def _summary(samples: list[float]) -> tuple[float, tuple[float, float]]:
 
 
 def _bandwidth_record(quantity, nbytes, seconds, source, method, params, note="") -> Measurement:
+    if not all(s > 0 for s in seconds):
+        raise ValueError(f"seconds: a {quantity} sample of {nbytes} bytes took no measurable time "
+                         f"({min(seconds):.3g} s); measure larger sizes")
     rates = [nbytes / s for s in seconds]
     value, spread = _summary(rates)
     return Measurement(quantity, value, "B/s", source, method, len(seconds), spread,
@@ -98,10 +103,9 @@ def _host_seconds(fn, repeats: int, warmup: int = 1) -> list[float]:
 def host_memory_bandwidth(nbytes="256 MiB", threads=None, repeats: int = 5) -> list[Measurement]:
     """Host DRAM bandwidth for a copy (read + write: 2 × nbytes) and an in-place update
     ``a += b`` (read a, read b, write a: 3 × nbytes), for each torch thread count in ``threads``
-    (default: 1 and every core)."""
+    (default: 1 and every core this process may use, :func:`offloadlab.cores.usable_cores`)."""
     size = int(parse_size(nbytes, "nbytes"))
-    cores = os.cpu_count() or 1
-    counts = sorted({1, cores}) if threads is None else list(threads)
+    counts = sorted({1, cores.usable_cores()}) if threads is None else list(threads)
     for n in counts:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"threads: expected positive integers; got {n!r}")
@@ -148,7 +152,12 @@ def device_memory_bandwidth(nbytes="1 GiB", repeats: int = 10) -> Measurement:
 def default_sizes(link: Link, quick: bool = False) -> list[int]:
     """Transfer sizes for a sweep, 4 KiB upwards by factors of 4, scaled to the machine:
     up to 1 GiB on a GPU (256 MiB with ``quick``), 64 MiB on the emulated link (16 MiB quick)."""
-    top = (16 if quick else 64) * 2**20 if link.emulated else (256 if quick else 1024) * 2**20
+    return default_sizes_for(link.emulated, quick)
+
+
+def default_sizes_for(emulated: bool, quick: bool = False) -> list[int]:
+    """:func:`default_sizes` of a link that is, or is not, emulated (for plans made without one)."""
+    top = (16 if quick else 64) * 2**20 if emulated else (256 if quick else 1024) * 2**20
     sizes, size = [], 4 * 2**10
     while size <= top:
         sizes.append(size)
@@ -160,12 +169,24 @@ def _link_source(link: Link) -> str:
     return "emulated" if link.emulated else "measured"
 
 
-def _timed_transfers(link: Link, direction: str, host, device, repeats: int) -> list[float]:
+def busy_filler_bytes(emulated: bool) -> int:
+    """Bytes of the copy issued ahead of each timed one (see :func:`link_sweep`): long enough on
+    the engine (about 0.3 ms on a GPU's PCIe 5 link, 0.5 ms on the emulated one at its default
+    rate) for the host to issue the timed copy behind it, which takes tens of microseconds."""
+    return (1 if emulated else 16) * 2**20
+
+
+def _timed_transfers(link: Link, direction: str, host, device, repeats: int, filler) -> list[float]:
+    """Seconds of each of ``repeats`` copies, each issued while its engine is still busy with a
+    ``filler`` copy (host, device) in the same direction: the copy's begin event then fires when
+    the engine turns to it, not when the host asked, so its time holds no dispatch by the host."""
     start = link.to_device if direction == "h2d" else link.to_host
     pair = (device, host) if direction == "h2d" else (host, device)
+    ahead = (filler[1], filler[0]) if direction == "h2d" else filler
     start(*pair).synchronize()  # warm-up
     seconds = []
     for _ in range(repeats):
+        start(*ahead)
         transfer = start(*pair)
         transfer.synchronize()
         seconds.append(transfer.elapsed)
@@ -177,7 +198,11 @@ def link_sweep(link: Link, sizes=None, directions=("h2d", "d2h"), pinned=(True, 
     """Bandwidth of single transfers over ``link`` for every size, direction and memory kind.
 
     Each transfer is timed on the link's own clock (CUDA events, or the emulated copy
-    thread's timestamps), after one warm-up; the record's value is the median bandwidth.
+    thread's timestamps), after one warm-up; the record's value is the median bandwidth. Each is
+    issued while its copy engine is still busy with a pinned copy of :func:`busy_filler_bytes`
+    ahead of it (as bandwidth tests such as nvbandwidth queue work first), so a small copy's time
+    — the α of :func:`fit_alpha_beta` — is the engine's own latency, without the microseconds the
+    host takes to issue the copy. Each record says how its host memory was pinned.
     """
     if sizes is None:
         chosen = default_sizes(link, quick)
@@ -196,15 +221,20 @@ def link_sweep(link: Link, sizes=None, directions=("h2d", "d2h"), pinned=(True, 
     device = link.device_buffer(largest)
     hosts = {True: link.host_buffer(largest) if True in pinned else None,
              False: torch.zeros(largest) if False in pinned else None}  # ordinary, pageable memory
+    filler_bytes = busy_filler_bytes(link.emulated)
+    filler = (link.host_buffer(filler_bytes // 4), link.device_buffer(filler_bytes // 4))
+    pinning = {True: link.pinning_of(hosts[True]) if True in pinned else None, False: "pageable"}
     cases = [(d, p, s) for d in directions for p in pinned for s in chosen]
     records = []
     for direction, is_pinned, size in tqdm(cases, desc="link sweep", disable=None, leave=False):
         numel = size // 4
-        seconds = _timed_transfers(link, direction, hosts[is_pinned][:numel], device[:numel], repeats)
+        seconds = _timed_transfers(link, direction, hosts[is_pinned][:numel], device[:numel], repeats, filler)
         memory = "pinned" if is_pinned else "pageable"
         records.append(_bandwidth_record(
-            f"{direction} bandwidth", size, seconds, source, f"single {memory} transfer, {clock}",
-            {"direction": direction, "pinned": is_pinned, "size": size}))
+            f"{direction} bandwidth", size, seconds, source,
+            f"single {memory} transfer issued behind a {filler_bytes >> 20} MiB copy (no host dispatch in "
+            f"its time), {clock}",
+            {"direction": direction, "pinned": is_pinned, "size": size, "pinning": pinning[is_pinned]}))
     return records
 
 
@@ -225,7 +255,8 @@ def bidirectional(link: Link, nbytes="64 MiB", repeats: int = 5) -> list[Measure
             samples["d2h"].append(d2h.elapsed)
     return [_bandwidth_record(f"{d} bandwidth, both directions at once", size, s, _link_source(link),
                               "pinned transfers in both directions issued together",
-                              {"direction": d, "pinned": True, "size": size, "duplex": True})
+                              {"direction": d, "pinned": True, "size": size, "duplex": True,
+                               "pinning": link.pinning_of(up_host)})
             for d, s in samples.items()]
 
 

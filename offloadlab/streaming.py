@@ -15,15 +15,20 @@ holds ``buffers`` block-sized weight buffers and two gradient buffers, allocated
 - **gradients**: each block's weight gradients are gathered on the device into a gradient
   buffer and sent to pinned host memory in one copy on the device→host engine. With a
   :class:`~offloadlab.offload.CPUOffloadAdam` over the streamed parameters they land straight
-  in the optimizer's host gradient buffer (one trip); otherwise they land in a pinned buffer of
-  the block's and are put in ``.grad`` (host tensors) at the end of backward.
+  in the optimizer's host gradient buffer (one trip); otherwise they land in one of two pinned
+  landing buffers, allocated with the model (never inside backward, where pinning memory would
+  stall it), and are put in ``.grad`` (host tensors) once the buffer is needed again or at the
+  end of backward.
 
 Blocks may run in any order — skipped (LayerDrop), recomputed (activation checkpointing, whose
 own saved-tensor hooks keep handling the activations), or twice in one forward (their gradients
 add up) — and always get their own weights; a block that needs a buffer when every buffer is held
 raises an error naming it, and so does a block whose parameters were replaced after streaming
 began (e.g. by ``load_state_dict(assign=True)``: load with the default, copying
-``load_state_dict`` instead), or changed between a forward and its backward. Under autocast,
+``load_state_dict`` instead), or changed between a forward and its backward. The host weights
+are what the copies to the device read: ``load_state_dict`` and an optimizer wait for those
+copies before writing them; code that writes them in place itself (``p.mul_(…)`` under
+``no_grad``) calls ``link.synchronize()`` first, as for any pinned buffer a copy may still read. Under autocast,
 backward keeps where to find a trainable weight's cast copy instead of the copy.
 
 What it does not do: streamed parameters' gradients reach ``.grad`` (or the optimizer) through
@@ -142,13 +147,19 @@ class StreamedModel:
             buffer.released = allocated
         self._gather = GradientGather(link, self.gradient_layouts, self._gradient_destination, self._gradient_sent,
                                       names=lambda index: f"block {self.names[index]!r}")
-        self._host_gradients: dict[int, torch.Tensor] = {}  # block → pinned landing buffer (no sink)
+        self._landing_bytes = max(layout.nbytes for layout in self.gradient_layouts)
+        self._landing_buffers: list[torch.Tensor] = []  # pinned, for blocks whose gradients go to .grad
+        self._allocate_landing()
         self._sinks: dict[int, object] = {}
         self._reading: dict[int, list] = {}  # block → copies that may still read its host weights
         self._uses = itertools.count(1)
         self._reset_backward()
+        self._load_hooks = []
         for index, block in enumerate(chosen):
             block.forward = functools.partial(self._forward, index)  # shadows the class's forward
+            # load_state_dict copies into the host weights in place: not while a copy still reads them
+            self._load_hooks.append(block.register_load_state_dict_pre_hook(
+                lambda *_, index=index: self._quiesce(index)))
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a streamed model cannot be copied or pickled (its blocks' weights live in this process's "
@@ -167,7 +178,7 @@ class StreamedModel:
     @property
     def host_bytes(self) -> int:
         """Pinned host bytes of the streamed weights (plus gradient landing buffers once used)."""
-        return sum(h.numel() for h in self._host) + sum(g.numel() for g in self._host_gradients.values())
+        return sum(h.numel() for h in self._host) + sum(g.numel() for g in self._landing_buffers)
 
     def remove(self) -> None:
         """Give the blocks back their own forward; the weights stay in (pinned) host memory.
@@ -181,6 +192,8 @@ class StreamedModel:
         self.link.synchronize()
         for block in self.blocks:
             block.__dict__.pop("forward", None)
+        for hook in self._load_hooks:
+            hook.remove()
         for named in self._params:
             for _, p in named:
                 if _OWNERS.get(p) is self:
@@ -217,12 +230,19 @@ class StreamedModel:
         """
         if block in self._landing:
             self._land(block)  # (waits for their copies)
-        self._host_gradients.pop(block, None)
         self._sinks[block] = sink
+        if all(self._sinks.get(i) is not None for i, ks in enumerate(self._trainable) if ks):
+            self._landing_buffers = []  # every gradient goes to a sink: the landing buffers are not needed
 
     def detach_sink(self, block: int, sink) -> None:
         if self._sinks.get(block) is sink:
             del self._sinks[block]
+            self._allocate_landing()  # (outside backward: an optimizer is being closed)
+
+    def _allocate_landing(self) -> None:
+        """The two pinned landing buffers, if they are not there (a model with nothing to train needs none)."""
+        if not self._landing_buffers and any(self._trainable):
+            self._landing_buffers = [self.link.host_buffer(self._landing_bytes, torch.uint8) for _ in range(2)]
 
     # ------------------------------------------------------------------ forward
 
@@ -335,7 +355,8 @@ class StreamedModel:
 
     def _reset_backward(self) -> None:
         self._backward_holds: dict[int, _Buffer] = {}
-        self._landing: dict[int, list] = {}  # block → [(transfers, positions)] sent to its own landing buffer
+        self._landing: dict[int, list] = {}  # block → [(transfers, positions)] sent to a landing buffer
+        self._landing_slot: dict[int, int] = {}  # block → the landing buffer its gradients are in
         self._armed: int | None = None  # the backward pass (graph task) whose end is awaited
 
     def _arm(self) -> None:
@@ -410,9 +431,13 @@ class StreamedModel:
             return sink.gradient_destination(index, positions)
         if any(p in sent for _, sent in self._landing.get(index, []) for p in positions):
             self._land(index)  # a block run twice: take in the first gradients before the next land on them
-        if index not in self._host_gradients:
-            self._host_gradients[index] = self.link.host_buffer(self.gradient_layouts[index].nbytes, torch.uint8)
-        return self._host_gradients[index]
+        if index not in self._landing_slot:
+            taken = set(self._landing_slot.values())
+            if len(taken) == len(self._landing_buffers):  # both hold gradients: put the older ones in .grad
+                self._land(next(iter(self._landing_slot)))
+                taken = set(self._landing_slot.values())
+            self._landing_slot[index] = next(i for i in range(len(self._landing_buffers)) if i not in taken)
+        return self._landing_buffers[self._landing_slot[index]]
 
     def _gradient_sent(self, index: int, transfers: list, positions: list) -> None:
         sink = self._sinks.get(index)
@@ -428,7 +453,7 @@ class StreamedModel:
         for transfers, _ in parts:
             for transfer in transfers:
                 transfer.synchronize()
-        landed = self.gradient_layouts[index].views(self._host_gradients[index])
+        landed = self.gradient_layouts[index].views(self._landing_buffers[self._landing_slot.pop(index)])
         for position in sorted(p for _, positions in parts for p in positions):
             p = self._params[index][self._trainable[index][position]][1]
             if p.grad is None:

@@ -18,12 +18,20 @@ from offloadlab.link import EmulatedLink
 from offloadlab.memory import measure_state
 from offloadlab.models import GPTConfig, TinyGPT, batches, markov_corpus, train
 from offloadlab.offload import CPUOffloadAdam, LossScaler
+from tests.cuda_semantics import CudaOrderLink
 
 
-@pytest.fixture
-def link():
-    with EmulatedLink(bandwidth="8 GB/s", latency=0) as emulated:
-        yield emulated
+@pytest.fixture(params=["emulated", "CUDA order checker"])
+def link(request):
+    """The emulated link, and the same under CUDA's ordering rules with training on a stream of
+    its own (tests/cuda_semantics.py): any violation fails the test when it ends."""
+    if request.param == "emulated":
+        with EmulatedLink(bandwidth="8 GB/s", latency=0) as emulated:
+            yield emulated
+        return
+    with CudaOrderLink(bandwidth="8 GB/s", latency=0) as checker, checker.compute_stream("training"):
+        yield checker
+        checker.check()
 
 
 def mlp(dtype=torch.float32, unused=False):
@@ -499,19 +507,36 @@ def test_matches_adamw_on_the_gpu():
 
 
 @pytest.mark.gpu
-def test_gpu_gradients_down_and_weights_up_overlap():
+def test_gpu_weights_go_up_while_later_gradients_are_still_to_come_down():
+    """Ordered by recorded events, not by whether two copies happened to overlap: backward is held
+    (a hook on block 0's output) until the first bucket's weights have gone up; the gradients of the
+    buckets behind it come down after. The first upload's events then end before the last
+    download's begin — the copy up was ordered after its own bucket, not after the rest of backward."""
     config = GPTConfig(layers=8, hidden=1024, heads=16, vocab=8192, seq=256)
     model = TinyGPT(config).to("cuda", torch.bfloat16)
     opt = CPUOffloadAdam(model.parameters(), lr=1e-3, accumulation_steps=1, bucket_bytes=8 * 2**20,
                          record_timeline=True)
+    first = opt.buckets[0]  # the last parameters: its gradients are complete first
+
+    def hold(grad):
+        first.updated.wait()  # its CPU update has run and its weights are on their way up
+        first.upload.synchronize()
+        return grad
+
     x = torch.randint(0, 8192, (4, 256), device="cuda")
     for _ in range(3):
         opt.zero_grad()
-        model(x, x).backward()
+        h = model.tokens(x) + model.positions(torch.arange(256, device="cuda"))
+        h = model.blocks[0](h)
+        h.register_hook(hold)
+        for block in model.blocks[1:]:
+            h = block(h)
+        torch.nn.functional.cross_entropy(model.head(model.norm(h)).flatten(0, 1).float(), x.flatten()).backward()
         opt.step()
     lanes = opt.timeline
-    down, up = lanes["D2H"], lanes["H2D"]
-    assert any(u0 < d1 and d0 < u1 for u0, u1, _ in up for d0, d1, _ in down)  # some copy up ran during a copy down
+    up = next(interval for interval in lanes["H2D"] if interval[2] == f"b{first.index}")
+    last_down = max(lanes["D2H"], key=lambda interval: interval[0])
+    assert up[1] <= last_down[0]
     opt.close()
 
 

@@ -14,14 +14,22 @@ import torch
 from offloadlab import trace
 from offloadlab.link import CudaLink, EmulatedLink
 from offloadlab.prefetch import Layout, Prefetcher
+from tests.cuda_semantics import CudaOrderLink
 
 VARIANTS = [dict(), dict(buffers=3), dict(buffers=1), dict(synchronous=True), dict(pinned=False)]
 
 
-@pytest.fixture
-def link():
-    with EmulatedLink(bandwidth="1 GB/s", latency=0) as emulated:
-        yield emulated
+@pytest.fixture(params=["emulated", "CUDA order checker"])
+def link(request):
+    """The emulated link, and the same under CUDA's ordering rules with training on a stream of
+    its own (tests/cuda_semantics.py): any violation fails the test when it ends."""
+    if request.param == "emulated":
+        with EmulatedLink(bandwidth="1 GB/s", latency=0) as emulated:
+            yield emulated
+        return
+    with CudaOrderLink(bandwidth="1 GB/s", latency=0) as checker, checker.compute_stream("training"):
+        yield checker
+        checker.check()
 
 
 class Recorder:
@@ -132,6 +140,7 @@ def test_sources_changed_between_passes_are_served_fresh(link, pinned_source):
     source = [link.host_buffer(16).fill_(i) if pinned_source else torch.full((16,), float(i)) for i in range(3)]
     prefetcher = Prefetcher(source, link)
     assert [t[0].item() for t in prefetcher] == [0.0, 1.0, 2.0]
+    link.synchronize()  # (the docstring's rule: on a GPU the last copies may still read pinned sources)
     for t in source:
         t.add_(10)
     assert [t[0].item() for t in prefetcher] == [10.0, 11.0, 12.0]
@@ -145,6 +154,7 @@ def test_pinned_memory_stays_at_the_buffers_and_goes_with_the_prefetcher(link):
             pass
         assert link.pinned_bytes == prefetcher.host_staging_bytes == 2 * 4032  # two staging buffers, not 20 copies
         del prefetcher
+        link.synchronize()  # the last copies keep their staging buffers until they are known to be done
         gc.collect()
         assert link.pinned_bytes == 0
     pinned = [link.host_buffer(1000) for _ in range(3)]

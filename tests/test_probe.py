@@ -276,3 +276,21 @@ def test_bench_nvme_refuses_a_read_only_disk_before_it_runs(small_disk):
     result = _offloadlab("bench", "nvme", "--disk", str(small_disk("1m", read_only=True)))
     assert result.returncode == 1 and "Read-only file system" in result.stderr
     assert len(result.stderr.splitlines()) == 1 and result.stdout == ""
+
+
+def test_each_timed_copy_waits_behind_a_busy_engine_so_alpha_holds_no_host_dispatch():
+    """On an idle copy stream a copy's begin event fires when it is recorded, before the host has
+    issued the copy: α would time the host. Every timed copy is issued behind a longer one."""
+    with EmulatedLink(bandwidth="2 GB/s", latency=0) as link:
+        with link.record() as recording:
+            records = probe.link_sweep(link, sizes=["64 KiB", "256 KiB"], directions=("h2d",), pinned=(True,),
+                                       repeats=2)
+    filler = probe.busy_filler_bytes(link.emulated)
+    sizes = [t.nbytes for t in recording.transfers]
+    assert sizes == [64 * 2**10, filler, 64 * 2**10, filler, 64 * 2**10,
+                     256 * 2**10, filler, 256 * 2**10, filler, 256 * 2**10]
+    timed = [t for t in recording.transfers if t.nbytes != filler]
+    fillers = [t for t in recording.transfers if t.nbytes == filler]
+    for before, copy in zip(fillers, [t for i, t in enumerate(timed) if i % 3]):
+        assert copy.start >= before.end  # (engines run in order: it began once the filler was done)
+    assert all(r.params["pinning"] == "emulated" and "behind a" in r.method for r in records)

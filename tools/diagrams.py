@@ -17,6 +17,10 @@ chapter's figure directive, not to the picture: the diagrams carry labels only.
   engine.
 - ``double_buffer.svg`` (chapter 7): two device buffers taking turns, and the two events that
   order each refill.
+- ``nvme_path.svg`` (chapter 8): optimizer state from the drives through pinned host memory to
+  the CPU update and back, a chunk at a time; the GPU's 4 bytes per parameter below it.
+- ``two_slot_commit.svg`` (chapter 8): one file, two headers, two slots, and the four steps of a
+  commit.
 
 Usage: python tools/diagrams.py [--out FOLDER]
 """
@@ -53,10 +57,10 @@ def _canvas(height_in: float):
     return fig, ax
 
 
-def _box(ax, x, y, w, h, title="", lines=(), face="white", title_size=TITLE_PT):
+def _box(ax, x, y, w, h, title="", lines=(), face="white", title_size=TITLE_PT, edge=EDGE):
     """A rounded box with a bold title at its top and lines of text below it (or centred lines)."""
     ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.06",
-                                facecolor=face, edgecolor=EDGE, linewidth=1))
+                                facecolor=face, edgecolor=edge, linewidth=1))
     if title:
         ax.text(x + w / 2, y + h - 0.08, title, ha="center", va="top", fontsize=title_size, weight="bold")
         top = y + h - 0.08 - title_size / 72 * 1.35
@@ -168,6 +172,57 @@ def double_buffer(path: Path) -> Path:
     return _save(fig, path)
 
 
+def nvme_path(path: Path) -> Path:
+    """Optimizer state on NVMe: read into pinned host memory, updated by the CPU, written back."""
+    fig, ax = _canvas(6.5)
+    # the drives, striped
+    _box(ax, 0.05, 5.0, 3.9, 1.45, "NVMe drives, striped", face=COLOURS["engine"], title_size=TITLE_PT)
+    for i in range(4):
+        _box(ax, 0.2 + 0.93 * i, 5.15, 0.83, 0.55, "", [f"drive {i}"])
+    # the host: three chunks in flight
+    _box(ax, 0.05, 1.95, 3.9, 2.55, "host memory (pinned)", face=COLOURS["host"], title_size=TITLE_PT)
+    _box(ax, 0.2, 3.35, 2.9, 0.6, "", ["chunk i + 1: reads landing"])
+    _box(ax, 0.2, 2.6, 2.9, 0.6, "", ["chunk i: CPU AdamW on", "master, m, v (fp32)"], face=COLOURS["cpu"])
+    _box(ax, 0.2, 2.1, 2.9, 0.4, "", ["chunk i − 1: writes leaving"])
+    _arrow(ax, (0.55, 4.98), (0.55, 3.97))
+    _label(ax, 0.65, 4.72, "12 B read")
+    _arrow(ax, (3.12, 2.3), (3.5, 2.3))
+    _arrow(ax, (3.5, 2.28), (3.5, 4.98))
+    _label(ax, 3.4, 4.72, "12 B written", ha="right")
+    _arrow(ax, (1.65, 3.33), (1.65, 3.22))
+    _arrow(ax, (1.65, 2.58), (1.65, 2.52))
+    # the GPU, exchanging 2 B each way over PCIe
+    _box(ax, 0.05, 0.05, 3.9, 1.2, "GPU", ["bf16 weights, forward and backward"], face=COLOURS["gpu"],
+         title_size=TITLE_PT)
+    _arrow(ax, (0.9, 1.27), (0.9, 1.93))
+    _label(ax, 1.0, 1.6, "gradient, 2 B")
+    _arrow(ax, (2.6, 1.93), (2.6, 1.27))
+    _label(ax, 2.7, 1.6, "weights, 2 B")
+    # GPUDirect Storage: from the drives straight into GPU memory
+    _arrow(ax, (3.97, 5.7), (4.25, 5.7), colour="#777777")
+    _arrow(ax, (4.25, 5.72), (4.25, 0.65), colour="#777777")
+    _arrow(ax, (4.25, 0.65), (3.97, 0.65), colour="#777777")
+    _label(ax, 4.35, 3.2, "GPUDirect\nStorage:\ndrive to\nGPU, no\nhost copy", colour="#555555")
+    return _save(fig, path)
+
+
+def two_slot_commit(path: Path) -> Path:
+    """One file, two slots: a commit writes the idle slot, flushes, then flips its header."""
+    fig, ax = _canvas(3.6)
+    rows = [(2.75, (["slot 0: step s", "(current, untouched)"], COLOURS["host"]),
+             (["slot 1: being written", "with step s + 1"], COLOURS["cpu"])),
+            (1.95, (["header 0: step s"], "white"), (["header 1: step s − 1,", "then step s + 1"], "white"))]
+    for y, (left, left_face), (right, right_face) in rows:
+        _box(ax, 0.05, y, 2.5, 0.7, "", left, face=left_face)
+        _box(ax, 2.65, y, 2.5, 0.7, "", right, face=right_face, edge=RELEASE_WAIT)
+    steps = [(1.55, "1. write slot 1"), (1.2, "2. flush: data on disk"), (0.85, "3. write header 1"),
+             (0.5, "4. flush: step s + 1 holds")]
+    for y, text in steps:  # the two writes in red, as the slot and header they write
+        _label(ax, 0.1, y, text, colour=RELEASE_WAIT if "write" in text else "black")
+    _label(ax, 5.1, 0.7, "reopening: the newest\nintact header wins", ha="right", style="italic")
+    return _save(fig, path)
+
+
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "offloadlab"}):
@@ -177,7 +232,8 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-DIAGRAMS = {"pcie_topology.svg": pcie_topology, "offload_step.svg": offload_step, "double_buffer.svg": double_buffer}
+DIAGRAMS = {"pcie_topology.svg": pcie_topology, "offload_step.svg": offload_step, "double_buffer.svg": double_buffer,
+            "nvme_path.svg": nvme_path, "two_slot_commit.svg": two_slot_commit}
 
 
 def main(argv=None) -> int:

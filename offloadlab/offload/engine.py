@@ -88,7 +88,11 @@ class OffloadEngine:
                  record_timeline: bool):
         self.closed: str | None = None
         self.param_groups = param_groups  # the optimizer's own list of groups (the engine does not refer to it)
-        self.zero_filled = False  # zero_grad(set_to_none=False): parameters without a gradient get a zero one
+        # What torch.optim.AdamW would find in each parameter's .grad, by id: a tensor at all (it had
+        # a gradient since the last zero_grad(set_to_none=True)), and an all-zero one (zero_grad
+        # kept it, zeroed). AdamW steps a parameter with a zero gradient and skips one with None.
+        self._has_grad: set[int] = set()
+        self._zero_grad: set[int] = set()
         trainable = [p for g in param_groups for p in g["params"] if p.requires_grad]
         self.device, self.dtype = self._check_params(trainable, link)
         streamed = next((m for p in trainable if (m := streamed_model_of(p)) is not None), None)
@@ -222,8 +226,7 @@ class OffloadEngine:
         if self.delayed_update:
             previous = [b for b in self.host.buckets if b.submitted]
             self._finish(previous, upload=True)
-        if self.zero_filled:
-            self._zero_gradients_where_missing()
+        self._take_zero_gradients()
         ready = [b for b in self.host.buckets if any(b.arrivals) and not b.submitted]
         scale = self._grad_scale(ready)
         self._clip_now = None
@@ -251,16 +254,35 @@ class OffloadEngine:
                                        f"did not require grad when the optimizer was made, so it has no state here; "
                                        f"give it to the optimizer with add_param_group once it is trainable")
 
-    def _zero_gradients_where_missing(self) -> None:
-        """zero_grad(set_to_none=False) leaves zero gradients, and AdamW steps every parameter that has
-        had a gradient with them: do the same for those that got none this step."""
+    def _take_zero_gradients(self) -> None:
+        """Note which parameters got a gradient this step; give a zero one to each that got none but
+        whose gradient zero_grad(set_to_none=False) kept as zeros: AdamW steps it with that (its
+        weight decay and momentum move it), and skips a parameter whose gradient is None."""
         for bucket in self.host.buckets:
             if bucket.submitted:
                 continue
-            for k, (s, e) in enumerate(bucket.ranges):
-                if bucket.arrivals[k] == 0 and bucket.steps[k] > 0:
+            for k, (p, (s, e)) in enumerate(zip(bucket.params, bucket.ranges)):
+                if bucket.arrivals[k]:
+                    self._has_grad.add(id(p))
+                    self._zero_grad.discard(id(p))
+                elif id(p) in self._zero_grad:
                     self.host.grads[s:e].zero_()
                     bucket.arrivals[k], bucket.folded[k] = 1, 0
+
+    def _note_zero_grad(self, params, set_to_none: bool) -> None:
+        """What zero_grad does to these parameters' .grad under AdamW: None, or (for those that have
+        one, including a gradient received since the last step) zeros."""
+        for p in params:
+            if set_to_none:
+                self._has_grad.discard(id(p))
+                self._zero_grad.discard(id(p))
+            elif id(p) in self._has_grad or self._arrived(p):
+                self._has_grad.add(id(p))
+                self._zero_grad.add(id(p))
+
+    def _arrived(self, p) -> bool:
+        where = self.intake.position(p)
+        return where is not None and not where[0].submitted and where[0].arrivals[where[1]] > 0
 
     def _finish(self, buckets: list, upload: bool) -> None:
         """Wait for the buckets' CPU updates; send their weights up (delayed update) and order the
@@ -327,7 +349,7 @@ class OffloadEngine:
         """Forget gradients received since the last step (zero_grad)."""
         if self.closed is not None:
             return
-        self.zero_filled = not set_to_none
+        self._note_zero_grad([p for bucket in self.host.buckets for p in bucket.params], set_to_none)
         for streamed in {id(b.streamed): b.streamed for b in self.host.buckets if b.streamed is not None}.values():
             streamed.settle()  # a backward that raised: what it gathered reaches us first, to be discarded
         self.intake.settle()
@@ -335,10 +357,11 @@ class OffloadEngine:
             if not bucket.submitted:  # a submitted bucket's gradients already belong to an update
                 self.intake.discard(bucket)
 
-    def forget(self, params) -> None:
+    def forget(self, params, set_to_none: bool = True) -> None:
         """Forget gradients of ``params`` received since the last step (a module's zero_grad)."""
         if self.closed is None:
             self.intake.settle()  # (streamed blocks settled already by the caller)
+            self._note_zero_grad(params, set_to_none)
             self.intake.discard_params(params)
 
     def synchronize(self) -> None:

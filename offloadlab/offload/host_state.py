@@ -3,8 +3,9 @@
 Every trainable parameter has a place in one *bucket* — a run of parameters whose gradients go
 down, whose CPU update runs and whose new weights go up together — and every bucket a range of
 the flat, exact-size, pinned host buffers: fp32 master weights and both moments, the gradients
-as they land (in the parameters' dtype), the outgoing low-precision weights, and (only once a
-step accumulates several micro-batches) an fp32 gradient sum. A bucket's parameters sit end to
+as they land (in the parameters' dtype), the outgoing low-precision weights; and (only once a
+step accumulates several micro-batches) an fp32 gradient sum, in ordinary memory: only the CPU
+touches it, and it is made in the middle of a backward pass, where pinning memory would stall it. A bucket's parameters sit end to
 end in it, in the same order and layout (a packed :class:`~offloadlab.prefetch.Layout`) as in
 the device buffers that gather and scatter them, so each bucket moves as one copy each way.
 
@@ -153,12 +154,17 @@ class HostState:
         # fp32 weights go back straight from the master copy; low precision needs its own buffer.
         self.weights_out = None if self.dtype == torch.float32 else self._grow(self.weights_out, numel, self.dtype)
         if old["accumulated"] is not None:
-            self.accumulated = self._grow(old["accumulated"], numel, torch.float32)
+            self.accumulated = torch.empty(max(numel, 1), dtype=torch.float32)
+            self.accumulated[:old["accumulated"].numel()].copy_(old["accumulated"])
         self.numel = numel
         with torch.no_grad():
             for bucket in buckets:
                 for k, (p, (s, e)) in enumerate(zip(bucket.params, bucket.ranges)):
                     self.master[s:e].copy_(p.detach().reshape(-1))
+                    # A bucket's weights go up whole: a parameter without a gradient this step goes up
+                    # as it is, so its outgoing copy must hold it from the start (not poison).
+                    if self.weights_out is not None:
+                        self.weights_out[s:e].copy_(p.detach().reshape(-1))
                     self.exp_avg[s:e].zero_()
                     self.exp_avg_sq[s:e].zero_()
                     bucket.synced[k] = identity(p)
@@ -183,10 +189,14 @@ class HostState:
         return new
 
     def accumulation(self) -> torch.Tensor:
-        """The fp32 gradient-sum buffer, allocated on first use (several threads may ask at once)."""
+        """The fp32 gradient-sum buffer, allocated on first use (several threads may ask at once).
+
+        No copy reads or writes it, so it is not pinned: ``cudaHostRegister`` would run on the
+        autograd thread in the middle of backward, where the second micro-batch first needs it.
+        """
         with self._allocating:
             if self.accumulated is None:
-                self.accumulated = self.link.host_buffer(max(self.numel, 1), torch.float32)
+                self.accumulated = torch.empty(max(self.numel, 1), dtype=torch.float32)
         return self.accumulated
 
     def outgoing(self) -> torch.Tensor:
@@ -198,7 +208,7 @@ class HostState:
         return self.grads[bucket.start:bucket.end].view(torch.uint8)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes of host memory held, by buffer (all exact-size and pinned)."""
+        """Bytes of host memory held, by buffer (all exact-size; pinned but for the gradient sum)."""
         buffers = {"master_weights": self.master, "first_moment": self.exp_avg, "second_moment": self.exp_avg_sq,
                    "gradients": self.grads, "weights_out": self.weights_out,
                    "accumulated_gradients": self.accumulated}

@@ -207,6 +207,10 @@ class GradientIntake:
         """Forget the gradients received since the last step (after their copies have landed)."""
         self.landed(self.take(bucket)[2])
 
+    def position(self, param) -> tuple[Bucket, int] | None:
+        """The bucket that holds ``param`` and its place in it (None: not one of ours)."""
+        return self._where.get(id(param))
+
     def discard_params(self, params) -> None:
         """Forget the gradients of these parameters received since the last step (``module.zero_grad``)."""
         for p in params:

@@ -65,7 +65,7 @@ def _zero_grad_forgetting_taken_gradients(zero_grad):
             if engine is not None:
                 engines.setdefault(id(engine), (engine, []))[1].append(p)
         for engine, held in engines.values():
-            engine.forget(held)
+            engine.forget(held, set_to_none)
 
     checked.__wrapped_by_offloadlab__ = True
     return checked

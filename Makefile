@@ -74,8 +74,9 @@ gpu-check:
 	$(PY) -m offloadlab gpu-check --out build/gpu-check $(GPU_CHECK)
 
 ## format: rewrite every chapter and lab to the exact text Jupytext writes for it, so that saving
-## in JupyterLab changes nothing (metadata and wrapping only), and give each {ref} to a heading
-## its link text, which Lab shows in place of a warning (the site's text stays the same)
+## in JupyterLab changes nothing (metadata and wrapping only; cells of checks and lab answers
+## folded), and write citations and references to other chapters as links that Lab shows as
+## "(Ren et al., 2021)" and the chapter's title (the site renders them as before)
 format: env
 	$(PY) tools/format_notebooks.py
 	$(PY) tools/lab_references.py

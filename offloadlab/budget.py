@@ -10,8 +10,10 @@ How the two directions share the link is an assumption every figure depends on, 
 argument, ``duplex``:
 
 - ``"full"`` (the default): PCIe has separate lanes each way and a GPU a copy engine per
-  direction, so gradients going to the host and weights coming back move at the same time, each
-  at the full rate — when the software issues them on two streams;
+  direction, so gradients going to the host and weights coming back move at the same time when
+  the software issues them on two streams. Read as the upper bound: each direction at its
+  one-way rate. A real link typically keeps most but not all of it, since each direction also
+  carries the other's read requests and flow-control packets;
 - ``"half"``: every byte of the step shares one rate. The sources' worked figures read the link
   this way; it is the conservative reading;
 - a bandwidth: what each direction keeps while both run, measured (lab 2,
@@ -206,7 +208,7 @@ class Verdict:
         """The window's allowance in words, under this duplex assumption."""
         one_way = format_size(self.ceiling_bytes)
         if self.duplex == "full":
-            return f"{one_way} each way (full duplex: both directions at once, each at the full rate)"
+            return f"{one_way} each way (full duplex: both directions at once, each at its one-way rate)"
         if self.duplex == "half":
             return f"{one_way} for both directions together (half duplex: they share one rate)"
         return (f"{one_way} one way alone, {format_size(self.both_directions * self.window)} each way while both run "

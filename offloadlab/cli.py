@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--offload", type=_name_list,
                         help="comma-separated: optimizer, gradients, parameters, park-and-copy")
     budget.add_argument("--duplex", default="full", type=_duplex,
-                        help="full (default: each direction at the full rate at once), half (the directions share "
+                        help="full (default: both directions at once, each at its one-way rate), half (they share "
                              "it), or the rate each direction keeps while both run, e.g. '20 GB/s'")
     budget.add_argument("--recipe", default=memory.DEFAULT_RECIPE,
                         help=f"bytes per parameter of each kind of state: one of {', '.join(memory.RECIPES)}")

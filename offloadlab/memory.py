@@ -74,6 +74,12 @@ RECIPES: dict[str, Recipe] = {
             {"weights": 2, "gradients": 2, "master_weights": 4, "first_moment": 4, "second_moment": 4},
         ),
         Recipe(
+            "mixed-adam-fp32-grads",
+            "mixed precision with fp32 gradients (DeepSpeed's gradient partition, fp32 accumulation): "
+            "16-bit weights, fp32 gradients, master weights and moments",
+            {"weights": 2, "gradients": 4, "master_weights": 4, "first_moment": 4, "second_moment": 4},
+        ),
+        Recipe(
             "fp32-adam",
             "full fp32 Adam: weights, gradients and both moments in fp32",
             {"weights": 4, "gradients": 4, "first_moment": 4, "second_moment": 4},

@@ -14,10 +14,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import memory
+from . import memory, sharding
 from .units import format_count, parse_count
 
-__all__ = ["STYLE", "book_style", "log_scale", "state_vs_model_size", "ladder", "timeline"]
+__all__ = ["STYLE", "book_style", "log_scale", "state_vs_model_size", "state_breakdown", "who_holds_what",
+           "held_per_param", "ladder", "timeline"]
 
 # The smallest text any figure of the book carries, in points, and the width it is drawn at.
 SMALLEST_TEXT_PT = 11.0
@@ -338,4 +339,158 @@ follow each other without a gap are parted by a thin white edge. The title says
         axes[-1, 0].set_xlabel("time from the variant's first event (ms)" if len(variants) > 1 else "time (ms)")
         fig.suptitle(f"{title} ({source})", x=0.02, ha="left")
         fig.tight_layout()
+    return fig
+
+
+# One colour per kind of state: the two the passes use in blues, the optimizer's own in oranges.
+_KIND_COLOURS = {"weights": "#2166ac", "gradients": "#67a9cf", "master_weights": "#b35806",
+                 "first_moment": "#f1a340", "second_moment": "#fdb863", "quantization_scales": "#7f3b08",
+                 "fp32 gradient shard": "#4d9221"}
+_KIND_LABELS = {"weights": "weights", "gradients": "gradients", "master_weights": "fp32 master weights",
+                "first_moment": "first moment", "second_moment": "second moment",
+                "quantization_scales": "8-bit scales", "fp32 gradient shard": "fp32 gradient shard"}
+
+
+def state_breakdown(recipes=("mixed-adam", "mixed-adam-fp32-grads", "fp32-adam", "bf16-adam", "adam-8bit")):
+    """Bytes per parameter of each recipe as one stacked bar, segment by kind of state.
+
+    The kinds only the optimizer's update touches are drawn in oranges, the weights and gradients
+    the forward and backward passes use in blues; each segment wide enough to hold it is labelled
+    with its bytes.
+    """
+    import matplotlib.pyplot as plt
+
+    names = list(recipes)
+    if not names:
+        raise ValueError("recipes: expected one or more recipe names; got none")
+    chosen = [memory.get_recipe(name) for name in names]
+    with book_style():
+        fig, ax = plt.subplots(figsize=(FIGURE_WIDTH_IN, 1.9 + 0.5 * len(chosen)))
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        seen = set()
+        for row, recipe in enumerate(chosen):
+            left = 0.0
+            for kind in memory.KINDS:
+                size = recipe.bytes_per_param.get(kind, 0)
+                if not size:
+                    continue
+                label = _KIND_LABELS[kind]
+                ax.barh(row, size, left=left, height=0.62, color=_KIND_COLOURS[kind], edgecolor="white", linewidth=1,
+                        label=None if label in seen else label)
+                seen.add(label)
+                if size >= 1:
+                    ax.text(left + size / 2, row, f"{size:g}", ha="center", va="center", color="white")
+                left += size
+            ax.text(left + 0.2, row, f"{recipe.total:.3g} B", va="center")
+        ax.set_yticks(range(len(chosen)), names)
+        ax.set_ylim(len(chosen) - 0.5, -0.5)
+        ax.set_xlim(0, max(r.total for r in chosen) * 1.15)
+        ax.set_xlabel("bytes of persistent state per parameter")
+        ax.grid(False)
+        ax.tick_params(axis="y", length=0)
+        ax.set_title("Where the bytes per parameter go")
+        fig.legend(*ax.get_legend_handles_labels(), ncol=3, loc="lower center", columnspacing=1.0,
+                   handlelength=1.2, handletextpad=0.4)
+        fig.tight_layout(rect=(0, 0.15, 1, 1))
+        # A segment's number stays only where it fits inside the segment.
+        for text in [t for t in ax.texts if t.get_color() == "white"]:
+            segment = next(p for p in ax.patches if p.contains_point(ax.transData.transform(text.get_position())))
+            if text.get_window_extent(renderer).width > segment.get_window_extent(renderer).width - 2:
+                text.remove()
+    return fig
+
+
+def held_per_param(strategy: str, gpus: int, recipe: str = memory.DEFAULT_RECIPE) -> dict:
+    """Bytes of model state per parameter one GPU holds under ``strategy`` (no offload), by kind.
+
+    Each value is (bytes, sharded): a sharded kind is the GPU's 1/``gpus`` share. Gathered
+    weights (ZeRO-3, FSDP2's working set) are left out; the totals are
+    :func:`offloadlab.sharding.layout`'s ``gpu_bytes`` per parameter for a model without them.
+    """
+    if strategy not in sharding.STRATEGIES:
+        raise ValueError(f"strategy: expected one of {', '.join(sharding.STRATEGIES)}; got {strategy!r}")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus: expected a positive integer; got {gpus!r}")
+    kinds = memory.get_recipe(recipe).bytes_per_param
+    w = kinds["weights"]
+    optimizer = {k: kinds[k] for k in ("master_weights", "first_moment", "second_moment") if k in kinds}
+    share, fp32 = 1 / gpus, sharding.DEEPSPEED_FP32_GRADIENT
+    if strategy == "fsdp2":  # the sharded fp32 parameters are the master copy; gradients take their dtype
+        master = kinds.get("master_weights", 0) or w
+        moments = {k: v * share for k, v in optimizer.items() if k != "master_weights"}
+        return {"master_weights": (master * share, True), "gradients": (master * share, True),
+                **{k: (v, True) for k, v in moments.items()}}
+    whole = {"ddp": ("weights", "gradients"), "zero1": ("weights", "gradients"), "zero2": ("weights",),
+             "zero3": ()}[strategy]
+    split = {"ddp": (), "zero1": (), "zero2": ("gradients",), "zero3": ("weights",)}[strategy]
+    held = {kind: (kinds[kind], False) for kind in whole}
+    held.update({kind: (kinds[kind] * share, True) for kind in split})
+    if strategy != "ddp":  # DeepSpeed's fp32 copy of the rank's gradient partition, read by its optimizer
+        held["fp32 gradient shard"] = (fp32 * share, True)
+    for kind, size in optimizer.items():
+        held[kind] = (size, False) if strategy == "ddp" else (size * share, True)
+    return held
+
+
+def who_holds_what(gpus: int = 4, strategies=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
+                   recipe: str = memory.DEFAULT_RECIPE):
+    """For each strategy, the bytes per parameter each of ``gpus`` GPUs holds, stacked by kind.
+
+    A kind every GPU holds whole is drawn solid; a sharded kind is hatched and labelled with the
+    shard the GPU owns (k/N), so the picture shows who holds what, not only how much. The
+    strategies sit three to a row, so that the figure keeps the book's width and text size; the
+    legend takes the place left over (or a row of its own).
+    """
+    import matplotlib.pyplot as plt
+
+    names = list(strategies)
+    if not names:
+        raise ValueError("strategies: expected one or more of " + ", ".join(sharding.STRATEGIES) + "; got none")
+    labels = {"ddp": "data parallel", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp2": "FSDP2"}
+    columns = min(3, len(names))
+    rows = -(-len(names) // columns)
+    spare = rows * columns - len(names)  # empty places, where the legend goes
+    with book_style():
+        fig, axes = plt.subplots(rows + (spare == 0), columns, figsize=(FIGURE_WIDTH_IN, 2.6 * rows + 1.4 * (spare == 0)),
+                                 sharey=True, squeeze=False)
+        seen, panels = set(), list(axes.flat)
+        for ax, strategy in zip(panels, names):
+            held = held_per_param(strategy, gpus, recipe)
+            for gpu in range(gpus):
+                bottom = 0.0
+                for kind, (size, sharded) in held.items():
+                    fp32 = strategy == "fsdp2" and kind == "gradients"  # FSDP2's gradients take the fp32 shard's dtype
+                    label = "fp32 gradients" if fp32 else f"16-bit {kind}" if kind in ("weights", "gradients") \
+                        else _KIND_LABELS[kind]
+                    colour = _KIND_COLOURS["fp32 gradient shard" if fp32 else kind]
+                    ax.bar(gpu, size, bottom=bottom, width=0.78, color=colour, edgecolor="white", linewidth=0.6,
+                           hatch="///" if sharded else None, label=None if label in seen else label)
+                    seen.add(label)
+                    bottom += size
+                if gpu == 0 or gpus <= 2:  # the totals are the same on every GPU: said once
+                    ax.text(gpu, bottom + 0.3, f"{bottom:.3g}", ha="center")
+            ax.set_title(labels[strategy], loc="center")
+            ax.set_xticks(range(gpus), [str(i) for i in range(gpus)])
+            ax.tick_params(axis="x", length=0)
+            ax.grid(False)
+            ax.grid(axis="y", color="0.9", lw=0.6)
+        for ax in panels[len(names):]:
+            fig.delaxes(ax)
+        for ax in axes[:, 0]:
+            if ax in fig.axes:
+                ax.set_ylabel("B per parameter")
+        handles, texts = [], []
+        for ax in panels[:len(names)]:
+            h, t = ax.get_legend_handles_labels()
+            handles, texts = handles + h, texts + t
+        fig.supxlabel("GPU (its shard)", fontsize=SMALLEST_TEXT_PT)
+        fig.suptitle(f"Who holds what on {gpus} GPUs\n(hatched: each GPU's own 1/{gpus} shard)")
+        fig.tight_layout()
+        if spare:  # in the first empty place: right of the last panel of the last row
+            last = panels[len(names) - 1].get_position()
+            fig.legend(handles, texts, loc="center left", bbox_to_anchor=(last.x1 + 0.01, (last.y0 + last.y1) / 2),
+                       handlelength=0.9, handletextpad=0.3, borderaxespad=0, borderpad=0)
+        else:
+            fig.legend(handles, texts, loc="lower center", ncol=2, handlelength=1.2, handletextpad=0.4)
     return fig

@@ -7,7 +7,8 @@ from offloadlab.models import GPTConfig, TinyGPT
 
 @pytest.mark.parametrize(
     "name, total",
-    [("mixed-adam", 16), ("fp32-adam", 16), ("bf16-adam", 8), ("sgd-momentum", 12), ("adam-8bit", 10 + 8 / 2048)],
+    [("mixed-adam", 16), ("mixed-adam-fp32-grads", 18), ("fp32-adam", 16), ("bf16-adam", 8), ("sgd-momentum", 12),
+     ("adam-8bit", 10 + 8 / 2048)],
 )
 def test_every_recipe_total(name, total):
     recipe = memory.get_recipe(name)

@@ -116,6 +116,15 @@ def test_a_correction_to_a_recipe_reaches_the_budget(monkeypatch):
     assert budget.verdict("10 GB/s", "1 s", 1e9, "optimizer", recipe="corrected").transfer_seconds == 0.4
 
 
+def test_deepspeeds_fp32_gradients_cross_the_link_at_four_bytes():
+    # DeepSpeed casts each gradient to fp32 on the GPU before its device-to-host copy (stage_1_and_2.py,
+    # stage3.py in 0.19) and brings 16-bit weights back: 4 B down, 2 B up, 18 B of state per parameter.
+    moved = budget.traffic("optimizer", "mixed-adam-fp32-grads")
+    assert (moved.h2d, moved.d2h) == (2, 4) and memory.get_recipe("mixed-adam-fp32-grads").total == 18
+    slower = budget.verdict("25 GB/s", "1 s", 10e9, "optimizer", recipe="mixed-adam-fp32-grads")
+    assert slower.transfer_seconds == 1.6 == 2 * budget.verdict("25 GB/s", "1 s", 10e9).transfer_seconds
+
+
 @pytest.mark.parametrize("call, fragment", [
     (lambda: budget.traffic_bytes(1e9, "teleport"), "^offload: "),
     (lambda: budget.traffic_bytes(1e9, []), "^offload: "),

@@ -176,7 +176,8 @@ def test_every_text_of_the_book_figures_is_at_least_the_smallest_size():
     mine = {"tiers": [{"name": "host memory", "capacity_bytes": 25e9, "bandwidth_bytes_per_s": 40e9, "source": "measured"}],
             "links": [{"name": "host → GPU", "bandwidth_bytes_per_s": 2.0e9, "source": "emulated"}]}
     figures = [plots.state_vs_model_size(), plots.ladder(mine, ladder.nominal()),
-               plots.timeline(chapter_seven_variants(), "Prefetch variants", source="emulated")]
+               plots.timeline(chapter_seven_variants(), "Prefetch variants", source="emulated"),
+               plots.state_breakdown(), plots.who_holds_what(4)]
     for fig in figures:
         svg = io.StringIO()
         with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as text, each with its size
@@ -220,3 +221,43 @@ def test_make_env_installs_the_kernel_settings():
     installed = Path(sys.prefix) / "etc" / "ipython" / "ipython_kernel_config.py"
     assert installed.read_text() == (ROOT / "etc" / "ipython_kernel_config.py").read_text(), "run `make env`"
     assert "etc/ipython_kernel_config.py $(KERNEL_CONF)" in (ROOT / "Makefile").read_text()
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_who_holds_what_adds_up_to_the_sharding_layout(gpus):
+    from offloadlab import sharding
+
+    for strategy in sharding.STRATEGIES:
+        held = plots.held_per_param(strategy, gpus)
+        assert sum(size for size, _ in held.values()) == pytest.approx(
+            sharding.layout(strategy, "none", 1.0, gpus).gpu_bytes), strategy
+        sharded = {kind for kind, (_, split) in held.items() if split}
+        assert (not sharded) if strategy == "ddp" else sharded == set(held) if strategy in ("zero3", "fsdp2") \
+            else "weights" not in sharded
+    fig = plots.who_holds_what(gpus)
+    assert len(fig.axes) == len(sharding.STRATEGIES)
+
+
+def test_the_state_breakdown_draws_each_recipe_at_its_total():
+    from offloadlab import memory
+
+    names = ("mixed-adam", "mixed-adam-fp32-grads", "adam-8bit")
+    fig = plots.state_breakdown(names)
+    ax = fig.axes[0]
+    widths = {}
+    for patch in ax.patches:
+        row = round(patch.get_y() + patch.get_height() / 2)
+        widths[row] = widths.get(row, 0) + patch.get_width()
+    assert [pytest.approx(widths[i]) for i in range(len(names))] == [memory.get_recipe(n).total for n in names]
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda: plots.state_breakdown(()), "^recipes: "),
+    (lambda: plots.state_breakdown(("teleport",)), "^recipe: "),
+    (lambda: plots.held_per_param("zero4", 8), "^strategy: "),
+    (lambda: plots.held_per_param("zero3", 0), "^gpus: "),
+    (lambda: plots.who_holds_what(4, ()), "^strategies: "),
+])
+def test_the_new_figures_refuse_bad_input_in_one_line(call, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        call()

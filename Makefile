@@ -1,7 +1,9 @@
 # offloadlab: `make lab` to get going, `make test` to test, `make book` for the static site.
 #
+#   PYTHON=...  the Python that makes the environment (default python3 on PATH); for a course
+#               (`make course`) one that every user can run, such as Debian's /usr/bin/python3.
 #   TORCH=...   the torch requirement pip installs first (default: what pip picks for this
-#               platform, the CUDA build on Linux GPU servers); CI pins TORCH=torch==2.13.0.
+#               platform, the CUDA build on Linux GPU servers); CI tests TORCH=torch==2.13.0.
 #   VENV=...    where the environment lives (default .venv); VENV=$$CONDA_PREFIX reuses an
 #               activated conda environment made from environment.yml.
 
@@ -15,7 +17,12 @@ OVERRIDES   := $(VENV)/share/jupyter/lab/settings/overrides.json
 KERNEL_CONF := $(VENV)/etc/ipython/ipython_kernel_config.py
 MATHJAX     := book/_static/mathjax
 
-.PHONY: env lab test book book-student pdf student gpu-check format clean
+# nbgrader's server side, off for a reader alone (Lab's side: etc/self-study/labconfig).
+NO_NBGRADER := {$(foreach e,formgrader course_list assignment_list validate_assignment,"nbgrader.server_extensions.$(e)": False,)"jupyterlab": True}
+STUDENT_DIR ?= build/student
+NBGRADER_DIR ?= build/nbgrader/source
+
+.PHONY: env course lab test book book-student pdf student gpu-check format clean
 
 ## env: create the environment if missing, install or update everything in it
 env:
@@ -27,10 +34,30 @@ env:
 	@# Every kernel of the environment draws figures as SVG in the book's style.
 	install -D -m 644 etc/ipython_kernel_config.py $(KERNEL_CONF)
 
+## course: the environment a JupyterHub's users share (book/course.md): the labs, JupyterHub,
+## nbgrader and nbgitpuller, the Lab settings and the course's nbgrader settings inside it.
+## Refuses a PYTHON, or a checkout, that the students could not read.
+course:
+	$(PYTHON) course/check_shared.py $(CURDIR)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[lab,course]"
+	install -D -m 644 etc/jupyterlab-overrides.json $(OVERRIDES)
+	install -D -m 644 course/nbgrader_config.py $(VENV)/etc/jupyter/nbgrader_config.py
+
+# An environment is made only when it is missing: targets that merely use one depend on this file.
+$(PY):
+	$(MAKE) env
+
 ## lab: start JupyterLab on the book; the URL it prints opens chapter 1 as a notebook
-## (etc/jupyter_server_config.json: rooted at book/, the site's build files hidden)
+## (etc/jupyter_server_config.json: rooted at book/, the site's build files hidden). The labs
+## are in labs/ with their worked answers folded; student/ holds each lab as a student gets it
+## (stubs to fill in), written once and then left to the reader's work. nbgrader's menus are
+## off (etc/self-study): they are for a course's hub.
 lab: env
-	$(VENV)/bin/jupyter lab $(LAB_ROOT) --config=etc/jupyter_server_config.json
+	$(PY) -m offloadlab.student --keep labs book/student
+	JUPYTER_CONFIG_PATH=$(CURDIR)/etc/self-study $(VENV)/bin/jupyter lab $(LAB_ROOT) \
+		--config=etc/jupyter_server_config.json '--ServerApp.jpserver_extensions=$(NO_NBGRADER)'
 
 ## test: unit tests, every chapter and lab through nbval, the static site and its browser checks
 test: env $(MATHJAX)/tex-chtml.js
@@ -57,11 +84,13 @@ pdf: env $(MATHJAX)/tex-chtml.js
 	$(PY) -m sphinx $(SPHINXOPTS) -b singlehtml book book/_build/singlehtml
 	$(PY) tools/print_pdf.py book/_build/singlehtml book/_build/pdf/offloadlab.pdf
 
-## student: the labs with their solutions replaced by stubs, into build/student (no nbgrader needed),
-## and as nbgrader source notebooks, one assignment per lab, into build/nbgrader/source
-student: env
-	$(PY) -m offloadlab.student --force labs build/student
-	$(PY) -m offloadlab.student --force --nbgrader labs build/nbgrader/source
+## student: the labs with their solutions replaced by stubs, into $(STUDENT_DIR) (no nbgrader
+## needed), and as nbgrader source notebooks, one assignment per lab, into $(NBGRADER_DIR);
+## uses the environment as it is (making one only if there is none), so an instructor who
+## cannot write to it can still run it, with both folders set to places of their own
+student: | $(PY)
+	$(PY) -m offloadlab.student --force labs $(STUDENT_DIR)
+	$(PY) -m offloadlab.student --force --nbgrader labs $(NBGRADER_DIR)
 
 ## gpu-check: every GPU test, notebook (quick mode) and benchmark on a CUDA machine, results in
 ## build/gpu-check (and reference data in offloadlab/reference); without a GPU, the CPU parts only.

@@ -3,4 +3,4 @@
 pytest_plugins = ["tests.nbval_markdown", "pytester"]
 
 # book/labs is a symlink to labs/ so the site can include the labs; collect them once.
-collect_ignore = ["book/labs", "book/_build"]
+collect_ignore = ["book/labs", "book/_build", "book/student"]

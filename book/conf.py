@@ -34,7 +34,7 @@ extensions = [
 ]
 
 root_doc = "index"
-exclude_patterns = ["_build", "**/.ipynb_checkpoints", "**/README.md", ".jupyter_cache"]
+exclude_patterns = ["_build", "student", "**/.ipynb_checkpoints", "**/README.md", ".jupyter_cache"]
 templates_path = ["_templates"]
 
 myst_enable_extensions = ["amsmath", "colon_fence", "deflist", "dollarmath", "substitution"]

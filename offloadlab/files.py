@@ -6,7 +6,9 @@ the disk, then renamed onto the target, so a reader (or a crash) sees the old fi
 never a mixture. Without ``replace`` an existing file is never overwritten, even one that appeared
 while the measurement ran. A symbolic link is followed (the file it names is written; the link
 stays), and a target that is not a regular file — a pipe, ``/dev/stdout``, a terminal — is written
-to as the stream it is, never renamed over.
+to as the stream it is, never renamed over. Where a link or a pipe at the path is not the user's
+own doing (files written into a shared folder, such as a course's release), ``follow=False``
+writes a new regular file in its place instead, and nothing it pointed to is touched.
 """
 
 from __future__ import annotations
@@ -97,16 +99,18 @@ def _sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path, data: bytes | str, replace: bool = False) -> Path:
+def write_atomically(path, data: bytes | str, replace: bool = False, follow: bool = True) -> Path:
     """Write ``data`` (str as UTF-8) to ``path`` all at once; returns the path.
 
     Without ``replace`` an existing ``path`` is left as it is and FileExistsError is raised. Any
     OSError (a full disk, an I/O error) leaves no temporary file and ``path`` untouched; only a
-    process killed while writing leaves its hidden ``.NAME.XXXXXXXX.tmp`` file behind.
+    process killed while writing leaves its hidden ``.NAME.XXXXXXXX.tmp`` file behind. With
+    ``follow=False`` a symbolic link, pipe or device at ``path`` is replaced by the new file (with
+    ``replace``), never written through.
     """
-    target = _followed(Path(path))
+    target = _followed(Path(path)) if follow else Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-    if _is_stream(target):  # nothing to replace: write through it
+    if follow and _is_stream(target):  # nothing to replace: write through it
         with open(target, "wb") as stream:
             stream.write(payload)
         return target
@@ -116,7 +120,7 @@ def write_atomically(path, data: bytes | str, replace: bool = False) -> Path:
             view = memoryview(payload)
             while view:
                 view = view[os.write(fd, view):]
-            if replace and target.exists():  # the replacement keeps the permissions the user gave the file
+            if replace and target.exists() and not target.is_symlink():  # keep the permissions the user gave it
                 os.fchmod(fd, stat.S_IMODE(target.stat().st_mode))
             os.fsync(fd)
         finally:

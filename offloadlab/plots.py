@@ -78,12 +78,15 @@ def _plain_number(value: float) -> str:
     return f"{value:g}"
 
 
-def log_scale(ax, axis: str = "y", base: int = 10) -> None:
+def log_scale(ax, axis: str = "y", base: int = 10, label=None) -> None:
     """Put ``axis`` ("x" or "y") of ``ax`` on a log scale labelled in plain numbers.
 
     Base 10 labels each decade (1, 10, 100) and, on an axis that spans less than two decades,
-    the 2s and 5s between them too; base 2 labels each power of two (1, 2, 4, 8). Matplotlib's
-    own labels for a short log axis read "4×10¹, 3×10¹, … 6×10⁰".
+    the 2s and 5s between them too; base 2 labels powers of two (1, 2, 4, 8), as many as the
+    axis has room for. ``label`` turns a tick's value into its text (``units.format_size`` for
+    bytes, say; then at most five ticks, as such texts run longer); the default writes the
+    number. Matplotlib's own labels for a short log axis read "4×10¹, 3×10¹, … 6×10⁰", and its
+    powers of two carry superscripts smaller than the book's smallest text.
     """
     from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
@@ -93,8 +96,9 @@ def log_scale(ax, axis: str = "y", base: int = 10) -> None:
         raise ValueError(f"base: expected 2 or 10; got {base!r}")
     getattr(ax, f"set_{axis}scale")("log", base=base)
     target = ax.xaxis if axis == "x" else ax.yaxis
-    target.set_major_locator(LogLocator(base=base))
-    target.set_major_formatter(FuncFormatter(lambda value, _pos: _plain_number(value)))
+    text = label or _plain_number
+    target.set_major_locator(LogLocator(base=base, numticks=5 if label else "auto"))  # long labels: fewer
+    target.set_major_formatter(FuncFormatter(lambda value, _pos: text(value)))
     if base == 2:
         target.set_minor_locator(NullLocator())
         return
@@ -103,7 +107,7 @@ def log_scale(ax, axis: str = "y", base: int = 10) -> None:
         low, high = sorted(target.get_view_interval())
         mantissa = value / 10 ** np.floor(np.log10(value) + 1e-9)
         short = high / max(low, 1e-300) < 100
-        return _plain_number(value) if short and any(np.isclose(mantissa, (2, 5))) else ""
+        return text(value) if short and any(np.isclose(mantissa, (2, 5))) else ""
 
     target.set_minor_locator(LogLocator(base=10, subs=np.arange(2, 10)))
     target.set_minor_formatter(FuncFormatter(minor))

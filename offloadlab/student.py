@@ -4,7 +4,12 @@ The labs are Jupytext notebooks with three kinds of code cell:
 
 - an *answer* cell holds the worked answer between a ``### BEGIN SOLUTION`` line and a
   ``### END SOLUTION`` line (nbgrader's own markers);
-- a *graded* cell checks the answer; its MyST options say what it is worth (``:points: 2``);
+- a *graded* cell checks the answer; its MyST options say what it is worth (``:points: 2``). It
+  may hold nbgrader's hidden tests (between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN
+  TESTS``), which only the grader runs;
+- a *reflection* is a Markdown cell with points (``+++ {"points": 1}``): a question graded by
+  hand, whose text in the lab is a model answer (the book folds it in a dropdown) and in a
+  release nbgrader's "YOUR ANSWER HERE";
 - every other cell sets up, measures or explains, and is the same for everybody.
 
 From them this module makes two things:
@@ -18,31 +23,47 @@ From them this module makes two things:
   stub, exactly as ``generate_assignment`` does it, for instructors who hand labs out with
   nbgitpuller and no nbgrader. Both releases have the same cells (tests/test_nbgrader.py).
 
+References to the book's chapters and labs (``{ref}``), which Lab cannot follow from a lone
+notebook, become ordinary links: to the published site when a base URL is given
+(``--book-url``, or ``OFFLOADLAB_BOOK_URL``), else to the chapter's file when the notebooks land
+inside the checkout (``make lab``'s ``book/student``), else to nothing (the words stay, and no
+link is dead).
+
 ``python -m offloadlab.student LABS_DIR TARGET_DIR`` writes the student release of every lab
 as ``TARGET_DIR/<lab>.ipynb``; with ``--nbgrader`` it writes the source notebooks as
 ``TARGET_DIR/<assignment>/<lab>.ipynb``, ready to be an nbgrader course's ``source/`` folder
 (each lab is one assignment, named by its number: ``lab01``). Existing notebooks are replaced
-only with ``--force``.
+only with ``--force``; ``--keep`` writes only the missing ones. Each file is written whole
+(a new file renamed into place), and a link or pipe found at its name is replaced, never
+written through.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
+import re
 import sys
 from pathlib import Path
 
+from . import files
 from .check import STUDENT_VARIABLE
 
 __all__ = ["BEGIN", "END", "BEGIN_HIDDEN", "END_HIDDEN", "STUB", "SWITCH", "assignment_name", "find_labs",
-           "strip_solutions", "strip_hidden_tests", "source_notebook",
+           "strip_solutions", "strip_hidden_tests", "source_notebook", "released_lab",
            "unfold", "release_notebook", "write_release", "write_sources", "points"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 # nbgrader's markers for checks that only the grader runs (graded cells only; gone from releases).
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
-# nbgrader's default ClearSolutions.code_stub for Python, so both releases are the same text.
+# nbgrader's default ClearSolutions.code_stub for Python and text_stub, so both releases are the same text.
 STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
+TEXT_STUB = "YOUR ANSWER HERE"
+BOOK_URL_VARIABLE = "OFFLOADLAB_BOOK_URL"
+# A reference with its link text, as tools/lab_references.py writes them: {ref}`text <label>`.
+REFERENCE = re.compile(r"\{ref\}`([^`<>]+?) <([^`<>]+)>`")
+TARGET = re.compile(r"^\(([^()\s]+)\)=$", re.M)
 # The first code cell of every student notebook: checks stop showing expected values.
 SWITCH = ("# Student release: the answer checks say which way an answer is off, not what it should be.\n"
           "import os\n"
@@ -111,6 +132,12 @@ def source_notebook(path: Path):
         where = f"{path.name}: cell {index}"
         _refuse_stray_markers(cell, where)
         points_given = cell.metadata.pop("points", None)
+        if cell.cell_type == "markdown" and points_given is not None:
+            _check_points(points_given, where)
+            cell.source = reflection_answer(cell.source)
+            cell.metadata["nbgrader"] = _nbgrader(f"reflection-{index}", solution=True, grade=True,
+                                                  points=points_given)
+            continue
         is_answer = cell.cell_type == "code" and BEGIN in cell.source
         if BEGIN_HIDDEN in cell.source or END_HIDDEN in cell.source:
             if points_given is None:
@@ -126,11 +153,10 @@ def source_notebook(path: Path):
             unfold(cell)
             cell.metadata["nbgrader"] = _nbgrader(f"answer-{answers}", solution=True)
         if points_given is not None:
-            if cell.cell_type != "code" or is_answer:
+            if is_answer:
                 raise ValueError(f"{where}: points: expected on a code cell that checks an answer, "
-                                 "not on an answer or a Markdown cell")
-            if isinstance(points_given, bool) or not isinstance(points_given, (int, float)) or points_given <= 0:
-                raise ValueError(f"{where}: points: expected a positive number; got {points_given!r}")
+                                 "not on an answer cell")
+            _check_points(points_given, where)
             checks += 1
             waiting_for_check = None
             cell.metadata["nbgrader"] = _nbgrader(f"check-{checks}", grade=True, points=points_given)
@@ -146,6 +172,19 @@ def source_notebook(path: Path):
     for number, cell in enumerate(notebook.cells):
         cell["id"] = f"cell-{number}"  # jupytext draws random ids; these make releases reproducible
     return notebook
+
+
+def _check_points(points_given, where: str) -> None:
+    if isinstance(points_given, bool) or not isinstance(points_given, (int, float)) or points_given <= 0:
+        raise ValueError(f"{where}: points: expected a positive number; got {points_given!r}")
+
+
+def reflection_answer(source: str) -> str:
+    """The model answer of a reflection cell, without the dropdown the book folds it in."""
+    lines = source.strip().splitlines()
+    if lines and lines[0].startswith(":::{dropdown}") and lines[-1].strip() == ":::":
+        lines = lines[1:-1]
+    return "\n".join(lines).strip()
 
 
 def unfold(cell) -> None:
@@ -167,6 +206,8 @@ def release_notebook(source):
     hidden-test region removed (the grader restores graded cells from the source)."""
     notebook = copy.deepcopy(source)
     for cell in notebook.cells:
+        if cell.cell_type == "markdown" and cell.metadata.get("nbgrader", {}).get("solution"):
+            cell.source = TEXT_STUB
         if cell.cell_type == "code" and BEGIN in cell.source:
             cell.source = strip_solutions(cell.source)
         if cell.cell_type == "code" and BEGIN_HIDDEN in cell.source:
@@ -192,38 +233,91 @@ def find_labs(source_dir: Path) -> list[Path]:
     return found
 
 
-def write_release(source_dir: Path, target_dir: Path, overwrite: bool = False) -> list[Path]:
+def write_release(source_dir: Path, target_dir: Path, overwrite: bool = False, keep: bool = False,
+                  book_url: str | None = None) -> list[Path]:
     """Write the student notebook of every lab in ``source_dir`` as ``target_dir/<lab>.ipynb``."""
-    notebooks = {Path(target_dir) / path.with_suffix(".ipynb").name: release_notebook(source_notebook(path))
+    notebooks = {Path(target_dir) / path.with_suffix(".ipynb").name: released_lab(path, target_dir, book_url)
                  for path in find_labs(source_dir)}
-    return _write(notebooks, overwrite)
+    return _write(notebooks, overwrite, keep)
 
 
-def write_sources(source_dir: Path, target_dir: Path, overwrite: bool = False) -> list[Path]:
+def released_lab(path: Path, target_dir: Path, book_url: str | None = None):
+    """The student notebook of the lab at ``path`` as :func:`write_release` writes it into
+    ``target_dir``: :func:`release_notebook`, with the book's references made links."""
+    links = _Links(Path(path).parent, Path(target_dir), book_url, lambda label_path: label_path.stem + ".ipynb")
+    return links.apply(release_notebook(source_notebook(path)))
+
+
+def write_sources(source_dir: Path, target_dir: Path, overwrite: bool = False, keep: bool = False,
+                  book_url: str | None = None) -> list[Path]:
     """Write every lab's nbgrader source notebook as ``target_dir/<assignment>/<lab>.ipynb``."""
-    notebooks = {Path(target_dir) / assignment_name(path) / path.with_suffix(".ipynb").name: source_notebook(path)
-                 for path in find_labs(source_dir)}
-    return _write(notebooks, overwrite)
+    links = _Links(Path(source_dir), Path(target_dir), book_url,
+                   lambda label_path: f"../{assignment_name(label_path)}/{label_path.stem}.ipynb")
+    notebooks = {Path(target_dir) / assignment_name(path) / path.with_suffix(".ipynb").name:
+                 links.apply(source_notebook(path)) for path in find_labs(source_dir)}
+    return _write(notebooks, overwrite, keep)
 
 
-def _write(notebooks: dict, overwrite: bool) -> list[Path]:
+class _Links:
+    """Turns the labs' ``{ref}`` roles into Markdown links that work where the notebooks land."""
+
+    def __init__(self, labs_dir: Path, target_dir: Path, book_url: str | None, sibling):
+        self.labs_dir, self.target_dir, self.sibling = labs_dir.resolve(), target_dir, sibling
+        self.book_url = (book_url if book_url is not None else os.environ.get(BOOK_URL_VARIABLE, "")).rstrip("/")
+        self.pages = {}  # label -> (folder on the site, the .md file that defines it)
+        for folder, site_folder in ((self.labs_dir.parent / "book", ""), (self.labs_dir, "labs/")):
+            for page in sorted(folder.glob("*.md")):
+                for label in TARGET.findall(page.read_text(encoding="utf-8")):
+                    self.pages.setdefault(label, (site_folder, page))
+
+    def url(self, label: str) -> str | None:
+        if label not in self.pages:
+            return None
+        site_folder, page = self.pages[label]
+        if self.book_url:
+            return f"{self.book_url}/{site_folder}{page.stem}.html#{label}"
+        if page.parent == self.labs_dir:  # another lab: its release beside this one
+            return self.sibling(page)
+        folder = Path(os.path.abspath(self.target_dir))
+        if self.sibling(page).startswith("../"):  # nbgrader's layout: one folder per assignment
+            folder = folder / "assignment"
+        if self.labs_dir.parent in folder.parents:  # inside the checkout: the chapter's own file
+            return os.path.relpath(page, folder)
+        return None
+
+    def apply(self, notebook):
+        for cell in notebook.cells:
+            if cell.cell_type == "markdown":
+                cell.source = REFERENCE.sub(self._link, cell.source)
+        return notebook
+
+    def _link(self, match) -> str:
+        text, label = match[1], match[2]
+        url = self.url(label)
+        return f"[{text}]({url})" if url else f"*{text}*"
+
+
+def _write(notebooks: dict, overwrite: bool, keep: bool = False) -> list[Path]:
     """Write every notebook, or none: an existing file (a student's work, an instructor's edits)
-    is replaced only with ``overwrite``."""
+    is replaced only with ``overwrite``, or left as it is with ``keep``. Each is written whole,
+    and whatever lies at its name (a link planted there, say) is replaced, never written through."""
     import nbformat
 
-    existing = [str(out) for out in notebooks if out.exists()]
-    if existing and not overwrite:
+    existing = [out for out in notebooks if out.exists() or out.is_symlink()]
+    if keep:
+        notebooks = {out: notebook for out, notebook in notebooks.items() if out not in existing}
+    elif existing and not overwrite:
         raise ValueError(f"target_dir: {existing[0]} exists; remove it or pass overwrite=True (--force)")
     for out, notebook in notebooks.items():
         out.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(notebook, out)
+        files.write_atomically(out, nbformat.writes(notebook) + "\n", replace=True, follow=False)
     return list(notebooks)
 
 
 def _nbgrader(grade_id: str, solution: bool = False, grade: bool = False, points: float = 0,
               locked: bool = False) -> dict:
     """nbgrader's cell metadata (schema 3). Graded cells are locked: nbgrader restores them before grading."""
-    metadata = {"grade": grade, "grade_id": grade_id, "locked": locked or grade, "schema_version": NBGRADER_SCHEMA,
+    metadata = {"grade": grade, "grade_id": grade_id, "locked": locked or (grade and not solution), "schema_version": NBGRADER_SCHEMA,
                 "solution": solution, "task": False}
     if grade:
         metadata["points"] = points
@@ -247,13 +341,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("target_dir", type=Path, help="where the notebooks go")
     parser.add_argument("--nbgrader", action="store_true",
                         help="write nbgrader source notebooks (solutions kept) as TARGET_DIR/<assignment>/<lab>.ipynb")
-    parser.add_argument("--force", action="store_true", help="replace notebooks that already exist")
+    replacing = parser.add_mutually_exclusive_group()
+    replacing.add_argument("--force", action="store_true", help="replace notebooks that already exist")
+    replacing.add_argument("--keep", action="store_true", help="write only the notebooks that do not exist yet")
+    parser.add_argument("--book-url", default=None,
+                        help=f"the published book's address, for links to its chapters (default: ${BOOK_URL_VARIABLE})")
     options = parser.parse_args(argv)
     try:
         write = write_sources if options.nbgrader else write_release
-        for path in write(options.labs_dir, options.target_dir, overwrite=options.force):
+        for path in write(options.labs_dir, options.target_dir, overwrite=options.force, keep=options.keep,
+                          book_url=options.book_url):
             print(f"wrote {path}")
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         print(f"offloadlab.student: error: {error}", file=sys.stderr)
         return 2
     return 0

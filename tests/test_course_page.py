@@ -1,27 +1,47 @@
-"""The course page's snippets are valid as written (the page itself runs under nbval)."""
+"""The course page's recipe is the one the kit ships and tests (the page itself runs under nbval;
+tests/test_hub.py runs the recipe end to end)."""
 
 import ast
+import json
 import re
 
 from tests.conftest import ROOT
+from tests.test_hub import page_blocks
 
 PAGE = (ROOT / "book" / "course.md").read_text(encoding="utf-8")
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+HUB_CONFIG = (ROOT / "course" / "jupyterhub_config.py").read_text(encoding="utf-8")
 
 
-def test_the_hub_configuration_is_python_that_sets_a_gpu_and_the_memlock_limit():
-    blocks = re.findall(r"```python\n(.*?)```", PAGE, re.DOTALL)
-    assert blocks, "the course page lost its JupyterHub snippet"
-    for block in blocks:
-        tree = ast.parse(block)
-        assert tree.body
-    hub = blocks[0]
-    assert '"memlock"' in hub and "device_requests" in hub and "pre_spawn_hook" in hub
-    assert "OFFLOADLAB_STUDENT" in hub
+def test_the_readme_gives_the_same_commands_as_the_course_page():
+    section = README.split("**In a course on a GPU server.**", 1)[1].split("\n**As a static site.**", 1)[0]
+    readme_blocks = re.findall(r"```bash\n(.*?)```", section, re.DOTALL)
+    assert readme_blocks == [commands for _, commands in page_blocks()]
+
+
+def test_the_hub_configuration_needs_no_docker_and_sets_student_mode_for_students_only():
+    tree = ast.parse(HUB_CONFIG)
+    assert tree.body and "DockerSpawner" not in HUB_CONFIG and "dockerspawner" not in PAGE.lower()
+    assert 'c.Spawner.cmd = [str(ENVIRONMENT / "bin" / "jupyterhub-singleuser")]' in HUB_CONFIG
+    assert 'environment["OFFLOADLAB_STUDENT"] = "1"' in HUB_CONFIG and "RLIMIT_MEMLOCK" in HUB_CONFIG
+    assert ".get(name)" in HUB_CONFIG  # a user outside the GPU table is no KeyError
+
+
+def test_the_students_lab_settings_hide_nbgraders_instructor_tools():
+    disabled = json.loads((ROOT / "course" / "students" / "labconfig" / "page_config.json").read_text())
+    assert set(disabled["disabledExtensions"]) == {"@jupyter/nbgrader:formgrader", "@jupyter/nbgrader:create-assignment",
+                                                   "@jupyter/nbgrader:course-list"}
+
+
+def test_the_gpu_table_on_the_page_is_json():
+    tables = re.findall(r"```json\n(.*?)```", PAGE, re.DOTALL)
+    assert tables and all(isinstance(json.loads(t.replace("…", "")), dict) for t in tables)
 
 
 def test_the_nbgrader_commands_name_assignments_that_make_student_writes():
     from offloadlab.student import assignment_name, find_labs
 
     assignments = {assignment_name(p) for p in find_labs(ROOT / "labs")}
-    named = set(re.findall(r"nbgrader (?:generate_assignment|autograde) (\w+)", PAGE))
+    named = set(re.findall(r"nbgrader (?:generate_assignment|release_assignment|collect|autograde|generate_feedback|"
+                           r"release_feedback) (\w+)", PAGE))
     assert named and named <= assignments

@@ -8,7 +8,13 @@ fail; then it runs the answer cell again, so the rest of the lab sees the worked
 
 ``WRONG`` lists, for every graded cell of a lab in order, two mistakes a student could make,
 as code that replaces the answer. A lab with a graded cell missing here fails the test.
+
+The graded cell with a hidden test (one per lab) gets a third: the expected value typed in as
+a number, as a student who set ``OFFLOADLAB_STUDENT=0`` would read it. Its visible check must
+pass (in this run the number is right) and its hidden test must fail it.
 """
+
+import re
 
 import nbformat
 import pytest
@@ -26,6 +32,20 @@ WRONG = {
         ("P * (2 + 2 + 4 + 4)", "fp32 moments on a bf16 model", "P * (2 + 2 + 4 + 4 + 4)", "the mixed-precision recipe"),
         ("config.vocab * config.hidden + config.vocab", "a bias the head does not have",
          "2 * config.vocab * config.hidden", "both matrices counted as new"),
+        ("def my_trainer(model):  # bf16 AdamW as in exercise 3: 8 bytes a parameter\n"
+         "    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
+         "    def step():\n"
+         "        optimizer.step()\n"
+         "        optimizer.zero_grad(set_to_none=False)\n"
+         "    return step, [optimizer]", "the gradients kept",
+         "def my_trainer(model):  # 4 bytes a parameter, but no moments: not AdamW\n"
+         "    optimizers = {p: torch.optim.SGD([p], lr=1e-3) for p in model.parameters()}\n"
+         "    def hook(p):\n"
+         "        optimizers[p].step()\n"
+         "        p.grad = None\n"
+         "    for p in model.parameters():\n"
+         "        p.register_post_accumulate_grad_hook(hook)\n"
+         "    return (lambda: None), list(optimizers.values())", "SGD in backward"),
     ],
     "lab02": [
         ("my_bandwidth = record.params['bytes_per_repeat'] * 8 / record.params['median_seconds']", "bits, not bytes",
@@ -101,6 +121,8 @@ WRONG = {
          "my_disk_seconds = 4 * n / read_rate + 4 * n / write_rate", "only the master weights"),
         ("my_resume_step = max(master_steps)", "the newest step of the first file",
          "my_resume_step = min(exp_avg_sq_steps)", "the oldest step of the last file"),
+        ("my_block_bytes, my_queue_depth = 16 * 2**10, 1", "small requests, one at a time",
+         "my_block_bytes, my_queue_depth = 4096, 16", "page-sized requests, many in flight"),
     ],
     "lab08": [
         ("predicted_gather = 2 * 2 * P", "chapter 9's 2wP, the root counted twice",
@@ -110,22 +132,23 @@ WRONG = {
          "predicted_down, predicted_up = 4 * P, 12 * P", "the fp32 state sent up too"),
     ],
 }
-# Lab 1's answers are plain expressions; name the variable each one replaces.
-LAB01_ANSWERS = ["prediction_fp32_adam", "prediction_sgd", "prediction_bf16_adam", "prediction_extra_params"]
+# Lab 1's answers are plain expressions; name the variable each one replaces (the challenge's is code).
+LAB01_ANSWERS = ["prediction_fp32_adam", "prediction_sgd", "prediction_bf16_adam", "prediction_extra_params", None]
 
 
 def wrong_answers(lab: str):
     """[(code, description), (code, description)] for each graded cell of ``lab``, in order."""
     table = []
     for number, (first, why_first, second, why_second) in enumerate(WRONG[lab]):
-        if lab == "lab01":
+        if lab == "lab01" and LAB01_ANSWERS[number]:
             first, second = (f"{LAB01_ANSWERS[number]} = {code}" for code in (first, second))
         table.append([(first, why_first), (second, why_second)])
     return table
 
 
 def graded(cell) -> bool:
-    return cell.metadata.get("nbgrader", {}).get("grade", False)
+    """A check the grader runs (reflections, graded by hand, are Markdown cells)."""
+    return cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("grade", False)
 
 
 def answer(cell) -> bool:
@@ -142,7 +165,7 @@ def test_every_check_passes_the_answer_and_fails_two_wrong_ones(path):
         f"{path.name}: WRONG must list two wrong answers for each graded cell"
     client = NotebookClient(notebook, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
-    failures, last_answer, checks = [], None, iter(mistakes)
+    failures, last_answer, checks, literals = [], None, iter(mistakes), 0
     with client.setup_kernel():
         for index, cell in enumerate(notebook.cells):
             if cell.cell_type != "code":
@@ -166,4 +189,25 @@ def test_every_check_passes_the_answer_and_fails_two_wrong_ones(path):
                     if "was expected" in shown:
                         failures.append(f"{cell.metadata.nbgrader.grade_id} showed a student the answer: {shown}")
                 client.execute_cell(last_answer, index)  # back to the worked answer
+            hidden = re.search(r'grading\.recomputed\("(\w+)"', cell.source)
+            if hidden:  # the answer typed in as the number this run expects: only the hidden test can tell
+                literals += 1
+                name = hidden[1]
+                shown = nbformat.v4.new_code_cell(f"import os\nos.environ['OFFLOADLAB_STUDENT'] = '0'\nprint(repr({name}))")
+                client.execute_cell(shown, index)
+                value = "".join(o.get("text", "") for o in shown.outputs if o.output_type == "stream").strip()
+                client.execute_cell(nbformat.v4.new_code_cell(f"{name} = {value}"), index)
+                retry = nbformat.v4.new_code_cell(cell.source)
+                try:
+                    client.execute_cell(retry, index)
+                    failures.append(f"{cell.metadata.nbgrader.grade_id}: the hidden test passed {name} = {value}, typed in")
+                except CellExecutionError:
+                    error = next(o for o in retry.outputs if o.output_type == "error")
+                    visible = "".join(o.get("text", "") for o in retry.outputs if o.output_type == "stream")
+                    if error.ename != "AssertionError" or "✓" not in visible:
+                        failures.append(f"{cell.metadata.nbgrader.grade_id}: a typed-in {name} should pass the visible "
+                                        f"check and fail the hidden one; got {error.ename}: {error.evalue}\n{visible}")
+                client.execute_cell(nbformat.v4.new_code_cell("os.environ['OFFLOADLAB_STUDENT'] = '1'"), index)
+                client.execute_cell(last_answer, index)
+    assert literals == 1, f"{path.name}: expected one graded cell with a hidden test; found {literals}"
     assert not failures, "\n".join(failures)

@@ -17,7 +17,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from offloadlab.student import BEGIN, END, STUB, assignment_name, find_labs, points, release_notebook, source_notebook
+from offloadlab.student import BEGIN, BEGIN_HIDDEN, END, STUB, assignment_name, find_labs, points, release_notebook, source_notebook
 from tests.conftest import ROOT
 
 LABS = find_labs(ROOT / "labs")
@@ -63,7 +63,10 @@ def released(course, path):
 
 
 def cells(notebook):
-    return [(c.cell_type, c.source) for c in notebook.cells]
+    """Each cell's kind, and the source of code cells and of answers graded by hand (the prose around
+    them differs only in the links a release makes of the book's references)."""
+    return [(c.cell_type, c.source if c.cell_type == "code" or c.metadata.get("nbgrader", {}).get("solution") else "")
+            for c in notebook.cells]
 
 
 @pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
@@ -90,20 +93,59 @@ def test_autograde_gives_full_points_to_the_solved_lab_and_zero_to_the_unsolved(
     submit(course, "solved", path, nbformat.read(course / "source" / lab / f"{path.stem}.ipynb", as_version=4))
     submit(course, "unsolved", path, released(course, path))
     log = nbgrader(course, "autograde", lab, "--create")
-    complaints = [line for line in log.splitlines() if "App | ERROR]" in line or "App | WARNING]" in line]
+    # nbgrader stores a graded cell's checksum with its hidden tests and compares it with the released
+    # cell, which has none: it warns about every cell with hidden tests (jupyter/nbgrader#1961) and
+    # grades it right all the same, from the stored source.
+    hidden = {c.metadata.nbgrader["grade_id"] for c in source_notebook(path).cells if BEGIN_HIDDEN in c.source}
+    complaints = [line for line in log.splitlines() if ("App | ERROR]" in line or "App | WARNING]" in line)
+                  and not any(f"Attribute 'checksum' for cell {cell} has changed" in line for cell in hidden)]
     assert not complaints, "\n".join(complaints)
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
         solved = gradebook.find_submission_notebook(path.stem, lab, "solved")
         unsolved = gradebook.find_submission_notebook(path.stem, lab, "unsolved")
         checks = gradebook.find_notebook(path.stem, lab).grade_cells
         assert solved.max_score == sum(c.max_score for c in checks) == points(source_notebook(path)) > 0
-        lost = {g.cell.name: g.score for g in solved.grades if g.score != g.max_score}
-        assert solved.score == solved.max_score and not solved.failed_tests, f"the solved {lab} lost points: {lost}"
+        by_hand = {c.name for c in checks if c.cell_type == "markdown"}  # reflections wait for the instructor
+        automatic = [g for g in solved.grades if g.cell.name not in by_hand]
+        lost = {g.cell.name: g.score for g in automatic if g.score != g.max_score}
+        assert not lost and not solved.failed_tests, f"the solved {lab} lost points: {lost}"
+        assert solved.needs_manual_grade == bool(by_hand)
         assert unsolved.score == 0, {g.cell.name: g.score for g in unsolved.grades if g.score}
-        assert len(unsolved.grades) == len(checks) and all(g.failed_tests for g in unsolved.grades)
+        assert len(unsolved.grades) == len(checks)
+        assert all(g.failed_tests for g in unsolved.grades if g.cell.name not in by_hand)
+        assert not unsolved.needs_manual_grade  # an untouched reflection scores zero by itself
         for submission in (solved, unsolved):
-            assert not submission.flagged and not submission.needs_manual_grade
+            assert not submission.flagged
     for student in ("solved", "unsolved"):
         graded = nbformat.read(course / "autograded" / student / lab / f"{path.stem}.ipynb", as_version=4)
         assert all(c.get("execution_count") for c in graded.cells if c.cell_type == "code"), student
     shutil.rmtree(course / "submitted")  # the next lab starts with no submissions
+
+
+def test_a_number_typed_in_from_the_visible_check_loses_the_hidden_points(course):
+    """The student sets OFFLOADLAB_STUDENT=0, reads the expected value, and types it in: the visible
+    check passes, the hidden test (in no release, restored by nbgrader) does not."""
+    from nbgrader.api import Gradebook
+
+    path = next(p for p in LABS if assignment_name(p) == "lab01")
+    notebook = nbformat.read(course / "source" / "lab01" / f"{path.stem}.ipynb", as_version=4)
+    from offloadlab.models import GPTConfig
+
+    typed = GPTConfig(layers=4, hidden=256, heads=4, vocab=2048, seq=128).params * 16  # what the check showed
+    for cell in notebook.cells:
+        if cell.metadata.get("nbgrader", {}).get("grade_id") == "student-release":
+            cell.source = 'import os\nos.environ["OFFLOADLAB_STUDENT"] = "0"  # show me the answers'
+        if "prediction_fp32_adam =" in cell.source:
+            cell.source = f"prediction_fp32_adam = {typed}"
+    submit(course, "copier", path, notebook)
+    nbgrader(course, "autograde", "lab01", "--create")
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        copied = gradebook.find_submission_notebook(path.stem, "lab01", "copier")
+        lost = {g.cell.name: g.max_score - g.score for g in copied.grades if g.score != g.max_score and g.auto_score is not None}
+        hidden = [c for c in source_notebook(path).cells if "BEGIN HIDDEN TESTS" in c.source]
+        assert list(lost) == [hidden[0].metadata.nbgrader["grade_id"]], lost
+        assert lost[hidden[0].metadata.nbgrader["grade_id"]] == hidden[0].metadata.nbgrader["points"]
+    graded = nbformat.read(course / "autograded" / "copier" / "lab01" / f"{path.stem}.ipynb", as_version=4)
+    shown = "".join(o.get("text", "") for c in graded.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "✓ fp32 AdamW" in shown  # the visible check itself passed
+    shutil.rmtree(course / "submitted")

@@ -1,5 +1,8 @@
 """The student release and the nbgrader source notebooks made from the labs."""
 
+import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -8,8 +11,8 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from offloadlab.student import (BEGIN, BEGIN_HIDDEN, END, END_HIDDEN, STUB, SWITCH, assignment_name, points, release_notebook,
-                                source_notebook, strip_solutions)
+from offloadlab.student import (BEGIN, BEGIN_HIDDEN, END, END_HIDDEN, STUB, SWITCH, TEXT_STUB, assignment_name,
+                                points, release_notebook, released_lab, source_notebook, strip_solutions)
 from tests.conftest import ROOT
 
 LABS = sorted((ROOT / "labs").glob("lab*.md"))
@@ -91,7 +94,8 @@ def test_hidden_tests_stay_in_the_source_and_leave_the_release(tmp_path):
     (code("x = 1"), "expected at least one graded cell"),
     (code("assert True", ":points: 0\n\n"), "points: expected a positive number; got 0"),
     (code("assert True", ":points: many\n\n"), "points: expected a positive number; got 'many'"),
-    (code(f"{BEGIN}\nx = 1\n{END}", ":points: 1\n\n"), "not on an answer or a Markdown cell"),
+    (code(f"{BEGIN}\nx = 1\n{END}", ":points: 1\n\n"), "not on an answer cell"),
+    ('+++ {"points": -1}\n\nWhy?\n\n' + code("assert True", ":points: 1\n\n"), "points: expected a positive number; got -1"),
 ])
 def test_source_notebook_refuses_what_nbgrader_would_cut_or_grade_wrongly(tmp_path, body, complaint):
     with pytest.raises(ValueError, match="lab09_test.md: " if "cell" in complaint else complaint) as info:
@@ -125,7 +129,9 @@ def test_every_lab_is_released_without_solutions(release):
     assert sorted(p.stem for p in release.glob("*.ipynb")) == [p.stem for p in LABS]
     for path in LABS:
         released = nbformat.read(release / f"{path.stem}.ipynb", as_version=4)
-        assert released == release_notebook(source_notebook(path)), path.name
+        assert released == released_lab(path, release), path.name
+        assert [c.source for c in released.cells if c.cell_type == "code"] == \
+            [c.source for c in release_notebook(source_notebook(path)).cells if c.cell_type == "code"]
         worked = "\n".join(line.strip() for cell in source_notebook(path).cells for line in cell.source.splitlines())
         inside = worked.split(BEGIN)[1].split(END)[0].strip()  # the first worked answer's text
         assert inside and inside not in "\n".join(c.source for c in released.cells), path.name
@@ -143,6 +149,82 @@ def test_student_notebook_runs_up_to_its_first_exercise(release, lab):
     failed = next(i for i, c in enumerate(code) if any(o.get("ename") == "NotImplementedError" for o in c.get("outputs", [])))
     assert code[failed].metadata.nbgrader["grade_id"] == "answer-1"
     assert all(c.get("execution_count") for c in code[:failed])  # everything before it ran
+
+
+def test_released_references_link_to_the_site_or_the_chapter_file_or_nothing(tmp_path):
+    """Lab cannot follow {ref}: a release turns each into a link that works where it lands."""
+    site = tmp_path / "site"
+    command = [sys.executable, "-m", "offloadlab.student", "labs", str(site), "--book-url", "https://example.org/book/"]
+    assert subprocess.run(command, cwd=ROOT, capture_output=True).returncode == 0
+    text = (site / "lab07_one_tier_further.ipynb").read_text(encoding="utf-8")
+    assert "{ref}" not in text and "(https://example.org/book/08_nvme.html#ch-nvme)" in text
+    assert "(https://example.org/book/labs/lab06_plan_your_run.html#lab-plan)" in text
+    inside = ROOT / "build" / "test-release-links"
+    try:
+        assert subprocess.run(command[:4] + [str(inside)], cwd=ROOT, capture_output=True, env=without_book_url()).returncode == 0
+        assert "[8. One tier further: NVMe](../../book/08_nvme.md)" in (inside / "lab07_one_tier_further.ipynb").read_text()
+    finally:
+        shutil.rmtree(inside, ignore_errors=True)
+    outside = tmp_path / "elsewhere"  # neither a site nor the book's files: the words, and no dead link
+    assert subprocess.run(command[:4] + [str(outside)], cwd=ROOT, capture_output=True, env=without_book_url()).returncode == 0
+    released = nbformat.read(outside / "lab07_one_tier_further.ipynb", as_version=4)
+    prose = "\n".join(c.source for c in released.cells if c.cell_type == "markdown")
+    assert "{ref}" not in prose and "*8. One tier further: NVMe*" in prose and "](../" not in prose
+    assert "[Lab 6: Plan your run](lab06_plan_your_run.ipynb)" in prose  # another lab: its release beside this one
+
+
+def without_book_url():
+    return {k: v for k, v in os.environ.items() if k != "OFFLOADLAB_BOOK_URL"}
+
+
+def test_force_replaces_a_link_planted_at_a_release_path_and_never_writes_through_it(tmp_path):
+    """Issue 24, finding 14: `make student` wrote through a symbolic link found at a release path."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not yours", encoding="utf-8")
+    target = tmp_path / "release"
+    target.mkdir()
+    planted = target / f"{LABS[0].stem}.ipynb"
+    planted.symlink_to(victim)
+    result = subprocess.run([sys.executable, "-m", "offloadlab.student", "--force", "labs", str(target)], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert victim.read_text(encoding="utf-8") == "not yours"
+    assert not planted.is_symlink() and nbformat.read(planted, as_version=4).cells
+
+
+def test_force_replaces_each_notebook_whole_by_renaming_a_new_file_into_place(tmp_path):
+    """A reader of the old notebook, or a crash mid-write, never sees half a notebook: the old
+    file is replaced by a rename (a new inode), not rewritten where it lies."""
+    command = [sys.executable, "-m", "offloadlab.student", "labs", str(tmp_path)]
+    assert subprocess.run(command, cwd=ROOT, capture_output=True).returncode == 0
+    old = tmp_path / f"{LABS[0].stem}.ipynb"
+    with old.open("rb") as reader:
+        before = os.fstat(reader.fileno()).st_ino
+        assert subprocess.run(command + ["--force"], cwd=ROOT, capture_output=True).returncode == 0
+        assert reader.read() and old.stat().st_ino != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{p.stem}.ipynb" for p in LABS)  # no scratch left
+
+
+def test_keep_writes_only_what_is_missing(tmp_path):
+    command = [sys.executable, "-m", "offloadlab.student", "--keep", "labs", str(tmp_path)]
+    assert subprocess.run(command, cwd=ROOT, capture_output=True).returncode == 0
+    mine = tmp_path / f"{LABS[0].stem}.ipynb"
+    mine.write_text("a student's work", encoding="utf-8")
+    (tmp_path / f"{LABS[1].stem}.ipynb").unlink()
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == f"wrote {tmp_path / LABS[1].stem}.ipynb"
+    assert mine.read_text(encoding="utf-8") == "a student's work"
+
+
+def test_a_reflection_is_graded_by_hand_and_released_as_nbgraders_text_stub(tmp_path):
+    body = (code(f"{BEGIN}\nx = 2\n{END}") + code("assert x == 2", ":points: 1\n\n")
+            + 'Why does it work?\n\n+++ {"points": 2}\n\n:::{dropdown} A model answer\nBecause.\n:::\n')
+    notebook = source_notebook(lab(tmp_path, body))
+    reflection = notebook.cells[-1]
+    assert reflection.cell_type == "markdown" and reflection.source == "Because."
+    assert reflection.metadata.nbgrader == {"grade": True, "grade_id": "reflection-4", "locked": False, "points": 2,
+                                            "schema_version": 3, "solution": True, "task": False}
+    assert points(notebook) == 3 and release_notebook(notebook).cells[-1].source == TEXT_STUB
 
 
 def test_existing_notebooks_are_replaced_only_with_force(tmp_path):
@@ -163,7 +245,11 @@ def test_nbgrader_sources_are_one_assignment_per_lab(tmp_path):
     assert result.returncode == 0, result.stderr
     for path in LABS:
         written = nbformat.read(tmp_path / path.stem[:5] / f"{path.stem}.ipynb", as_version=4)
-        assert written == source_notebook(path) and BEGIN in "".join(c.source for c in written.cells)
+        source = source_notebook(path)
+        assert [(c.cell_type, c.metadata) for c in written.cells] == [(c.cell_type, c.metadata) for c in source.cells]
+        assert [c.source for c in written.cells if c.cell_type == "code"] == \
+            [c.source for c in source.cells if c.cell_type == "code"]
+        assert BEGIN in "".join(c.source for c in written.cells) and "{ref}" not in "".join(c.source for c in written.cells)
 
 
 @pytest.mark.parametrize("arguments, complaint", [(["no-such-folder", "out"], "source_dir"),

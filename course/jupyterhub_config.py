@@ -1,0 +1,113 @@
+"""JupyterHub for an offloadlab course: local Unix accounts, no Docker (book/course.md, "The hub").
+
+Every single-user server runs from the kit's own environment (``$OFFLOADLAB_COURSE/.venv``, made
+by ``make course``), so ``python3`` in a student's notebook is the Python that has offloadlab,
+nbgrader and JupyterLab. Who is who comes from two Unix groups:
+
+- ``offload-students``: student mode (``OFFLOADLAB_STUDENT=1``: the answer checks never show an
+  expected value) and nbgrader's student tools only (Assignments, Validate);
+- ``offload-staff``: instructors and TAs, hub admins, with nbgrader's Formgrader and
+  Create Assignment, and no student mode.
+
+A GPU (or MIG slice) per user comes from an optional JSON table, user name -> device UUID as
+``nvidia-smi -L`` prints it. A user without an entry gets a server with no GPU at all (the labs
+then run on the emulated link and say so), and the hub's log says why; nobody gets an error.
+
+Settings, read from the environment the hub is started with (all optional):
+
+- ``OFFLOADLAB_COURSE``: the kit's folder (default ``/opt/offloadlab``);
+- ``OFFLOADLAB_GPU_SLICES``: the table's path (default ``$OFFLOADLAB_COURSE/course/gpu-slices.json``);
+- ``OFFLOADLAB_HUB_URL``: where the hub listens (default ``http://127.0.0.1:8000``; put your HTTPS
+  reverse proxy in front of it);
+- ``OFFLOADLAB_EXCHANGE``: nbgrader's exchange, when not ``/srv/nbgrader/exchange``;
+- ``OFFLOADLAB_HUB_TOKEN``: a token for scripting the class through the hub's REST API (starting
+  every server before a lab session, say); without it there is no such service.
+"""
+
+import grp
+import json
+import os
+import resource
+from pathlib import Path
+
+from jupyterhub.spawner import LocalProcessSpawner
+
+c = get_config()  # noqa: F821 (JupyterHub provides it)
+
+COURSE = Path(os.environ.get("OFFLOADLAB_COURSE", "/opt/offloadlab"))
+ENVIRONMENT = COURSE / ".venv"
+STUDENTS, STAFF = "offload-students", "offload-staff"
+SLICES_FILE = Path(os.environ.get("OFFLOADLAB_GPU_SLICES", COURSE / "course" / "gpu-slices.json"))
+
+
+def members(group: str) -> set[str]:
+    """The user names in a Unix group (none if the group does not exist)."""
+    try:
+        return set(grp.getgrnam(group).gr_mem)
+    except KeyError:
+        return set()
+
+
+def gpu_slices() -> dict[str, str]:
+    """user -> GPU or MIG UUID; read at every spawn, so an edit needs no restart."""
+    if not SLICES_FILE.exists():
+        return {}
+    return json.loads(SLICES_FILE.read_text(encoding="utf-8"))
+
+
+class CourseSpawner(LocalProcessSpawner):
+    """The default local spawner, with no cap on pinned memory: the labs page-lock host buffers,
+    and many systems allow a user only 8 MiB (``ulimit -l``)."""
+
+    def make_preexec_fn(self, name):
+        become_user = super().make_preexec_fn(name)
+
+        def preexec():
+            try:  # still root here: lift the limit, then become the user
+                resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            except (OSError, ValueError):
+                pass  # a container without CAP_SYS_RESOURCE: the labs fall back and say so
+            become_user()
+
+        return preexec
+
+
+def set_up_server(spawner):
+    """Per user: student mode and tools or the instructor's, and a GPU slice or none."""
+    name = spawner.user.name
+    environment = {"PATH": f"{ENVIRONMENT / 'bin'}:/usr/local/bin:/usr/bin:/bin"}
+    if "OFFLOADLAB_EXCHANGE" in os.environ:  # an exchange elsewhere than course/nbgrader_config.py's default
+        environment["OFFLOADLAB_EXCHANGE"] = os.environ["OFFLOADLAB_EXCHANGE"]
+    if name in members(STAFF):
+        environment["OFFLOADLAB_STUDENT"] = "0"
+    else:
+        environment["OFFLOADLAB_STUDENT"] = "1"
+        # nbgrader's instructor tools off: the Lab side through course/students/labconfig, the server side
+        # here (the environment's own settings, which enable them, would override a settings file).
+        environment["JUPYTER_CONFIG_PATH"] = str(COURSE / "course" / "students")
+        spawner.args = [*spawner.args, "--ServerApp.jpserver_extensions=" + repr(  # traitlets reads a Python literal
+            {"nbgrader.server_extensions.formgrader": False, "nbgrader.server_extensions.course_list": False})]
+    device = gpu_slices().get(name)
+    if device:
+        environment["CUDA_VISIBLE_DEVICES"] = device
+    else:
+        environment["CUDA_VISIBLE_DEVICES"] = ""
+        environment["OFFLOADLAB_GPU_NOTE"] = (f"no GPU slice for {name} in {SLICES_FILE}: this server has no GPU, "
+                                              "and the labs run on the emulated link")
+        spawner.log.warning("offloadlab: %s", environment["OFFLOADLAB_GPU_NOTE"])
+    spawner.environment.update(environment)
+
+
+c.JupyterHub.bind_url = os.environ.get("OFFLOADLAB_HUB_URL", "http://127.0.0.1:8000")
+c.JupyterHub.spawner_class = CourseSpawner
+c.Spawner.cmd = [str(ENVIRONMENT / "bin" / "jupyterhub-singleuser")]
+c.Spawner.default_url = "/lab"
+c.Spawner.pre_spawn_hook = set_up_server
+c.Spawner.http_timeout = 120  # a first start imports torch, which takes a while on a cold disk
+c.PAMAuthenticator.allowed_groups = {STUDENTS, STAFF}
+c.PAMAuthenticator.admin_groups = {STAFF}
+
+if os.environ.get("OFFLOADLAB_HUB_TOKEN"):
+    c.JupyterHub.services = [{"name": "course-admin", "api_token": os.environ["OFFLOADLAB_HUB_TOKEN"]}]
+    c.JupyterHub.load_roles = [{"name": "course-admin", "services": ["course-admin"],
+                                "scopes": ["admin:users", "admin:servers", "tokens", "access:servers", "list:users"]}]

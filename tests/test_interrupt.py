@@ -1,0 +1,123 @@
+"""Ctrl-C in a notebook's slowest cell, then "run from here": every chapter and lab carries on.
+
+A reader interrupts the cell that takes longest (a sweep, a training run), reads what it has
+printed, and runs the notebook again from that cell, as Lab's "Run Selected Cell and All Below"
+does. Whatever the interrupted cell had half done (files written, a reference advanced by a few
+steps) must not make a later cell fail. Each notebook runs twice in a real kernel: once whole,
+timing every cell; then up to its slowest cell, which is interrupted (``interrupt_kernel``, as
+Lab's stop button) halfway through its time, and run again from there to the end. The first
+cell, which imports, is left out: interrupting ``import torch`` breaks any kernel.
+"""
+
+import queue
+import threading
+import time
+
+import jupytext
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+from tests.conftest import ROOT
+from tests.nbval_markdown import is_text_notebook
+
+NOTEBOOKS = sorted(p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p))
+
+
+class Kernel:
+    """A real IPython kernel, started in the notebook's folder, that runs cells one at a time."""
+
+    def __init__(self, folder):
+        self.manager, self.client = start_new_kernel(kernel_name="python3", cwd=str(folder))
+
+    def run(self, code: str, interrupt_after: float | None = None, timeout: float = 600):
+        """(status, error name, seconds) of one cell; with ``interrupt_after``, the kernel is
+        interrupted that many seconds into the cell."""
+        start = time.monotonic()
+        msg_id = self.client.execute(code, store_history=True, allow_stdin=False, stop_on_error=False)
+        timer = None
+        if interrupt_after is not None:
+            timer = threading.Timer(interrupt_after, self.manager.interrupt_kernel)
+            timer.start()
+        error = None
+        try:
+            while True:
+                message = self.client.get_iopub_msg(timeout=timeout)
+                if message["parent_header"].get("msg_id") != msg_id:
+                    continue
+                if message["msg_type"] == "error":
+                    error = message["content"]["ename"]
+                if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+                    break
+            reply = self.client.get_shell_msg(timeout=timeout)
+        except queue.Empty:
+            pytest.fail(f"a cell ran longer than {timeout} s:\n{code[:300]}")
+        finally:
+            if timer is not None:
+                timer.join()  # the interrupt is sent even if the cell finished first
+        if timer is not None:
+            self.settle()
+        return reply["content"]["status"], error, time.monotonic() - start
+
+    def settle(self):
+        """After an interrupt, run empty cells until one runs: an interrupt that arrived late, or the
+        kernel's refusal of requests just after one (status "aborted"), must not land on the next cell."""
+        for _ in range(20):
+            time.sleep(0.2)
+            msg_id = self.client.execute("pass", store_history=False, stop_on_error=False)
+            reply = self.client.get_shell_msg(timeout=60)
+            while reply["parent_header"].get("msg_id") != msg_id:
+                reply = self.client.get_shell_msg(timeout=60)
+            if reply["content"]["status"] == "ok":
+                return
+        pytest.fail("the kernel did not run a cell again after the interrupt")
+
+    def close(self):
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+def code_cells(path):
+    return [c.source for c in jupytext.read(path).cells if c.cell_type == "code"]
+
+
+# Found by this test and not fixed yet: after an interrupt in "Break it three ways", running that
+# cell again raises AttributeError.
+KNOWN = {"labs/lab05_build_a_double_buffer.md": "lab 5's 'Break it three ways' cell fails when run again "
+                                               "after an interrupt (AttributeError)"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(reason=KNOWN[p.relative_to(ROOT).as_posix()]))
+                                  if p.relative_to(ROOT).as_posix() in KNOWN else p for p in NOTEBOOKS],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_interrupting_the_slowest_cell_and_running_on_from_it(path):
+    cells = code_cells(path)
+    if len(cells) < 2:
+        pytest.skip("no cell to interrupt but the one that imports")
+    kernel = Kernel(path.parent)
+    try:
+        seconds = []
+        for index, code in enumerate(cells):
+            status, error, took = kernel.run(code)
+            assert status == "ok", f"cell {index + 1} failed on the first run: {error}"
+            seconds.append(took)
+    finally:
+        kernel.close()
+    # The first cell imports torch: an interrupted import leaves a half-made module in any Python
+    # (re-importing torch then raises), which no notebook can undo. The slowest of the others.
+    slowest = max(range(1, len(cells)), key=seconds.__getitem__)
+    kernel = Kernel(path.parent)
+    try:
+        for code in cells[:slowest]:
+            assert kernel.run(code)[0] == "ok"
+        status, error, _ = kernel.run(cells[slowest], interrupt_after=seconds[slowest] / 2)
+        interrupted = status == "error" and error == "KeyboardInterrupt"
+        failures = []
+        for index in range(slowest, len(cells)):
+            status, error, _ = kernel.run(cells[index])
+            if status != "ok":
+                failures.append(f"cell {index + 1} ({cells[index].splitlines()[0][:60]!r}): {status}, {error}")
+        assert not failures, (f"after interrupting cell {slowest + 1} ({seconds[slowest]:.1f} s; the interrupt "
+                              f"{'landed' if interrupted else 'came too late'}) and running on from it:\n"
+                              + "\n".join(failures))
+    finally:
+        kernel.close()

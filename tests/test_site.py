@@ -372,8 +372,14 @@ def host_paths() -> list[str]:
     return sorted(c for c in candidates if len(c) > 1)
 
 
+def written_by_the_authors() -> str:
+    """The text of every chapter, lab and page source: a path named there (for example the
+    course page's ``/root/.pyenv``, a home no student may read) is an example, not a leak."""
+    return "\n".join(p.read_text(encoding="utf-8") for d in ("book", "labs") for p in (ROOT / d).glob("*.md"))
+
+
 def test_no_page_shows_a_path_of_the_build_machine(built_site):
-    found = []
+    written, found = written_by_the_authors(), []
     documents = pages(built_site) + sorted((built_site / "_sources").rglob("*.ipynb"))
     for document in documents:
         text = document.read_text(encoding="utf-8", errors="replace")
@@ -382,6 +388,9 @@ def test_no_page_shows_a_path_of_the_build_machine(built_site):
             text = json.dumps([(c.get("source"), c.get("outputs")) for c in notebook["cells"]])
         for path in host_paths():
             for match in re.finditer(re.escape(path), text):
+                named = re.match(r"[^\s\"'<>`\\]+", text[match.start():]).group(0)
+                if len(named) > len(path) and named in written:
+                    continue
                 found.append(f"{document.relative_to(built_site)}: ...{text[max(0, match.start() - 40):match.end() + 40]!r}")
     assert not found, "host paths in the built pages:\n" + "\n".join(found[:20])
 

@@ -274,14 +274,24 @@ def lab_links_to_roles(app, docname, source):
     source[0] = LABEL_LINK.sub(lambda m: f"{{ref}}`{m[1]} <{m[2]}>`", text)
 
 
+def draw_single_page_as_html(app):
+    """The single-page build that `make pdf` prints draws every node as the html builder does.
+
+    Sphinx gives a builder the node handlers registered under its own name and falls back to
+    those of its format (html) only when there are none: once any extension registers one for
+    singlehtml, every node registered for html alone (myst-nb's folded cells, sphinx-design's
+    dropdowns) is unknown there and the build stops. Each html handler the single-page build
+    lacks is lent to it.
+    """
+    if app.builder.name == "singlehtml":
+        handlers = app.registry.translation_handlers
+        for node, visitors in handlers.get("html", {}).items():
+            handlers.setdefault("singlehtml", {}).setdefault(node, visitors)
+
+
 def setup(app):
     app.connect("source-read", lab_links_to_roles)
-    # myst-nb draws folded cells (the labs' answers, tag hide-input) for the html builder only;
-    # the single-page build that `make pdf` prints uses the same HTML for them.
-    from myst_nb.sphinx_ import HideCodeCellNode, depart_HideCellInput, visit_HideCellInput
-
-    app.add_node(HideCodeCellNode, override=True, html=(visit_HideCellInput, depart_HideCellInput),
-                 singlehtml=(visit_HideCellInput, depart_HideCellInput))
+    app.connect("builder-inited", draw_single_page_as_html)
     app.connect("builder-inited", ship_the_pdf)
     app.connect("env-get-updated", number_exercises_per_page, priority=900)  # after Sphinx numbers them
     app.connect("doctree-resolved", alt_text_from_captions)

@@ -132,7 +132,8 @@ def offload_step(path: Path) -> Path:
     _label(ax, 1.42, 4.42, "one copy per bucket\n(tens of MiB)")
     _arrow(ax, (3.87, 3.92), (3.87, 4.88))
     _label(ax, 3.97, 4.42, "scattered into\nthe parameters")
-    _label(ax, 2.6, 2.82, "both engines at once: PCIe is full duplex", ha="center", style="italic", backed=True)
+    _label(ax, 2.6, 2.82, "both engines at once (full duplex),\neach way a little under its one-way rate", ha="center",
+           style="italic", backed=True)
     # the host
     _box(ax, 0.05, 0.05, 5.1, 2.55, "host memory (pinned)", face=COLOURS["host"], title_size=12)
     _box(ax, 0.2, 1.4, 2.25, 0.75, "", ["landing gradients", "(bf16), 2 B/param"])

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BIBLIOGRAPHY = ROOT / "book" / "references.bib"
 TARGET = re.compile(r"^\(([^()\s]+)\)=\n#+ +(.+)$", re.M)
 BARE_REF = re.compile(r"\{ref\}`([^`<>]+)`")
-REF_WITH_TEXT = re.compile(r"\{ref\}`([^`<>]+?) <([^`<>]+)>`")
+REF_WITH_TEXT = re.compile(r"\{ref\}`([^`<>]+?)\s+<([^`<>]+)>`")
 HEADING_LINK = re.compile(r"\[([^\]`<>]+)\]\(([^()\s#]+\.md)#([^()\s]+)\)")
 # The text this tool gives a reference, its heading's ("6. CPU Adam: …", "Lab 4: …"): refreshed
 # when the heading changes. A text written by hand is kept as it is.

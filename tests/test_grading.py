@@ -101,3 +101,19 @@ def test_lab03_a_copy_out_of_order_reads_another_steps_bytes(step, copy_share, c
     with open_link(emulated=True) as link:
         outcome = grading.lab03_challenge(step, link, copy_share=copy_share)
     assert not outcome and "read the bytes of another step" in outcome.line, outcome.line
+
+
+# Lab 7: the bar is a reference tier read in the same call, taking turns with the student's, so
+# a disk slower now than when the lab measured it (another process reading, a cache gone cold)
+# moves both rates together. The rate the lab passes in is only shown.
+def test_lab07_large_requests_pass_though_the_disk_was_faster_when_the_lab_measured_it(tmp_path, capsys):
+    idle_rate = 1e12  # far above any disk: the old bar, share × this, failed every tier
+    outcome = grading.lab07_challenge(tmp_path, 2**20, 8, idle_rate, params=2 * 2**20)
+    assert outcome, outcome.line
+    assert "step 1 measured 1e+03 GB/s" in outcome.line
+
+
+def test_lab07_small_requests_one_at_a_time_fail_beside_the_reference(tmp_path, capsys):
+    outcome = grading.lab07_challenge(tmp_path, 4096, 1, 1.0, params=2 * 2**20)
+    assert not outcome and "at least 50% needed" in outcome.line, outcome.line
+    assert list(tmp_path.iterdir()) == []  # both tiers' files are gone

@@ -21,7 +21,7 @@ import math
 
 __all__ = ["recomputed", "exchange_seconds", "one_buffer_pass_seconds", "disk_step_seconds",
            "ADAM_STATE_BYTES", "Outcome", "lab01_challenge", "lab04_challenge", "lab02_challenge", "lab03_challenge", "lab05_challenge",
-           "lab07_challenge"]
+           "lab07_challenge", "lab08_challenge"]
 
 # Bytes per parameter that one AdamW step reads from disk and writes back: fp32 master weights
 # and both moments (lab 7, chapter 8).
@@ -176,6 +176,43 @@ def lab04_challenge(offload, config, device, dtype=None, budget: float = 0.4, co
     return Outcome(passed, f"{'✓' if passed else '✗'} challenge: device buffers of {share:.0%} of the gradients' "
                            f"bytes (counted; at most {budget:.0%}), {most_copies} device→host copies a step "
                            f"(counted by the link; at most {copies}), loss within {worst:.2%} of fp32 AdamW")
+
+
+def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: float) -> Outcome:
+    """Lab 8's challenge, graded on bytes counted by the lab's runs: ``tensor_bytes`` (bytes of
+    tensors through the sharded run's all-gathers and reduce-scatters per step, on a ring of
+    ``ranks``) and ``down``, ``up`` (bytes the offloaded run's host link carried each way per
+    step). ``choose(tensor_bytes, ranks, down, up, interconnect, host_link, duplex)`` answers
+    "shard" or "offload" for a node whose interconnect and host link move ``interconnect`` and
+    ``host_link`` bytes/s each way, the host link in ``duplex`` "full" (both directions at once)
+    or "half" (taking turns). Right is the one whose traffic takes less time a step; the grader
+    asks for nodes on both sides of the crossover, in both duplexes, at two scales, and passes
+    when every answer is right."""
+    from .sharding import ring_bytes
+
+    sent = ring_bytes("all-gather", tensor_bytes, ranks)  # a rank's share; reduce-scatter's is the same
+    link_bytes = {"full": max(down, up), "half": down + up}
+    nodes = []
+    for interconnect in (25e9, 200e9):
+        crossover = interconnect * link_bytes["full"] / sent  # the host link at which full duplex ties
+        for factor in (0.6, 1.5, 2.5):
+            for duplex in ("full", "half"):
+                nodes.append((interconnect, factor * crossover, duplex))
+    wrong = []
+    for interconnect, host_link, duplex in nodes:
+        expected = "shard" if sent / interconnect <= link_bytes[duplex] / host_link else "offload"
+        answer = choose(tensor_bytes, ranks, down, up, interconnect, host_link, duplex)
+        if answer not in ("shard", "offload"):
+            return Outcome(False, f"✗ challenge: the choice for a node was {answer!r}; expected 'shard' or 'offload'")
+        if answer != expected:
+            wrong.append(f"{interconnect / 1e9:g} GB/s between ranks, {host_link / 1e9:.3g} GB/s {duplex} duplex "
+                         "to the host")
+    if wrong:
+        return Outcome(False, f"✗ challenge: {len(wrong)} of {len(nodes)} nodes chosen wrong, e.g. {wrong[0]}: "
+                              "compare the seconds each configuration's bytes take on its own wire")
+    return Outcome(True, f"✓ challenge: all {len(nodes)} nodes chosen right, from the bytes your runs counted "
+                         f"({tensor_bytes / 2**20:.2f} MiB of tensors on {ranks} ranks, {down / 2**20:.2f} MiB down "
+                         f"and {up / 2**20:.2f} MiB up the host link, per step)")
 
 
 def lab07_challenge(folder, block_bytes: int, queue_depth: int, reference_rate: float, share: float = 0.5,

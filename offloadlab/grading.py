@@ -20,7 +20,7 @@ import ast
 import math
 
 __all__ = ["recomputed", "exchange_seconds", "one_buffer_pass_seconds", "disk_step_seconds",
-           "ADAM_STATE_BYTES", "Outcome", "lab01_challenge", "lab04_challenge", "lab02_challenge", "lab03_challenge", "lab05_challenge",
+           "ADAM_STATE_BYTES", "Outcome", "lab01_challenge", "lab04_challenge", "lab06_challenge", "lab02_challenge", "lab03_challenge", "lab05_challenge",
            "lab07_challenge", "lab08_challenge"]
 
 # Bytes per parameter that one AdamW step reads from disk and writes back: fp32 master weights
@@ -213,6 +213,58 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
     return Outcome(True, f"✓ challenge: all {len(nodes)} nodes chosen right, from the bytes your runs counted "
                          f"({tensor_bytes / 2**20:.2f} MiB of tensors on {ranks} ranks, {down / 2**20:.2f} MiB down "
                          f"and {up / 2**20:.2f} MiB up the host link, per step)")
+
+
+def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
+    """Lab 6's challenge, counted by the link: ``stream(model, link)`` streams the blocks of a
+    TinyGPT of ``config`` (weights in ``dtype`` on ``device``) with a StreamedModel on ``link``;
+    the grader trains it with CPUOffloadAdam for a warm-up step and a recorded one. It passes
+    when the device buffers the streaming asked ``link`` for hold at most ``budget`` bytes and
+    the recorded step's host→device copies carry no more bytes than those of a StreamedModel
+    with as many weight buffers as ``budget`` holds, run by the grader the same way."""
+    import torch
+
+    from .link import open_link
+    from .models import TinyGPT
+    from .offload import CPUOffloadAdam
+    from .streaming import StreamedModel
+
+    def run(make):
+        """(the streaming, device bytes it asked for, bytes up in the recorded step)."""
+        torch.manual_seed(0)
+        model = TinyGPT(config).to(device, dtype)
+        tokens = torch.randint(0, config.vocab, (2, config.seq), generator=torch.Generator().manual_seed(1))
+        tokens = tokens.to(device)
+        with open_link() as link:
+            watched = _WatchedLink(link)
+            streaming = make(model, watched)
+            if not isinstance(streaming, StreamedModel):
+                return streaming, None, None
+            optimizer = CPUOffloadAdam(model.parameters(), lr=1e-3, link=link, accumulation_steps=1)
+            try:
+                for _ in range(2):  # a warm-up step, then the step that counts
+                    with link.record() as recording:
+                        model(tokens[:, :-1], tokens[:, 1:]).backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        link.synchronize()
+            finally:
+                optimizer.close()
+                streaming.remove()
+        return streaming, watched.device_bytes, sum(t.nbytes for t in recording.transfers if t.direction == "h2d")
+
+    yours, held, up = run(stream)
+    if held is None:
+        return Outcome(False, f"✗ challenge: my_stream returned {type(yours).__name__}; expected a StreamedModel")
+    smallest = yours.device_budget - (yours.buffers - 2) * yours.block_bytes  # two weight buffers
+    if budget < smallest:
+        raise ValueError(f"budget: expected at least {smallest} bytes, what two weight buffers need")
+    most = 2 + int((budget - smallest) // yours.block_bytes)
+    _, _, best = run(lambda model, link: StreamedModel(model, link, buffers=most))
+    passed = held <= budget and up <= best
+    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: {held / 2**20:.2f} MiB of device buffers "
+                           f"(counted; at most {budget / 2**20:.2f} MiB), {up / 2**20:.2f} MiB up in a step "
+                           f"(counted by the link; {best / 2**20:.2f} MiB with the most buffers that fit)")
 
 
 def lab07_challenge(folder, block_bytes: int, queue_depth: int, reference_rate: float, share: float = 0.5,

@@ -6,10 +6,13 @@ side of it, and each way out of it (too many bytes, not a number) gives its own 
 """
 
 import pytest
+import torch
 
 from offloadlab import grading
 from offloadlab.models import GPTConfig
+from offloadlab.models import TinyGPT
 from offloadlab.offload import CPUOffloadAdam
+from offloadlab.streaming import StreamedModel
 from offloadlab.link import open_link
 
 
@@ -194,3 +197,32 @@ def test_lab08_the_duplex_decides_between_its_two_crossovers(capsys):
 def test_lab08_an_answer_that_is_not_a_choice_gets_one_line(capsys):
     outcome = grading.lab08_challenge(lambda *args: True, 6e6, 2, 4e6, 4e6)
     assert not outcome and "expected 'shard' or 'offload'" in outcome.line
+
+
+# Lab 6: a streamed run's device buffers and its bytes up, both counted by the link.
+LAB06_MODEL = GPTConfig(layers=4, hidden=256, heads=4, vocab=4096, seq=64)
+LAB06_BLOCK = sum(p.numel() * p.element_size() for p in TinyGPT(LAB06_MODEL).blocks[0].parameters())
+
+
+def streamed_with(buffers):
+    return lambda model, link: StreamedModel(model, link, buffers=buffers)
+
+
+@pytest.mark.parametrize("blocks, buffers", [(5, 3), (6.5, 4)])
+def test_lab06_the_most_buffers_that_fit_pass(blocks, buffers, capsys):
+    outcome = grading.lab06_challenge(streamed_with(buffers), LAB06_MODEL, "cpu", torch.float32,
+                                      int(blocks * LAB06_BLOCK))
+    assert outcome, outcome.line
+
+
+@pytest.mark.parametrize("blocks, buffers, why", [(5, 4, "at most 15.06 MiB"), (6.5, 3, "16.12 MiB with the most")],
+                         ids=["over the budget", "a buffer short"])
+def test_lab06_one_buffer_off_fails(blocks, buffers, why, capsys):
+    outcome = grading.lab06_challenge(streamed_with(buffers), LAB06_MODEL, "cpu", torch.float32,
+                                      int(blocks * LAB06_BLOCK))
+    assert not outcome and why in outcome.line, outcome.line
+
+
+def test_lab06_something_else_than_a_streamed_model_gets_one_line(capsys):
+    outcome = grading.lab06_challenge(lambda model, link: None, LAB06_MODEL, "cpu", torch.float32, 5 * LAB06_BLOCK)
+    assert not outcome and "returned NoneType; expected a StreamedModel" in outcome.line

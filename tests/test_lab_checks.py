@@ -151,6 +151,11 @@ WRONG = {
          "the span of the uploads"),
         ("my_up = up_bytes * 2 * P", "the plan's count: every parameter fetched twice",
          "my_up = up_bytes * (2 * L * block + root)", "no block kept from forward for backward"),
+        ("def my_stream(model, link):  # the whole budget in weight buffers: the gather buffers left out\n"
+         "    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())\n"
+         "    return StreamedModel(model, link, buffers=stream_budget // block)", "the gather buffers forgotten",
+         "def my_stream(model, link):  # the default two buffers: within the budget, more bytes up\n"
+         "    return StreamedModel(model, link)", "fewer buffers than fit"),
     ],
     "lab07": [
         ("my_footprint = 3 * 4 * n", "one version per file, nothing to fall back on",

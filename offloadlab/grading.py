@@ -216,7 +216,7 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
 
 
 def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
-    """Lab 6's challenge, counted by the link: ``stream(model, link)`` streams the blocks of a
+    """Lab 6's challenge, counted by the link: ``stream(model, link, budget)`` streams the blocks of a
     TinyGPT of ``config`` (weights in ``dtype`` on ``device``) with a StreamedModel on ``link``;
     the grader trains it with CPUOffloadAdam for a warm-up step and a recorded one. It passes
     when the device buffers the streaming asked ``link`` for hold at most ``budget`` bytes and
@@ -237,7 +237,7 @@ def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
         tokens = tokens.to(device)
         with open_link() as link:
             watched = _WatchedLink(link)
-            streaming = make(model, watched)
+            streaming = make(model, watched, budget)
             if not isinstance(streaming, StreamedModel):
                 return streaming, None, None
             optimizer = CPUOffloadAdam(model.parameters(), lr=1e-3, link=link, accumulation_steps=1)
@@ -260,7 +260,7 @@ def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
     if budget < smallest:
         raise ValueError(f"budget: expected at least {smallest} bytes, what two weight buffers need")
     most = 2 + int((budget - smallest) // yours.block_bytes)
-    _, _, best = run(lambda model, link: StreamedModel(model, link, buffers=most))
+    _, _, best = run(lambda model, link, _: StreamedModel(model, link, buffers=most))
     passed = held <= budget and up <= best
     return Outcome(passed, f"{'✓' if passed else '✗'} challenge: {held / 2**20:.2f} MiB of device buffers "
                            f"(counted; at most {budget / 2**20:.2f} MiB), {up / 2**20:.2f} MiB up in a step "

@@ -205,7 +205,7 @@ LAB06_BLOCK = sum(p.numel() * p.element_size() for p in TinyGPT(LAB06_MODEL).blo
 
 
 def streamed_with(buffers):
-    return lambda model, link: StreamedModel(model, link, buffers=buffers)
+    return lambda model, link, budget: StreamedModel(model, link, buffers=buffers)
 
 
 @pytest.mark.parametrize("blocks, buffers", [(5, 3), (6.5, 4)])
@@ -224,5 +224,5 @@ def test_lab06_one_buffer_off_fails(blocks, buffers, why, capsys):
 
 
 def test_lab06_something_else_than_a_streamed_model_gets_one_line(capsys):
-    outcome = grading.lab06_challenge(lambda model, link: None, LAB06_MODEL, "cpu", torch.float32, 5 * LAB06_BLOCK)
+    outcome = grading.lab06_challenge(lambda model, link, budget: None, LAB06_MODEL, "cpu", torch.float32, 5 * LAB06_BLOCK)
     assert not outcome and "returned NoneType; expected a StreamedModel" in outcome.line

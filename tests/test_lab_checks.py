@@ -151,10 +151,10 @@ WRONG = {
          "the span of the uploads"),
         ("my_up = up_bytes * 2 * P", "the plan's count: every parameter fetched twice",
          "my_up = up_bytes * (2 * L * block + root)", "no block kept from forward for backward"),
-        ("def my_stream(model, link):  # the whole budget in weight buffers: the gather buffers left out\n"
+        ("def my_stream(model, link, budget):  # the whole budget in weight buffers: the gather buffers left out\n"
          "    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())\n"
-         "    return StreamedModel(model, link, buffers=stream_budget // block)", "the gather buffers forgotten",
-         "def my_stream(model, link):  # the default two buffers: within the budget, more bytes up\n"
+         "    return StreamedModel(model, link, buffers=budget // block)", "the gather buffers forgotten",
+         "def my_stream(model, link, budget):  # the default two buffers: within the budget, more bytes up\n"
          "    return StreamedModel(model, link)", "fewer buffers than fit"),
     ],
     "lab07": [

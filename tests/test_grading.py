@@ -6,8 +6,13 @@ side of it, and each way out of it (too many bytes, not a number) gives its own 
 """
 
 import pytest
+import torch
 
 from offloadlab import grading
+from offloadlab.models import GPTConfig
+from offloadlab.models import TinyGPT
+from offloadlab.offload import CPUOffloadAdam
+from offloadlab.streaming import StreamedModel
 from offloadlab.link import open_link
 
 
@@ -101,3 +106,123 @@ def test_lab03_a_copy_out_of_order_reads_another_steps_bytes(step, copy_share, c
     with open_link(emulated=True) as link:
         outcome = grading.lab03_challenge(step, link, copy_share=copy_share)
     assert not outcome and "read the bytes of another step" in outcome.line, outcome.line
+
+
+# Lab 7: the bar is a reference tier read in the same call, taking turns with the student's, so
+# a disk slower now than when the lab measured it (another process reading, a cache gone cold)
+# moves both rates together. The rate the lab passes in is only shown.
+def test_lab07_large_requests_pass_though_the_disk_was_faster_when_the_lab_measured_it(tmp_path, capsys):
+    idle_rate = 1e12  # far above any disk: the old bar, share × this, failed every tier
+    outcome = grading.lab07_challenge(tmp_path, 2**20, 8, idle_rate, params=2 * 2**20)
+    assert outcome, outcome.line
+    assert "step 1 measured 1e+03 GB/s" in outcome.line
+
+
+def test_lab07_small_requests_one_at_a_time_fail_beside_the_reference(tmp_path, capsys):
+    outcome = grading.lab07_challenge(tmp_path, 4096, 1, 1.0, params=2 * 2**20)
+    assert not outcome and "at least 50% needed" in outcome.line, outcome.line
+    assert list(tmp_path.iterdir()) == []  # both tiers' files are gone
+
+
+# Lab 4: the optimizer's device buffers and its copies, counted by the link it was built on.
+LAB04_MODELS = [GPTConfig(layers=2, hidden=128, heads=4, vocab=512, seq=64),
+                GPTConfig(layers=3, hidden=192, heads=4, vocab=768, seq=64)]
+
+
+def offload_with(bucket_bytes, lr=1e-3):
+    def offload(model, link):
+        size = bucket_bytes(sum(p.numel() * p.element_size() for p in model.parameters()))
+        return CPUOffloadAdam(model.parameters(), lr=lr, link=link, bucket_bytes=size, accumulation_steps=1)
+    return offload
+
+
+@pytest.mark.parametrize("config", LAB04_MODELS, ids=["lab", "hidden"])
+def test_lab04_a_bucket_a_third_of_the_budget_passes_on_either_model(config, capsys):
+    outcome = grading.lab04_challenge(offload_with(lambda gradient_bytes: int(0.4 * gradient_bytes / 3)), config, "cpu")
+    assert outcome, outcome.line
+
+
+def test_lab04_a_bucket_tuned_to_one_model_sends_too_many_copies_on_the_other(capsys):
+    tuned = offload_with(lambda gradient_bytes: 248 * 2**10)  # passes on the lab's model
+    assert grading.lab04_challenge(tuned, LAB04_MODELS[0], "cpu")
+    outcome = grading.lab04_challenge(tuned, LAB04_MODELS[1], "cpu")
+    assert not outcome and "20 device→host copies a step (counted by the link; at most 16)" in outcome.line
+
+
+def test_lab04_the_default_bucket_holds_the_whole_model_three_times(capsys):
+    outcome = grading.lab04_challenge(lambda model, link: CPUOffloadAdam(model.parameters(), link=link),
+                                      LAB04_MODELS[0], "cpu")
+    assert not outcome and "device buffers of 300% of the gradients' bytes" in outcome.line, outcome.line
+
+
+def test_lab04_an_optimizer_not_on_the_given_link_gets_one_line(capsys):
+    outcome = grading.lab04_challenge(lambda model, link: CPUOffloadAdam(model.parameters()), LAB04_MODELS[0], "cpu")
+    assert not outcome and "no gradient went down the link" in outcome.line
+
+
+def test_lab04_another_learning_rate_leaves_adamw(capsys):
+    outcome = grading.lab04_challenge(offload_with(lambda gradient_bytes: 2**20, lr=1e-2), LAB04_MODELS[0], "cpu")
+    assert not outcome and "the loss left fp32 AdamW's" in outcome.line, outcome.line
+
+
+# Lab 8: the choice is graded on counted bytes, at nodes on both sides of the crossover.
+def lab08_right(tensor_bytes, ranks, down, up, interconnect, host_link, duplex):
+    sent = (ranks - 1) / ranks * tensor_bytes
+    carried = max(down, up) if duplex == "full" else down + up
+    return "shard" if sent / interconnect <= carried / host_link else "offload"
+
+
+@pytest.mark.parametrize("ranks, down, up", [(2, 4e6, 4e6), (8, 2e6, 2e6), (4, 2e6, 6e6)])
+def test_lab08_the_shorter_traffic_time_is_right_on_every_node(ranks, down, up, capsys):
+    outcome = grading.lab08_challenge(lab08_right, 6e6, ranks, down, up)
+    assert outcome and "all 12 nodes chosen right" in outcome.line, outcome.line
+
+
+def test_lab08_a_ring_size_typed_in_fails_on_another_ring(capsys):
+    def two_ranks(tensor_bytes, ranks, down, up, interconnect, host_link, duplex):
+        return lab08_right(tensor_bytes, 2, down, up, interconnect, host_link, duplex)
+    assert grading.lab08_challenge(two_ranks, 6e6, 2, 4e6, 4e6)
+    outcome = grading.lab08_challenge(two_ranks, 6e6, 8, 2e6, 2e6)
+    assert not outcome and "nodes chosen wrong" in outcome.line
+
+
+def test_lab08_the_duplex_decides_between_its_two_crossovers(capsys):
+    # Half duplex doubles the host link's time: the nodes at 1.5 times the full-duplex crossover flip.
+    def full_always(tensor_bytes, ranks, down, up, interconnect, host_link, duplex):
+        return lab08_right(tensor_bytes, ranks, down, up, interconnect, host_link, "full")
+    outcome = grading.lab08_challenge(full_always, 6e6, 2, 4e6, 4e6)
+    assert not outcome and outcome.line.startswith("✗ challenge: 2 of 12 nodes chosen wrong"), outcome.line
+
+
+def test_lab08_an_answer_that_is_not_a_choice_gets_one_line(capsys):
+    outcome = grading.lab08_challenge(lambda *args: True, 6e6, 2, 4e6, 4e6)
+    assert not outcome and "expected 'shard' or 'offload'" in outcome.line
+
+
+# Lab 6: a streamed run's device buffers and its bytes up, both counted by the link.
+LAB06_MODEL = GPTConfig(layers=4, hidden=256, heads=4, vocab=4096, seq=64)
+LAB06_BLOCK = sum(p.numel() * p.element_size() for p in TinyGPT(LAB06_MODEL).blocks[0].parameters())
+
+
+def streamed_with(buffers):
+    return lambda model, link, budget: StreamedModel(model, link, buffers=buffers)
+
+
+@pytest.mark.parametrize("blocks, buffers", [(5, 3), (6.5, 4)])
+def test_lab06_the_most_buffers_that_fit_pass(blocks, buffers, capsys):
+    outcome = grading.lab06_challenge(streamed_with(buffers), LAB06_MODEL, "cpu", torch.float32,
+                                      int(blocks * LAB06_BLOCK))
+    assert outcome, outcome.line
+
+
+@pytest.mark.parametrize("blocks, buffers, why", [(5, 4, "at most 15.06 MiB"), (6.5, 3, "16.12 MiB with the most")],
+                         ids=["over the budget", "a buffer short"])
+def test_lab06_one_buffer_off_fails(blocks, buffers, why, capsys):
+    outcome = grading.lab06_challenge(streamed_with(buffers), LAB06_MODEL, "cpu", torch.float32,
+                                      int(blocks * LAB06_BLOCK))
+    assert not outcome and why in outcome.line, outcome.line
+
+
+def test_lab06_something_else_than_a_streamed_model_gets_one_line(capsys):
+    outcome = grading.lab06_challenge(lambda model, link, budget: None, LAB06_MODEL, "cpu", torch.float32, 5 * LAB06_BLOCK)
+    assert not outcome and "returned NoneType; expected a StreamedModel" in outcome.line

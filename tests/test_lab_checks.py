@@ -100,6 +100,13 @@ WRONG = {
          "predicted_host = P * (12 + w + (0 if low != torch.float32 else w))", "the outgoing buffer the wrong way round"),
         ("plain_device = 12 * P", "plain AdamW without gradients",
          "offload_device = 2 * w * P", "gradients kept on the device"),
+        ("def my_offload(model, link):  # the whole budget in one bucket, but the optimizer keeps three\n"
+         "    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())\n"
+         "    return CPUOffloadAdam(model.parameters(), lr=1e-3, link=link, bucket_bytes=int(0.4 * gradient_bytes))",
+         "one buffer counted",
+         "def my_offload(model, link):  # small buckets: little device memory, a copy for almost every tensor\n"
+         "    return CPUOffloadAdam(model.parameters(), lr=1e-3, link=link, bucket_bytes=64 * 2**10)",
+         "too many copies"),
     ],
     "lab05": [
         ("def my_prefetch(items, link):  # never waits for its copies\n"
@@ -144,6 +151,11 @@ WRONG = {
          "the span of the uploads"),
         ("my_up = up_bytes * 2 * P", "the plan's count: every parameter fetched twice",
          "my_up = up_bytes * (2 * L * block + root)", "no block kept from forward for backward"),
+        ("def my_stream(model, link, budget):  # the whole budget in weight buffers: the gather buffers left out\n"
+         "    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())\n"
+         "    return StreamedModel(model, link, buffers=budget // block)", "the gather buffers forgotten",
+         "def my_stream(model, link, budget):  # the default two buffers: within the budget, more bytes up\n"
+         "    return StreamedModel(model, link)", "fewer buffers than fit"),
     ],
     "lab07": [
         ("my_footprint = 3 * 4 * n", "one version per file, nothing to fall back on",
@@ -161,6 +173,13 @@ WRONG = {
         ("predicted_reduce = 4 * P", "fp32 gradients", "predicted_sent = predicted_reduce", "a rank sends the whole tensor"),
         ("predicted_down, predicted_up = 2 * P, 2 * P", "bf16, but the model trains in fp32",
          "predicted_down, predicted_up = 4 * P, 12 * P", "the fp32 state sent up too"),
+        ("def my_choice(tensor_bytes, ranks, down, up, interconnect, host_link, duplex):  # turns, always\n"
+         "    sent = (ranks - 1) / ranks * tensor_bytes\n"
+         "    return 'shard' if sent / interconnect <= (down + up) / host_link else 'offload'",
+         "the host link's duplex ignored",
+         "def my_choice(tensor_bytes, ranks, down, up, interconnect, host_link, duplex):  # bytes, not seconds\n"
+         "    return 'shard' if (ranks - 1) / ranks * tensor_bytes <= down + up else 'offload'",
+         "the bytes compared, not their times"),
     ],
 }
 # Lab 1's answers are plain expressions; name the variable each one replaces (the challenge's is code).

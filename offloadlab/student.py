@@ -62,7 +62,11 @@ STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
 TEXT_STUB = "YOUR ANSWER HERE"
 BOOK_URL_VARIABLE = "OFFLOADLAB_BOOK_URL"
 # A reference with its link text, as tools/lab_references.py writes them: {ref}`text <label>`.
-REFERENCE = re.compile(r"\{ref\}`([^`<>]+?) <([^`<>]+)>`")
+REFERENCE = re.compile(r"\{ref\}`([^`<>]+?)\s+<([^`<>]+)>`")
+# A reference to another page's heading, as tools/lab_references.py writes them for Lab:
+# [text](../06_cpu_adam.md#ch-cpu-adam); and a citation, [(Ren et al., 2021)](cite:key).
+HEADING_LINK = re.compile(r"\[([^\]`<>]+)\]\([^()\s#]+\.md#([^()\s]+)\)")
+CITATION_LINK = re.compile(r"\[(\([^\]]*\))\]\(cite:[^()\s]+\)")
 TARGET = re.compile(r"^\(([^()\s]+)\)=$", re.M)
 # The first code cell of every student notebook: checks stop showing expected values.
 SWITCH = ("# Student release: the answer checks say which way an answer is off, not what it should be.\n"
@@ -259,7 +263,8 @@ def write_sources(source_dir: Path, target_dir: Path, overwrite: bool = False, k
 
 
 class _Links:
-    """Turns the labs' ``{ref}`` roles into Markdown links that work where the notebooks land."""
+    """Turns the labs' references to the book (``{ref}`` roles and links to a heading of a chapter
+    file) into Markdown links that work where the notebooks land; citations into their words."""
 
     def __init__(self, labs_dir: Path, target_dir: Path, book_url: str | None, sibling):
         self.labs_dir, self.target_dir, self.sibling = labs_dir.resolve(), target_dir, sibling
@@ -288,7 +293,9 @@ class _Links:
     def apply(self, notebook):
         for cell in notebook.cells:
             if cell.cell_type == "markdown":
-                cell.source = REFERENCE.sub(self._link, cell.source)
+                source = REFERENCE.sub(self._link, cell.source)
+                source = HEADING_LINK.sub(self._link, source)
+                cell.source = CITATION_LINK.sub(r"\1", source)  # the site has the bibliography
         return notebook
 
     def _link(self, match) -> str:

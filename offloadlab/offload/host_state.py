@@ -28,10 +28,17 @@ import torch
 from ..link import Link
 from .bucket import Bucket, Received
 
-__all__ = ["HostState", "export_state", "check_state", "check_hyperparameters", "check_group", "UNSUPPORTED_FLAGS"]
+__all__ = ["HostState", "same_bits", "export_state", "check_state", "check_hyperparameters", "check_group", "UNSUPPORTED_FLAGS"]
 
 # AdamW options CPUOffloadAdam does not implement: a state dict or group that turns one on is refused.
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one floating dtype hold the same bit patterns (NaNs and signed zeros
+    included, where ``torch.equal`` calls NaN unequal to itself and -0 equal to +0)."""
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(as_int), b.view(as_int))
 
 
 class HostState:
@@ -70,19 +77,29 @@ class HostState:
                         self.weights_out[s:e].copy_(p.detach().reshape(-1))
                     self.exp_avg[s:e].zero_()
                     self.exp_avg_sq[s:e].zero_()
-                bucket.synced_now()
         self.buckets += buckets
 
     @torch.no_grad()
     def refresh(self, bucket: Bucket) -> None:
-        """Take weights changed outside the optimizer since it last wrote them (a
-        ``model.load_state_dict`` after the optimizer was made, ``p.data = …``) into the master
-        copy, as torch.optim.AdamW, which updates the parameters themselves, would see them."""
-        for k in bucket.changed_outside():
-            p, (s, e) = bucket.params[k], bucket.ranges[k]
-            self.master[s:e].copy_(p.detach().reshape(-1))
-            if self.weights_out is not None:
-                self.weights_out[s:e].copy_(p.detach().reshape(-1))
+        """Take weights changed outside the optimizer since it last wrote them into the master
+        copy, as torch.optim.AdamW, which updates the parameters themselves, would see them.
+
+        However they were changed — ``p.data.fill_(…)``, ``copy_`` from a checkpoint or an EMA,
+        an in-place op under ``torch.no_grad()``, ``p.data = …``, ``model.load_state_dict``,
+        ``torch.nn.utils.vector_to_parameters`` — the parameter no longer holds, bit for bit, the
+        weights last sent to it (the outgoing copy), and that is what is compared: a version
+        counter misses edits made through ``.data``. A parameter that still holds them keeps its
+        fp32 master. On a GPU the comparison reads the bucket's weights down once per step.
+        """
+        if bucket.upload is not None:
+            bucket.upload.synchronize()  # the weights last sent have reached the parameters
+        outgoing = self.outgoing()
+        for p, (s, e) in zip(bucket.params, bucket.ranges):
+            weights = p.detach().reshape(-1).to(outgoing.device)
+            if not same_bits(weights, outgoing[s:e]):
+                self.master[s:e].copy_(weights)
+                if self.weights_out is not None:
+                    self.weights_out[s:e].copy_(weights)
 
     def _grow(self, old, numel: int, dtype) -> torch.Tensor:
         new = self.link.host_buffer(max(numel, 1), dtype)
@@ -145,10 +162,14 @@ class HostState:
         return {k: b.numel() * b.element_size() for k, b in buffers.items() if b is not None}
 
     @torch.no_grad()
-    def load(self, entries: dict) -> None:
+    def load(self, entries: dict) -> int:
         """Set every parameter's state from ``entries`` ({param: entry checked by :func:`check_state`});
-        a parameter without one starts afresh. Master weights missing from an entry come from the
-        parameter itself, and the outgoing weights are made from the master weights."""
+        a parameter without one starts afresh, and the outgoing weights are made from the master
+        weights. A saved master is taken only where it rounds to the parameter's current value:
+        otherwise (none saved, or saved for other weights — a model not loaded yet, parameters
+        in another order) the master comes from the parameter, which keeps its weights, as under
+        torch.optim.AdamW. Returns how many saved masters were passed over that way."""
+        passed_over = 0
         for bucket in self.buckets:
             bucket.restore_steps([entries.get(p, {}).get("step", 0) for p in bucket.params])
             for k, p in enumerate(bucket.params):
@@ -156,9 +177,14 @@ class HostState:
                 entry = entries.get(p, {})
                 self.exp_avg[s:e].copy_(entry["exp_avg"].reshape(-1) if entry else 0)
                 self.exp_avg_sq[s:e].copy_(entry["exp_avg_sq"].reshape(-1) if entry else 0)
-                self.master[s:e].copy_(entry.get("master", p.detach()).reshape(-1))
+                weights = p.detach().reshape(-1).to(self.master.device)
+                master = entry["master"].reshape(-1) if "master" in entry else None
+                if master is not None and not same_bits(master.to(weights.dtype), weights):
+                    master, passed_over = None, passed_over + 1
+                self.master[s:e].copy_(weights if master is None else master)
                 if self.weights_out is not None:
                     self.weights_out[s:e].copy_(self.master[s:e])
+        return passed_over
 
     def release(self) -> None:
         """Drop every buffer (the pinned memory is freed once no view of it is left)."""

@@ -16,7 +16,9 @@ the worker, the schedule's last word.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
 import threading
 import warnings
 
@@ -46,6 +48,23 @@ def owner(param: torch.Tensor) -> "OffloadEngine | None":
     """The live engine that manages ``param``, or None."""
     engine = ownership.optimizer_of(param)
     return engine if engine is not None and engine.closed is None else None
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Hold a SIGINT (Ctrl-C, a notebook's interrupt) that arrives inside the block and deliver it
+    to the handler there was before, once the block is done; off the main thread, nothing is held."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # (None: a handler installed outside Python, which could not be put back)
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(signal.SIGINT, held[0])  # Python's own handler raises KeyboardInterrupt here
 
 
 class StepTimeline:
@@ -129,6 +148,7 @@ class OffloadEngine:
         self.accumulation_steps = accumulation_steps
         self.step_count = 0  # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
         self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
+        self._unfinished = None  # the rest of a step taken but not yet done (see _to_step_boundary)
         cpu_adam.load()  # find or build the kernel now, not on the worker in the middle of a backward
 
         buckets = make_buckets(param_groups, bucket_bytes)  # (checks streamed blocks first)
@@ -165,8 +185,8 @@ class OffloadEngine:
         """Close live engines that manage any of ``trainable``; the warning names the user's line
         ``stacklevel`` frames up (CPUOffloadAdam(...) or add_param_group(...))."""
         previous = {id(e): e for p in trainable if (e := owner(p)) is not None}
-        for engine in previous.values():
-            engine.close(reason="its parameters were taken over by a newer CPUOffloadAdam")
+        for engine in previous.values():  # (gradients they hold for a step not yet taken come back to .grad)
+            engine.close(reason="its parameters were taken over by a newer CPUOffloadAdam", return_gradients=True)
         if previous:
             warnings.warn(f"CPUOffloadAdam: closed {len(previous)} earlier optimizer(s) over the same parameters "
                           f"and took their parameters over", stacklevel=stacklevel)
@@ -197,10 +217,23 @@ class OffloadEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> None:
-        """One optimizer step, under the schedule (see :mod:`~offloadlab.offload.schedule`)."""
+        """One optimizer step, under the schedule (see :mod:`~offloadlab.offload.schedule`).
+
+        A step is whole or not at all, whatever interrupts it: a Ctrl-C (SIGINT on the main thread)
+        is held until the step is done and then raised; a KeyboardInterrupt raised inside it (by a
+        hook, say) first brings the optimizer to a step boundary (:meth:`_to_step_boundary`).
+        """
         self.check_usable()
         for i, group in enumerate(self.param_groups):  # a scheduler's bad value is refused, not run
             check_group(group, f"param_groups[{i}]: ")
+        with interrupts_held():
+            try:
+                self._step()
+            except KeyboardInterrupt:
+                self._to_step_boundary()
+                raise
+
+    def _step(self) -> None:
         self._take_in_gradients()
         self.schedule.before_update(self._finish, self._submitted())
         self._take_zero_gradients()
@@ -208,16 +241,41 @@ class OffloadEngine:
         scale = self._grad_scale(ready)
         self._clip_now = None
         if scale is None:  # fp16 overflow: this step is skipped
-            for bucket in ready:
-                bucket.discard()
-            self.scaler.update(overflowed=True)
-            return
-        self.step_count += 1
-        for bucket in ready:
-            self.worker.submit(bucket, scale, self.step_count)
+            self._unfinished = lambda: self._skip(ready)
+        else:  # from here on the step is taken: an interrupt finishes it rather than undoing it
+            self._unfinished = lambda: self._hand_over(ready, scale)
+            self.step_count += 1
+        self._unfinished()
+
+    def _hand_over(self, remaining: list, scale: float) -> None:
+        """Hand this step's buckets (``remaining``: those not yet handed over) to the worker, and
+        finish as the schedule says."""
+        while remaining:
+            if not remaining[0].submitted:  # (an interrupt may have come after it was handed over)
+                self.worker.submit(remaining[0], scale, self.step_count)
+            remaining.pop(0)
         self.schedule.after_handing_over(self._finish, self._submitted())
         if self.scaler is not None:
             self.scaler.update(overflowed=False)
+        self._unfinished = None
+
+    def _skip(self, ready: list) -> None:
+        for bucket in ready:
+            bucket.discard()
+        self.scaler.update(overflowed=True)
+        self._unfinished = None
+
+    def _to_step_boundary(self) -> None:
+        """After a KeyboardInterrupt inside step(): a step already taken (counted, or with
+        accumulation_steps, its update started during backward) is finished; otherwise nothing of
+        it happens — this step's gradients stay received, as AdamW's stay in ``.grad`` — but the
+        update an earlier step left pending (delayed_update) is applied, as step() began to."""
+        if self._unfinished is not None:
+            self._unfinished()
+        elif self.schedule.eager_after is not None and self._submitted():
+            self._step()
+        else:
+            self.schedule.before_update(self._finish, self._submitted())
 
     def _take_in_gradients(self) -> None:
         """Before a step or a clip: close a backward pass that raised, and take in gradients left in
@@ -387,13 +445,17 @@ class OffloadEngine:
                 bucket.upload.wait()
                 bucket.upload.synchronize()
 
-    def close(self, reason: str = "close() was called") -> None:
-        """Finish pending work (unless the worker failed), remove hooks, stop the thread, free host memory."""
+    def close(self, reason: str = "close() was called", return_gradients: bool = False) -> None:
+        """Finish pending work (unless the worker failed), remove hooks, stop the thread, free host
+        memory. With ``return_gradients``, gradients received for a step not yet taken go back to
+        the parameters' ``.grad``, where torch.optim.AdamW (or a new CPUOffloadAdam) finds them."""
         if self.closed is not None:
             return
         try:
             if self.worker.error is None:
                 self.synchronize()
+                if return_gradients:
+                    self._return_gradients()
         finally:
             self.closed = reason
             self.intake.close()
@@ -404,3 +466,24 @@ class OffloadEngine:
             for bucket in self.host.buckets:
                 for p in bucket.params:
                     ownership.release(p, self)
+
+    @torch.no_grad()
+    def _return_gradients(self) -> None:
+        """Put this step's gradients so far (the fp32 sum of several micro-batches, in the
+        parameter's dtype) into ``.grad``, added to any gradient already there; a parameter whose
+        gradient zero_grad(set_to_none=False) kept as zeros gets zeros, as AdamW would see it."""
+        self.intake.settle()
+        self.intake.take_loose()
+        for bucket in self.host.buckets:
+            received = bucket.received
+            received.landed()
+            self.host.fold(bucket, received, final=True)
+            for k, p in enumerate(bucket.params):
+                if received.counts[k]:
+                    grad = self.host.gradient(bucket, k, k + 1, received.counts)
+                    grad = grad.view(p.shape).to(device=p.device, dtype=p.dtype)
+                elif id(p) in self._zero_grad:
+                    grad = torch.zeros_like(p)
+                else:
+                    continue
+                p.grad = grad if p.grad is None else p.grad + grad

@@ -41,6 +41,7 @@ the error and the optimizer is closed (the step was only partly applied).
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -280,8 +281,11 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         """Load a state dict from this class or from torch.optim.AdamW and send the weights to the device.
 
         The fp32 master weights come from the state dict when it has current ones (saved by this
-        class at the same step), else from the current parameters (an AdamW state dict, or one
-        whose master copy went through AdamW and is stale).
+        class at the same step) that round to the parameter's current value; else from the
+        current parameters (an AdamW state dict, one whose master copy went through AdamW and is
+        stale, or one saved for other weights), which keep their values, as under AdamW. Saved
+        masters passed over for not matching the weights are named in a warning: load the
+        model's weights first, then the optimizer's state, to keep them.
 
         Everything is checked first — group sizes, every tensor's shape, flags this class does
         not implement (amsgrad, maximize, …) — so a refused state dict changes nothing.
@@ -298,7 +302,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         engine.synchronize()
         for own, values in zip(self.param_groups, hyper):
             own.update(values)
-        engine.host.load(entries)
+        passed_over = engine.host.load(entries)
         engine.upload_all()
+        if passed_over:
+            warnings.warn(f"CPUOffloadAdam.load_state_dict: {passed_over} saved fp32 master weight(s) do not round "
+                          f"to the parameters' current values; those parameters keep their weights, as with "
+                          f"torch.optim.AdamW, and start a master copy from them (load the model's state dict "
+                          f"first to keep the saved masters)", stacklevel=2)
         for hook in _torch_compat.optimizer_hooks(self, "load_state_dict_post"):
             hook(self)

@@ -167,6 +167,10 @@ def test_nominal_ladder_is_the_material():
     assert links["NVLink"] == 450e9 and links["PCIe"] == 60e9 and links["InfiniBand"] == 50e9
     assert all(row["source"] == "nominal" for row in nominal["tiers"] + nominal["links"])
     assert ladder.cliff(nominal) == pytest.approx(3350 / 60)
+    # The reference node's host (two DDR5-4800 sockets, 8 channels each) outruns its own PCIe link.
+    host = tiers["host memory"]
+    assert host["bandwidth_bytes_per_s"] == 8 * 4800e6 * 8 and host["bandwidth_max_bytes_per_s"] == 2 * 307.2e9
+    assert host["bandwidth_bytes_per_s"] > links["PCIe"]
 
 
 def _offloadlab(*args, cwd=None):

@@ -152,7 +152,8 @@ def offload_step(path: Path) -> Path:
     _flow_arrow(ax, (6.4, 0.85), (5.85, 0.85))
     _flow_arrow(ax, (4.15, 0.85), (2.0, 0.85), "")
     _flow_arrow(ax, (2.0, 0.85), (2.0, 3.75), "scattered into\nthe parameters", offset=(-0.95, -0.2))
-    ax.text(5.0, 2.75, "both engines run at once:\nPCIe is full duplex", ha="center", fontsize=9, style="italic")
+    ax.text(5.0, 2.75, "both engines run at once\n(full duplex: each way\nkeeps most, not all,\nof its one-way rate)",
+            ha="center", fontsize=9, style="italic")
     ax.text(8.1, 4.1, "once landed", fontsize=7, va="center")
     ax.text(8.1, 1.75, "new weights, rounded", fontsize=7, va="center")
     ax.text(5.0, 5.35, "2 B/param down", ha="center", fontsize=8)

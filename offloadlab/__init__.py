@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 LAYERS = {
     "face: the command, benchmarks, the GPU kit": [
         "cli", "bench", "gpucheck", "__main__"],
-    "course: figures, lab checks, the student release": ["plots", "check", "student"],
+    "course: figures, lab checks, the student release": ["plots", "check", "student", "grading"],
     "mechanisms: offload, streaming, prefetch, NVMe": [
         "offload", "streaming", "ownership", "prefetch", "gather", "nvme"],
     "kernel: the CPU AdamW step and its build": ["cpu_adam", "kernel_build"],

@@ -133,10 +133,11 @@ class CudaLink(Link):
     power-of-two rounding; portable across contexts) and unregistered when their memory is freed.
     The driver locks whole pages and refuses a range that shares a page with one already
     registered, so each buffer starts on a page of its own and its registration, counted in
-    :attr:`pinned_bytes`, is its size rounded up to whole pages (at most 4 KiB more). Where the driver refuses a registration (the host cannot lock that much memory — a
-    container's memory limit, or too little free RAM — or the platform does not support it), the
-    link clears CUDA's error state, falls back to PyTorch's pinned allocator, which rounds each
-    buffer up to a power of two, and says so in a UserWarning naming CUDA's reason;
+    :attr:`pinned_bytes`, is its size rounded up to whole pages (less than a page more: 4 KiB on
+    most x86 hosts, 64 KiB on many Arm ones). Where the driver refuses a registration (the host
+    cannot lock that much memory — a container's memory limit, or too little free RAM — or the
+    platform does not support it), the link clears CUDA's error state, falls back to PyTorch's
+    pinned allocator, which rounds each buffer up to a power of two, and says so in a UserWarning naming CUDA's reason;
     :meth:`pinning_of` tells which way a buffer was pinned.
 
     Times: each transfer's duration is the interval between its own begin and finish events; its

@@ -330,3 +330,27 @@ def test_optimizer_state_loaded_before_the_models_weights_trains_as_adamw(link):
     _train(mine, opt, data(3, 1, seed=5))
     opt.close()
     assert_matches(ref, mine)
+
+
+@pytest.mark.parametrize("edit", list(EDITS), ids=list(EDITS))
+def test_weights_changed_while_a_delayed_update_runs_keep_their_values_with_a_warning(link, edit):
+    """delayed_update=True: the update pending when the weights are changed by hand would land on
+    them one step late; the weights set win, and a warning says that update is dropped for them."""
+    model = mlp()
+    opt = CPUOffloadAdam(model.parameters(), lr=1e-2, link=link, delayed_update=True, bucket_bytes=4096)
+    batches = data(4, 1)
+    for micro in batches[:2]:
+        opt.zero_grad()
+        backward(model, micro)
+        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    EDITS[edit](model, other_weights())
+    edited = [(p, p.detach().clone()) for p, old in zip(model.parameters(), before)
+              if p.requires_grad and not torch.equal(p, old)]
+    opt.zero_grad()
+    backward(model, batches[2])
+    with pytest.warns(UserWarning, match=rf"{len(edited)} parameter\(s\) were changed outside the optimizer "
+                                         rf"while a delayed update was pending"):
+        opt.step()
+    assert edited and all(torch.equal(p, value) for p, value in edited)
+    opt.close()

@@ -149,12 +149,13 @@ class OffloadEngine:
         self.step_count = 0  # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
         self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
         self._unfinished = None  # the rest of a step taken but not yet done (see _to_step_boundary)
+        self._refreshed: set[int] = set()
         cpu_adam.load()  # find or build the kernel now, not on the worker in the middle of a backward
 
         buckets = make_buckets(param_groups, bucket_bytes)  # (checks streamed blocks first)
         self._take_over(trainable, stacklevel=5)  # an earlier optimizer finishes before we copy the weights
         self.timeline = StepTimeline(record_timeline)
-        self.host = HostState(self.link, self.dtype, buckets)
+        self.host = HostState(self.link, self.dtype, buckets, keep_sent=self.schedule.pending_upload())
         self.intake = GradientIntake(self.link, self.host, self.schedule.eager_after,
                                      ready=self._ready, record=self._record_arrival, usable=self._usable)
         self.worker = UpdateWorker(self.link, self.host, self.threads,
@@ -234,6 +235,7 @@ class OffloadEngine:
                 raise
 
     def _step(self) -> None:
+        self._refreshed = set()  # buckets whose parameters were compared with their weights this step
         self._take_in_gradients()
         self.schedule.before_update(self._finish, self._submitted())
         self._take_zero_gradients()
@@ -252,7 +254,9 @@ class OffloadEngine:
         finish as the schedule says."""
         while remaining:
             if not remaining[0].submitted:  # (an interrupt may have come after it was handed over)
-                self.worker.submit(remaining[0], scale, self.step_count)
+                # (a delayed update's weights, just sent, were compared with the parameters first)
+                self.worker.submit(remaining[0], scale, self.step_count,
+                                   refresh=remaining[0].index not in self._refreshed)
             remaining.pop(0)
         self.schedule.after_handing_over(self._finish, self._submitted())
         if self.scaler is not None:
@@ -342,14 +346,21 @@ class OffloadEngine:
             bucket.updated.wait()
         if self.worker.error is not None:
             self._fail()
+        edited = 0
         for bucket in buckets:
             if upload:
+                edited += self.host.refresh(bucket)  # (delayed update: weights set by hand while it ran win)
+                self._refreshed.add(bucket.index)
                 self.worker.upload(bucket, after="compute", step=self.step_count)
             if bucket.upload is not None:
                 bucket.upload.wait()
             bucket.settle()
         if buckets:
             self.timeline.close(self.step_count)
+        if edited:
+            warnings.warn(f"CPUOffloadAdam: {edited} parameter(s) were changed outside the optimizer while a delayed "
+                          f"update was pending; they keep the values set, and that update is dropped for them "
+                          f"(call optimizer.synchronize() before changing weights by hand)", stacklevel=4)
 
     def _grad_scale(self, ready: list) -> float | None:
         """1 / loss scale × clipping factor; None when an fp16 overflow means skip the step."""

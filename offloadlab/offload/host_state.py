@@ -44,11 +44,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 class HostState:
     """The flat pinned host buffers of every bucket (see the module docstring); sizes in elements."""
 
-    def __init__(self, link: Link, dtype: torch.dtype, buckets: list[Bucket]):
+    def __init__(self, link: Link, dtype: torch.dtype, buckets: list[Bucket], keep_sent: bool = False):
         self.link, self.dtype = link, dtype
         self.buckets: list[Bucket] = []
         self.numel = 0
         self.master = self.exp_avg = self.exp_avg_sq = self.grads = self.weights_out = None
+        # With a delayed update the outgoing copy runs a step ahead of the parameters: a copy of
+        # what they were last sent is kept (``keep_sent``) to tell a change made by hand.
+        self.sent = None
+        self._keep_sent = keep_sent
         self.accumulated = None  # fp32 gradient sums, allocated by the first step that accumulates
         self._allocating = threading.Lock()
         self.extend(buckets)
@@ -63,6 +67,8 @@ class HostState:
         self.grads = self._grow(old["grads"], numel, self.dtype)
         # fp32 weights go back straight from the master copy; low precision needs its own buffer.
         self.weights_out = None if self.dtype == torch.float32 else self._grow(self.weights_out, numel, self.dtype)
+        if self._keep_sent:
+            self.sent = self._grow(self.sent, numel, self.dtype)
         if old["accumulated"] is not None:
             self.accumulated = torch.empty(max(numel, 1), dtype=torch.float32)
             self.accumulated[:old["accumulated"].numel()].copy_(old["accumulated"])
@@ -75,12 +81,14 @@ class HostState:
                     # as it is, so its outgoing copy must hold it from the start (not poison).
                     if self.weights_out is not None:
                         self.weights_out[s:e].copy_(p.detach().reshape(-1))
+                    if self.sent is not None:
+                        self.sent[s:e].copy_(p.detach().reshape(-1))
                     self.exp_avg[s:e].zero_()
                     self.exp_avg_sq[s:e].zero_()
         self.buckets += buckets
 
     @torch.no_grad()
-    def refresh(self, bucket: Bucket) -> None:
+    def refresh(self, bucket: Bucket) -> int:
         """Take weights changed outside the optimizer since it last wrote them into the master
         copy, as torch.optim.AdamW, which updates the parameters themselves, would see them.
 
@@ -90,16 +98,25 @@ class HostState:
         weights last sent to it (the outgoing copy), and that is what is compared: a version
         counter misses edits made through ``.data``. A parameter that still holds them keeps its
         fp32 master. On a GPU the comparison reads the bucket's weights down once per step.
+        Returns how many parameters had changed.
         """
         if bucket.upload is not None:
             bucket.upload.synchronize()  # the weights last sent have reached the parameters
-        outgoing = self.outgoing()
+        sent = self.outgoing() if self.sent is None else self.sent
+        changed = 0
         for p, (s, e) in zip(bucket.params, bucket.ranges):
-            weights = p.detach().reshape(-1).to(outgoing.device)
-            if not same_bits(weights, outgoing[s:e]):
-                self.master[s:e].copy_(weights)
-                if self.weights_out is not None:
-                    self.weights_out[s:e].copy_(weights)
+            weights = p.detach().reshape(-1).to(sent.device)
+            if not same_bits(weights, sent[s:e]):
+                changed += 1
+                for buffer in (self.master, self.weights_out, self.sent):
+                    if buffer is not None:
+                        buffer[s:e].copy_(weights)
+        return changed
+
+    def weights_sent(self, bucket: Bucket) -> None:
+        """The bucket's outgoing weights have just been sent to its parameters (kept, if asked)."""
+        if self.sent is not None:
+            self.sent[bucket.start:bucket.end].copy_(self.outgoing()[bucket.start:bucket.end])
 
     def _grow(self, old, numel: int, dtype) -> torch.Tensor:
         new = self.link.host_buffer(max(numel, 1), dtype)
@@ -157,7 +174,7 @@ class HostState:
     def nbytes(self) -> dict[str, int]:
         """Bytes of host memory held, by buffer (all exact-size; pinned but for the gradient sum)."""
         buffers = {"master_weights": self.master, "first_moment": self.exp_avg, "second_moment": self.exp_avg_sq,
-                   "gradients": self.grads, "weights_out": self.weights_out,
+                   "gradients": self.grads, "weights_out": self.weights_out, "weights_sent": self.sent,
                    "accumulated_gradients": self.accumulated}
         return {k: b.numel() * b.element_size() for k, b in buffers.items() if b is not None}
 
@@ -189,6 +206,7 @@ class HostState:
     def release(self) -> None:
         """Drop every buffer (the pinned memory is freed once no view of it is left)."""
         self.master = self.exp_avg = self.exp_avg_sq = self.grads = self.weights_out = self.accumulated = None
+        self.sent = None
 
     def entry(self, bucket: Bucket, k: int) -> dict:
         """Live views of parameter ``k`` of ``bucket``'s state, shaped like the parameter (AdamW's keys)."""

@@ -354,3 +354,50 @@ def test_weights_changed_while_a_delayed_update_runs_keep_their_values_with_a_wa
         opt.step()
     assert edited and all(torch.equal(p, value) for p, value in edited)
     opt.close()
+
+
+# ---------------------------------------------------------------------- refusals in words
+
+def test_a_step_without_zero_grad_says_it_consumed_the_last_steps_gradients(link):
+    """AdamW adds the last step's gradients to this one's when zero_grad() is skipped; step() here
+    consumes them (0.0687 off AdamW), and the first step that would differ says so, once."""
+    model = mlp()
+    opt = CPUOffloadAdam(model.parameters(), lr=1e-2, link=link)
+    batches = data(3, 1)
+    backward(model, batches[0])
+    opt.step()  # the first step: nothing came before it
+    for micro in batches[1:]:
+        backward(model, micro)
+        with pytest.warns(UserWarning, match="step\\(\\) without zero_grad\\(\\) since the last step") \
+                if micro is batches[1] else _nothing():
+            opt.step()
+    opt.zero_grad()
+    backward(model, batches[0])
+    opt.step()
+    opt.close()
+
+
+@pytest.mark.parametrize("how", ["a view of another parameter", "the same tensor twice", "added later"])
+def test_parameters_that_share_memory_are_refused_at_construction(link, how):
+    """nn.Parameter(b) beside nn.Parameter(b[:4]) used to train and diverge from AdamW (0.51)."""
+    base = torch.randn(8)
+    first = nn.Parameter(base)
+    second = nn.Parameter(base[:4] if how != "the same tensor twice" else base)
+    with pytest.raises(ValueError, match="two trainable parameters share memory"):
+        if how == "added later":
+            opt = CPUOffloadAdam([first], link=link)
+            try:
+                opt.add_param_group({"params": [second]})
+            finally:
+                opt.close()
+        else:
+            CPUOffloadAdam([first, second], link=link)
+    neighbours = base.view(2, 4)  # side by side in one tensor, not overlapping: accepted
+    CPUOffloadAdam([nn.Parameter(neighbours[0]), nn.Parameter(neighbours[1])], link=link).close()
+
+
+def test_a_parameter_on_the_meta_device_is_refused_in_words(link):
+    with torch.device("meta"):
+        layer = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="on the meta device .* materialise the model first"):
+        CPUOffloadAdam(layer.parameters(), link=link)

@@ -34,7 +34,7 @@ from .intake import GradientIntake
 from .loss_scaler import LossScaler
 from .worker import UpdateWorker
 
-__all__ = ["OffloadEngine", "StepTimeline", "managed", "owner", "DEVICE_DTYPES"]
+__all__ = ["OffloadEngine", "StepTimeline", "check_disjoint", "managed", "owner", "DEVICE_DTYPES"]
 
 DEVICE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -65,6 +65,21 @@ def interrupts_held():
         signal.signal(signal.SIGINT, previous)
         if held and callable(previous):
             previous(signal.SIGINT, held[0])  # Python's own handler raises KeyboardInterrupt here
+
+
+def check_disjoint(params: list) -> None:
+    """ValueError if two parameters share memory (``nn.Parameter(b)`` beside ``nn.Parameter(b[:4])``):
+    each has its own master copy and update here, so the shared elements would get two updates
+    and end as whichever landed last; torch.optim.AdamW applies both to the one memory."""
+    spans = sorted((p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size(), p.nbytes, i)
+                   for i, p in enumerate(params))
+    for (start, nbytes, i), (next_start, _, j) in zip(spans, spans[1:]):
+        if next_start < start + nbytes:
+            a, b = sorted((i, j))
+            raise ValueError(f"params: two trainable parameters share memory (shapes {tuple(params[a].shape)} and "
+                             f"{tuple(params[b].shape)}), as views of one tensor do; CPUOffloadAdam keeps a master "
+                             f"copy per parameter and cannot update shared elements as AdamW does. Make one "
+                             f"parameter and derive the other from it in forward, or clone one of them")
 
 
 class StepTimeline:
@@ -118,6 +133,7 @@ class OffloadEngine:
         self._zero_grad: set[int] = set()
         trainable = [p for g in param_groups for p in g["params"] if p.requires_grad]
         self.device, self.dtype = self._check_params(trainable, link)
+        check_disjoint(trainable)
         streamed = next((m for p in trainable if (m := streamer_of(p)) is not None), None)
         if link is None and streamed is not None:
             link = streamed.link  # its gradient copies land in our buffers: one link, one set of engines
@@ -150,6 +166,9 @@ class OffloadEngine:
         self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
         self._unfinished = None  # the rest of a step taken but not yet done (see _to_step_boundary)
         self._refreshed: set[int] = set()
+        # Whether zero_grad() came since the last step: AdamW's next step would add that step's
+        # gradients to its own without it; this optimizer's step consumes them, and says so once.
+        self._zeroed_since_step, self._said_not_zeroed = True, False
         cpu_adam.load()  # find or build the kernel now, not on the worker in the middle of a backward
 
         buckets = make_buckets(param_groups, bucket_bytes)  # (checks streamed blocks first)
@@ -176,6 +195,10 @@ class OffloadEngine:
                              f"got {sorted(map(str, dtypes))}")
         if any(not p.is_contiguous() for p in trainable):
             raise ValueError("params: expected contiguous parameters")
+        if any(p.is_meta for p in trainable):
+            raise ValueError("params: a parameter is on the meta device (it has a shape but no values); "
+                             "materialise the model first (model.to_empty(device=...) and initialise it, or load "
+                             "its weights)")
         if devices:
             device = devices.pop()
         else:  # only streamed parameters: they compute on their StreamedModel's device
@@ -203,6 +226,7 @@ class OffloadEngine:
         if device.type != self.device.type or dtype != self.dtype:
             raise ValueError(f"params: expected {self.dtype} parameters on {self.device} like the others; "
                              f"got {dtype} on {device}")
+        check_disjoint([p for b in self.host.buckets for p in b.params] + trainable)
         self.synchronize()
         self.intake.settle()
         self.link.synchronize()  # every gradient in flight has landed before the buffers are copied over
@@ -242,6 +266,14 @@ class OffloadEngine:
         ready = [b for b in self.host.buckets if b.received.any() and not b.submitted]
         scale = self._grad_scale(ready)
         self._clip_now = None
+        if not self._zeroed_since_step and not self._said_not_zeroed and (ready or self._submitted()):
+            self._said_not_zeroed = True
+            warnings.warn("CPUOffloadAdam: step() without zero_grad() since the last step; torch.optim.AdamW "
+                          "would add the last step's gradients to this one's, but here each step() consumes its "
+                          "gradients: this step uses only those received since the last. Call "
+                          "optimizer.zero_grad() every step to say so (model.zero_grad() does not reach the "
+                          "optimizer)", stacklevel=5)
+        self._zeroed_since_step = False
         if scale is None:  # fp16 overflow: this step is skipped
             self._unfinished = lambda: self._skip(ready)
         else:  # from here on the step is taken: an interrupt finishes it rather than undoing it
@@ -431,6 +463,7 @@ class OffloadEngine:
         """Forget gradients received since the last step (zero_grad)."""
         if self.closed is not None:
             return
+        self._zeroed_since_step = True
         self._note_zero_grad([p for bucket in self.host.buckets for p in bucket.params], set_to_none)
         for streamed in {id(b.streamed): b.streamed for b in self.host.buckets if b.streamed is not None}.values():
             streamed.settle()  # a backward that raised: what it gathered reaches us first, to be discarded

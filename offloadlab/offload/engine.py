@@ -272,7 +272,7 @@ class OffloadEngine:
                           "would add the last step's gradients to this one's, but here each step() consumes its "
                           "gradients: this step uses only those received since the last. Call "
                           "optimizer.zero_grad() every step to say so (model.zero_grad() does not reach the "
-                          "optimizer)", stacklevel=5)
+                          "optimizer)", stacklevel=6)
         self._zeroed_since_step = False
         if scale is None:  # fp16 overflow: this step is skipped
             self._unfinished = lambda: self._skip(ready)
@@ -392,7 +392,7 @@ class OffloadEngine:
         if edited:
             warnings.warn(f"CPUOffloadAdam: {edited} parameter(s) were changed outside the optimizer while a delayed "
                           f"update was pending; they keep the values set, and that update is dropped for them "
-                          f"(call optimizer.synchronize() before changing weights by hand)", stacklevel=4)
+                          f"(call optimizer.synchronize() before changing weights by hand)", stacklevel=8)
 
     def _grad_scale(self, ready: list) -> float | None:
         """1 / loss scale × clipping factor; None when an fp16 overflow means skip the step."""

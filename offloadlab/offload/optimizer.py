@@ -32,6 +32,27 @@ Gradients leave the model during backward, so two usual calls must go to the opt
 
 (offloadlab does not patch torch to redirect them: importing it changes nothing in torch.)
 
+Where a user does by hand what AdamW allows, this optimizer does what AdamW does, or says
+at once that it cannot:
+
+- weights changed outside the optimizer, however (``p.data.fill_``, ``copy_`` from a checkpoint
+  or an EMA, in-place ops under ``torch.no_grad()``, ``p.data = …``, ``model.load_state_dict``,
+  ``vector_to_parameters``): the next update starts from them. Each parameter is compared, bit
+  for bit, with the weights last sent to it when its update is handed over (on a GPU, one copy
+  of the weights down per step). With ``accumulation_steps`` that is during backward: change
+  weights before it, not between backward and step(). With ``delayed_update``, weights changed
+  while an update is pending keep their values, and a warning says that update is dropped;
+- Ctrl-C during :meth:`~CPUOffloadAdam.step` waits for the step to be whole, then raises
+  KeyboardInterrupt: the optimizer is never left between steps;
+- a new optimizer over the same parameters (a reload mid-accumulation) finds the gradients
+  collected so far in ``.grad``, as a new AdamW would;
+- a state dict's fp32 master weights are used only where they round to the parameters' current
+  values, so loading into same-shaped parameters in another order leaves the weights alone (a
+  warning names the masters passed over);
+- without ``zero_grad()``, AdamW's next step would add this step's gradients to its own; here
+  step() consumes them, and says so with a warning the first time that would matter;
+- parameters that share memory, and parameters on the meta device, are refused at construction.
+
 Lifecycle: :meth:`close` (or dropping the optimizer, or a new CPUOffloadAdam over the same
 parameters, which takes them over with a warning) removes the hooks, stops the worker and frees
 the host memory; a closed optimizer raises on use. If the CPU update fails, :meth:`step` raises

@@ -401,3 +401,44 @@ def test_a_parameter_on_the_meta_device_is_refused_in_words(link):
         layer = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="on the meta device .* materialise the model first"):
         CPUOffloadAdam(layer.parameters(), link=link)
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.to(torch.bfloat16), lambda m: m.double()], ids=["bf16", "double"])
+def test_a_model_converted_after_the_optimizer_was_made_is_named_and_the_optimizer_stays_open(link, convert):
+    """It used to fail at step() with 'targets: expected device tensors shaped like their views
+    of staging…' and close the optimizer."""
+    model = mlp()
+    opt = CPUOffloadAdam(model.parameters(), lr=1e-2, link=link)
+    convert(model)
+    x, y = data(1, 1)[0][0]
+    with pytest.raises(RuntimeError, match=r"a parameter is now torch\.\w+ on cpu, but was torch\.float32 .* "
+                                           r"convert the model first, then make the optimizer"):
+        nn.functional.mse_loss(model(x.to(model[0].weight.dtype)), y.to(model[0].weight.dtype)).backward()
+    with pytest.raises(RuntimeError, match="convert the model first"):
+        opt.step()
+    assert not opt.closed
+    opt.close()
+
+
+@pytest.mark.parametrize("then", ["zero_grad", "step"])
+def test_after_one_backward_too_many_the_first_ones_step_stands_and_training_goes_on(link, then):
+    """accumulation_steps=1 and a second backward: refused, and that pass dropped. zero_grad()
+    used to leave every later backward raising, and step() used to apply the extra pass."""
+    ref, mine = mlp(), mlp()
+    reference = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = CPUOffloadAdam(mine.parameters(), lr=1e-2, link=link, accumulation_steps=1)
+    batches = data(4, 1)
+    backward(mine, batches[0])
+    with pytest.raises(RuntimeError, match="more backward passes than accumulation_steps=1 .* dropped"):
+        backward(mine, batches[1])
+    getattr(opt, then)()
+    reference.zero_grad()
+    backward(ref, batches[0])
+    reference.step()
+    for micro in batches[2:]:
+        for model, optimizer in ((ref, reference), (mine, opt)):
+            optimizer.zero_grad()
+            backward(model, micro)
+            optimizer.step()
+    opt.close()
+    assert_matches(ref, mine)

@@ -144,15 +144,17 @@ class Bucket:
         self.updated.set()
 
 
-def make_buckets(param_groups, bucket_bytes: int, start_index: int = 0, start: int = 0) -> list[Bucket]:
+def make_buckets(param_groups, bucket_bytes: int, start_index: int = 0, start: int = 0,
+                 only: set[int] | None = None) -> list[Bucket]:
     """Buckets of at most ``bucket_bytes`` gradient bytes over the trainable parameters of
-    ``param_groups``, in the reverse of the order given (the order backward produces gradients
-    for ``model.parameters()``). Streamed blocks make one bucket each, as they are streamed."""
+    ``param_groups`` (those whose ids are in ``only``, if given), in the reverse of the order given
+    (the order backward produces gradients for ``model.parameters()``). Streamed blocks make one
+    bucket each, as they are streamed."""
     buckets, blocks_done = [], set()
     group_of = {id(p): g for g in param_groups for p in g["params"]}
     for group in param_groups:
         current, current_bytes = [], 0
-        for p in reversed([p for p in group["params"] if p.requires_grad]):
+        for p in reversed([p for p in group["params"] if p.requires_grad and (only is None or id(p) in only)]):
             streamed = streamer_of(p)
             if streamed is not None:
                 block = streamed.block_of(p)

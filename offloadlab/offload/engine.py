@@ -30,7 +30,7 @@ from ..ownership import streamer_of
 from . import schedule
 from .bucket import make_buckets
 from .host_state import HostState, check_group
-from .intake import GradientIntake
+from .intake import GradientIntake, check_unconverted
 from .loss_scaler import LossScaler
 from .worker import UpdateWorker
 
@@ -226,12 +226,17 @@ class OffloadEngine:
         if device.type != self.device.type or dtype != self.dtype:
             raise ValueError(f"params: expected {self.dtype} parameters on {self.device} like the others; "
                              f"got {dtype} on {device}")
+        self._manage([group], trainable, stacklevel=5)
+
+    def _manage(self, groups: list, trainable: list, stacklevel: int) -> None:
+        """Give ``trainable`` (parameters of ``groups``) host state, hooks and a place in new buckets."""
         check_disjoint([p for b in self.host.buckets for p in b.params] + trainable)
         self.synchronize()
         self.intake.settle()
         self.link.synchronize()  # every gradient in flight has landed before the buffers are copied over
-        self._take_over(trainable, stacklevel=4)
-        buckets = make_buckets([group], self.bucket_bytes, start_index=len(self.host.buckets), start=self.host.numel)
+        self._take_over(trainable, stacklevel=stacklevel)
+        buckets = make_buckets(groups, self.bucket_bytes, start_index=len(self.host.buckets), start=self.host.numel,
+                               only={id(p) for p in trainable})
         self.host.extend(buckets)
         self.intake.add(buckets)
         self.worker.resize()
@@ -251,6 +256,9 @@ class OffloadEngine:
         self.check_usable()
         for i, group in enumerate(self.param_groups):  # a scheduler's bad value is refused, not run
             check_group(group, f"param_groups[{i}]: ")
+        for bucket in self.host.buckets:
+            for p in bucket.params:
+                check_unconverted(p, self.dtype, self.device if bucket.streamed is None else p.device)
         with interrupts_held():
             try:
                 self._step()
@@ -330,14 +338,24 @@ class OffloadEngine:
         self.timeline.record(lane, interval, label, self.step_count + 1)
 
     def _check_unmanaged_gradients(self) -> None:
-        """AdamW would update a parameter of its groups that has a gradient; one this optimizer does
-        not hold state for (it did not require grad when the optimizer was made) is an error."""
-        for i, group in enumerate(self.param_groups):
-            for j, p in enumerate(group["params"]):
-                if p.grad is not None and self.intake.position(p) is None:
-                    raise RuntimeError(f"CPUOffloadAdam: param_groups[{i}]['params'][{j}] has a gradient, but it "
-                                       f"did not require grad when the optimizer was made, so it has no state here; "
-                                       f"give it to the optimizer with add_param_group once it is trainable")
+        """AdamW updates every parameter of its groups that has a gradient: one that did not require
+        grad when the optimizer was made gets its host state now, and trains from this step on. (A
+        streamed one cannot: its block's gradient layout is fixed when it is streamed.)"""
+        unmanaged = [(i, j, p) for i, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])
+                     if p.grad is not None and self.intake.position(p) is None]
+        for i, j, p in unmanaged:
+            if streamer_of(p) is not None:
+                raise RuntimeError(f"CPUOffloadAdam: param_groups[{i}]['params'][{j}] has a gradient, but it did not "
+                                   f"require grad when the optimizer was made, and it is streamed, so its block "
+                                   f"has no place for it; make the optimizer again (it takes the parameters over; "
+                                   f"load the old one's state_dict() into it to keep the state)")
+        if unmanaged:
+            params = [p for _, _, p in unmanaged]
+            device, dtype = self._check_params(params, self.link)
+            if device.type != self.device.type or dtype != self.dtype:
+                raise ValueError(f"params: expected {self.dtype} parameters on {self.device} like the others; "
+                                 f"got {dtype} on {device}")
+            self._manage(self.param_groups, params, stacklevel=7)
 
     def _take_zero_gradients(self) -> None:
         """Note which parameters got a gradient this step; give a zero one to each that got none but
@@ -463,6 +481,8 @@ class OffloadEngine:
         """Forget gradients received since the last step (zero_grad)."""
         if self.closed is not None:
             return
+        if self.schedule.eager_after is not None and self._submitted():
+            self.step()  # updates that started during backward: their step is finished, not left half-done
         self._zeroed_since_step = True
         self._note_zero_grad([p for bucket in self.host.buckets for p in bucket.params], set_to_none)
         for streamed in {id(b.streamed): b.streamed for b in self.host.buckets if b.streamed is not None}.values():

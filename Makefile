@@ -15,6 +15,9 @@ SPHINXOPTS  ?= -W --keep-going -n
 LAB_ROOT    := $(if $(filter 0,$(shell id -u)),--allow-root)
 OVERRIDES   := $(VENV)/share/jupyter/lab/settings/overrides.json
 MATHJAX     := book/_static/mathjax
+PYODIDE     := book/_static/pyodide
+# The calculators' Python: Pyodide's core (interpreter and standard library), no packages.
+PYODIDE_NPM := pyodide@0.29.5
 
 # nbgrader's server side, off for a reader alone (Lab's side: etc/self-study/labconfig).
 NO_NBGRADER := {$(foreach e,formgrader course_list assignment_list validate_assignment,"nbgrader.server_extensions.$(e)": False,)"jupyterlab": True}
@@ -57,20 +60,20 @@ lab: env
 		--config=etc/jupyter_server_config.json '--ServerApp.jpserver_extensions=$(NO_NBGRADER)'
 
 ## test: unit tests, every chapter and lab through nbval, the static site and its browser checks
-test: env $(MATHJAX)/tex-chtml.js
+test: env $(MATHJAX)/tex-chtml.js $(PYODIDE)/pyodide.asm.wasm
 	$(PY) -m pytest
 
 ## book: build the static site into book/_build/html (executes every notebook)
-book: env $(MATHJAX)/tex-chtml.js
+book: env $(MATHJAX)/tex-chtml.js $(PYODIDE)/pyodide.asm.wasm
 	$(PY) -m sphinx $(SPHINXOPTS) -b html book book/_build/html
 
 ## book-student: the same site without the exercises' solutions, into book/_build/student
-book-student: env $(MATHJAX)/tex-chtml.js
+book-student: env $(MATHJAX)/tex-chtml.js $(PYODIDE)/pyodide.asm.wasm
 	OFFLOADLAB_STUDENT=1 $(PY) -m sphinx $(SPHINXOPTS) -b html book book/_build/student
 
 ## pdf: the whole book as one PDF, book/_build/pdf/offloadlab.pdf: Chromium prints the single-page
 ## build (needs Debian's chromium); a `make book` after it links the PDF from every page
-pdf: env $(MATHJAX)/tex-chtml.js
+pdf: env $(MATHJAX)/tex-chtml.js $(PYODIDE)/pyodide.asm.wasm
 	$(PY) -m sphinx $(SPHINXOPTS) -b singlehtml book book/_build/singlehtml
 	$(PY) tools/print_pdf.py book/_build/singlehtml book/_build/pdf/offloadlab.pdf
 
@@ -108,5 +111,15 @@ $(MATHJAX)/tex-chtml.js:
 	cp -r build/npm/node_modules/mathjax/es5/input/tex/extensions $(MATHJAX)/input/tex/
 	cp -r build/npm/node_modules/mathjax/es5/a11y build/npm/node_modules/mathjax/es5/ui $(MATHJAX)/
 
+# Pyodide's core, served from the site itself for the live calculators (chapters 1, 3, 4, 5, 9),
+# fetched by npm like MathJax: the loader, the WebAssembly interpreter, the standard library and
+# the lock file it reads at start; none of Pyodide's packages (the calculators need none).
+$(PYODIDE)/pyodide.asm.wasm:
+	npm install --no-save --no-audit --no-fund --prefix build/npm-pyodide $(PYODIDE_NPM)
+	rm -rf $(PYODIDE) && mkdir -p $(PYODIDE)
+	cd build/npm-pyodide/node_modules/pyodide && cp pyodide.js pyodide.asm.js python_stdlib.zip \
+	    pyodide-lock.json package.json $(CURDIR)/$(PYODIDE)/
+	cp build/npm-pyodide/node_modules/pyodide/pyodide.asm.wasm $(PYODIDE)/
+
 clean:
-	rm -rf book/_build build .pytest_cache $(MATHJAX)
+	rm -rf book/_build build .pytest_cache $(MATHJAX) $(PYODIDE)

@@ -6,6 +6,7 @@ a cell that raises fails the build. The build needs no network.
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import yaml
@@ -21,6 +22,7 @@ author = "the offloadlab authors"
 copyright = "2026, the offloadlab authors"
 release = offloadlab.__version__
 
+sys.path.insert(0, str(BOOK / "_ext"))  # the book's own extensions: calculators
 extensions = [
     "myst_nb",
     "sphinx_copybutton",
@@ -28,6 +30,7 @@ extensions = [
     "sphinx_exercise",
     "sphinx_togglebutton",
     "sphinxcontrib.bibtex",
+    "calculators",  # book/_ext/calculators.py: the live calculators of chapters 1, 3, 4, 5 and 9
 ]
 
 root_doc = "index"

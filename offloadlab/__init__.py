@@ -22,7 +22,7 @@ LAYERS = {
     "kernel: the CPU AdamW step and its build": ["cpu_adam", "kernel_build"],
     "workload: a model to train, sharded runs": ["models", "distributed"],
     "measurement: what this machine has and does": [
-        "probe", "ladder", "experiment", "machine", "devices", "reference"],
+        "probe", "ladder", "experiment", "machine", "devices", "model_count", "reference"],
     "transfer engine: copies, events, traces": ["link", "layout", "trace"],
     "torch's private parts: every one the package uses, in one place": ["_torch_compat"],
     "estimates: pure arithmetic, no device code": [

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -30,7 +31,7 @@ import sys
 from pathlib import Path
 
 from . import files, memory, units
-from .units import format_count, format_size
+from .units import format_bandwidth, format_count, format_duration, format_size
 
 USAGE_ERROR = 2
 FAULT = 1
@@ -84,18 +85,54 @@ def _bounded(parse, low: float, high: float, limits: str):
 _SIZE = _bounded(units.parse_size, 1, 1e18, "a size from 1 B to 1000 PB, e.g. '80 GB'")
 _BANDWIDTH = _bounded(units.parse_bandwidth, 1, 1e15, "a bandwidth from 1 B/s to 1 PB/s, e.g. '32 GB/s'")
 _DURATION = _bounded(units.parse_duration, 1e-9, 1e9, "a duration from 1 ns to 1e9 s, e.g. '250 ms'")
+_MIN_PARAMS, _MAX_PARAMS = 1e6, 1e15
+
+
 def _whole_count(text, name):
-    """A parameter count, which is a whole number: 10e9 is one, 1.5 is not."""
+    """A parameter count, which is a whole number (10e9 is one, 1.5 is not) and a model's: a count
+    below a million is a slip for billions ('8' for 8e9) and is refused with that reading."""
     count = units.parse_count(text, name)
     if not float(count).is_integer():
         raise ValueError(f"{name}: expected a whole number of parameters; got {text!r}")
+    if count < _MIN_PARAMS:
+        raise ValueError(f"{name}: expected a model's parameter count, at least {_MIN_PARAMS:.0e}; got {text!r}: "
+                         f"did you mean {count:g}e9?")
     return count
 
 
-_MAX_PARAMS = 1e15
-_PARAMS = _bounded(_whole_count, 1, _MAX_PARAMS, "a whole parameter count from 1 to 1e15, e.g. 10e9")
-_FLOPS = _bounded(units.check_positive, 1, 1e21, "FLOP/s from 1 to 1e21, e.g. 400e12")
-_PARAMS_PER_S = _bounded(units.check_positive, 1, 1e15, "parameters per second from 1 to 1e15, e.g. 3e9")
+def _rate_or_bare(unit: str, floor: float, example: str):
+    """A rate in ``unit`` per second ('400 TFLOP/s', '3 G/s'), or a bare number of them of at least
+    ``floor``: a smaller bare number is a slip for a prefix, refused with that reading."""
+    prefixes = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+
+    def parse(text, name):
+        match = re.fullmatch(rf"\s*([0-9.eE+-]+)\s*([kKmMgGtTpP]?){unit}/s\s*", text)
+        if match:
+            return units.check_positive(float(match.group(1)) * prefixes[match.group(2).lower()], name)
+        value = units.check_positive(text, name)
+        if value < floor:
+            raise ValueError(f"{name}: expected {example} or a bare number of at least {floor:g}; got {text!r}: "
+                             f"did you mean '{value:g} {'T' if unit == 'FLOP' else 'G'}{unit}/s'?")
+        return value
+    return parse
+
+
+_PARAMS = _bounded(_whole_count, _MIN_PARAMS, _MAX_PARAMS, "a whole parameter count from 1e6 to 1e15, e.g. 10e9")
+_FLOPS = _bounded(_rate_or_bare("FLOP", 1e9, "a rate such as '400 TFLOP/s'"), 1, 1e21,
+                  "FLOP/s from 1 to 1e21, e.g. '400 TFLOP/s'")
+_PARAMS_PER_S = _bounded(_rate_or_bare("", 1e6, "a rate such as '3 G/s' (parameters per second)"), 1, 1e15,
+                         "parameters per second from 1 to 1e15, e.g. 3e9")
+
+
+def _recompute(text: str):
+    """``auto``, ``none``, ``all``, or a number of layers to checkpoint."""
+    if text in ("auto", "none", "all"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'none', 'all' or a number of layers; got {text!r}") \
+            from None
 _FRACTION = _bounded(units.check_non_negative, 0, 0.999, "a fraction from 0 to 0.999")
 
 
@@ -183,9 +220,48 @@ def _cmd_budget(args) -> int:
     return 0
 
 
+def _cmd_overlap(args) -> int:
+    import math
+
+    from . import overlap
+
+    if (args.bytes is None) != (args.window is None):
+        raise UsageError("offloadlab overlap: give --bytes and --window together, or neither")
+    tokens = overlap.crossover_tokens(args.compute, args.link)
+    behind_backward = overlap.crossover_tokens(args.compute, args.link, flops_per_param_token=4)
+    stage = overlap.stage(args.bytes, args.link, args.window) if args.bytes is not None else None
+    if args.json:
+        condition = {"transfer_s": stage.t_transfer, "hidden": stage.hidden, "stall_s": stage.stall,
+                     "regime": stage.regime} if stage else dict.fromkeys(("transfer_s", "hidden", "stall_s", "regime"))
+        print(_dumps({"bandwidth_bytes_per_s": args.link, "flops": args.compute, "crossover_tokens": tokens,
+                      "crossover_tokens_backward_only": behind_backward, "crossover_assumes": _CROSSOVER_ASSUMES,
+                      "bytes": args.bytes, "window_s": args.window, **condition}))
+        return 0
+    if stage is not None:
+        print(f"overlap: {format_size(args.bytes)} over {format_bandwidth(args.link)} takes "
+              f"{format_duration(stage.t_transfer)}; the window is {format_duration(stage.t_compute)} → "
+              f"{stage.regime}" + (f": the GPU waits {format_duration(stage.stall)}" if stage.stall else ""))
+    def whole(t: float) -> str:  # the fewest whole tokens that reach T*
+        return f"{max(1, math.ceil(t - 1e-9)):,}"
+    print(f"crossover: T* = R/(3B) = {format_count(args.compute)}FLOP/s ÷ (3 × {format_bandwidth(args.link)}): "
+          f"from {whole(tokens)} tokens per step with all of forward and backward as the window; "
+          f"R/(2B): from {whole(behind_backward)} with backward alone")
+    print(f"  assumes {_CROSSOVER_ASSUMES}")
+    return 0
+
+
+_CROSSOVER_ASSUMES = ("optimizer offload of mixed-precision training (2 B per parameter each way: 16-bit "
+                      "gradients down, 16-bit weights up), full duplex, 6 FLOPs per parameter per token "
+                      "(4 in backward); the model's size cancels")
+
+
 def _plan_workload(args):
-    """The workload of ``plan``: a shipped model, a local config.json, or a bare parameter count."""
-    from . import architectures, planner
+    """The workload of ``plan``: a shipped model, a local config.json or snapshot folder, or a bare count.
+
+    A model is counted by transformers' own code on the meta device when transformers is installed
+    (``--count auto``, the default, or ``transformers``), else — or with ``--count formula`` — by
+    :mod:`offloadlab.architectures`' formulas."""
+    from . import architectures, model_count, planner
 
     given = [name for name, value in (("--params", args.params), ("--model", args.model),
                                       ("--model-config", args.model_config)) if value is not None]
@@ -194,16 +270,32 @@ def _plan_workload(args):
                          f"got {' and '.join(given) or 'none'}")
     if args.params is not None:
         return planner.Workload(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                                batch=args.batch, seq=args.seq)
+                                batch=args.batch, seq=args.seq, attention=args.attention)
     if any(v is not None for v in (args.layers, args.hidden, args.heads)):
         raise UsageError("offloadlab plan: --layers/--hidden/--heads go with --params; a model config has its shape")
-    if args.model_config is not None and not Path(args.model_config).is_file():
-        raise UsageError(f"--model-config: expected a config.json file; got {args.model_config!r}")
-    architecture = architectures.load(args.model if args.model is not None else Path(args.model_config))
+    source = args.model if args.model is not None else args.model_config
+    if args.model_config is not None and not Path(args.model_config).exists():
+        raise UsageError(f"--model-config: expected a config.json file or the folder of a model snapshot; got "
+                         f"{args.model_config!r}")
+    config, name, notes = architectures.read_config(source if args.model is not None else Path(source))
+    if args.count == "transformers" and not model_count.available():
+        raise UsageError("--count: transformers is not installed here (pip install transformers), so it cannot "
+                         "count the model; use --count formula")
+    if args.count == "formula" or not model_count.available():
+        architecture = dataclasses.replace(architectures.from_config(config, name), notes=notes)
+    else:
+        try:
+            architecture = model_count.architecture(config, name, notes)
+        except ValueError as error:  # this transformers cannot build it: the formula, if it has one, can
+            if args.count == "transformers" or config.get("model_type") not in architectures.FAMILIES:
+                raise
+            architecture = dataclasses.replace(architectures.from_config(config, name), notes=notes + (
+                f"transformers could not build it ({str(error).removeprefix(name + ': ')}): counted by the "
+                f"formula",))
     if architecture.params > _MAX_PARAMS:  # the bound --params has, so no derived figure overflows
         raise UsageError(f"--model-config: expected a model of at most {_MAX_PARAMS:.0e} parameters; "
-                         f"{args.model_config!r} describes {architecture.params:.3g}")
-    return planner.Workload.of_model(architecture, batch=args.batch, seq=args.seq)
+                         f"{source!r} describes {architecture.params:.3g}")
+    return planner.Workload.of_model(architecture, batch=args.batch, seq=args.seq, attention=args.attention)
 
 
 _MEASURED_MAX_BYTES = 16 * 2**20  # a probe record is tens of kB; /dev/zero is endless
@@ -213,9 +305,14 @@ def _plan_hardware(args):
     """The node of ``plan``: the flags, or an ``offloadlab probe --json`` record with the flags over it."""
     from . import planner
 
-    given = dict(gpu_memory=args.gpu_memory, link=args.link, host_memory=args.host_memory, cpu_adam=args.cpu_adam,
-                 compute=args.compute, comm_fraction=args.comm_fraction, gpus_per_node=args.gpus_per_node,
-                 interconnect=args.interconnect, gpus_per_link=args.gpus_per_link, nvme=args.nvme)
+    def exact(value, unit):  # a checked figure, passed on with its unit (a bare Python number would be bytes)
+        return None if value is None else f"{value!r} {unit}"
+
+    given = dict(gpu_memory=exact(args.gpu_memory, "B"), link=exact(args.link, "B/s"),
+                 host_memory=exact(args.host_memory, "B"), cpu_adam=args.cpu_adam, compute=args.compute,
+                 comm_fraction=args.comm_fraction, gpus_per_node=args.gpus_per_node,
+                 interconnect=exact(args.interconnect, "B/s"), gpus_per_link=args.gpus_per_link,
+                 nvme=exact(args.nvme, "B/s"))
     if args.measured is None:
         for flag in ("gpu_memory", "link"):
             if given[flag] is None:
@@ -236,6 +333,8 @@ def _plan_hardware(args):
         record = json.loads(text.decode("utf-8"))
     except ValueError as error:  # UnicodeDecodeError, JSONDecodeError
         raise refused(type(error).__name__) from None
+    except RecursionError:  # thousands of nested brackets: no probe record looks like that
+        raise refused("nesting too deep to read") from None
     with _arguments():
         return planner.Hardware.from_probe(record, **given)
 
@@ -248,32 +347,49 @@ def _cmd_plan(args) -> int:
     hardware = _plan_hardware(args)
     if hardware.gpus_per_node == 1 and (args.interconnect is not None or args.gpus_per_link != 1):
         raise UsageError("offloadlab plan: --interconnect and --gpus-per-link need --gpus-per-node above 1")
-    report = planner.plan(work, hardware)
-    emitted = {}
+    if isinstance(args.recompute, int) and not 0 <= args.recompute <= work.layers:
+        raise UsageError(f"--recompute: expected a number of layers from 0 to {work.layers}; got {args.recompute}")
+    report = planner.plan(work, hardware, recompute=args.recompute)
+    emitted, note = {}, None
     if args.emit:
         if report.chosen is None:
             raise UsageError(f"offloadlab plan: --emit {args.emit}: nothing fits on this hardware, so there is no "
                              f"configuration to emit (run without --emit to see what binds)")
         options = dict(accumulation=args.accumulation, nvme_path=args.nvme_path)
-        if work.architecture is not None and work.architecture.family == "gpt2":
-            options["blocks"] = "model.transformer.h"
+        if work.architecture is not None:
+            options["blocks"] = {"gpt2": "model.transformer.h", "falcon": "model.transformer.h",
+                                 "bloom": "model.transformer.h", "opt": "model.model.decoder.layers"}.get(
+                work.architecture.family, "model.model.layers")
+            if args.model_config is not None:
+                folder = Path(args.model_config)
+                options["model"] = str(folder if folder.is_dir() else folder.parent)
+        try:
+            picked, note = engines.plan_for(report, args.emit)
+        except ValueError as error:
+            raise UsageError(f"offloadlab plan: --emit {args.emit}: {str(error).removeprefix('engine: ')}") from None
         with _arguments():
-            chosen = engines.setup(report, **options)
+            chosen = engines.setup(report, args.emit, **options)
         if args.emit == "deepspeed":
             emitted = {"deepspeed": engines.deepspeed_config(chosen), "deepspeed_python": engines.deepspeed_snippet(chosen)}
         else:
             emitted = {"fsdp": engines.fsdp_snippet(chosen)}
+        emitted["emitted_plan"] = {**picked.to_dict(), "note": note}
     if args.json:
-        payload = {"params": int(work.params) if float(work.params).is_integer() else work.params, "model": work.architecture.to_dict() if work.architecture else None,
+        payload = {"params": int(work.params) if float(work.params).is_integer() else work.params,
+                   "active_params": work.active_params,
+                   "model": work.architecture.to_dict() if work.architecture else None,
                    "gpus_per_node": hardware.gpus_per_node, "measured": list(hardware.sources),
                    **report.to_dict(), **emitted}
         print(_dumps(payload, indent=1))
         return 0
     if work.architecture is not None:
         a = work.architecture
-        print(f"model {a.name} ({a.family}): {a.params:,} parameters, exact from its config — {a.layers} layers, "
-              f"hidden {a.hidden}, {a.heads} heads ({a.kv_heads} key/value), MLP {a.intermediate}, vocabulary "
+        active = f" ({a.active_params:,} active per token: {a.experts_per_token} of {a.experts} experts)" \
+            if a.experts else ""
+        print(f"model {a.name} ({a.family}): {a.params:,} parameters{active}, exact from its config — {a.layers} "
+              f"layers, hidden {a.hidden}, {a.heads} heads ({a.kv_heads} key/value), MLP {a.intermediate}, vocabulary "
               f"{a.vocab}, head {'tied' if a.tied_embeddings else 'untied'}")
+        print(f"counted by: {a.counted_by}" + "".join(f"; {n}" for n in a.notes))
     if hardware.gpus_per_node > 1:
         print(f"node: {hardware.gpus_per_node} GPUs; each gets 1/{hardware.gpus_per_node} of host memory and CPU "
               f"cores" + (f", and shares its link with {hardware.gpus_per_link - 1} other(s)"
@@ -287,7 +403,11 @@ def _cmd_plan(args) -> int:
               f"--nvme-path with a folder on the drive")
     if emitted and args.nvme_path and not on_drive:
         print("\nnote: the plan fits in host memory, so the configuration offloads there and --nvme-path is unused")
+    if note:
+        print(f"\nnote: --emit {args.emit}: {note}")
     for name, text in emitted.items():
+        if name == "emitted_plan":
+            continue
         print(f"\n{name}:")
         print(_dumps(text) if isinstance(text, dict) else text)
     return 0
@@ -453,10 +573,27 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--json", action="store_true", help="print a JSON object")
     budget.set_defaults(run=_cmd_budget)
 
+    overlap = commands.add_parser("overlap", help="the overlap condition and the crossover tokens T*")
+    overlap.add_argument("--link", required=True, type=_BANDWIDTH, help="one direction's bandwidth, e.g. '25 GB/s'")
+    overlap.add_argument("--compute", required=True, type=_FLOPS, help="sustained FLOP/s of the GPU, e.g. 200e12")
+    overlap.add_argument("--bytes", type=_SIZE, help="bytes one direction moves in the step, e.g. '20 GB'")
+    overlap.add_argument("--window", type=_DURATION, help="compute the copy can hide behind, e.g. '250 ms'")
+    overlap.add_argument("--json", action="store_true", help="print a JSON object")
+    overlap.set_defaults(run=_cmd_overlap)
+
     plan = commands.add_parser("plan", help="what to offload, in what order, and the predicted step")
     plan.add_argument("--params", type=_PARAMS, help="parameter count, e.g. 30e9 (or --model / --model-config)")
     plan.add_argument("--model", help="a shipped model config: " + ", ".join(_shipped_models()))
-    plan.add_argument("--model-config", metavar="PATH", help="a Hugging Face config.json to count exactly")
+    plan.add_argument("--model-config", metavar="PATH",
+                      help="a Hugging Face config.json, or the folder of a model snapshot, to count exactly")
+    plan.add_argument("--count", choices=["auto", "transformers", "formula"], default="auto",
+                      help="how a model is counted: auto (default: transformers' meta-device build when installed, "
+                           "else the formula), transformers, or formula")
+    plan.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",
+                      help="sdpa (default: flash or memory-efficient attention, no seq × seq scores kept) or eager")
+    plan.add_argument("--recompute", type=_recompute, default="auto",
+                      help="activation checkpointing: auto (default: none, every layer, or the fewest layers that "
+                           "fit), none, all, or a number of layers")
     plan.add_argument("--gpu-memory", type=_SIZE, help="GPU memory, e.g. '80 GB' (or from --measured)")
     plan.add_argument("--link", type=_BANDWIDTH, help="host↔GPU bandwidth per direction, e.g. '25 GB/s' (or from --measured)")
     plan.add_argument("--measured", metavar="FILE", help="an `offloadlab probe --json` record of this machine")
@@ -471,8 +608,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--layers", type=_positive_int, help="transformer layers (with --hidden and --heads)")
     plan.add_argument("--hidden", type=_positive_int, help="hidden size")
     plan.add_argument("--heads", type=_positive_int, help="attention heads")
-    plan.add_argument("--compute", type=_FLOPS, help="sustained FLOP/s of the GPU (default: assumed)")
-    plan.add_argument("--cpu-adam", type=_PARAMS_PER_S, help="CPU Adam throughput in params/s (default: assumed)")
+    plan.add_argument("--compute", type=_FLOPS,
+                      help="sustained FLOP/s of the GPU, e.g. '400 TFLOP/s' or 400e12 (default: assumed)")
+    plan.add_argument("--cpu-adam", type=_PARAMS_PER_S,
+                      help="CPU Adam throughput in params/s, e.g. 3e9 or '3 G/s' (default: assumed)")
     plan.add_argument("--comm-fraction", type=_FRACTION, default=0.0,
                       help="fraction of the step already spent communicating (0–1)")
     plan.add_argument("--emit", choices=["deepspeed", "fsdp"], help="also print an equivalent configuration")

@@ -1,8 +1,9 @@
 """Sharded training on several processes, with the bytes of every collective counted.
 
-:func:`launch` starts ``torchrun`` with N processes that each run :func:`main`: build the same
-TinyGPT, apply the FSDP2 snippet that :func:`offloadlab.engines.fsdp_snippet` emits, and train a
-few steps on each rank's share of one global batch. Every all-gather, reduce-scatter and
+:func:`launch` starts ``torchrun`` with N processes that each run :func:`main`: run the FSDP2 script
+that :func:`offloadlab.engines.fsdp_snippet` emits, with TinyGPT built in it (on the meta device,
+then sharded and filled with the weights of the single-process reference), and train a few
+steps on each rank's share of one global batch. Every all-gather, reduce-scatter and
 all-reduce the training makes passes through :class:`CollectiveCounter`, which records the size
 and dtype of the tensor each call gathers or reduces. The processes talk over gloo on the CPU
 and NCCL on GPUs. :func:`reference_losses` trains the same model on one process with AdamW.
@@ -103,6 +104,32 @@ def reference_losses(steps: int, seed: int = 0) -> list[float]:
     return [float(loss) for loss in _train(model, optimizer, data, steps, 0, 1)]
 
 
+def counted(model: TinyGPT) -> TinyGPT:
+    """``model`` with its first block's forward calls counted (in ``model.block_forward_calls``).
+
+    Recomputation calls a block's forward itself, not through the module's hooks, so the count
+    shows whether backward rebuilt the activations."""
+    model.block_forward_calls = 0
+    forward = model.blocks[0].forward
+
+    def counted_forward(*inputs, **kwargs):
+        model.block_forward_calls += 1
+        return forward(*inputs, **kwargs)
+
+    model.blocks[0].forward = counted_forward
+    return model
+
+
+def load_reference(model) -> None:
+    """Fill a sharded TinyGPT with the weights :func:`reference_losses` starts from (seed 0), from the
+    full state dict every rank builds for itself."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    torch.manual_seed(0)
+    full = TinyGPT(LAB_CONFIG).state_dict()
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+
+
 def main(argv: list[str] | None = None) -> None:
     """One rank of a sharded run (started by torchrun): train, count, and write JSON from rank 0."""
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -111,41 +138,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    # NCCL needs a GPU per process; with fewer GPUs than processes the run stays on the CPU with gloo.
-    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", "1"))
-    dist.init_process_group("nccl" if gpu else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if gpu:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # The emitted script as a user runs it, with TinyGPT built in place of a transformers model: it
+    # sets the device, starts the process group, builds on the meta device, shards and fills.
+    setup = engines.Setup("fsdp2", args.offload, args.recompute, world, micro_batch=GLOBAL_BATCH // world,
+                          blocks="model.blocks", seq=LAB_CONFIG.seq, clipping=0.0,
+                          imports="from offloadlab.distributed import LAB_CONFIG, counted, load_reference\n"
+                                  "from offloadlab.models import TinyGPT",
+                          build="counted(TinyGPT(LAB_CONFIG))", initialise="load_reference(model)", **_OPTIMIZER)
+    snippet = engines.fsdp_snippet(setup)
+    scope = {"__name__": "emitted_fsdp2_script"}  # its own training loop runs only as __main__
+    exec(compile(snippet, "<emitted FSDP2 script>", "exec"), scope)
+    rank, device, model = dist.get_rank(), scope["device"], scope["model"]
     try:
-        torch.manual_seed(0)
-        model = TinyGPT(LAB_CONFIG)
-        if gpu and args.offload == "none":
-            model = model.cuda()
-        calls = {"block": 0}
-        forward = model.blocks[0].forward
-
-        def counted_forward(*inputs, **kwargs):  # recomputation calls forward itself, not the module's hooks
-            calls["block"] += 1
-            return forward(*inputs, **kwargs)
-
-        model.blocks[0].forward = counted_forward
-        setup = engines.Setup("fsdp2", args.offload, args.recompute, world, micro_batch=GLOBAL_BATCH // world,
-                              blocks="model.blocks", **_OPTIMIZER)
-        snippet = engines.fsdp_snippet(setup)
-        scope = {"model": model}
-        exec(compile(snippet, "<emitted FSDP2 snippet>", "exec"), scope)  # the emitted code, as a user runs it
         data = batches(markov_corpus(LAB_CONFIG.vocab, 20_000), GLOBAL_BATCH, LAB_CONFIG.seq, seed=1)
         with CollectiveCounter() as counter:
-            losses = _train(model, scope["optimizer"], data, args.steps, rank, world, "cuda" if gpu else "cpu")
-        mean = torch.stack(losses).to("cuda" if gpu else "cpu")
+            losses = _train(model, scope["optimizer"], data, args.steps, rank, world, device)
+        mean = torch.stack(losses).to(device)
         dist.all_reduce(mean)  # outside the counter: the global loss is ours, not training's
         if rank == 0:
             result = {"world": world, "backend": dist.get_backend(), "offload": args.offload,
                       "recompute": args.recompute, "steps": args.steps, "snippet": snippet,
                       "losses": (mean / world).tolist(), "params": sum(p.numel() for p in TinyGPT(LAB_CONFIG).parameters()),
                       "calls": counter.calls, "tensor_bytes": counter.tensor_bytes,
-                      "block_forward_calls": calls["block"]}
+                      "block_forward_calls": model.block_forward_calls}
             Path(args.out).write_text(json.dumps(result, indent=1), encoding="utf-8")
     finally:
         dist.destroy_process_group()
@@ -163,6 +179,8 @@ def launch(offload: str = "none", recompute: bool = False, steps: int = 4, proce
     # One thread per process: two processes on two cores must not oversubscribe them.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    if not (torch.cuda.is_available() and torch.cuda.device_count() >= processes):
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a GPU per process or none: the script then runs on CPUs with gloo
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

@@ -1,22 +1,31 @@
-"""Configurations for the engines that run a plan at scale: a DeepSpeed config and an FSDP2 snippet.
+"""Configurations for the engines that run a plan at scale: a DeepSpeed config and an FSDP2 script.
 
 A :class:`Setup` says what to run in engine-neutral terms — how the state is sharded, what is
-offloaded and where, whether activations are recomputed, the batch and the optimizer — and
-:func:`deepspeed_config` / :func:`fsdp_snippet` write it for each engine. Both are complete
-enough to run as written: the suite validates the DeepSpeed config with DeepSpeed's own
-``DeepSpeedConfig`` and runs the FSDP2 snippet under ``torchrun`` on two CPU processes.
-:func:`setup` reads a :class:`Setup` off a planner report's chosen plan.
+offloaded and where, which layers recompute their activations, the batch and the optimizer —
+and :func:`deepspeed_config` / :func:`deepspeed_snippet` / :func:`fsdp_snippet` write it for each
+engine. :func:`plan_for` picks the plan an engine runs for a planner report — the chosen plan
+when that engine runs it, otherwise the engine's fastest plan that fits by its own account, said
+in one line — and :func:`setup` reads a :class:`Setup` off it.
+
+Everything emitted runs as written, and the suite checks it: each DeepSpeed config passes
+DeepSpeed's own ``DeepSpeedConfig`` in a gloo world of 1, 4 and 8 processes, and the FSDP2 script
+trains under ``torchrun`` on two CPU processes, both TinyGPT and a transformers model.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from . import sharding
+from .units import format_duration, format_size
 
-__all__ = ["Setup", "setup", "offered", "deepspeed_config", "deepspeed_snippet", "fsdp_snippet"]
+__all__ = ["Setup", "ENGINES", "plan_for", "setup", "offered", "deepspeed_config", "deepspeed_snippet",
+           "zenflow_block", "fsdp_snippet", "NVME_PATH_PLACEHOLDER", "MODEL_PLACEHOLDER"]
 
 NVME_PATH_PLACEHOLDER = "/local_nvme"  # written when the plan goes to NVMe and no path was given
+MODEL_PLACEHOLDER = "/path/to/model"   # written when no model folder or hub id was given
+ENGINES = {"deepspeed": "DeepSpeed", "fsdp": "FSDP2"}
 _STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
 # The planner's single-GPU offload levels as DeepSpeed runs them (partitioning is a no-op on one GPU).
 _LEVEL_STRATEGY = {"nothing": ("ddp", "none"), "optimizer": ("zero2", "optimizer"),
@@ -34,10 +43,16 @@ class Setup:
     """One training configuration, engine-neutral.
 
     ``strategy`` and ``offload`` are :mod:`offloadlab.sharding`'s names; ``offload_device`` is
-    'cpu' or 'nvme' (with ``nvme_path``, ZeRO-3 only); ``micro_batch`` is per GPU and
-    ``accumulation`` the micro-batches per optimizer step, so a step sees
-    micro_batch × accumulation × gpus sequences. ``blocks`` is the Python expression that names
-    the model's list of transformer blocks (``model.model.layers`` for Hugging Face Llama).
+    'cpu' or 'nvme' (with ``nvme_path``, ZeRO-3 only; ``nvme_buffer`` is DeepSpeed's
+    ``offload_param.buffer_size``, elements of the largest parameter shard); ``micro_batch`` is
+    per GPU and ``accumulation`` the micro-batches per optimizer step, so a step sees
+    micro_batch × accumulation × gpus sequences of ``seq`` tokens. ``recompute`` checkpoints the
+    first ``checkpointed`` blocks (None: all of them); ``blocks`` is the Python expression that
+    names the model's list of blocks (``model.model.layers`` for Hugging Face Llama).
+    ``clipping`` is the gradient norm both engines clip to (0: none). ``model`` is what
+    transformers loads (a hub id or a snapshot folder). ``build`` (an expression, with the
+    ``imports`` it needs) and ``initialise`` (a statement), when given, replace the FSDP2 script's
+    transformers lines: how a model of your own is built on the meta device and its shards filled.
     """
 
     strategy: str = "zero2"
@@ -54,16 +69,31 @@ class Setup:
     eps: float = 1e-8
     weight_decay: float = 0.1
     blocks: str = "model.model.layers"
+    checkpointed: int | None = None
+    nvme_buffer: int = sharding.NVME_DEFAULT_BUFFER
+    clipping: float = 1.0
+    seq: int = 2048
+    model: str = MODEL_PLACEHOLDER
+    imports: str | None = None
+    build: str | None = None
+    initialise: str | None = None
 
     def __post_init__(self):
         if self.strategy not in sharding.STRATEGIES or self.offload not in sharding.OFFLOADS \
                 or not offered(self.strategy, self.offload):
             raise ValueError(f"offload: expected a combination the engines offer; got {self.strategy} with "
                              f"offload {self.offload!r}")
-        for name in ("gpus", "micro_batch", "accumulation"):
+        for name in ("gpus", "micro_batch", "accumulation", "nvme_buffer", "seq"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer; got {value!r}")
+        if self.checkpointed is not None and (isinstance(self.checkpointed, bool) or not isinstance(
+                self.checkpointed, int) or self.checkpointed < 1 or not self.recompute):
+            raise ValueError(f"checkpointed: expected a positive number of blocks, with recompute; got "
+                             f"{self.checkpointed!r}")
+        if not (isinstance(self.clipping, (int, float)) and not isinstance(self.clipping, bool)
+                and math.isfinite(self.clipping) and self.clipping >= 0):
+            raise ValueError(f"clipping: expected a gradient norm ≥ 0 (0: no clipping); got {self.clipping!r}")
         if self.precision not in ("bf16", "fp16"):
             raise ValueError(f"precision: expected 'bf16' or 'fp16'; got {self.precision!r}")
         if self.offload_device not in ("cpu", "nvme"):
@@ -79,12 +109,80 @@ class Setup:
     def stage(self) -> int:
         return _STAGE[self.strategy]
 
+    @property
+    def recomputed_blocks(self) -> str:
+        """The blocks to checkpoint, as a Python expression."""
+        return self.blocks if self.checkpointed is None else f"{self.blocks}[:{self.checkpointed}]"
 
-def setup(report, **options) -> Setup:
-    """The :class:`Setup` of a planner report's chosen plan; ``options`` set the rest (batch, optimizer…)."""
+
+def _runs(engine: str, plan) -> bool:
+    """Whether ``engine`` runs this node plan (DeepSpeed: ZeRO-1/2/3; FSDP2: fully_shard)."""
+    strategy = plan.layout.strategy
+    return strategy == "fsdp2" if engine == "fsdp" else strategy in ("zero1", "zero2", "zero3")
+
+
+def plan_for(report, engine: str):
+    """The plan ``engine`` ('deepspeed' or 'fsdp') runs for ``report``, and a note when it is not the chosen one.
+
+    The chosen plan itself when the engine runs it; otherwise the engine's plans for the same
+    hardware (one GPU's included: the engines' accounts, updates after backward), the one that
+    matches the chosen sharding and offload if it fits, else the fastest that fits. ValueError
+    naming the closest plan and what binds it when none of the engine's plans fits.
+    """
+    from . import planner  # the estimates layer: configurations are written from its plans
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine: expected one of {', '.join(ENGINES)}; got {engine!r}")
+    chosen, name = report.chosen, ENGINES[engine]
+    if chosen is None:
+        raise ValueError("report: nothing fits, so there is no configuration to emit")
+    if isinstance(chosen, planner.NodePlan) and _runs(engine, chosen):
+        return chosen, None
+    pool = [p for p in report.plans if isinstance(p, planner.NodePlan)]  # a node's, and any on NVMe
+    if report.hardware.gpus_per_node == 1:  # the engines' own plans for this one GPU
+        pool += planner.node_plans(report.work, report.hardware, report.duplex, report.recipe)
+    mine = [p for p in pool if _runs(engine, p)]
+    fitting = sorted((p for p in mine if p.fits), key=lambda p: p.step)
+    if not fitting:
+        closest = min(mine, key=lambda p: (not p.fits_gpu, p.host_need if p.fits_gpu else p.gpu_bytes))
+        raise ValueError(f"engine: no {name} configuration fits this hardware: the closest, {closest.name}, does not "
+                         f"fit ({closest.binding}); the plan ({chosen.name}) is not one {name} runs")
+    wanted = _wanted(chosen)
+    same = [p for p in fitting if (p.layout.strategy, p.layout.offload) == wanted[:2]
+            and p.checkpointed == wanted[2]]
+    picked = same[0] if same else fitting[0]
+    if isinstance(chosen, planner.NodePlan):
+        whose, why = chosen.name, ""
+    else:
+        whose = f"offloadlab's own offload ({chosen.name}, its updates overlapping backward)"
+        why = "; its update waits for the end of backward, where the gradients' norm and overflow are checked"
+    note = (f"the plan is {whose}; {name} runs {picked.name}: step ≈ {format_duration(picked.step)} "
+            f"({picked.step / chosen.step:.2f}× the plan's{why}), host {format_size(picked.host_need)} for the node "
+            f"by {name}'s own account")
+    return picked, note
+
+
+def _wanted(chosen) -> tuple[str, str, int]:
+    """The engine strategy, offload and recomputed layers nearest to ``chosen``."""
+    if hasattr(chosen, "layout"):
+        strategy, offload = chosen.layout.strategy, chosen.layout.offload
+        if strategy == "ddp":
+            strategy, offload = ("zero1", offload) if offload != "none" else ("zero1", "none")
+    else:
+        strategy, offload = _LEVEL_STRATEGY[chosen.offload]
+        if strategy == "ddp":
+            strategy = "zero1"
+    return strategy, offload, chosen.checkpointed
+
+
+def setup(report, engine: str | None = None, **options) -> Setup:
+    """The :class:`Setup` of a planner report's plan for ``engine`` (see :func:`plan_for`); with no
+    engine, of the chosen plan as it is. ``options`` set the rest (batch, optimizer, paths…)."""
     chosen = report.chosen
     if chosen is None:
         raise ValueError("report: nothing fits, so there is no configuration to emit")
+    if engine is not None:
+        chosen, _ = plan_for(report, engine)
     layout = getattr(chosen, "layout", None)  # a node plan carries its sharding layout
     if layout is None:  # a single-GPU offload level
         strategy, offload = _LEVEL_STRATEGY[chosen.offload]
@@ -92,10 +190,15 @@ def setup(report, **options) -> Setup:
         strategy, offload = layout.strategy, layout.offload
     if strategy == "ddp" and offload != "none":  # engines shard what they offload: less host memory, same GPU
         strategy = "zero1"
+    work = report.work
     gpus = getattr(report.hardware, "gpus_per_node", 1)
-    options = {"micro_batch": report.work.batch, **options}
+    checkpointed = chosen.checkpointed if 0 < chosen.checkpointed < work.layers else None
+    options = {"micro_batch": work.batch, "seq": work.seq, "checkpointed": checkpointed,
+               "nvme_buffer": sharding.nvme_buffer_elements(work.largest_weight_params(), gpus), **options}
     if layout is not None and layout.nvme_bytes:  # ZeRO-Infinity on the drive
         options.update(offload_device="nvme", nvme_path=options.get("nvme_path") or NVME_PATH_PLACEHOLDER)
+    elif options.get("nvme_path") is not None:
+        options.pop("nvme_path")
     return Setup(strategy, offload, chosen.recompute, gpus, **options)
 
 
@@ -106,7 +209,9 @@ def deepspeed_config(config: Setup) -> dict:
     DeepSpeedCPUAdam, where a client torch optimizer is refused (``zero_force_ds_cpu_optimizer``).
     Recomputation is not a config setting — DeepSpeed's ``activation_checkpointing`` section only
     tunes ``deepspeed.checkpointing`` for a model that calls it — so the config has no such
-    section and :func:`deepspeed_snippet` turns recomputation on in the model itself.
+    section and :func:`deepspeed_snippet` turns recomputation on in the model itself. NVMe
+    parameter offload sizes its swap buffers to the largest parameter shard (DeepSpeed asserts
+    that each fits one buffer).
     """
     zero: dict = {"stage": config.stage}
     if config.stage >= 1:
@@ -118,6 +223,8 @@ def deepspeed_config(config: Setup) -> dict:
         zero["offload_optimizer"] = dict(target)
         if config.offload == "optimizer+parameters":
             zero["offload_param"] = dict(target)
+            if config.offload_device == "nvme":
+                zero["offload_param"].update(buffer_count=sharding.NVME_BUFFER_COUNT, buffer_size=config.nvme_buffer)
     if config.stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     precision = {"bf16": {"enabled": True}} if config.precision == "bf16" else \
@@ -126,7 +233,7 @@ def deepspeed_config(config: Setup) -> dict:
         "train_batch_size": config.micro_batch * config.accumulation * config.gpus,
         "train_micro_batch_size_per_gpu": config.micro_batch,
         "gradient_accumulation_steps": config.accumulation,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": float(config.clipping),
         **precision,
         "optimizer": {"type": "AdamW", "params": {"lr": config.lr, "betas": list(config.betas), "eps": config.eps,
                                                   "weight_decay": config.weight_decay}},
@@ -138,44 +245,83 @@ def deepspeed_config(config: Setup) -> dict:
     return result
 
 
+def zenflow_block(update_interval: int = 4) -> dict:
+    """DeepSpeed's optional ZenFlow settings for a ZeRO plan that offloads the optimizer.
+
+    ZenFlow updates the most important tenth of each gradient's columns on the GPU every step and
+    the rest on the CPU every ``update_interval`` steps, in the background (``overlap_step``): the
+    GPU stops waiting for the CPU update, and most weights lag that many steps behind.
+    """
+    return {"topk_ratio": 0.1, "select_strategy": "auto", "select_interval": "auto",
+            "update_interval": update_interval, "overlap_step": True}
+
+
 def _recompute_lines(config: Setup) -> list[str]:
-    return [f"for block in {config.blocks}:  # recompute each block's activations in backward",
+    which = "every block's" if config.checkpointed is None else f"the first {config.checkpointed} blocks'"
+    return [f"for block in {config.recomputed_blocks}:  # recompute {which} activations in backward",
             "    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)"]
 
 
 def deepspeed_snippet(config: Setup) -> str:
-    """The Python that goes with :func:`deepspeed_config`: recompute if the plan does, then initialize.
+    """The Python that goes with :func:`deepspeed_config`: build the model as the config expects,
+    recompute if the plan does, then initialize.
 
+    Under ZeRO-3 the model must be built already partitioned — ``HfDeepSpeedConfig`` makes
+    transformers' ``from_pretrained`` do it, ``deepspeed.zero.Init`` any other model — or every
+    process first holds the whole fp32 model, which the host estimate does not allow for.
     Recomputation uses ``torch.utils.checkpoint`` (non-reentrant, which ZeRO-3 supports and which
     passes keyword arguments through, as Hugging Face blocks need).
     """
-    lines = ["# DeepSpeed: launch with `deepspeed train.py` (or torchrun); `model` is built and `config` is",
-             "# the JSON above, loaded as a dict.",
-             *(["import functools", ""] if config.recompute else []),
-             "import deepspeed"]
+    lines = ["# DeepSpeed: launch with `deepspeed --num_gpus N train.py` (one process per GPU); ds_config.json",
+             "# is the JSON above.",
+             *(["import functools"] if config.recompute else []),
+             "import json", "", "import deepspeed",
+             *(["from torch.utils.checkpoint import checkpoint"] if config.recompute else []),
+             "from transformers import AutoModelForCausalLM"]
+    if config.stage == 3:
+        lines.append("from transformers.integrations import HfDeepSpeedConfig")
+    lines += ["", f"MODEL = {config.model!r}  # a Hugging Face model id, or the folder of its snapshot",
+              'ds_config = json.load(open("ds_config.json"))']
+    if config.stage == 3:
+        lines += ["# Before the model is built, and kept alive: from_pretrained then builds it already partitioned",
+                  "# (deepspeed.zero.Init), so no process holds the whole model. For a model of your own:",
+                  "#     with deepspeed.zero.Init(config_dict_or_path=ds_config): model = build()",
+                  "zero_init = HfDeepSpeedConfig(ds_config)"]
+    lines.append("model = AutoModelForCausalLM.from_pretrained(MODEL)")
     if config.recompute:
-        lines += ["from torch.utils.checkpoint import checkpoint", "", *_recompute_lines(config)]
-    lines += ["", "engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),",
-              "                                                config=config)",
-              "# each micro-batch: loss = engine(inputs, targets); engine.backward(loss); engine.step()"]
+        lines += _recompute_lines(config)
+    if config.offload == "optimizer":
+        block = zenflow_block()
+        lines += ["# Optional, ZenFlow (DeepSpeed ≥ 0.18): the GPU updates the most important tenth of each",
+                  "# gradient's columns every step and the CPU the rest every "
+                  f"{block['update_interval']} steps in the background, so the",
+                  "# GPU stops waiting for the CPU update and most weights lag up to that many steps behind (the",
+                  "# step the planner predicts is without it):",
+                  f"#     ds_config['zero_optimization']['zenflow'] = {block!r}"]
+    lines += ["engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),",
+              "                                                config=ds_config)",
+              "# each micro-batch: loss = engine(input_ids=batch, labels=batch).loss; engine.backward(loss);",
+              "# engine.step() (which clips to gradient_clipping and updates once per accumulated step)"]
     return "\n".join(lines)
 
 
 def fsdp_snippet(config: Setup) -> str:
-    """A runnable FSDP2 snippet for ``config``: shard each block and the root, then build AdamW.
+    """A complete FSDP2 training script for ``config`` (``torchrun --nproc-per-node N train.py``).
 
-    Weights are gathered and gradients reduce-scattered in 16 bits (``reduce_dtype`` equal to
-    ``param_dtype``: 2 bytes a parameter, as chapter 9 counts them); an fp32 reduction would double
-    the reduce-scatter's bytes for extra precision in the sum. FSDP2's only offload is
-    ``CPUOffloadPolicy`` (parameters, gradients and the optimizer step all on the CPU); a plan that
-    offloads only the optimizer is written as the nearest FSDP2 can do, and the snippet says so.
+    It sets each process's GPU from ``LOCAL_RANK``; builds the model on the meta device in fp32
+    (shapes only, so no process holds the whole model, and the shards each rank keeps are the fp32
+    master weights), shards each block and the root, then allocates and initialises the shards;
+    gathers weights and reduce-scatters gradients in 16 bits (``MixedPrecisionPolicy`` with
+    ``reduce_dtype`` equal to ``param_dtype``: 2 bytes a parameter, as chapter 9 counts them; an
+    fp32 reduction would double those bytes); and updates with ``torch.optim.AdamW(fused=True)``,
+    on the CPU's shards with ``CPUOffloadPolicy`` (the unfused loop is several times slower than
+    the CPU-Adam rate the planner assumes). FSDP2's only offload is ``CPUOffloadPolicy``
+    (parameters, gradients and the update all on the CPU); a plan that offloads only the optimizer
+    is written as the nearest FSDP2 can do, and the script says so.
     """
     dtype = "torch.bfloat16" if config.precision == "bf16" else "torch.float16"
     offloads = config.offload != "none"
-    lines = [
-        "# FSDP2: parameters, gradients and optimizer state sharded over the ranks of the default process",
-        "# group (run under torchrun, with the process group initialised and `model` built).",
-    ]
+    lines = [f"# FSDP2, one process per GPU: torchrun --nproc-per-node {config.gpus} train.py"]
     if config.offload_device == "nvme":
         lines += ["# The plan keeps the state on NVMe; FSDP2 cannot offload there, only to host memory, which the",
                   "# plan found too small: use DeepSpeed (ZeRO-Infinity) for this run."]
@@ -185,22 +331,76 @@ def fsdp_snippet(config: Setup) -> str:
     if config.strategy != "fsdp2" and config.offload == "none" and config.stage < 3:
         lines += [f"# The plan shards less ({config.strategy}); FSDP2 shards everything, which needs less GPU memory",
                   "# and one more all-gather of the weights per step."]
-    lines += (["import functools", ""] if config.recompute else []) + ["import torch"]
-    lines.append("from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard"
-                 if offloads else "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard")
-    if config.recompute:
-        lines.append("from torch.utils.checkpoint import checkpoint")
-    lines += ["", f"mixed = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={dtype})"]
-    if offloads:
-        lines += ["# Pinned host memory needs a GPU; on a CPU-only machine the policy runs unpinned.",
-                  "options = dict(mp_policy=mixed, offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()))"]
-    else:
-        lines.append("options = dict(mp_policy=mixed)")
+    lines += [*(["import functools"] if config.recompute else []), "import os", "", "import torch",
+              "import torch.distributed as dist",
+              "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard"
+              if offloads else "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
+              *(["from torch.utils.checkpoint import checkpoint"] if config.recompute else [])]
+    if config.build is None:
+        lines += ["from transformers import AutoConfig, AutoModelForCausalLM", "",
+                  f"MODEL = {config.model!r}  # a Hugging Face model id, or the folder of its snapshot"]
+    elif config.imports:
+        lines += config.imports.splitlines()
+    lines += ["",
+              'local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun: this process\'s GPU on its node',
+              "if torch.cuda.is_available():",
+              "    torch.cuda.set_device(local_rank)",
+              '    device = torch.device("cuda", local_rank)',
+              "else:  # no GPU: the same script on CPU processes",
+              '    device = torch.device("cpu")',
+              'dist.init_process_group("nccl" if device.type == "cuda" else "gloo")',
+              "",
+              "# Shapes only, no storage: no process builds the whole model. In fp32, so that the shards each rank",
+              "# keeps are the master weights the optimizer updates; computing happens in 16 bits (below).",
+              'with torch.device("meta"):']
+    lines.append(f"    model = {config.build}" if config.build else
+                 "    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MODEL), dtype=torch.float32)")
     if config.recompute:
         lines += _recompute_lines(config)
+    lines += [f"mixed = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={dtype})"]
+    if offloads:
+        lines += ["# Pinned host memory needs a GPU; on a CPU-only machine the policy runs unpinned.",
+                  'options = dict(mp_policy=mixed, offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda"))']
+    else:
+        lines.append("options = dict(mp_policy=mixed)")
     lines += [f"for block in {config.blocks}:",
               "    fully_shard(block, **options)",
               "fully_shard(model, **options)  # the root: embeddings, final norm and head",
-              f"optimizer = torch.optim.AdamW(model.parameters(), lr={config.lr!r}, betas={tuple(config.betas)!r}, "
-              f"eps={config.eps!r}, weight_decay={config.weight_decay!r})"]
+              "",
+              "# Allocate this rank's shards " + ("in host memory" if offloads else "on its GPU") +
+              ", then fill them: fresh weights here. To start from a",
+              "# checkpoint, load it into the shards instead (torch.distributed.checkpoint).",
+              'model.to_empty(device="cpu")' if offloads else "model.to_empty(device=device)",
+              "with torch.no_grad():"]
+    lines.append(f"    {config.initialise}" if config.initialise else "    model.initialize_weights()")
+    fused = "  # fused: the CPU-Adam rate the plan assumes" if offloads else ""
+    lines += [f"optimizer = torch.optim.AdamW(model.parameters(), lr={config.lr!r}, betas={tuple(config.betas)!r}, "
+              f"eps={config.eps!r},",
+              f"                              weight_decay={config.weight_decay!r}, fused=True){fused}",
+              "",
+              "",
+              "def train_step(input_ids, labels):",
+              f"    for micro in range({config.accumulation}):  # micro-batches per optimizer step",
+              "        loss = model(input_ids=input_ids[micro], labels=labels[micro]).loss",
+              "        loss.backward()" if config.accumulation == 1 else f"        (loss / {config.accumulation}).backward()"]
+    if config.clipping:
+        lines.append(f"    torch.nn.utils.clip_grad_norm_(model.parameters(), {float(config.clipping)!r})")
+    lines += ["    optimizer.step()",
+              "    optimizer.zero_grad()",
+              "    return loss.detach()",
+              "",
+              "",
+              'if __name__ == "__main__":',
+              "    # A stand-in batch of random tokens, the same every step, so that the loss falls if training",
+              "    # works: replace it with your data loader (each rank its own "
+              + (f"{config.accumulation} micro-batches" if config.accumulation > 1 else "micro-batch")
+              + f" of {config.micro_batch} × {config.seq} tokens).",
+              "    torch.manual_seed(dist.get_rank())",
+              f"    tokens = torch.randint(0, model.config.vocab_size, ({config.accumulation}, {config.micro_batch}, "
+              f"{config.seq}), device=device)",
+              "    for step in range(10):",
+              "        loss = train_step(tokens, tokens)",
+              "        if dist.get_rank() == 0:",
+              '            print(f"step {step}: loss {loss.item():.4f}", flush=True)',
+              "    dist.destroy_process_group()"]
     return "\n".join(lines)

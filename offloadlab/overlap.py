@@ -13,9 +13,10 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from .units import check_non_negative, parse_bandwidth, parse_duration, parse_size
+from .units import check_non_negative, check_positive, parse_bandwidth, parse_duration, parse_size
 
-__all__ = ["Stage", "stage", "PipelineStep", "pipeline", "crossover_batch", "OffloadStep", "offload_step"]
+__all__ = ["Stage", "stage", "PipelineStep", "pipeline", "crossover_batch", "crossover_tokens", "OffloadStep",
+           "offload_step"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,28 @@ def crossover_batch(traffic_bytes, bandwidth, compute_seconds_per_sample, latenc
     per_sample = parse_duration(compute_seconds_per_sample, "compute_seconds_per_sample")
     t_transfer = stage(traffic_bytes, bandwidth, 0, latency).t_transfer
     return max(1, math.ceil(t_transfer / per_sample - 1e-9))
+
+
+def crossover_tokens(flops, bandwidth, bytes_per_param=2.0, flops_per_param_token=6.0) -> float:
+    """T*: the tokens per step from which a step's compute can hide its offload's copies.
+
+    A step of T tokens computes for T × ``flops_per_param_token`` × P / R seconds on a GPU that
+    sustains R = ``flops`` FLOP/s: 6 for forward and backward (two FLOPs per multiply–add
+    forward, four backward), 4 when only backward can cover the copies. Meanwhile the offload
+    moves ``bytes_per_param`` × P bytes each way over a link of B = ``bandwidth`` bytes/s per
+    direction, both directions at once (full duplex). The parameter count P cancels:
+
+        T* = bytes_per_param × R / (flops_per_param_token × B)
+
+    For optimizer offload of mixed-precision training — each 16-bit gradient down and each
+    16-bit weight up, 2 bytes per parameter each way — that is R / (3B), and R / (2B) behind
+    backward alone. A real number of tokens: a step hides the copies from ⌈T*⌉ tokens.
+    """
+    rate = check_positive(flops, "flops")
+    link = parse_bandwidth(bandwidth, "bandwidth")
+    moved = check_positive(bytes_per_param, "bytes_per_param")
+    work = check_positive(flops_per_param_token, "flops_per_param_token")
+    return moved * rate / (work * link)
 
 
 @dataclass(frozen=True)

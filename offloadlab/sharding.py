@@ -32,10 +32,25 @@ The (N−1)/N factor is the ring: to all-gather or reduce-scatter S bytes each G
 receives (N−1)/N · S, and an all-reduce is one of each. On one GPU nothing moves.
 
 Offload moves state to the host: ``"optimizer"`` (ZeRO-Offload: the fp32 partition and its
-update go to the CPU; each GPU sends its g P/N gradient shard down and gets w P/N new weights
-back) or ``"optimizer+parameters"`` (ZeRO-Infinity on the CPU, FSDP2's ``CPUOffloadPolicy``:
-every sharded byte lives on the host and each gather first copies the shard up). FSDP2 offers
-only the second. Host bytes are per GPU; a node holds ``gpus_per_node`` times as much.
+update go to the CPU; each GPU sends its gradient shard down and gets w P/N new weights back) or
+``"optimizer+parameters"`` (ZeRO-Infinity on the CPU, FSDP2's ``CPUOffloadPolicy``: every sharded
+byte lives on the host and each gather first copies the shard up). FSDP2 offers only the second.
+Host bytes are per GPU; a node holds ``gpus_per_node`` times as much.
+
+What crosses the host link is what each engine's code copies, not the recipe's dtypes. DeepSpeed
+casts each gradient to fp32 on the GPU before it goes down (``stage_1_and_2.py``,
+``async_inplace_copy_grad_to_fp32_buffer_from_gpu``; ``stage3.py``, ``partition_grads`` into an
+fp32 host buffer): 4 B per parameter down, and the updated 16-bit weights, cast on the host, come
+up at w. With its optimizer offloaded, DeepSpeed's ZeRO-3 (0.19, ``stage3.py``) keeps every
+rank's 16-bit gradient partitions in one pinned host buffer (``grad_partitions_flat_buffer``):
+each micro-batch's reduced gradient is copied into it and straight back to the GPU (g down, g up),
+and at the accumulation boundary the GPU copy is cast to fp32 and sent down (4 B). One micro-batch
+therefore moves g + 4 = 6 B down and g + w = 4 B up, or g + 2 w = 6 B up with the parameters on
+the host too. FSDP2 with ``CPUOffloadPolicy`` keeps fp32 shards on the host: each gather copies the
+fp32 shard up (4 B, for forward and again for backward) and each reduced gradient, cast back to
+fp32 on the GPU, goes down (4 B). It pins every shard and gradient on its own
+(``_fsdp_param.py``), and torch's pinned allocator rounds each request up to a power of two
+(pytorch#95823): :func:`fsdp2_pinned_bytes` counts that from the model's tensor shapes.
 
 :func:`layout` gives the bytes per GPU; :func:`deepspeed_estimate` reproduces DeepSpeed's own
 estimators and says where and why they differ. Units: bytes and parameters.
@@ -43,11 +58,13 @@ estimators and says where and why they differ. Units: bytes and parameters.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from . import memory
 
-__all__ = ["STRATEGIES", "OFFLOADS", "Layout", "layout", "nvme_layout", "valid", "ring_bytes", "deepspeed_estimate"]
+__all__ = ["STRATEGIES", "OFFLOADS", "Layout", "layout", "nvme_layout", "valid", "ring_bytes", "deepspeed_estimate",
+           "fsdp2_pinned_bytes", "nvme_buffer_elements", "NVME_BUFFER_COUNT", "NVME_DEFAULT_BUFFER"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 OFFLOADS = ("none", "optimizer", "optimizer+parameters")
@@ -80,7 +97,9 @@ class Layout:
     transient working set of gathered weights and their gradients. ``interconnect_overlapped``
     runs during forward and backward (gathers, gradient reductions); ``interconnect_after``
     runs after the update (ZeRO-1/2's all-gather of new weights). ``h2d_bytes``/``d2h_bytes`` cross
-    the GPU's host link; ``cpu_params`` is how many parameters this GPU's rank updates on the CPU.
+    the GPU's host link, ``upload_after`` of the ``h2d_bytes`` after the update (the new 16-bit
+    weights; the rest moves during the passes); ``cpu_params`` is how many parameters this GPU's
+    rank updates on the CPU.
     """
 
     strategy: str
@@ -97,6 +116,7 @@ class Layout:
     nvme_bytes: float = 0.0
     nvme_during_passes: float = 0.0
     nvme_after: float = 0.0
+    upload_after: float = 0.0
 
     @property
     def interconnect_bytes(self) -> float:
@@ -114,11 +134,13 @@ class Layout:
 
 
 def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_module: float = 0.0,
-           block_params: float = 0.0, root_params: float = 0.0, recipe: str = memory.DEFAULT_RECIPE) -> Layout:
+           block_params: float = 0.0, root_params: float = 0.0, recipe: str = memory.DEFAULT_RECIPE,
+           shapes=None) -> Layout:
     """Bytes per GPU of ``strategy`` with ``offload`` for ``params`` parameters on ``gpus`` GPUs.
 
     ``largest_module`` (ZeRO-3), ``block_params`` and ``root_params`` (FSDP2: one transformer block;
     the embeddings, final norm and head that the root unit holds) size the gathered working set.
+    ``shapes``, every weight tensor's shape, lets FSDP2's offload count its pinned copies exactly.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}; got {strategy!r}")
@@ -135,13 +157,14 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
     shard = p / n
     reduce_grads = ring_bytes("reduce-scatter", g * p, n)
     gather_weights = ring_bytes("all-gather", w * p, n)
-    h2d = d2h = cpu = host = 0.0
+    h2d = d2h = cpu = host = upload = 0.0
     after = 0.0
     if strategy == "ddp":
         gathered, overlapped = 0.0, ring_bytes("all-reduce", g * p, n)
         if offload == "optimizer":  # a whole copy per GPU: state, gradient landing buffer, 16-bit weights
             gpu, host = (w + g) * p, (optimizer + g + w) * p
             d2h, h2d, cpu = g * p, w * p, p
+            upload = h2d
         else:
             gpu = (w + g + optimizer) * p
     elif strategy in ("zero1", "zero2"):
@@ -151,7 +174,8 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
         if offload == "optimizer":  # the fp32 partition and its update move to the host; ZeRO-2's
             gpu = replicated * p      # reduced gradient buckets go straight down, leaving no shard behind
             host = (DEEPSPEED_FP32_GRADIENT + optimizer) * shard
-            d2h, h2d, cpu = g * shard, w * shard, shard
+            d2h, h2d, cpu = DEEPSPEED_FP32_GRADIENT * shard, w * shard, shard
+            upload = h2d
         else:
             gpu = replicated * p + sharded * shard
     elif strategy == "zero3":
@@ -160,14 +184,15 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
         state = w + DEEPSPEED_FP32_GRADIENT + optimizer
         if offload == "none":
             gpu = state * shard + gathered
-        elif offload == "optimizer":
+        elif offload == "optimizer":  # the gradient's host round trip, then fp32 down; new weights up
             gpu = w * shard + gathered
             host = (DEEPSPEED_FP32_GRADIENT + optimizer) * shard
-            d2h, h2d, cpu = g * shard, w * shard, shard
+            d2h, h2d, cpu = (g + DEEPSPEED_FP32_GRADIENT) * shard, (g + w) * shard, shard
+            upload = w * shard
         else:  # the 16-bit shard lives on the host too and comes up for forward and for backward
             gpu = gathered
             host = state * shard
-            d2h, h2d, cpu = g * shard, 2 * w * shard, shard
+            d2h, h2d, cpu = (g + DEEPSPEED_FP32_GRADIENT) * shard, (g + 2 * w) * shard, shard
     else:  # fsdp2: fp32 sharded parameters (the master copy), fp32 sharded gradients, moments
         master = kinds.get("master_weights", 0) or w
         moments = optimizer - kinds.get("master_weights", 0)
@@ -178,20 +203,59 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
             gpu = state * shard + gathered
         else:  # CPUOffloadPolicy: the fp32 shard comes up before each gather; its gradient goes down
             gpu = gathered
-            host = state * shard
+            pinned = fsdp2_pinned_bytes(shapes, n, master) if shapes else 2 * master * shard
+            host = pinned + moments * shard  # the moments are the optimizer's own, pageable, unrounded
             h2d, d2h, cpu = 2 * master * shard, master * shard, shard
-    return Layout(strategy, offload, n, gpu, gathered, host, overlapped, after, h2d, d2h, cpu)
+    return Layout(strategy, offload, n, gpu, gathered, host, overlapped, after, h2d, d2h, cpu, upload_after=upload)
 
 
-# DeepSpeed's default NVMe staging, per process: 5 parameter buffers of 1e8 16-bit values, and the
-# optimizer swapper's 4 buffers of one fp32 sub-group (sub_group_size 1e9 parameters).
-NVME_STAGING_BYTES = 5 * 1e8 * 2 + 4 * 1e9 * 4
+def fsdp2_pinned_bytes(shapes, gpus: int, element: float = 4) -> float:
+    """Host bytes one rank pins under FSDP2's ``CPUOffloadPolicy``: each sharded parameter and its
+    sharded gradient, ``element`` bytes a value (fp32), pinned one tensor at a time.
+
+    FSDP2 pads a tensor's first dimension to a multiple of ``gpus`` and keeps one slice
+    (``ceil(rows / gpus)`` rows); torch's caching host allocator rounds each pinned request up to
+    the next power of two, so a 117 MB shard takes 134 MB (128 MiB).
+    """
+    total = 0.0
+    for shape in shapes:
+        rows, rest = (shape[0], 1) if len(shape) == 1 else (shape[0], _product(shape[1:]))
+        nbytes = -(-rows // gpus) * rest * element
+        total += 2 * (1 << max(0, math.ceil(math.log2(nbytes)))) if nbytes else 0
+    return total
 
 
-def nvme_layout(params: float, gpus: int, *, largest_module: float = 0.0,
+def _product(sizes) -> int:
+    total = 1
+    for size in sizes:
+        total *= size
+    return total
+
+
+# DeepSpeed's NVMe staging, per process: ``buffer_count`` parameter buffers of ``buffer_size``
+# 16-bit values (defaults 5 and 1e8, offload_config.py), and the optimizer swapper's 4 buffers of
+# one fp32 sub-group (sub_group_size 1e9 parameters).
+NVME_BUFFER_COUNT = 5
+NVME_DEFAULT_BUFFER = 100_000_000
+_OPTIMIZER_SWAP_BYTES = 4 * 1e9 * 4
+
+
+def nvme_buffer_elements(largest_weight: float, gpus: int) -> int:
+    """The ``offload_param.buffer_size`` an NVMe plan needs: at least the largest tensor's shard.
+
+    DeepSpeed's ``partitioned_param_swapper.py`` asserts that each parameter's partition
+    (``ceil(numel / gpus)`` elements) fits one buffer; its default of 1e8 is short for a large
+    vocabulary's embedding (131,334,144 elements per GPU for Llama 3.1 70B on 8 GPUs).
+    """
+    shard = -(-int(largest_weight) // gpus)
+    return max(NVME_DEFAULT_BUFFER, -(-shard // 2**20) * 2**20)  # rounded up to a whole Mi-element
+
+
+def nvme_layout(params: float, gpus: int, *, largest_module: float = 0.0, largest_weight: float = 0.0,
                 recipe: str = memory.DEFAULT_RECIPE) -> Layout:
     """ZeRO-Infinity with NVMe: ZeRO-3 whose shards (16-bit weights, fp32 optimizer state and
-    gradients) live on the drive; the host keeps only pinned staging buffers (:data:`NVME_STAGING_BYTES`).
+    gradients) live on the drive; the host keeps only pinned staging buffers (``buffer_count``
+    buffers of :func:`nvme_buffer_elements` 16-bit values, and the optimizer swapper's).
 
     Per step each GPU's process reads its 16-bit shard for forward and again for backward while the
     passes run, then reads its fp32 state, updates it on the CPU and writes the state and the new
@@ -202,7 +266,8 @@ def nvme_layout(params: float, gpus: int, *, largest_module: float = 0.0,
     w = kinds["weights"]
     state = cpu.host_bytes - w * params / gpus  # fp32 optimizer state and gradient partition
     shard = params / gpus
-    return Layout(cpu.strategy, cpu.offload, gpus, cpu.gpu_bytes, cpu.gathered_bytes, NVME_STAGING_BYTES,
+    staging = NVME_BUFFER_COUNT * nvme_buffer_elements(largest_weight, gpus) * 2 + _OPTIMIZER_SWAP_BYTES
+    return Layout(cpu.strategy, cpu.offload, gpus, cpu.gpu_bytes, cpu.gathered_bytes, staging,
                   cpu.interconnect_overlapped, cpu.interconnect_after, cpu.h2d_bytes, cpu.d2h_bytes, cpu.cpu_params,
                   nvme_bytes=cpu.host_bytes, nvme_during_passes=2 * w * shard, nvme_after=2 * state + w * shard)
 
@@ -226,6 +291,8 @@ def deepspeed_estimate(stage: int, offload: str, params: float, largest_module: 
     ZeRO-3's counts the largest module's 16-bit weights and gradients (4 B per parameter) as the
     gathered set, as :func:`layout` does. Returns {'gpu_bytes', 'host_bytes_per_node', 'terms'}.
     """
+    if stage not in (2, 3):
+        raise ValueError(f"stage: expected 2 or 3 (DeepSpeed estimates those); got {stage!r}")
     strategy = {2: "zero2", 3: "zero3"}[stage]
     parts = layout(strategy, offload, params, gpus, largest_module=largest_module)
     host_node = parts.host_bytes * gpus

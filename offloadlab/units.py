@@ -6,7 +6,12 @@ bytes per second, times in seconds. This module turns what people write ("80 GB"
 ``ValueError`` that names the argument and the accepted forms, and formats numbers
 back for display.
 
-Decimal and binary prefixes stay distinct: "1 GB" is 10**9 bytes, "1 GiB" is 2**30.
+Decimal and binary prefixes stay distinct: "1 GB" is 10**9 bytes, "1 GiB" is 2**30. Units are
+read without regard to case where that is unambiguous ("gb" is "GB"), except that "Gb" — a
+capital prefix and a small b — is gigabits by convention, so it is refused with a note (write
+"GB", or "Gbit" to mean bits). A string must carry its unit: "80" could be bytes or gigabytes,
+so it is refused with the reading most likely meant ("did you mean '80 GB'?"). A Python number
+is in base units, as computed values are.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ __all__ = [
     "format_count",
 ]
 
-_DECIMAL = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-_SIZE_UNITS = {f"{p}B": f for p, f in {**_DECIMAL, **_BINARY}.items()}
-_BANDWIDTH_UNITS = {f"{u}/s": f for u, f in _SIZE_UNITS.items()}
+_DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
+_BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}
+# A size's unit, read without regard to case: an SI or binary prefix, then bytes or bits.
+_SIZE_UNIT = re.compile(r"^(?P<prefix>[kmgtp]?)(?P<binary>i?)(?P<base>bytes?|bits?|b)$", re.IGNORECASE)
 _TIME_UNITS = {
     "ns": 1e-9,
     "us": 1e-6,
@@ -43,9 +48,10 @@ _TIME_UNITS = {
 _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
 _QUANTITY = re.compile(rf"^\s*({_NUMBER})\s*([A-Za-zµ/]*)\s*$")
 
-SIZE_FORMS = "a number of bytes or a string such as '80 GB', '512 MiB', '1.5 TB'"
-BANDWIDTH_FORMS = "bytes per second or a string such as '32 GB/s', '900 MiB/s'"
-DURATION_FORMS = "seconds or a string such as '250 ms', '1.5 s', '40 us'"
+# (In Python a number is taken in base units: bytes, bytes/s, seconds.)
+SIZE_FORMS = "a size with its unit, such as '80 GB', '512 MiB', '1.5 TB'"
+BANDWIDTH_FORMS = "a rate with its unit, such as '32 GB/s', '900 MiB/s', '400 Gbit/s'"
+DURATION_FORMS = "a time with its unit, such as '250 ms', '1.5 s', '40 us'"
 COUNT_FORMS = "a number such as 10e9, 7000000000 or '1.3e9'"
 
 
@@ -54,12 +60,12 @@ def _fail(name: str, value, forms: str, why: str = "") -> ValueError:
     return ValueError(f"{name}: expected {forms}; got {value!r}{reason}")
 
 
-def _split(value, name: str, forms: str) -> tuple[float, str]:
-    """Split a number-with-unit into (number, unit); a bare number has unit ''."""
+def _split(value, name: str, forms: str) -> tuple[float, str | None]:
+    """Split a number-with-unit into (number, unit); a Python number has unit None, a bare string ''."""
     if isinstance(value, bool):
         raise _fail(name, value, forms)
     if isinstance(value, (int, float)):
-        return float(value), ""
+        return float(value), None
     if not isinstance(value, str):
         raise _fail(name, value, forms)
     match = _QUANTITY.match(value)
@@ -78,34 +84,80 @@ def _checked(number: float, name: str, value, forms: str, allow_zero: bool) -> f
     return number
 
 
-def _parse(value, name: str, units: dict, forms: str, allow_zero: bool) -> float:
-    """A number with an optional unit from ``units`` (unit → factor), scaled and validated."""
+def _size_factor(unit: str, name: str, value, forms: str) -> float:
+    """Bytes per ``unit`` ('GB', 'gb', 'GiB', 'Gbit'); 'Gb' is refused: by convention it means gigabits."""
+    match = _SIZE_UNIT.match(unit)
+    if not match or (match["binary"] and not match["prefix"]):
+        raise _fail(name, value, forms, f"unknown unit {unit!r}")
+    prefix, base = match["prefix"], match["base"]
+    if base == "b" and prefix.isupper():  # 'Gb', 'Mb': the networking convention for bits
+        names = _BINARY_NAMES if match["binary"] else _PREFIX_NAMES
+        raise _fail(name, value, forms, f"{unit!r} means {names[prefix.lower()]}bits; write '{prefix}{match['binary']}B' for bytes, or "
+                                        f"'{prefix}{match['binary']}bit' for bits")
+    factor = (_BINARY if match["binary"] else _DECIMAL)[prefix.lower()]
+    return factor / 8 if base.lower().startswith("bit") else factor
+
+
+_PREFIX_NAMES = {"k": "kilo", "m": "mega", "g": "giga", "t": "tera", "p": "peta"}
+_BINARY_NAMES = {"k": "kibi", "m": "mebi", "g": "gibi", "t": "tebi", "p": "pebi"}
+
+
+def _bare(number: float, name: str, value, kind: str, unit: str) -> ValueError:
+    """The refusal of a number typed without its unit, with the reading most likely meant."""
+    if number >= 1e5 and unit.startswith("G"):  # more likely a count of bytes than of gigabytes
+        guess = f"{number:.0f} {unit.removeprefix('G')}"
+    else:
+        guess = f"{number:g} {unit}"
+    return ValueError(f"{name}: expected {kind} with its unit; got {value!r}: did you mean {guess!r}?")
+
+
+def _parse(value, name: str, forms: str, allow_zero: bool, factor_of, guess_unit: str) -> float:
+    """A number with a unit (``factor_of(unit)`` gives its scale), checked; a Python number is in base units."""
+    number, unit = _split(value, name, forms)
+    if unit == "":
+        raise _bare(number, name, value, forms.split(" with ")[0], guess_unit)
+    if unit is not None:
+        number *= factor_of(unit)
+    return _checked(number, name, value, forms, allow_zero)
+
+
+def _plain(value, name: str, forms: str, allow_zero: bool) -> float:
+    """A number that takes no unit (a count, a fraction); a string is read as a number."""
     number, unit = _split(value, name, forms)
     if unit:
-        if unit not in units:
-            raise _fail(name, value, forms, f"unknown unit {unit!r}" if units else "it takes no unit")
-        number *= units[unit]
+        raise _fail(name, value, forms, "it takes no unit")
     return _checked(number, name, value, forms, allow_zero)
 
 
 def parse_size(value, name: str = "size", allow_zero: bool = False) -> float:
-    """Bytes from a number of bytes or a string like '80 GB' / '512 MiB'."""
-    return _parse(value, name, _SIZE_UNITS, SIZE_FORMS, allow_zero)
+    """Bytes from a string like '80 GB' / '512 MiB' (any case; 'Gb' is gigabits and refused), or a
+    Python number of bytes. A string without a unit is refused: '80' names no size."""
+    return _parse(value, name, SIZE_FORMS, allow_zero, lambda unit: _size_factor(unit, name, value, SIZE_FORMS),
+                  "GB")
 
 
 def parse_bandwidth(value, name: str = "bandwidth") -> float:
-    """Bytes per second from a number or a string like '32 GB/s'. Zero is refused."""
-    return _parse(value, name, _BANDWIDTH_UNITS, BANDWIDTH_FORMS, allow_zero=False)
+    """Bytes per second from a string like '32 GB/s' or '400 Gbit/s', or a Python number of B/s."""
+    def factor(unit: str) -> float:
+        if not unit.lower().endswith("/s") or unit.count("/") != 1:
+            raise _fail(name, value, BANDWIDTH_FORMS, f"unknown unit {unit!r}")
+        return _size_factor(unit[:-2], name, value, BANDWIDTH_FORMS)
+    return _parse(value, name, BANDWIDTH_FORMS, False, factor, "GB/s")
 
 
 def parse_duration(value, name: str = "duration", allow_zero: bool = False) -> float:
-    """Seconds from a number of seconds or a string like '250 ms'."""
-    return _parse(value, name, _TIME_UNITS, DURATION_FORMS, allow_zero)
+    """Seconds from a string like '250 ms' (any case), or a Python number of seconds."""
+    def factor(unit: str) -> float:
+        key = unit if unit in _TIME_UNITS else unit.lower()
+        if key not in _TIME_UNITS:
+            raise _fail(name, value, DURATION_FORMS, f"unknown unit {unit!r}")
+        return _TIME_UNITS[key]
+    return _parse(value, name, DURATION_FORMS, allow_zero, factor, "s")
 
 
 def parse_count(value, name: str = "count") -> float:
     """A finite count of at least 1, such as a number of parameters (10e9 or '1.3e9')."""
-    count = _parse(value, name, {}, COUNT_FORMS, allow_zero=False)
+    count = _plain(value, name, COUNT_FORMS, allow_zero=False)
     if count < 1:  # a fraction of a parameter is a slip (a missing exponent), not a model
         raise _fail(name, value, COUNT_FORMS, "must be at least 1")
     return count
@@ -113,12 +165,12 @@ def parse_count(value, name: str = "count") -> float:
 
 def check_positive(value, name: str) -> float:
     """``value`` as a float if it is a finite number greater than zero, else ValueError."""
-    return _parse(value, name, {}, "a positive number", allow_zero=False)
+    return _plain(value, name, "a positive number", allow_zero=False)
 
 
 def check_non_negative(value, name: str) -> float:
     """``value`` as a float if it is a finite number ≥ 0, else ValueError."""
-    return _parse(value, name, {}, "a number ≥ 0", allow_zero=True)
+    return _plain(value, name, "a number ≥ 0", allow_zero=True)
 
 
 def _scaled(number: float, steps: list[tuple[float, str]], digits: int) -> str:

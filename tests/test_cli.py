@@ -100,10 +100,10 @@ def test_json_stays_strict_at_the_bounds(link, window):
                  "--json")
     assert budget.returncode == 0, budget.stderr
     assert _strict(budget.stdout)["traffic_bytes"] > 0
-    plan = run("plan", "--params", "1e15", "--gpu-memory", "1000 PB", "--link", link, "--compute", "1", "--json")
+    plan = run("plan", "--params", "1e15", "--gpu-memory", "1000 PB", "--link", link, "--compute", "1 FLOP/s", "--json")
     assert plan.returncode == 0, plan.stderr
     _strict(plan.stdout)
-    text = run("plan", "--params", "1e15", "--gpu-memory", "80 GB", "--link", link, "--compute", "1")
+    text = run("plan", "--params", "1e15", "--gpu-memory", "80 GB", "--link", link, "--compute", "1 FLOP/s")
     assert text.returncode == 0 and " inf " not in text.stdout and "nan" not in text.stdout
 
 
@@ -347,3 +347,66 @@ def test_a_damaged_measured_record_is_one_line(tmp_path, damage):
     path.write_text(json.dumps(record))
     result = run("plan", "--params", "7e9", "--measured", str(path))
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "measured:" in result.stderr
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--gpu-memory", "80", "--link", "25 GB/s"], "--gpu-memory: expected a size with its unit; got '80': did you "
+                                                  "mean '80 GB'?"),
+    (["--gpu-memory", "80 GB", "--link", "25"], "did you mean '25 GB/s'?"),
+    (["--gpu-memory", "80 GB", "--link", "25 Gb/s"], "'Gb' means gigabits"),
+    (["--gpu-memory", "80 GB", "--link", "25 GB/s", "--host-memory", "1024"], "did you mean '1024 GB'?"),
+    (["--gpu-memory", "80 GB", "--link", "25 GB/s", "--compute", "400"], "did you mean '400 TFLOP/s'?"),
+])
+def test_sizes_and_rates_without_units_are_refused(args, fragment):
+    assert fragment in _one_line_error(run("plan", "--params", "8e9", *args), 2)
+
+
+def test_units_in_any_case_and_a_params_slip_for_billions():
+    assert run("plan", "--params", "8e9", "--gpu-memory", "80 gb", "--link", "25 gb/s", "--compute",
+               "400 TFLOP/s").returncode == 0
+    for command in ("plan", "state"):
+        extra = ["--gpu-memory", "80 GB", "--link", "25 GB/s"] if command == "plan" else []
+        assert "--params: expected a model's parameter count, at least 1e+06; got '8': did you mean 8e9?" in \
+            _one_line_error(run(command, "--params", "8", *extra), 2)
+
+
+@pytest.mark.parametrize("depth", [2000, 5000])
+def test_deeply_nested_json_is_one_line_not_a_recursion_error(tmp_path, depth):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * depth + "]" * depth)
+    config = run("plan", "--model-config", str(deep), "--gpu-memory", "80 GB", "--link", "25 GB/s")
+    assert "nesting too deep to read" in _one_line_error(config, 2)
+    measured = run("plan", "--params", "8e9", "--measured", str(deep))
+    assert "--measured: expected an `offloadlab probe --json` file" in _one_line_error(measured, 2)
+    assert "nesting too deep" in measured.stderr
+
+
+def test_recompute_is_chosen_or_forced_layer_by_layer():
+    base = ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "24 GB", "--link", "25 GB/s", "--host-memory",
+            "1 TB", "--seq", "4096", "--count", "formula", "--json"]
+    auto = json.loads(run(*base).stdout)["chosen"]
+    assert 0 < auto["checkpointed_layers"] < 32 and "of 32 layers" in auto["name"]
+    forced = json.loads(run(*base, "--recompute", "all").stdout)
+    assert {p["checkpointed_layers"] for p in forced["plans"]} == {32}
+    assert "--recompute: expected a number of layers from 0 to 32; got 40" in _one_line_error(
+        run(*base, "--recompute", "40"), 2)
+    assert "--recompute: expected 'auto', 'none', 'all' or a number of layers" in _one_line_error(
+        run(*base, "--recompute", "some"), 2)
+
+
+def test_a_model_is_counted_by_transformers_when_it_can_and_by_the_formula_when_it_cannot(monkeypatch, capsys):
+    from offloadlab import model_count
+
+    command = ["plan", "--model", "qwen3-8b", "--gpu-memory", "80 GB", "--link", "25 GB/s"]
+    assert main(command) == 0
+    assert "counted by: transformers " in capsys.readouterr().out
+
+    def cannot(config, name, notes=()):
+        raise ValueError(f"{name}: transformers 9.9 cannot build this qwen3 config")
+
+    monkeypatch.setattr(model_count, "architecture", cannot)
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "counted by: formula" in out and "transformers could not build it" in out and "8,190,735,360" in out
+    assert main([*command, "--count", "transformers"]) == 2
+    assert "cannot build this qwen3 config" in capsys.readouterr().err

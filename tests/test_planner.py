@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from offloadlab import engines, memory, planner
+from offloadlab import architectures, engines, memory, planner
 
 
 def report(params, gpu="80 GB", link="60 GB/s", host="2 TB", **kw):
@@ -47,10 +47,10 @@ def test_nothing_fits():
 def test_400b_fails_on_host_memory_not_on_the_gpu():
     r = report(400e9, batch=1, seq=2048)
     everything = next(p for p in r.plans if p.level == 3 and p.recompute)
-    assert everything.fits_gpu and round(everything.gpu_bytes / 1e9) == 31
+    assert everything.fits_gpu and round(everything.gpu_bytes / 1e9) == 29
     assert everything.host_bytes == 6.4e12 and not everything.fits_host
-    assert everything.binding == "host memory: needs 6.4 TB of 2 TB"
-    assert r.chosen is None and "6.4 TB of host memory against 2 TB" in r.warnings[0]
+    assert everything.binding == "host memory: needs 6.4 TB of the 1.8 TB usable of 2 TB"
+    assert r.chosen is None and "6.4 TB of host memory against the 1.8 TB usable of 2 TB" in r.warnings[0]
 
 
 def test_binding_of_a_plan_that_does_not_fit_is_the_memory():
@@ -150,7 +150,7 @@ def test_deepspeed_and_fsdp_emission():
     zero3 = engines.deepspeed_config(engines.setup(everything))["zero_optimization"]
     assert zero3["stage"] == 3 and zero3["offload_param"]["pin_memory"] is True
     snippet = engines.fsdp_snippet(engines.setup(everything))
-    assert "CPUOffloadPolicy(pin_memory=torch.cuda.is_available())" in snippet
+    assert 'CPUOffloadPolicy(pin_memory=device.type == "cuda")' in snippet
     compile(snippet, "<fsdp>", "exec")  # tests/test_engines.py validates and runs what engines emit
 
 
@@ -250,3 +250,112 @@ def test_clipping_holds_the_updates_until_backward_ends():
     assert laid_out.step == pytest.approx(clipped.step)
     with pytest.raises(ValueError, match="^offload: "):
         planner.schedule(work, hw, "everything")
+
+
+# -- sizes with units, activations as they are computed today, experts -----------------------------
+
+def test_a_number_too_small_for_a_gpu_is_refused_as_a_slip_for_gigabytes():
+    with pytest.raises(ValueError, match=r"^gpu_memory: expected bytes; got 80, which is 80 B: did you mean '80 GB'\?$"):
+        planner.Hardware(80, "25 GB/s")
+    with pytest.raises(ValueError, match=r"^link: .*did you mean '25 GB/s'\?$"):
+        planner.Hardware("80 GB", 25)
+    with pytest.raises(ValueError, match=r"did you mean '80 GB'\?$"):
+        planner.Hardware("80", "25 GB/s")
+    assert planner.Hardware(85e9, 25e9).gpu_memory == 85e9  # bytes as a Python number still mean bytes
+
+
+def test_sdpa_keeps_no_seq_squared_scores_and_eager_keeps_them():
+    """Llama 3.1 8B at 32,768 tokens: SDPA (transformers' default) keeps per layer what it keeps at
+    1,024 tokens, per token; eager attention adds its fp32 softmax and 16-bit probabilities,
+    6 bytes per head per pair of tokens: 6 · 32 · 32768² · 32 layers = 6.6 TB."""
+    arch = architectures.load("llama-3.1-8b")
+    sdpa, eager = (planner.Workload.of_model(arch, seq=32768, attention=a) for a in ("sdpa", "eager"))
+    assert eager.activations().layers - sdpa.activations().layers == pytest.approx(
+        32 * 6 * 32 * 32768**2 + 32 * 32768 * (2 * 2 * (4096 - 1024) - 4 * 32))
+    assert sdpa.activations().layers == 32 * 32768 * arch.layer_shapes[0].kept_bytes(2, 32768)
+    with pytest.raises(ValueError, match="^attention: expected one of sdpa, eager; got 'flash'$"):
+        planner.Workload(1e9, attention="flash")
+
+
+def test_logits_and_loss_are_counted_in_their_dtypes():
+    """Per token, the loss's fp32 log-probabilities (4 B a logit), their gradient and the logits'
+    gradient in fp32 (8 B), and the logits in the compute dtype (2 B): 14 B × 128,256 at 32k tokens."""
+    work = planner.Workload.of_model(architectures.load("llama-3.1-8b"), seq=32768)
+    assert work.activations().logits == 14 * 128256 * 32768 == pytest.approx(58.8e9, rel=1e-3)
+
+
+def test_the_fewest_layers_that_fit_are_recomputed():
+    arch = architectures.load("llama-3.1-8b")
+    work = planner.Workload.of_model(arch, seq=4096)
+    report = planner.plan(work, planner.Hardware("24 GB", "25 GB/s", host_memory="1 TB"))
+    level = [p for p in report.plans if p.offload == report.chosen.offload]
+    kept, everything, partial = (next(p for p in level if p.checkpointed == k) for k in
+                                 (0, 32, report.chosen.checkpointed))
+    assert 0 < partial.checkpointed < 32 and report.chosen is partial
+    assert not kept.fits_gpu and partial.fits_gpu and everything.fits_gpu
+    assert kept.t_compute < partial.t_compute < everything.t_compute  # two more FLOPs per recomputed layer
+    one_fewer = work.activation_bytes(partial.checkpointed - 1)
+    assert partial.gpu_bytes - work.activation_bytes(partial.checkpointed) + one_fewer > partial.gpu_usable
+    assert partial.name.endswith(f"activations recomputed in {partial.checkpointed} of 32 layers")
+    forced = planner.plan(work, planner.Hardware("24 GB", "25 GB/s", host_memory="1 TB"), recompute="all")
+    assert {p.checkpointed for p in forced.plans} == {32}
+
+
+def test_nothing_fits_names_the_activations_and_what_acts_on_them():
+    """A million tokens a GPU: even with every layer recomputed the checkpoints alone outgrow 80 GB.
+    The refusal names that term and the levers that shrink it — never more GPUs or NVMe, which do
+    nothing for activations."""
+    work = planner.Workload.of_model(architectures.load("llama-3.1-8b"), seq=2**20)
+    report = planner.plan(work, planner.Hardware("80 GB", "25 GB/s", host_memory="2 TB"))
+    assert report.chosen is None
+    warning = report.warnings[0]
+    assert "what binds is logits and loss" in warning or "what binds is activations of the layers" in warning
+    assert "micro-batch" in warning and "NVMe" not in warning and "add GPUs" not in warning
+    node = planner.plan(work, planner.Hardware("80 GB", "25 GB/s", host_memory="2 TB", gpus_per_node=8))
+    assert node.chosen is None and "NVMe" not in node.warnings[0] and "add nodes" not in node.warnings[0]
+    assert "sequence or context parallelism" in planner.single.gpu_binding(
+        {"activations of the layers": 2.0, "logits and loss": 1.0}, 1.0)
+
+
+def test_experts_count_in_memory_and_their_active_share_in_compute():
+    mixtral = architectures.load("mixtral-8x7b")
+    work = planner.Workload.of_model(mixtral, seq=1024)
+    r = planner.plan(work, planner.Hardware("80 GB", "25 GB/s", host_memory="2 TB", compute=400e12))
+    kept = next(p for p in r.plans if p.offload == "nothing" and not p.recompute)
+    assert kept.t_compute == pytest.approx(6 * mixtral.active_params * 1024 / 400e12)
+    assert kept.gpu_terms["model state"] == 16 * mixtral.params  # all 8 experts' state
+
+
+def test_the_estimates_run_without_torch_or_transformers():
+    """The planner's layer runs in the browser (Pyodide), where neither is installed: it must import and
+    plan with the standard library alone."""
+    code = """
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers", "numpy", "deepspeed"):
+            raise ImportError(f"{name} is not here")
+sys.meta_path.insert(0, Refuse())
+from offloadlab import architectures, engines, planner
+work = planner.Workload.of_model(architectures.load("mixtral-8x7b"), seq=4096)
+report = planner.plan(work, planner.Hardware("80 GB", "25 GB/s", host_memory="2 TB", gpus_per_node=8))
+print(engines.setup(report, "deepspeed").stage, "torch" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["3", "False"]
+
+
+def test_host_memory_keeps_a_reserve_as_gpu_memory_does():
+    """A plan whose state fills host memory to the byte does not fit: the OS, each rank's process
+    and the page cache need some of it (review M8: 480 GB of state on a 480 GB Grace was accepted)."""
+    work = planner.Workload(10e9, batch=1, seq=1024)
+    state = next(p for p in planner.plan(work, planner.Hardware("80 GB", "25 GB/s")).plans
+                 if p.offload == "optimizer" and not p.recompute).host_bytes
+    exact = next(p for p in planner.plan(work, planner.Hardware("80 GB", "25 GB/s", host_memory=state)).plans
+                 if p.offload == "optimizer" and not p.recompute)
+    assert not exact.fits_host and "usable" in exact.binding
+    roomy = planner.Hardware("80 GB", "25 GB/s", host_memory=state / (1 - planner.HOST_RESERVE_FRACTION))
+    assert next(p for p in planner.plan(work, roomy).plans if p.offload == "optimizer" and not p.recompute).fits_host
+    node = planner.Hardware("80 GB", "25 GB/s", host_memory="1 TB", gpus_per_node=8)
+    assert node.usable_host_memory == 0.9e12

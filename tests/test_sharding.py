@@ -30,10 +30,19 @@ def test_hand_worked_offload_on_eight_gpus():
     zero2 = sharding.layout("zero2", "optimizer", P, N)
     assert zero2.gpu_bytes == 20e9  # only the 16-bit weights stay; reduced gradients go straight down
     assert zero2.host_bytes == pytest.approx(16 * SHARD) == 20e9  # an eighth of the node's 160 GB
-    assert (zero2.d2h_bytes, zero2.h2d_bytes, zero2.cpu_params) == pytest.approx((2 * SHARD, 2 * SHARD, SHARD))
+    # DeepSpeed casts each gradient to fp32 on the GPU before it goes down; the 16-bit weights come up.
+    assert (zero2.d2h_bytes, zero2.h2d_bytes, zero2.cpu_params) == pytest.approx((4 * SHARD, 2 * SHARD, SHARD))
     infinity = sharding.layout("zero3", "optimizer+parameters", P, N, largest_module=1e9)
     assert infinity.gpu_bytes == 4e9 and infinity.host_bytes == pytest.approx(18 * SHARD)
-    assert infinity.h2d_bytes == pytest.approx(4 * SHARD)  # the 16-bit shard, up for forward and backward
+    # DeepSpeed 0.19's stage3.py: the 16-bit gradient partition goes into a pinned host buffer and
+    # straight back (2 B each way), then at the boundary down in fp32 (4 B); the 16-bit shard comes
+    # up for forward and for backward.
+    assert infinity.h2d_bytes == pytest.approx((2 + 2 * 2) * SHARD) and infinity.upload_after == 0
+    assert infinity.d2h_bytes == pytest.approx((2 + 4) * SHARD)
+    offload = sharding.layout("zero3", "optimizer", P, N, largest_module=1e9)
+    assert (offload.d2h_bytes, offload.h2d_bytes) == pytest.approx((6 * SHARD, 4 * SHARD))
+    assert offload.upload_after == pytest.approx(2 * SHARD)  # the new 16-bit weights, after the update
+    assert zero2.upload_after == zero2.h2d_bytes  # ZeRO-2 sends gradients down once, in fp32
     fsdp = sharding.layout("fsdp2", "optimizer+parameters", P, N, block_params=0.25e9, root_params=1e9)
     assert fsdp.host_bytes == pytest.approx(16 * SHARD)
     assert (fsdp.h2d_bytes, fsdp.d2h_bytes) == pytest.approx((8 * SHARD, 4 * SHARD))  # fp32 shards move

@@ -103,3 +103,41 @@ def test_format_round_trips():
         size = units.parse_size(text)
         binary = "i" in text
         assert math.isclose(units.parse_size(units.format_size(size, binary=binary)), size)
+
+
+@pytest.mark.parametrize("parse, text, guess", [
+    (units.parse_size, "80", "80 GB"), (units.parse_size, "0.5", "0.5 GB"),
+    (units.parse_size, "85899345920", "85899345920 B"),  # as many digits as bytes have: bytes, surely
+    (units.parse_bandwidth, "25", "25 GB/s"), (units.parse_duration, "250", "250 s"),
+])
+def test_a_string_without_its_unit_is_refused_with_the_reading_meant(parse, text, guess):
+    with pytest.raises(ValueError) as info:
+        parse(text, name="gpu_memory")
+    assert str(info.value).endswith(f"got {text!r}: did you mean {guess!r}?")
+    assert str(info.value).startswith("gpu_memory: expected a ")
+
+
+@pytest.mark.parametrize("parse, text, expected", [
+    (units.parse_size, "80 gb", 80e9), (units.parse_size, "80 Gb".lower(), 80e9), (units.parse_size, "1 gib", 2**30),
+    (units.parse_size, "1 GIB", 2**30), (units.parse_size, "4 KB", 4000), (units.parse_size, "400 Gbit", 50e9),
+    (units.parse_bandwidth, "25 gb/s", 25e9), (units.parse_bandwidth, "25 GB/S", 25e9),
+    (units.parse_bandwidth, "400 Gbit/s", 50e9), (units.parse_bandwidth, "1 gibit/s", 2**30 / 8),
+    (units.parse_duration, "250 MS", 0.25), (units.parse_duration, "2 MIN", 120),
+])
+def test_units_are_read_without_regard_to_case_where_that_is_unambiguous(parse, text, expected):
+    assert parse(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("parse, text, fragment", [
+    (units.parse_size, "80 Gb", "'Gb' means gigabits; write 'GB' for bytes, or 'Gbit' for bits"),
+    (units.parse_bandwidth, "25 Gb/s", "'Gb' means gigabits"),
+    (units.parse_size, "1 Mib", "'Mib' means mebibits; write 'MiB' for bytes"),
+])
+def test_a_capital_prefix_with_a_small_b_is_bits_and_is_said_so(parse, text, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        parse(text, name="x")
+
+
+def test_python_numbers_stay_base_units():
+    """Computed values reach the parsers as numbers: bytes, bytes/s, seconds, whatever their size."""
+    assert units.parse_size(80) == 80 and units.parse_bandwidth(2.5e10) == 2.5e10 and units.parse_duration(3) == 3

@@ -103,9 +103,11 @@ class HostState:
         if bucket.upload is not None:
             bucket.upload.synchronize()  # the weights last sent have reached the parameters
         sent = self.outgoing() if self.sent is None else self.sent
+        current = [p.detach().reshape(-1) for p in bucket.params]
+        if current and current[0].device != sent.device:  # one copy down for the bucket, not one per tensor
+            current = torch.cat(current).to(sent.device).split([p.numel() for p in bucket.params])
         changed = 0
-        for p, (s, e) in zip(bucket.params, bucket.ranges):
-            weights = p.detach().reshape(-1).to(sent.device)
+        for weights, (s, e) in zip(current, bucket.ranges):
             if not same_bits(weights, sent[s:e]):
                 changed += 1
                 for buffer in (self.master, self.weights_out, self.sent):

@@ -22,12 +22,15 @@ Settings, read from the environment the hub is started with (all optional):
 - ``OFFLOADLAB_EXCHANGE``: nbgrader's exchange, when not ``/srv/nbgrader/exchange``;
 - ``OFFLOADLAB_HUB_TOKEN``: a token for scripting the class through the hub's REST API (starting
   every server before a lab session, say); without it there is no such service.
+
+The spawner leaves ``ulimit -l`` (RLIMIT_MEMLOCK) as it is: CUDA's pinned memory is not charged
+to it (NVIDIA's driver pins pages itself and never reads that limit; book/course.md, "A hub
+that measures something real", gives the sources), so raising it would change nothing.
 """
 
 import grp
 import json
 import os
-import resource
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner
@@ -53,23 +56,6 @@ def gpu_slices() -> dict[str, str]:
     if not SLICES_FILE.exists():
         return {}
     return json.loads(SLICES_FILE.read_text(encoding="utf-8"))
-
-
-class CourseSpawner(LocalProcessSpawner):
-    """The default local spawner, with no cap on pinned memory: the labs page-lock host buffers,
-    and many systems allow a user only 8 MiB (``ulimit -l``)."""
-
-    def make_preexec_fn(self, name):
-        become_user = super().make_preexec_fn(name)
-
-        def preexec():
-            try:  # still root here: lift the limit, then become the user
-                resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-            except (OSError, ValueError):
-                pass  # a container without CAP_SYS_RESOURCE: the labs fall back and say so
-            become_user()
-
-        return preexec
 
 
 def set_up_server(spawner):
@@ -99,7 +85,7 @@ def set_up_server(spawner):
 
 
 c.JupyterHub.bind_url = os.environ.get("OFFLOADLAB_HUB_URL", "http://127.0.0.1:8000")
-c.JupyterHub.spawner_class = CourseSpawner
+c.JupyterHub.spawner_class = LocalProcessSpawner
 c.Spawner.cmd = [str(ENVIRONMENT / "bin" / "jupyterhub-singleuser")]
 c.Spawner.default_url = "/lab"
 c.Spawner.pre_spawn_hook = set_up_server

@@ -17,9 +17,11 @@ does nothing.
 from __future__ import annotations
 
 import ast
+import math
 
 __all__ = ["recomputed", "exchange_seconds", "one_buffer_pass_seconds", "disk_step_seconds",
-           "ADAM_STATE_BYTES", "Outcome", "lab01_challenge", "lab07_challenge"]
+           "ADAM_STATE_BYTES", "Outcome", "lab01_challenge", "lab02_challenge", "lab03_challenge", "lab05_challenge",
+           "lab07_challenge"]
 
 # Bytes per parameter that one AdamW step reads from disk and writes back: fp32 master weights
 # and both moments (lab 7, chapter 8).
@@ -147,6 +149,244 @@ def lab07_challenge(folder, block_bytes: int, queue_depth: int, reference_rate: 
     passed = rate >= share * reference_rate
     return Outcome(passed, f"{'✓' if passed else '✗'} challenge: the tier read at {rate / 1e9:.3g} GB/s (measured), "
                            f"{rate / reference_rate:.0%} of your disk's rate (at least {share:.0%} needed)")
+
+
+def lab02_challenge(probe, link, reference: float, budget: int = 32 * 2**20, rel_tol: float = 0.15) -> Outcome:
+    """Lab 2's challenge, measured: run ``probe(link)``, which returns the link's host→device
+    bandwidth β in bytes/s, while the link records every copy; it passes when the copies moved
+    ``budget`` bytes or fewer (both directions, warm-ups included) and β is within ``rel_tol``
+    of ``reference`` (bytes/s: the lab's full sweep, or the emulated link's own rate)."""
+    with link.record() as recording:
+        beta = probe(link)
+    moved = sum(t.nbytes for t in recording.transfers)
+    if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not (math.isfinite(beta) and beta > 0):
+        return Outcome(False, f"✗ challenge: the probe returned {beta!r}; expected a bandwidth in bytes/s")
+    if moved > budget:
+        return Outcome(False, f"✗ challenge: the probe moved {moved / 2**20:.1f} MiB (measured by the link); "
+                              f"at most {budget / 2**20:g} MiB allowed")
+    error = beta / reference - 1
+    passed = abs(error) <= rel_tol
+    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: your probe's β is {abs(error):.1%} "
+                           f"{'above' if error > 0 else 'below'} the reference (at most {rel_tol:.0%} allowed), "
+                           f"from {moved / 2**20:.1f} MiB of copies (at most {budget / 2**20:g} MiB)")
+
+
+def lab03_challenge(step, link, copy_share: float = 1.25, share: float = 0.8, steps: int = 8,
+                    work_seconds: float | None = None) -> Outcome:
+    """Lab 3's challenge, measured: ``steps`` training steps, each ``step(link, work, host, device)``,
+    which must launch the step's compute ``work`` once and bring ``host`` into ``device`` so that
+    the check the grader launches next, on the compute stream, reads the new bytes. The copy lasts
+    ``copy_share`` times the work. It passes when every check read its own step's bytes and at
+    least ``share`` of the time that could overlap (each step's shorter side) did: copies against
+    the work's own intervals on the link's timeline, not a wall clock.
+
+    On a GPU, ``link`` itself, with a chain of matrix products of about ``work_seconds`` (default
+    4 ms) and the copy sized from the link's rate measured here; on the emulated link, the
+    grader's own at 0.5 GB/s and the work a wait of ``work_seconds`` (default 20 ms) on its
+    compute thread, as in lab 5's challenge.
+    """
+    import time
+
+    from . import experiment
+    from .link import EmulatedLink
+
+    if link.emulated:
+        seconds = 0.02 if work_seconds is None else work_seconds
+        with EmulatedLink(bandwidth=0.5e9, latency=20e-6) as own:
+            intervals = []
+
+            def waited():  # runs on the compute thread: its own clock readings are the interval
+                begin = own.now()
+                time.sleep(seconds)
+                intervals.append((begin, own.now()))
+
+            return _lab03_steps(step, own, waited, lambda: list(intervals), intervals.clear, seconds,
+                                own.bandwidth, copy_share, share, steps)
+    products = experiment.overlap_work(link, 0.004 if work_seconds is None else work_seconds)
+    timed = []
+    for _ in range(3):
+        begin = link.mark()
+        link.launch(products)
+        timed.append(link.mark().time - begin.time)
+    host, device = link.host_buffer(2**22), link.device_buffer(2**22)
+    copies = [link.to_device(device, host, after=None) for _ in range(3)]
+    rate = 4 * 2**22 / sorted(c.elapsed for c in copies)[1]
+    marks = []
+
+    def marked():  # on a GPU the kernels run later: events around them time them
+        begin = link.mark()
+        products()
+        marks.append((begin, link.mark()))
+
+    return _lab03_steps(step, link, marked, lambda: [(begin.time, end.time) for begin, end in marks],
+                        marks.clear, sorted(timed)[1], rate, copy_share, share, steps)
+
+
+def _lab03_steps(step, link, work, work_intervals, forget_work, seconds: float, rate: float,
+                 copy_share: float, share: float, steps: int) -> Outcome:
+    """One pass of the steps after a warm-up; ``work_intervals()`` reads the work's (start, end)
+    seconds on the link's clock once the pass is done, ``forget_work()`` starts a pass afresh."""
+    import torch
+
+    elements = max(1024, int(copy_share * seconds * rate) // 4096 * 1024)  # fp32, whole 4 KiB pages
+    sources = [link.host_buffer(elements).fill_(float(value)) for value in (1, 2)]  # steps alternate
+    device = link.device_buffer(elements)
+    stride = 1024
+    wrong = torch.zeros(steps, dtype=torch.int64, device=link.device)
+
+    def check(i):  # on the compute stream, after the step: did this step's bytes arrive?
+        wrong[i] = (device[::stride] != float(i % 2 + 1)).sum()
+
+    def run():
+        wrong.zero_()
+        forget_work()
+        with link.record() as recording:
+            for i in range(steps):
+                step(link, work, sources[i % 2], device)
+                link.launch(check, i)
+            link.synchronize()
+        return [(t.start, t.end) for t in recording.transfers if t.direction == "h2d"]
+
+    run()  # a warm-up: the first pass allocates
+    copies = run()
+    computes = work_intervals()
+    if len(computes) != steps:
+        return Outcome(False, f"✗ challenge: the work ran {len(computes)} times in {steps} steps; launch it once a step")
+    bad = wrong.cpu().nonzero()
+    if len(bad):
+        return Outcome(False, f"✗ challenge: step {int(bad[0])}'s check read the bytes of another step: was the "
+                              "copy ordered after the last use of the buffer, and the compute after the copy?")
+    copy_total = sum(end - start for start, end in copies)
+    behind = hidden_share(copies, computes) * copy_total
+    could = sum(min(end - start, copy_total / steps) for start, end in computes)  # each step's shorter side
+    achieved = behind / could if could > 0 else 0.0
+    passed = achieved >= share
+    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: {achieved:.0%} of the time that could overlap did "
+                           f"({'emulated' if link.emulated else 'measured'}, from the steps' timeline: copies "
+                           f"against the work; at least {share:.0%} needed)")
+
+
+def hidden_share(copies, computes) -> float:
+    """The share of the copies' time that ran while compute ran, from their intervals
+    ``[(start, end), ...]`` on one clock (seconds; compute intervals from one in-order stream, so
+    they do not overlap one another). 1.0 when there were no copies."""
+    total = sum(end - start for start, end in copies)
+    behind = sum(max(0.0, min(end, c_end) - max(start, c_start))
+                 for start, end in copies for c_start, c_end in computes)
+    return behind / total if total > 0 else 1.0
+
+
+class _WatchedLink:
+    """A link that notes the device buffers a student's code asks for; everything else is the link's."""
+
+    def __init__(self, link):
+        self._link, self.device_bytes, self.storages = link, 0, set()
+
+    def device_buffer(self, *args, **kwargs):
+        buffer = self._link.device_buffer(*args, **kwargs)
+        self.device_bytes += buffer.numel() * buffer.element_size()
+        self.storages.add(buffer.untyped_storage().data_ptr())
+        return buffer
+
+    def __getattr__(self, name):
+        return getattr(self._link, name)
+
+
+def lab05_challenge(prefetch, link, budget: int = 3, share: float = 0.85, items: int = 12,
+                    work_seconds: float | None = None) -> Outcome:
+    """Lab 5's challenge, measured: a pass of ``prefetch(items, link)`` over uneven items, every
+    fourth eight times the size of the others, with a consumer whose work on each item lasts four
+    times a small item's copy and half a large one's.
+
+    On a GPU, ``link`` itself: the work is a chain of matrix products of about ``work_seconds``
+    (default 4 ms), and the sizes follow the work's and the link's times measured here. On the
+    emulated link, the grader's own at 0.5 GB/s (slow enough that its copy thread's memcpy stays a
+    small share of each copy on a busy host), and the work a fixed wait of ``work_seconds``
+    (default 25 ms) on its compute stream, as a kernel of known length would be. It passes when
+    every item arrives intact, in order, in device buffers of at most ``budget`` times the
+    largest item's bytes, and at least ``share`` of the copies' time ran behind the work: read
+    from the pass's own timeline (copy events against compute markers), not from a wall clock.
+    """
+    import time
+
+    from . import experiment
+    from .link import EmulatedLink
+
+    if link.emulated:
+        seconds = 0.025 if work_seconds is None else work_seconds
+        with EmulatedLink(bandwidth=0.5e9, latency=20e-6) as own:
+            return _lab05_pass(prefetch, own, lambda: time.sleep(seconds), seconds, own.bandwidth, budget, share,
+                               items)
+    work = experiment.overlap_work(link, 0.004 if work_seconds is None else work_seconds)
+    timed = []
+    for _ in range(3):
+        begin = link.mark()
+        link.launch(work)
+        timed.append(link.mark().time - begin.time)
+    host, device = link.host_buffer(2**22), link.device_buffer(2**22)
+    copies = [link.to_device(device, host, after=None) for _ in range(3)]
+    rate = 4 * 2**22 / sorted(c.elapsed for c in copies)[1]
+    return _lab05_pass(prefetch, link, work, sorted(timed)[1], rate, budget, share, items)
+
+
+def _lab05_pass(prefetch, link, work, seconds: float, rate: float, budget: int, share: float, items: int) -> Outcome:
+    import torch
+
+    small = max(1024, int(0.25 * seconds * rate) // 4096 * 1024)  # fp32 elements, whole 4 KiB pages
+    sizes = [8 * small if i % 4 == 3 else small for i in range(items)]
+    sources = [link.host_buffer(size).fill_(float(i + 1)) for i, size in enumerate(sizes)]
+    stride = 1024
+    wrong = torch.zeros(items, 2, dtype=torch.int64, device=link.device)
+
+    def consume(i, tensor):  # on the compute stream: check, work, check again, poison what was checked
+        wrong[i, 0] = (tensor[::stride] != float(i + 1)).sum()
+        work()
+        wrong[i, 1] = (tensor[::stride] != float(i + 1)).sum()
+        tensor[::stride].fill_(float("nan"))
+
+    def one_pass():
+        watched = _WatchedLink(link)
+        computes, delivered, foreign = [], [], 0
+        with link.record() as recording:
+            for i, tensor in enumerate(prefetch(sources, watched)):
+                if i >= items or tensor.numel() != sizes[i]:
+                    return Outcome(False, f"✗ challenge: item {i} came with {tensor.numel()} elements; expected "
+                                          f"{sizes[i] if i < items else 'no more items'}"), None
+                foreign += tensor.untyped_storage().data_ptr() not in watched.storages
+                begin = link.mark()
+                link.launch(consume, i, tensor)
+                computes.append((begin, link.mark()))
+                delivered.append(i)
+            link.synchronize()
+        if delivered != list(range(items)):
+            return Outcome(False, f"✗ challenge: the items delivered were {delivered}, not 0 to {items - 1}"), None
+        if foreign:
+            return Outcome(False, f"✗ challenge: {foreign} items were not in buffers from link.device_buffer"), None
+        bad = wrong.cpu()
+        if bad.any():
+            i = int(bad.sum(dim=1).nonzero()[0])
+            when = "before its copy landed" if bad[i, 0] else "and overwritten while in use"
+            return Outcome(False, f"✗ challenge: item {i} was delivered {when}"), None
+        moved = sum(t.nbytes for t in recording.transfers if t.direction == "h2d")
+        if moved < 4 * sum(sizes):
+            return Outcome(False, f"✗ challenge: the copies moved {moved} bytes, less than the items hold"), None
+        return None, (watched.device_bytes, [(t.start, t.end) for t in recording.transfers],
+                      [(begin.time, end.time) for begin, end in computes])
+
+    failed, _ = one_pass()  # a warm-up: the first pass allocates
+    if failed is None:
+        failed, (device_bytes, copies, computes) = one_pass()
+    if failed is not None:
+        return failed
+    largest = 4 * max(sizes)
+    achieved = hidden_share(copies, computes)
+    span = computes[-1][1] - min(start for start, _ in copies)
+    busier = max(sum(e - s for s, e in copies), sum(e - s for s, e in computes))
+    passed = achieved >= share and device_bytes <= budget * largest
+    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: {achieved:.0%} of the copy time ran behind the "
+                           f"work ({'emulated' if link.emulated else 'measured'}, from the pass's timeline; at least "
+                           f"{share:.0%} needed), in {device_bytes / largest:.2g} largest items' worth of device "
+                           f"buffers (at most {budget}); the pass took {span / busier:.2f}× its busier side's time")
 
 
 def recomputed(name: str, **inputs):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+# Imported with the module, not at the first figure: a notebook imports this in its first cell, and an
+# interrupt that lands in a half-done import of matplotlib leaves the kernel unable to draw again.
+import matplotlib.pyplot as plt
 import numpy as np
 
 from . import memory, sharding
@@ -14,8 +17,6 @@ __all__ = ["state_vs_model_size", "state_breakdown", "who_holds_what", "held_per
 
 def state_vs_model_size(recipes=("mixed-adam", "bf16-adam", "adam-8bit"), params_range=(1e8, 1e12)):
     """Training state (GB) against parameter count (log–log), with common card sizes across it."""
-    import matplotlib.pyplot as plt
-
     low, high = (parse_count(p, "params_range") for p in params_range)
     if low >= high:
         raise ValueError(f"params_range: expected (low, high) with low < high; got {params_range!r}")
@@ -47,8 +48,6 @@ def ladder(mine: dict, reference: dict | None = None, title: str = "The memory-t
     ``mine`` and ``reference`` are ladders from :mod:`offloadlab.ladder`; every point is
     marked by its source (measured, emulated, nominal), and rows without a figure are left out.
     """
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(9.5, 4.8))
     labelled = set()
     for which, data in (("this machine", mine), ("reference", reference)):
@@ -162,8 +161,6 @@ def timeline(lanes: Mapping, title: str = "Timeline", source: str = "measured"):
 follow each other without a gap are parted by a thin white edge. The title says
     whether the times were measured, emulated or modelled (``source``).
     """
-    import matplotlib.pyplot as plt
-
     variants = _variants(lanes)
     spans = {}
     for variant, variant_lanes in variants.items():
@@ -222,8 +219,6 @@ def state_breakdown(recipes=("mixed-adam", "mixed-adam-fp32-grads", "fp32-adam",
     the forward and backward passes use in blues; each segment wide enough to hold it is labelled
     with its bytes.
     """
-    import matplotlib.pyplot as plt
-
     names = list(recipes)
     if not names:
         raise ValueError("recipes: expected one or more recipe names; got none")
@@ -293,8 +288,6 @@ def who_holds_what(gpus: int = 4, strategies=("ddp", "zero1", "zero2", "zero3", 
     A kind every GPU holds whole is drawn solid; a sharded kind is hatched and labelled with the
     shard the GPU owns (k/N), so the picture shows who holds what, not only how much.
     """
-    import matplotlib.pyplot as plt
-
     names = list(strategies)
     if not names:
         raise ValueError("strategies: expected one or more of " + ", ".join(sharding.STRATEGIES) + "; got none")

@@ -23,7 +23,7 @@ def test_the_hub_configuration_needs_no_docker_and_sets_student_mode_for_student
     tree = ast.parse(HUB_CONFIG)
     assert tree.body and "DockerSpawner" not in HUB_CONFIG and "dockerspawner" not in PAGE.lower()
     assert 'c.Spawner.cmd = [str(ENVIRONMENT / "bin" / "jupyterhub-singleuser")]' in HUB_CONFIG
-    assert 'environment["OFFLOADLAB_STUDENT"] = "1"' in HUB_CONFIG and "RLIMIT_MEMLOCK" in HUB_CONFIG
+    assert 'environment["OFFLOADLAB_STUDENT"] = "1"' in HUB_CONFIG
     assert ".get(name)" in HUB_CONFIG  # a user outside the GPU table is no KeyError
 
 
@@ -45,3 +45,15 @@ def test_the_nbgrader_commands_name_assignments_that_make_student_writes():
     named = set(re.findall(r"nbgrader (?:generate_assignment|release_assignment|collect|autograde|generate_feedback|"
                            r"release_feedback) (\w+)", PAGE))
     assert named and named <= assignments
+
+
+def test_the_page_says_what_limits_pinned_memory_and_the_hub_does_not_raise_ulimit_l():
+    """CUDA's pinned memory is not charged to RLIMIT_MEMLOCK (NVIDIA's driver pins pages itself
+    and never reads it): raising ``ulimit -l`` is no step of the recipe, and the page says why,
+    naming the sources, and what does bound pinned memory."""
+    assert "setrlimit" not in HUB_CONFIG and "RLIMIT_MEMLOCK" in HUB_CONFIG  # said, not done
+    hub = PAGE.split("(course-hub)=", 1)[1].split("\n(", 1)[0]
+    for source in ("os-mlock.c", "mm/mlock.c", "drivers/infiniband/core/umem.c", "CAP_IPC_LOCK"):
+        assert source in hub, source
+    assert "cgroup" in hub and "CUDA error 2" in hub
+    assert "lifts the cap" not in PAGE and "should print `unlimited`" not in PAGE

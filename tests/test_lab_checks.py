@@ -24,6 +24,20 @@ from nbclient.exceptions import CellExecutionError
 from offloadlab.student import source_notebook
 from tests.conftest import ROOT
 
+# Lab 5's challenge: a prefetcher over uneven items with `count` buffers (the worked answer has three).
+LAB05_AHEAD = """def my_ahead(items, link):  # {why}
+    buffers = [link.device_buffer(max(item.numel() for item in items)) for _ in range({count})]
+    released, transfers = [None] * {count}, {{}}
+    for i in range(min({count}, len(items))):
+        transfers[i] = link.to_device(buffers[i][: items[i].numel()], items[i], after=None)
+    for i in range(len(items)):
+        transfers.pop(i).wait()
+        yield buffers[i % {count}][: items[i].numel()]
+        released[i % {count}] = link.mark()
+        if i + {count} < len(items):
+            transfers[i + {count}] = link.to_device(buffers[i % {count}][: items[i + {count}].numel()],
+                                                    items[i + {count}], after=released[i % {count}])"""
+
 WRONG = {
     "lab01": [
         ("P * (4 + 4 + 4)", "fp32 AdamW without the gradients",
@@ -58,6 +72,12 @@ WRONG = {
          "def my_time(size):\n    return 1.3 * (fit.alpha + size / fit.beta)", "30 % too long"),
         ("my_exchange_seconds = exchange / h2d_both + exchange / d2h_both", "one direction after the other",
          "my_exchange_seconds = 3 * 2**30 / min(h2d_both, d2h_both)", "3 GiB instead of 3 GB"),
+        ("def my_probe(link):  # from pageable memory: the staging rate, not β\n"
+         "    host, device = torch.empty(2**20), link.device_buffer(2**20)\n"
+         "    seconds = sorted(link.to_device(device, host).elapsed for _ in range(5))\n"
+         "    return 4 * 2**20 / seconds[2]", "pageable memory",
+         "def my_probe(link):  # the sweep's answer, passed on: right here, wrong on any other link\n"
+         "    return fit.beta", "known, not measured"),
     ],
     "lab03": [
         ("predicted_batch = math.floor(t_transfer / seconds_per_sample)", "rounded down",
@@ -67,6 +87,13 @@ WRONG = {
         ("measured_batch = max((b for b, r in zip(cross.batches, cross.results) if r.t_both > 1.10 * r.t_compute),\n"
          "                     default=None)", "the last batch that still stalls",
          "measured_batch = predicted_batch", "the prediction, not the measurement"),
+        ("def my_step(link, work, host, device):  # the copy waited for before the work: they take turns\n"
+         "    link.to_device(device, host).wait()\n"
+         "    link.launch(work)", "one after the other",
+         "def my_step(link, work, host, device):  # a copy ordered after nothing: it overwrites what is read\n"
+         "    transfer = link.to_device(device, host, after=None)\n"
+         "    link.launch(work)\n"
+         "    transfer.wait()", "not after the buffer's last use"),
     ],
     "lab04": [
         ("predicted_host = P * 12", "only the fp32 state",
@@ -100,6 +127,10 @@ WRONG = {
          "        yield buffers[i % 2]", "two buffers, no prefetch"),
         ("predicted_one_buffer = len(items) * max(copy_seconds, work_seconds)", "the double buffer's time",
          "predicted_one_buffer = copy_seconds + len(items) * work_seconds", "only the first copy exposed"),
+        (LAB05_AHEAD.format(count=2, why="a double buffer: the large copies have one item's work to hide behind"),
+         "a double buffer",
+         LAB05_AHEAD.format(count=4, why="four buffers: ahead enough, but over the memory budget"),
+         "four buffers, over the budget"),
     ],
     "lab06": [
         ("my_gpu_bytes = mixed.total * arch.params + activations", "nothing offloaded",

@@ -177,3 +177,16 @@ def test_the_state_breakdown_draws_each_recipe_at_its_total():
 def test_the_new_figures_refuse_bad_input_in_one_line(call, fragment):
     with pytest.raises(ValueError, match=fragment):
         call()
+
+
+def test_importing_plots_imports_matplotlib_so_no_later_cell_does():
+    """A notebook imports plots in its first cell, which nobody interrupts. Were matplotlib imported
+    only when the first figure is drawn, a Ctrl-C landing in that import (the end of a slow cell,
+    such as lab 5's "Break it three ways") would leave half-made modules behind, and every later
+    figure in that kernel would fail with an AttributeError."""
+    import subprocess
+    import sys
+
+    code = "import sys; import offloadlab.plots; print('matplotlib.pyplot' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "True"

@@ -6,7 +6,9 @@ and the bare label. The same reference written with its text, ``{ref}`2. The mem
 <ch-ladder>```, shows the text as a link in Lab, and on the site Sphinx prints the same words it
 would have taken from the heading. This rewrites each ``{ref}`` without text whose label marks a
 heading (``(label)=`` on the line above it) in book/ or labs/, and refreshes the text of one it
-wrote before when the heading has changed since; other references are left alone. Idempotent; ``--check`` writes nothing and exits 1 when a file would change.
+wrote before when the heading has changed since; other references are left alone, except that a
+reference broken across lines is put back on one (Lab's parser reads a role on one line only).
+Idempotent; ``--check`` writes nothing and exits 1 when a file would change.
 
 Not fixable this way, and left as they are: ``{numref}`` to a figure drawn by a code cell (Lab
 does not number code-cell outputs) and ``{cite}`` (jupyterlab-myst reads no bibliography; Lab
@@ -30,6 +32,9 @@ BARE_REF = re.compile(r"\{ref\}`([^`<>]+)`")
 # A reference this tool gave its heading's text earlier ("6. CPU Adam: …", "Lab 4: …"): refreshed
 # when the heading changes, so no stale title stays behind. Hand-written link texts are left alone.
 HEADING_REF = re.compile(r"\{ref\}`((?:\d+\.|Lab \d+:) [^`<>]+) <([^`<>]+)>`")
+# A cross-reference role whose text runs over a line end: jupyterlab-myst's role pattern stops at the
+# line end, so Lab shows the raw text instead of a link (Sphinx does not mind). Put back on one line.
+WRAPPED_ROLE = re.compile(r"\{(ref|numref|doc|eq|term)\}`([^`{}]*\n[^`{}]*)`")
 
 
 def heading_titles(paths) -> dict[str, str]:
@@ -43,6 +48,7 @@ def heading_titles(paths) -> dict[str, str]:
 
 
 def with_link_text(text: str, titles: dict[str, str]) -> str:
+    text = WRAPPED_ROLE.sub(lambda m: f"{{{m[1]}}}`{' '.join(m[2].split())}`", text)
     text = BARE_REF.sub(lambda m: f"{{ref}}`{titles[m[1]]} <{m[1]}>`" if m[1] in titles else m[0], text)
     return HEADING_REF.sub(lambda m: f"{{ref}}`{titles[m[2]]} <{m[2]}>`" if m[2] in titles else m[0], text)
 

@@ -14,6 +14,7 @@ PY          := $(VENV)/bin/python
 SPHINXOPTS  ?= -W --keep-going -n
 LAB_ROOT    := $(if $(filter 0,$(shell id -u)),--allow-root)
 OVERRIDES   := $(VENV)/share/jupyter/lab/settings/overrides.json
+KERNEL_CONF := $(VENV)/etc/ipython/ipython_kernel_config.py
 MATHJAX     := book/_static/mathjax
 PYODIDE     := book/_static/pyodide
 # The calculators' Python: Pyodide's core (interpreter and standard library), no packages.
@@ -33,6 +34,8 @@ env:
 	$(PY) -m pip install --quiet -e ".[lab,book,test]"
 	@# Open the Jupytext .md chapters as notebooks by default in JupyterLab.
 	install -D -m 644 etc/jupyterlab-overrides.json $(OVERRIDES)
+	@# Every kernel of the environment draws figures as SVG in the book's style.
+	install -D -m 644 etc/ipython_kernel_config.py $(KERNEL_CONF)
 
 ## course: the environment a JupyterHub's users share (book/course.md): the labs, JupyterHub,
 ## nbgrader and nbgitpuller, the Lab settings and the course's nbgrader settings inside it.
@@ -63,8 +66,14 @@ lab: env
 test: env $(MATHJAX)/tex-chtml.js $(PYODIDE)/pyodide.asm.wasm
 	$(PY) -m pytest
 
-## book: build the static site into book/_build/html (executes every notebook)
+## book: build the static site into book/_build/html (executes every notebook), with the book as
+## a PDF it offers on every page; without Chromium, the site alone, saying it has no PDF
 book: env $(MATHJAX)/tex-chtml.js $(PYODIDE)/pyodide.asm.wasm
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+		$(MAKE) --no-print-directory pdf; \
+	else \
+		echo "make book: no Chromium here, so the site has no PDF (apt-get install chromium, then make book)"; \
+	fi
 	$(PY) -m sphinx $(SPHINXOPTS) -b html book book/_build/html
 
 ## book-student: the same site without the exercises' solutions, into book/_build/student
@@ -72,7 +81,8 @@ book-student: env $(MATHJAX)/tex-chtml.js $(PYODIDE)/pyodide.asm.wasm
 	OFFLOADLAB_STUDENT=1 $(PY) -m sphinx $(SPHINXOPTS) -b html book book/_build/student
 
 ## pdf: the whole book as one PDF, book/_build/pdf/offloadlab.pdf: Chromium prints the single-page
-## build (needs Debian's chromium); a `make book` after it links the PDF from every page
+## build (needs Debian's chromium) with a title page, contents with page numbers, bookmarks and
+## running heads; `make book` runs it first and links the PDF from every page
 pdf: env $(MATHJAX)/tex-chtml.js $(PYODIDE)/pyodide.asm.wasm
 	$(PY) -m sphinx $(SPHINXOPTS) -b singlehtml book book/_build/singlehtml
 	$(PY) tools/print_pdf.py book/_build/singlehtml book/_build/pdf/offloadlab.pdf
@@ -96,8 +106,9 @@ gpu-check:
 	$(PY) -m offloadlab gpu-check --out build/gpu-check $(GPU_CHECK)
 
 ## format: rewrite every chapter and lab to the exact text Jupytext writes for it, so that saving
-## in JupyterLab changes nothing (metadata and wrapping only), and give each {ref} to a heading
-## its link text, which Lab shows in place of a warning (the site's text stays the same)
+## in JupyterLab changes nothing (metadata and wrapping only; cells of checks and lab answers
+## folded), and write citations and references to other chapters as links that Lab shows as
+## "(Ren et al., 2021)" and the chapter's title (the site renders them as before)
 format: env
 	$(PY) tools/format_notebooks.py
 	$(PY) tools/lab_references.py

@@ -5,6 +5,7 @@ a cell that raises fails the build. The build needs no network.
 """
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -15,7 +16,9 @@ from docutils import nodes
 import offloadlab
 
 BOOK = Path(__file__).resolve().parent
-PDF = BOOK / "_build" / "pdf" / "offloadlab.pdf"  # written by `make pdf`; linked when present
+# The book as one PDF, written by `make pdf` (which `make book` runs first when Chromium is
+# there); the site ships and links it when present, and says so when not.
+PDF = Path(os.environ.get("OFFLOADLAB_PDF", BOOK / "_build" / "pdf" / "offloadlab.pdf"))
 
 project = "offloadlab"
 author = "the offloadlab authors"
@@ -49,9 +52,21 @@ hide_solutions = bool(os.environ.get("OFFLOADLAB_STUDENT"))
 # Execute every notebook; a failing cell fails the build. The cache keeps rebuilds fast. The
 # student site has a cache of its own: its labs run in student mode, where a check never shows
 # the expected value.
+#
+# The cache knows a notebook only by its code; its figures also depend on what draws them: the
+# kernel settings (SVG in the book's style: etc/ipython_kernel_config.py, installed by `make env`)
+# and offloadlab/plots.py. A change to either starts a cache of its own instead of serving the
+# old figures.
+def figure_settings_key() -> str:
+    import hashlib
+
+    drawn_by = [BOOK.parent / "etc" / "ipython_kernel_config.py", BOOK.parent / "offloadlab" / "plots.py"]
+    return hashlib.sha256(b"".join(path.read_bytes() for path in drawn_by)).hexdigest()[:10]
+
+
 nb_execution_mode = "cache"
-nb_execution_cache_path = str(Path(__file__).parent / "_build" /
-                              (".jupyter_cache-student" if hide_solutions else ".jupyter_cache"))
+nb_execution_cache_path = str(BOOK / "_build" / ((".jupyter_cache-student" if hide_solutions else ".jupyter_cache")
+                                                 + f"-{figure_settings_key()}"))
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_execution_timeout = 900
@@ -61,21 +76,62 @@ nb_render_markdown_format = "myst"  # Markdown outputs with tables, as the chapt
 numfig = True
 bibtex_bibfiles = ["references.bib"]
 bibtex_default_style = "plain"
+# Citations read "(Ren et al., 2021)", in round brackets, several parted by semicolons: as
+# JupyterLab shows them (see lab_links_to_roles below).
+bibtex_reference_style = "author_year_round"
+
+
+def _register_round_brackets():
+    """sphinxcontrib-bibtex's author-year style with round brackets (its own are square), the
+    way its documentation shows a custom style is made."""
+    from dataclasses import dataclass, field
+
+    import sphinxcontrib.bibtex.plugin
+    from sphinxcontrib.bibtex.style.referencing import BracketStyle
+    from sphinxcontrib.bibtex.style.referencing.author_year import AuthorYearReferenceStyle
+
+    def round_brackets() -> BracketStyle:
+        return BracketStyle(left="(", right=")", sep="; ")
+
+    @dataclass
+    class RoundAuthorYear(AuthorYearReferenceStyle):
+        bracket_parenthetical: BracketStyle = field(default_factory=round_brackets)
+        bracket_textual: BracketStyle = field(default_factory=round_brackets)
+        bracket_author: BracketStyle = field(default_factory=round_brackets)
+        bracket_label: BracketStyle = field(default_factory=round_brackets)
+        bracket_year: BracketStyle = field(default_factory=round_brackets)
+
+    sphinxcontrib.bibtex.plugin.register_plugin("sphinxcontrib.bibtex.style.referencing", bibtex_reference_style,
+                                                RoundAuthorYear)
+
+
+_register_round_brackets()
 
 # Everything a page loads comes from the site itself: MathJax is vendored into _static by
 # `make book` (see the Makefile), and no widget JavaScript is pulled from a CDN.
 html_static_path = ["_static"]
-html_css_files = ["offloadlab.css"]  # code wraps at the column, on screen and in print
+html_css_files = ["offloadlab.css"]  # code scrolls sideways, never wraps; the print layout for `make pdf`
+html_js_files = ["offloadlab.js"]    # the sidebar and page-contents buttons at every width
 mathjax_path = "mathjax/tex-chtml.js"
 nb_ipywidgets_js = {}
 
-# Build-time settings for the reader's tools (empty means: no such button).
+# Build-time settings for the reader's tools (empty means: no such button). Without a
+# repository address the header's "Repository" link says so and leads to the landing page's
+# "How to use it", which says the same where it tells the reader to clone the repository.
 REPOSITORY_URL = os.environ.get("OFFLOADLAB_REPOSITORY_URL", "")
 html_theme = "sphinx_book_theme"
-html_context = {"default_mode": "light"}  # a stated mode: the theme logs an error for an empty one
+html_context = {"default_mode": "auto", "offloadlab_repository": REPOSITORY_URL}  # auto: the reader's OS decides
 html_favicon = "_static/favicon.svg"
 html_title = "offloadlab: training beyond GPU memory"
+# The header carries the title, the one search box and the repository link; the sidebar only the
+# chapters and labs (the theme would put a second title and a second search box there).
+html_sidebars = {"**": ["sbt-sidebar-nav.html"]}
 html_theme_options = {
+    "logo": {"text": "offloadlab"},  # the header's title; the page title says the rest
+    "navbar_start": ["navbar-logo"],
+    "navbar_center": [],
+    "navbar_persistent": ["search-button-field"],
+    "navbar_end": ["offloadlab-repository.html"],
     "show_toc_level": 2,
     "use_download_button": True,
     "repository_url": REPOSITORY_URL,
@@ -111,7 +167,16 @@ def citation(cff_path: Path = BOOK.parent / "CITATION.cff") -> dict:
     return {"version": cff["version"], "citation": text, "bibtex": bibtex}
 
 
-myst_substitutions = citation()
+def repository_text(url: str = REPOSITORY_URL) -> str:
+    """How the landing page names the repository: a link, or a plain statement that this copy
+    of the site was built without its address (OFFLOADLAB_REPOSITORY_URL)."""
+    if url:
+        return f"[the repository]({url})"
+    return ("the repository (this copy of the site was built without its address: ask whoever "
+            "gave you the site, or set `OFFLOADLAB_REPOSITORY_URL` when you build it)")
+
+
+myst_substitutions = {**citation(), "repository": repository_text()}
 
 
 def publish_notebook_download(app, pagename, templatename, context, doctree):
@@ -173,8 +238,21 @@ def alt_text_from_captions(app, doctree, docname):
 
 
 def link_the_pdf(app, pagename, templatename, context, doctree):
-    """Tell the footer where the PDF is: only on the HTML site, and only when `make pdf` has made it."""
-    context["offloadlab_pdf"] = PDF.name if app.builder.name == "html" and PDF.exists() else ""
+    """Offer the PDF on the HTML site when `make pdf` has made it: in the footer, and in the
+    download menu beside the page's .ipynb and .md (the theme's own ".pdf" prints one page)."""
+    shipped = app.builder.name == "html" and PDF.exists()
+    context["offloadlab_pdf"] = PDF.name if shipped else ""
+    context["offloadlab_pdf_missing"] = app.builder.name == "html" and not shipped
+    if not shipped:
+        return
+    for group in context.get("header_buttons", []):
+        if group.get("label") == "download-buttons":
+            for button in group["buttons"]:
+                if button.get("label") == "download-pdf-button":
+                    button.update(text="print page", tooltip="Print this page")
+            group["buttons"].append({"type": "link", "url": context["pathto"](PDF.name, 1), "text": "book .pdf",
+                                     "tooltip": "The whole book as one PDF", "icon": "fas fa-book",
+                                     "label": "download-book-pdf-button"})
 
 
 def ship_the_pdf(app):
@@ -182,17 +260,45 @@ def ship_the_pdf(app):
         app.config.html_extra_path.append(str(PDF))
 
 
-def setup(app):
-    # myst-nb draws folded cells (the labs' answers, tag hide-input) for the html builder only;
-    # the single-page build that `make pdf` prints uses the same HTML for them.
-    from myst_nb.sphinx_ import HideCodeCellNode, depart_HideCellInput, visit_HideCellInput
+# How tools/lab_references.py writes citations and references to other chapters, so that
+# JupyterLab (jupyterlab-myst, one notebook at a time, no bibliography) shows their text:
+#   [(Ren et al., 2021)](cite:ren2021zerooffload)
+#   [2. The memory-tier ladder](../02_memory_tier_ladder.md#ch-ladder)
+# Before MyST reads a page, Sphinx gets the roles back: {cite:p}, which sphinxcontrib-bibtex
+# renders and lists, and {ref}, which resolves the label wherever it is (a file link would not
+# cross the book/labs symlink: Sphinx resolves it to labs/, outside the source folder).
+CITE_LINK = re.compile(r"\[\([^\]]*\)\]\(cite:([^()\s]+)\)")
+LABEL_LINK = re.compile(r"\[([^\]`<>]+)\]\((?:[\w.-]+/)*[\w.-]+\.md#([\w-]+)\)")
 
-    app.add_node(HideCodeCellNode, override=True, html=(visit_HideCellInput, depart_HideCellInput),
-                 singlehtml=(visit_HideCellInput, depart_HideCellInput))
+
+def lab_links_to_roles(app, docname, source):
+    """Turn the Lab-readable citation and reference links of a page back into Sphinx roles."""
+    text = CITE_LINK.sub(lambda m: f"{{cite:p}}`{m[1]}`", source[0])
+    source[0] = LABEL_LINK.sub(lambda m: f"{{ref}}`{m[1]} <{m[2]}>`", text)
+
+
+def draw_single_page_as_html(app):
+    """The single-page build that `make pdf` prints draws every node as the html builder does.
+
+    Sphinx gives a builder the node handlers registered under its own name and falls back to
+    those of its format (html) only when there are none: once any extension registers one for
+    singlehtml, every node registered for html alone (myst-nb's folded cells, sphinx-design's
+    dropdowns) is unknown there and the build stops. Each html handler the single-page build
+    lacks is lent to it.
+    """
+    if app.builder.name == "singlehtml":
+        handlers = app.registry.translation_handlers
+        for node, visitors in handlers.get("html", {}).items():
+            handlers.setdefault("singlehtml", {}).setdefault(node, visitors)
+
+
+def setup(app):
+    app.connect("source-read", lab_links_to_roles)
+    app.connect("builder-inited", draw_single_page_as_html)
     app.connect("builder-inited", ship_the_pdf)
     app.connect("env-get-updated", number_exercises_per_page, priority=900)  # after Sphinx numbers them
     app.connect("doctree-resolved", alt_text_from_captions)
     if hide_solutions:
         app.connect("doctree-read", stub_lab_answers)
-    app.connect("html-page-context", link_the_pdf)
+    app.connect("html-page-context", link_the_pdf, priority=510)  # after the theme's download menu (501)
     app.connect("html-page-context", publish_notebook_download, priority=502 if REPOSITORY_URL else 500)

@@ -197,10 +197,15 @@ def test_lab_solutions_are_folded_until_asked_for(lab_server, lab_page):
     notebook = lab_page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
     hidden = notebook.locator(".jp-CodeCell .jp-Cell-inputWrapper .jp-InputPlaceholder")
     shown_answers = notebook.locator(".jp-CodeCell .cm-content", has_text="BEGIN SOLUTION")
+    hidden.first.wait_for(state="attached", timeout=60_000)
     assert hidden.count() >= 1 and shown_answers.count() == 0  # of the cells Lab has drawn so far
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     scroll_to(hidden.first)
     lab_page.screenshot(path=str(SCREENSHOTS / "lab01_in_jupyterlab.png"))
+    # The fold shows a neutral label, not the cell's first line ("### BEGIN SOLUTION •••").
+    label = hidden.first.locator(".jp-PlaceholderText").evaluate(
+        "e => ({drawn: getComputedStyle(e).fontSize, label: getComputedStyle(e, '::before').content})")
+    assert label == {"drawn": "0px", "label": '"hidden code: click to show"'}, label
     hidden.first.click()  # a reader asks for the answer
     shown_answers.first.wait_for(timeout=10_000)
 
@@ -218,3 +223,80 @@ def test_references_read_as_text_in_lab(lab_server, lab_page):
     lab_page.screenshot(path=str(SCREENSHOTS / "lab03_references_in_jupyterlab.png"))
     rendered = " ".join(notebook.locator(".jp-MarkdownCell").all_inner_texts())  # what the reader sees
     assert "ch-overlap" not in rendered
+
+
+DIRTY = "() => !!document.querySelector('.lm-TabBar-tab.lm-mod-current.jp-mod-dirty, .jp-NotebookPanel:not(.lm-mod-hidden).jp-mod-dirty')"
+
+
+@pytest.mark.parametrize("path", [ROOT / "book" / "01_memory_wall.md", ROOT / "labs" / "lab02_measure_your_link.md"],
+                         ids=lambda p: p.name)
+def test_a_notebook_opened_and_closed_unedited_asks_nothing(lab_server, lab_page, path):
+    """JupyterLab wrote the kernel's language_info into every text notebook as its kernel started,
+    so each chapter showed as edited on opening and closing it asked "Save your work?"."""
+    open_in_lab(lab_page, lab_server.base, lab_path(path))
+    lab_page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-KernelName", has_text="Python 3").wait_for(timeout=60_000)
+    lab_page.wait_for_timeout(3000)  # the kernel's info has arrived by now; nothing is timed, only waited for
+    assert not lab_page.evaluate(DIRTY), f"{path.name} is marked edited the moment it opens"
+    tab = lab_page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current")
+    tab.locator(".lm-TabBar-tabCloseIcon").click()
+    lab_page.wait_for_function("() => !document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)') "
+                               "|| !!document.querySelector('.jp-Dialog')", timeout=30_000)
+    assert lab_page.locator(".jp-Dialog").count() == 0, lab_page.locator(".jp-Dialog").all_inner_texts()
+
+
+def test_lab_is_given_the_language_info_the_kernel_reports(lab_server):
+    """Ground truth from the kernel itself: the language_info Lab would write on start is the one
+    the contents manager already put in the notebook, so Lab's write changes nothing."""
+    from jupyter_client.manager import start_new_kernel
+
+    model = lab_server.request("/api/contents/01_memory_wall.md?type=notebook&content=1")
+    manager, client = start_new_kernel(kernel_name=model["content"]["metadata"]["kernelspec"]["name"])
+    try:
+        reported = client.kernel_info(reply=True, timeout=60)["content"]["language_info"]
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    assert model["content"]["metadata"]["language_info"] == reported
+
+
+def rendered_markdown(page) -> str:
+    """The text of every Markdown cell of the open notebook as jupyterlab-myst renders it. Lab
+    draws cells as they come into view and may drop those far out of it: scroll to the end,
+    collecting what each view shows."""
+    notebook = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-outer").first
+    cells = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-MarkdownCell .myst")
+    seen = {}
+    for _ in range(400):
+        for text in cells.all_text_contents():
+            seen.setdefault(text, None)
+        at_end = notebook.evaluate("e => { e.scrollTop += e.clientHeight / 2; "
+                                   "return e.scrollTop + e.clientHeight >= e.scrollHeight - 2; }")
+        page.wait_for_timeout(100)  # let Lab draw the cells now in view (nothing is timed)
+        if at_end:
+            for text in cells.all_text_contents():
+                seen.setdefault(text, None)
+            break
+    return " ".join(seen)
+
+
+@pytest.mark.parametrize("path", ["06_cpu_adam.md", "labs/lab06_plan_your_run.md"])
+def test_citations_and_references_read_in_lab_without_warnings(lab_server, lab_page, path):
+    """Citations show as "(Ren et al., 2021)", not as BibTeX keys with a warning sign, and no
+    reference to another chapter logs "Cross reference target was not found"."""
+    import re
+
+    from tools.lab_references import citation_texts
+
+    errors = []
+    lab_page.on("console", lambda message: errors.append(message.text) if message.type in ("error", "warning") else None)
+    open_in_lab(lab_page, lab_server.base, path)
+    rendered = rendered_markdown(lab_page)
+    source = (ROOT / "book" / path).read_text(encoding="utf-8")
+    cited = set(re.findall(r"\(cite:([^()\s]+)\)", source))
+    for keys in cited:
+        assert not any(key in rendered for key in keys.split(",")), f"a BibTeX key shows in Lab: {keys}"
+    shown = [text for key, text in citation_texts().items() if any(key in keys.split(",") for keys in cited)]
+    assert all(text in rendered for text in shown), shown
+    assert len(shown) >= (2 if path == "06_cpu_adam.md" else 0)  # chapter 6 cites two papers; lab 6 links chapters
+    lost = [e for e in errors if "Cross reference target was not found" in e or "Citation" in e]
+    assert not lost, lost

@@ -1,5 +1,8 @@
 """The book's figures: timelines whose every lane shows its work, one axis per variant on a common scale."""
 
+import io
+import re
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -7,6 +10,7 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
 
 from offloadlab import plots  # noqa: E402
 
@@ -132,11 +136,91 @@ def test_ladder_names_every_link_without_overlap():
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     ax = fig.axes[0]
-    texts = [(t.get_text(), t.get_window_extent(renderer)) for t in ax.texts if t.get_text()]
+    # The names' text boxes (an annotation's own extent also covers its leader line).
+    texts = [(t.get_text(), Text.get_window_extent(t, renderer)) for t in ax.texts if t.get_text()]
     link_names = [link["name"] for link in ladder.nominal()["links"] if link.get("bandwidth_bytes_per_s")]
-    assert sum(any(name in text for name in link_names) for text, _ in texts) >= 3
+    assert sum(any(name in " ".join(text.split()) for name in link_names) for text, _ in texts) >= 3
     assert not overlapping(texts), overlapping(texts)
     assert all(box.x1 <= fig.bbox.x1 + 1 for _, box in texts), "a name runs off the figure"
+
+
+def test_state_legend_rounds_bytes_per_parameter():
+    """Chapter 1's legend said "adam-8bit (10.0039 B/param)": block scales make it 10.0039."""
+    fig = plots.state_vs_model_size()
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["mixed-adam (16 B/param)", "bf16-adam (8 B/param)", "adam-8bit (≈10 B/param)"]
+
+
+@pytest.mark.parametrize("base, span, expected", [
+    (10, (1.5, 60), {"2", "5", "10", "20", "50"}),   # chapter 3's step times: labelled 4×10¹, 3×10¹ … before
+    (10, (0.5, 2e4), {"1", "10", "100", "1000", "10,000"}),
+    (2, (1, 32), {"1", "2", "4", "8", "16", "32"}),
+])
+def test_log_axes_read_as_plain_numbers(base, span, expected):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot(span, span)
+    plots.log_scale(ax, "y", base=base)
+    fig.canvas.draw()
+    shown = {t.get_text() for t in ax.get_yticklabels(minor=False) + ax.get_yticklabels(minor=True) if t.get_text()}
+    low, high = ax.get_ylim()
+    in_view = {t for t in expected if low <= float(t.replace(",", "")) <= high}
+    assert in_view <= shown and not any("10^" in t or "×" in t or "$" in t for t in shown), shown
+    plt.close(fig)
+
+
+def test_every_text_of_the_book_figures_is_at_least_the_smallest_size():
+    from offloadlab import ladder
+
+    mine = {"tiers": [{"name": "host memory", "capacity_bytes": 25e9, "bandwidth_bytes_per_s": 40e9, "source": "measured"}],
+            "links": [{"name": "host → GPU", "bandwidth_bytes_per_s": 2.0e9, "source": "emulated"}]}
+    figures = [plots.state_vs_model_size(), plots.ladder(mine, ladder.nominal()),
+               plots.timeline(chapter_seven_variants(), "Prefetch variants", source="emulated"),
+               plots.state_breakdown(), plots.who_holds_what(4)]
+    for fig in figures:
+        svg = io.StringIO()
+        with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as text, each with its size
+            fig.savefig(svg, format="svg", bbox_inches="tight")
+        sizes = {float(size) for size in re.findall(r"font-size: ([\d.]+)px", svg.getvalue())}
+        assert min(sizes) >= plots.SMALLEST_TEXT_PT, (fig.axes[0].get_title(), sorted(sizes))  # exponents too
+        width_pt = float(re.search(r'<svg[^>]* width="([\d.]+)pt"', svg.getvalue()).group(1))
+        assert width_pt <= plots.FIGURE_WIDTH_IN * 72, (fig.axes[0].get_title(), width_pt / 72)  # labels included
+
+
+def test_a_notebook_draws_every_figure_as_svg_in_the_book_style(tmp_path):
+    """A kernel with etc/ipython_kernel_config.py (what `make env` installs): a figure drawn by
+    plots, then one a chapter draws itself, both SVG with text as text in the book's sizes. The
+    first must not take the inline backend's settings away with its style context."""
+    import re
+
+    import nbclient
+    import nbformat
+
+    from tests.conftest import ROOT
+
+    cells = ["from offloadlab import plots\nfig = plots.state_vs_model_size()",
+             "import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\nax.plot([1, 2], label='a')\nax.legend()"]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(notebook, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}},
+                                     extra_arguments=[f"--config={ROOT / 'etc' / 'ipython_kernel_config.py'}"])
+    client.execute()
+    for cell in notebook.cells:
+        images = [o["data"] for o in cell.outputs if o.get("output_type") == "display_data"]
+        assert len(images) == 1 and "image/svg+xml" in images[0] and "image/png" not in images[0], cell.source
+        sizes = [float(s) for s in re.findall(r"font-size: ([\d.]+)px", images[0]["image/svg+xml"])]
+        assert sizes and min(sizes) >= plots.SMALLEST_TEXT_PT, (cell.source, sorted(set(sizes)))
+
+
+def test_make_env_installs_the_kernel_settings():
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import ROOT
+
+    installed = Path(sys.prefix) / "etc" / "ipython" / "ipython_kernel_config.py"
+    assert installed.read_text() == (ROOT / "etc" / "ipython_kernel_config.py").read_text(), "run `make env`"
+    assert "etc/ipython_kernel_config.py $(KERNEL_CONF)" in (ROOT / "Makefile").read_text()
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])

@@ -46,19 +46,57 @@ def test_references_to_headings_carry_their_text():
 
 def test_a_reference_keeps_up_with_its_heading():
     sys.path.insert(0, str(ROOT / "tools"))
-    from lab_references import with_link_text
+    from lab_references import rewritten
 
-    titles = {"ch-cpu-adam": "6. CPU Adam: the update that belongs on the CPU"}
+    chapter, lab = ROOT / "book" / "06_cpu_adam.md", ROOT / "labs" / "lab04_offload_the_optimizer.md"
+    targets = {"ch-cpu-adam": (chapter, "6. CPU Adam: the update that belongs on the CPU")}
+    title = targets["ch-cpu-adam"][1]
     stale = "see {ref}`6. CPU Adam: an older title <ch-cpu-adam>` and {ref}`ch-cpu-adam`"
-    assert with_link_text(stale, titles) == ("see {ref}`6. CPU Adam: the update that belongs on the CPU <ch-cpu-adam>` "
-                                            "and {ref}`6. CPU Adam: the update that belongs on the CPU <ch-cpu-adam>`")
-    mine = "the {ref}`optimizer chapter <ch-cpu-adam>`"  # a text written by hand is left alone
-    assert with_link_text(mine, titles) == mine
+    # From another document: a Markdown link to the label, which Lab opens and myst-parser resolves.
+    assert rewritten(lab, stale, targets, {}) == (f"see [{title}](../06_cpu_adam.md#ch-cpu-adam) and "
+                                                  f"[{title}](../06_cpu_adam.md#ch-cpu-adam)")
+    moved = "see [6. CPU Adam: an older title](06_cpu_adam.md#ch-cpu-adam)"
+    assert rewritten(lab, moved, targets, {}) == f"see [{title}](../06_cpu_adam.md#ch-cpu-adam)"
+    # Within the same document: the role, with the heading's text.
+    assert rewritten(chapter, stale, targets, {}) == f"see {{ref}}`{title} <ch-cpu-adam>` and {{ref}}`{title} <ch-cpu-adam>`"
+    mine = "the {ref}`optimizer chapter <ch-cpu-adam>`"  # a text written by hand is kept
+    assert rewritten(lab, mine, targets, {}) == "the [optimizer chapter](../06_cpu_adam.md#ch-cpu-adam)"
+    assert rewritten(chapter, mine, targets, {}) == mine
     # A role broken across lines is no role to jupyterlab-myst (its pattern stops at a line end):
     # Lab shows the raw text. It is put back on one line, hand-written text included.
-    wrapped = "see {ref}`the optimizer\nchapter <ch-cpu-adam>` and {ref}`6. CPU Adam: the update that belongs on the CPU\n<ch-cpu-adam>`"
-    assert with_link_text(wrapped, titles) == ("see {ref}`the optimizer chapter <ch-cpu-adam>` and "
-                                               "{ref}`6. CPU Adam: the update that belongs on the CPU <ch-cpu-adam>`")
+    wrapped = f"see {{ref}}`the optimizer\nchapter <ch-cpu-adam>` and {{ref}}`6. CPU Adam: the update\n<ch-cpu-adam>`"
+    assert rewritten(chapter, wrapped, targets, {}) == (f"see {{ref}}`the optimizer chapter <ch-cpu-adam>` and "
+                                                        f"{{ref}}`{title} <ch-cpu-adam>`")
+
+
+def test_citations_read_as_author_and_year():
+    sys.path.insert(0, str(ROOT / "tools"))
+    from lab_references import citation_texts, rewritten
+
+    texts = citation_texts()
+    assert texts["ren2021zerooffload"] == "Ren et al., 2021" and texts["kingma2015adam"] == "Kingma and Ba, 2015"
+    assert texts["nvidia_h100"] == "NVIDIA Corporation, 2023"
+    chapter = ROOT / "book" / "01_memory_wall.md"
+    source = "as {cite}`kingma2015adam,loshchilov2019adamw` and {cite}`nokey2020`"
+    assert rewritten(chapter, source, {}, texts) == ("as [(Kingma and Ba, 2015; Loshchilov and Hutter, 2019)]"
+                                                     "(cite:kingma2015adam,loshchilov2019adamw) and {cite}`nokey2020`")
+    stale = "[(Kingma, 2014)](cite:kingma2015adam)"  # the entry changed since: the text follows it
+    assert rewritten(chapter, stale, {}, texts) == "[(Kingma and Ba, 2015)](cite:kingma2015adam)"
+
+
+def test_the_site_reads_citation_and_reference_links_as_roles():
+    """book/conf.py gives sphinxcontrib-bibtex and Sphinx their roles back before MyST reads the page."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("book_conf", ROOT / "book" / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    source = ["see [(Kingma and Ba, 2015; Loshchilov and Hutter, 2019)](cite:kingma2015adam,loshchilov2019adamw) "
+              "and [6. CPU Adam: the update that belongs on the CPU](../06_cpu_adam.md#ch-cpu-adam), "
+              "not [a file](../README.md)."]
+    conf.lab_links_to_roles(None, "labs/lab04_offload_the_optimizer", source)
+    assert source == ["see {cite:p}`kingma2015adam,loshchilov2019adamw` "
+                      "and {ref}`6. CPU Adam: the update that belongs on the CPU <ch-cpu-adam>`, not [a file](../README.md)."]
 
 
 def test_one_jupytext_configuration_for_book_and_labs():
@@ -67,13 +105,19 @@ def test_one_jupytext_configuration_for_book_and_labs():
     assert "jupytext_version" not in next(iter(NOTEBOOKS)).read_text(encoding="utf-8")
 
 
-def test_lab_solutions_start_hidden_and_everything_else_visible():
-    for path in (ROOT / "labs").glob("lab*.md"):
+def test_lab_solutions_and_checks_start_hidden_and_everything_else_visible():
+    """Lab folds every cell of checks (tag remove-cell, which the site leaves out) and a lab's
+    worked answers; in a lab, everything else shows."""
+    for path in NOTEBOOKS:
         notebook = jupytext.read(path)
         for cell in notebook.cells:
             hidden = cell.metadata.get("jupyter", {}).get("source_hidden", False)
-            holds_answer = cell.cell_type == "code" and "### BEGIN SOLUTION" in cell.source
-            assert hidden == holds_answer, f"{path.name}: {cell.source[:60]!r}"
+            holds_answer = path.parent.name == "labs" and cell.cell_type == "code" and "### BEGIN SOLUTION" in cell.source
+            checks = cell.cell_type == "code" and "remove-cell" in cell.metadata.get("tags", [])
+            if path.parent.name == "labs":
+                assert hidden == (holds_answer or checks), f"{path.name}: {cell.source[:60]!r}"
+            else:  # a chapter may fold other cells too
+                assert hidden or not checks, f"{path.name}: {cell.source[:60]!r}"
             assert ("hide-input" in cell.metadata.get("tags", [])) == holds_answer
 
 

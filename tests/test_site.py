@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import html as htmllib
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -81,9 +82,13 @@ def served(built_site):
     server.shutdown()
 
 
+# The widths a reader brings: a phone, a tablet held upright, a laptop.
+WIDTHS = {390: 844, 768: 1024, 1280: 900}
+
+
 @pytest.fixture(scope="module")
-def browser_page():
-    """A page of headless Chromium (Debian's), 1280 px wide."""
+def browser():
+    """Headless Chromium (Debian's)."""
     if CHROMIUM is None:
         if os.environ.get("CI"):
             pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package")
@@ -91,8 +96,25 @@ def browser_page():
     playwright = pytest.importorskip("playwright.sync_api")
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        yield browser.new_page(viewport={"width": 1280, "height": 900})
+        yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def browser_page(browser):
+    """A page of headless Chromium, 1280 px wide."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    yield page
+    page.close()
+
+
+@pytest.fixture(params=sorted(WIDTHS), ids=lambda width: f"{width}px")
+def page_at_width(request, browser):
+    """A page as wide as a phone, a tablet or a laptop screen, that takes taps (a touch screen)."""
+    width = request.param
+    page = browser.new_page(viewport={"width": width, "height": WIDTHS[width]}, has_touch=True)
+    yield page
+    page.close()
 
 
 def test_every_page_renders_in_chromium(built_site, served, browser_page):
@@ -141,21 +163,206 @@ def test_code_blocks_have_copy_buttons(built_site, served, browser_page):
     assert cells.locator("button.copybtn").count() == cells.count()
 
 
-@pytest.mark.parametrize("media", ["screen", "print"])
-def test_code_fits_the_column(built_site, served, browser_page, media):
-    """No code block or output is wider than the text column: it wraps, it is never cut off."""
-    page = browser_page
-    page.emulate_media(media=media)
-    too_wide = []
+# Whether what a sidebar button controls can be seen: the chapter list or the page contents,
+# inside the viewport and neither hidden nor squeezed to nothing.
+SHOWN = """selector => {
+  const e = document.querySelector(selector);
+  if (!e) return false;
+  const r = e.getBoundingClientRect(), style = getComputedStyle(e);
+  return r.width > 1 && r.height > 1 && r.right > 0 && r.left < innerWidth && style.visibility !== "hidden";
+}"""
+PANELS = {"primary": "nav.bd-docs-nav", "secondary": "#pst-page-toc-nav"}
+
+
+def tap_outside(page, kind: str) -> None:
+    """Tap the page beside an open drawer (the chapter list slides in from the left, the
+    contents from the right), as a phone reader dismisses it."""
+    width, height = page.viewport_size["width"], page.viewport_size["height"]
+    page.touchscreen.tap(width - 4 if kind == "primary" else 4, height - 4)
+
+
+@pytest.mark.parametrize("kind", sorted(PANELS))
+def test_sidebar_buttons_open_and_close_at_every_width(built_site, served, page_at_width, kind):
+    """☰ opens and closes the chapter list, the list button the page contents: as drawers on a
+    phone or tablet (closed again by a tap beside them), as columns on a laptop (closed and
+    opened again by the button)."""
+    page, panel = page_at_width, PANELS[kind]
+    page.goto(f"{served}/01_memory_wall.html", wait_until="networkidle")
+    button = page.locator(f".bd-header-article .{kind}-toggle")
+    assert button.is_visible(), f"no {kind} button the reader can see"
+    shown_at_first = page.evaluate(SHOWN, panel)
+    drawer = page.viewport_size["width"] < (992 if kind == "primary" else 1200)
+    assert shown_at_first is not drawer  # a drawer starts closed, a column open
+
+    button.tap()
+    page.wait_for_function(f"s => ({SHOWN})(s) === {str(not shown_at_first).lower()}", arg=panel, timeout=5000)
+    assert button.get_attribute("aria-expanded") == str(not shown_at_first).lower()
+    if not shown_at_first:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / f"{kind}_open_{page.viewport_size['width']}px.png"))
+
+    if drawer:
+        tap_outside(page, kind)
+    else:
+        button.tap()
+    page.wait_for_function(f"s => ({SHOWN})(s) === {str(shown_at_first).lower()}", arg=panel, timeout=5000)
+    assert button.get_attribute("aria-expanded") == str(shown_at_first).lower()
+    if drawer:  # and the button opens it again
+        button.tap()
+        page.wait_for_function(f"s => ({SHOWN})(s)", arg=panel, timeout=5000)
+        page.keyboard.press("Escape")
+        page.wait_for_function(f"s => !({SHOWN})(s)", arg=panel, timeout=5000)
+
+
+# Each visible code block or output whose lines are broken: its text is taller as laid out than
+# with every line kept whole (white-space: pre). Each one wider than its column must scroll.
+WRAPPED_OR_CUT = r"""() => {
+  const height = e => { const r = document.createRange(); r.selectNodeContents(e); return r.getBoundingClientRect().height; };
+  const found = [];
+  for (const pre of document.querySelectorAll("div.highlight pre, div.cell_output pre")) {
+    if (!pre.getClientRects().length || !pre.textContent.trim()) continue;
+    const laidOut = height(pre);
+    const before = pre.style.getPropertyValue("white-space");
+    pre.style.setProperty("white-space", "pre", "important");
+    const whole = height(pre);
+    pre.style.removeProperty("white-space");
+    if (before) pre.style.setProperty("white-space", before);
+    const line = pre.textContent.split("\n").sort((a, b) => b.length - a.length)[0].slice(0, 70);
+    if (laidOut > whole + 1) found.push(`wraps: ${line}`);
+    const scrolls = ["auto", "scroll"].includes(getComputedStyle(pre).overflowX);
+    if (pre.scrollWidth > pre.clientWidth + 1 && !scrolls) found.push(`cut off: ${line}`);
+  }
+  return found;
+}"""
+
+
+def test_no_code_line_wraps(built_site, served, page_at_width):
+    """Code and printed outputs keep their lines at every width: a long one scrolls sideways."""
+    page, problems = page_at_width, []
+    for path in pages(built_site):
+        page.goto(f"{served}/{path.relative_to(built_site).as_posix()}", wait_until="load")
+        problems += [f"{path.name}: {problem}" for problem in page.evaluate(WRAPPED_OR_CUT)]
+    assert not problems, f"{len(problems)} code blocks wrap or are cut off:\n" + "\n".join(problems[:20])
+
+
+def test_wide_tables_scroll_inside_their_column_with_a_visible_edge(built_site, served, browser):
+    """Chapter 1's table of recipes is wider than a phone: it scrolls inside the column, and a
+    shadow at its right edge says there is more."""
+    page = browser.new_page(viewport={"width": 390, "height": 844})
     try:
-        for path in pages(built_site):
-            page.goto(f"{served}/{path.relative_to(built_site).as_posix()}", wait_until="load")
-            too_wide += [f"{path.name}: {text!r}" for text in page.evaluate(
-                "() => [...document.querySelectorAll('div.highlight pre, div.cell_output pre')]"
-                ".filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.textContent.slice(0, 60))")]
+        page.goto(f"{served}/01_memory_wall.html", wait_until="load")
+        table = page.evaluate("""() => {
+          const box = document.querySelector("div.cell_output table").closest(".pst-scrollable-table-container");
+          const article = document.querySelector("article.bd-article").getBoundingClientRect();
+          const r = box.getBoundingClientRect(), style = getComputedStyle(box);
+          return {wider: box.scrollWidth > box.clientWidth, inside: r.right <= article.right + 1,
+                  scrolls: ["auto", "scroll"].includes(style.overflowX),
+                  edge: style.backgroundImage.includes("gradient") && style.backgroundAttachment.includes("local")};
+        }""")
+        assert table == {"wider": True, "inside": True, "scrolls": True, "edge": True}, table
     finally:
-        page.emulate_media(media="screen")
-    assert not too_wide, f"{len(too_wide)} blocks wider than the column:\n" + "\n".join(too_wide[:20])
+        page.close()
+
+
+def test_header_has_the_title_one_search_box_and_follows_the_os_colour_scheme(built_site, served, page_at_width):
+    page = page_at_width
+    for scheme in ("dark", "light"):
+        page.emulate_media(color_scheme=scheme)
+        page.goto(f"{served}/03_overlap_condition.html", wait_until="networkidle")
+        assert page.evaluate("() => document.documentElement.dataset.theme") == scheme
+    header = page.locator("header.bd-header")
+    assert header.is_visible() and "offloadlab" in header.inner_text()
+    searches = page.locator(".search-button-field, .search-button, form.bd-search")
+    visible = [i for i in range(searches.count()) if searches.nth(i).is_visible()]
+    assert len(visible) == 1, f"{len(visible)} search boxes at {page.viewport_size['width']} px"
+    repository = page.locator("a.offloadlab-repository")
+    if page.viewport_size["width"] >= 992:
+        assert repository.first.is_visible()
+    else:  # the header's links move into the ☰ drawer on a narrow screen
+        page.locator(".bd-header-article .primary-toggle").tap()
+        page.locator("dialog#pst-primary-sidebar-modal a.offloadlab-repository").wait_for(state="visible", timeout=5000)
+
+
+def test_without_a_repository_address_the_link_says_so(built_site):
+    for name in ("index.html", "labs/lab01_account_for_every_byte.html"):
+        html = (built_site / name).read_text(encoding="utf-8")
+        link = re.search(r'<a class="offloadlab-repository[^"]*"[^>]*href="([^"]+)"[^>]*>(.*?)</a>', html, re.S)
+        assert link and "address not set" in link.group(2), name
+        assert link.group(1) == ("" if name == "index.html" else "../index.html") + "#how-to-use-it"
+    landing = re.sub(r"<[^>]+>", "", (built_site / "index.html").read_text(encoding="utf-8"))
+    assert "clone the repository (this copy of the site was built without its address" in " ".join(landing.split())
+
+
+def test_the_repository_address_reaches_the_header_and_the_landing_page(tmp_path):
+    url = "https://github.com/example/offloadlab"
+    env = {**os.environ, "OFFLOADLAB_REPOSITORY_URL": url}
+    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html", "book", str(tmp_path / "site")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for name in ("index.html", "labs/lab01_account_for_every_byte.html"):
+        html = (tmp_path / "site" / name).read_text(encoding="utf-8")
+        assert re.search(r'<a class="offloadlab-repository nav-link" href="' + re.escape(url) + '"', html), name
+    assert f'clone <a class="reference external" href="{url}">the repository</a>' in \
+        (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+
+
+def test_references_link_to_their_doi_or_arxiv_entry(built_site):
+    """Every paper in the bibliography links to its DOI or its arXiv page, and every other entry
+    (a datasheet, a tool, a file of a project at a release) to its address."""
+    from pybtex.database import parse_file
+
+    html = (built_site / "references.html").read_text(encoding="utf-8")
+    entries = re.findall(r'<div class="citation" id="[^"]+" role="doc-biblioentry">(.*?)</div>', html, re.S)
+    assert len(entries) >= 8
+    cited = 0
+    for key, entry in parse_file(str(ROOT / "book" / "references.bib")).entries.items():
+        title = re.sub(r"[{}]", "", entry.fields["title"])[:30].lower()  # the style lowercases titles
+        rendered = next((e for e in entries if title in " ".join(re.sub(r"<[^>]+>", "", e).split()).lower()), None)
+        if rendered is None:
+            continue  # not cited anywhere, so not listed
+        cited += 1
+        paper = entry.type in ("article", "inproceedings")
+        link = r'href="https://(doi\.org/10\.|arxiv\.org/abs/\d{4}\.\d{4,5})' if paper else r'href="https?://'
+        assert re.search(link, rendered), f"{key}: no {'DOI or arXiv' if paper else ''} link"
+    assert cited >= 8
+
+
+# The smallest figure text a reader gets: on a phone (its 342 px column), and on anything wider.
+SMALLEST_FIGURE_TEXT_PX = {390: 9.0, 768: 11.0, 1280: 11.0}
+VISIBLE_IMAGES = """() => [...document.querySelectorAll("article.bd-article img")]
+  .filter(i => i.getClientRects().length && i.getBoundingClientRect().width > 0)
+  .map(i => ({src: i.getAttribute("src"), shown: i.getBoundingClientRect().width}))"""
+
+
+def smallest_text(svg: str) -> tuple[float, float]:
+    """An SVG's smallest font size and its width, both in its own user units."""
+    view_box = re.search(r'<svg[^>]*viewBox="[\d.]+ [\d.]+ ([\d.]+) [\d.]+"', svg)
+    sizes = [float(size) for size in re.findall(r"font-size: ?([\d.]+)px", svg)]
+    return (min(sizes) if sizes else float("inf")), float(view_box.group(1))
+
+
+def test_figures_are_vector_with_readable_text_at_every_width(built_site, served, page_at_width):
+    """Every figure on the site is SVG with its text kept as text, and its smallest text, as drawn
+    at this width, is at least 9 CSS px on a phone and 11 px on a tablet or a laptop."""
+    page, width = page_at_width, page_at_width.viewport_size["width"]
+    minimum, problems, measured = SMALLEST_FIGURE_TEXT_PX[width], [], []
+    for path in pages(built_site):
+        page.goto(f"{served}/{path.relative_to(built_site).as_posix()}", wait_until="load")
+        for image in page.evaluate(VISIBLE_IMAGES):
+            file = (path.parent / image["src"]).resolve()
+            if file.suffix != ".svg":
+                problems.append(f"{path.name}: {file.name} is not vector")
+                continue
+            font, view_width = smallest_text(file.read_text(encoding="utf-8"))
+            shown = font * image["shown"] / view_width
+            measured.append(shown)
+            if shown < minimum:
+                problems.append(f"{path.name}: {file.name}: smallest text {shown:.1f} px")
+    assert len(measured) >= 20, f"only {len(measured)} figures seen"
+    assert not problems, f"at {width} px (minimum {minimum} px):\n" + "\n".join(problems)
+    (SCREENSHOTS / f"figure_text_{width}px.txt").parent.mkdir(parents=True, exist_ok=True)
+    (SCREENSHOTS / f"figure_text_{width}px.txt").write_text(f"{len(measured)} figures; smallest text "
+                                                          f"{min(measured):.1f} px\n")
 
 
 def host_paths() -> list[str]:
@@ -165,8 +372,14 @@ def host_paths() -> list[str]:
     return sorted(c for c in candidates if len(c) > 1)
 
 
+def written_by_the_authors() -> str:
+    """The text of every chapter, lab and page source: a path named there (for example the
+    course page's ``/root/.pyenv``, a home no student may read) is an example, not a leak."""
+    return "\n".join(p.read_text(encoding="utf-8") for d in ("book", "labs") for p in (ROOT / d).glob("*.md"))
+
+
 def test_no_page_shows_a_path_of_the_build_machine(built_site):
-    found = []
+    written, found = written_by_the_authors(), []
     documents = pages(built_site) + sorted((built_site / "_sources").rglob("*.ipynb"))
     for document in documents:
         text = document.read_text(encoding="utf-8", errors="replace")
@@ -175,6 +388,9 @@ def test_no_page_shows_a_path_of_the_build_machine(built_site):
             text = json.dumps([(c.get("source"), c.get("outputs")) for c in notebook["cells"]])
         for path in host_paths():
             for match in re.finditer(re.escape(path), text):
+                named = re.match(r"[^\s\"'<>`\\]+", text[match.start():]).group(0)
+                if len(named) > len(path) and named in written:
+                    continue
                 found.append(f"{document.relative_to(built_site)}: ...{text[max(0, match.start() - 40):match.end() + 40]!r}")
     assert not found, "host paths in the built pages:\n" + "\n".join(found[:20])
 
@@ -234,3 +450,69 @@ def test_student_site_has_no_solutions(tmp_path):
     lab = re.sub(r"<[^>]+>", "", (target / "labs" / "lab05_build_a_double_buffer.html").read_text(encoding="utf-8"))
     assert "NotImplementedError" in lab and "released[i % 2] = link.mark()" not in lab
     assert not list(target.rglob("_sources/**/*.md")) and not list(target.rglob("_sources/**/*.ipynb"))
+
+
+# Checks for the content pass of issue 28 (asserts moved into hidden cells, code kept to 88
+# characters), written before it: each runs now and, while the sources still fail it, is skipped
+# saying how far they are. The lead sets this True once the pass is merged; from then on a
+# failure fails.
+CONTENT_PASS_MERGED = False
+LONGEST_CODE_LINE = 88
+
+
+def skip_until_the_content_pass(problems: list[str], what: str) -> None:
+    if problems and not CONTENT_PASS_MERGED:
+        pytest.skip(f"{len(problems)} {what} today; this check is enforced once issue 28's content pass "
+                    f"is merged (CONTENT_PASS_MERGED in tests/test_site.py). First: {problems[0]}")
+
+
+def code_lines(path: Path, printed_only: bool = False) -> list[str]:
+    """Every line of code in a notebook: code cells and fenced code in the text. ``printed_only``:
+    leave out the cells the site and the PDF do not show (tags remove-cell, remove-input)."""
+    import jupytext
+
+    lines = []
+    for cell in jupytext.read(path).cells:
+        left_out = {"remove-cell", "remove-input"} & set(cell.metadata.get("tags", []))
+        if cell.cell_type == "code" and not (printed_only and left_out):
+            lines += cell.source.splitlines()
+        elif cell.cell_type == "markdown":
+            fences = []  # open fences, innermost last: (marker, holds code)
+            for line in cell.source.splitlines():
+                stripped = line.strip()
+                opening = re.match(r"^(`{3,}|~{3,})(.*)$", stripped)
+                if fences and stripped == fences[-1][0]:
+                    fences.pop()
+                elif opening and not (fences and fences[-1][1]):
+                    fences.append((opening[1], not opening[2].strip().startswith("{")))
+                elif fences and fences[-1][1]:
+                    lines.append(line)
+    return lines
+
+
+def test_no_code_line_is_longer_than_88_characters():
+    from tests.nbval_markdown import is_text_notebook
+
+    notebooks = sorted(p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p))
+    long_lines = [f"{p.relative_to(ROOT)}: {len(line)} characters: {line.strip()[:50]}…"
+                  for p in notebooks for line in code_lines(p) if len(line) > LONGEST_CODE_LINE]
+    skip_until_the_content_pass(long_lines, f"code lines longer than {LONGEST_CODE_LINE} characters")
+    assert not long_lines, "\n".join(long_lines[:30])
+
+
+def visible_asserts(html: str) -> list[str]:
+    """The ``assert`` statements in a page's code cells that a reader sees without unfolding anything."""
+    shown = re.sub(r'<details class="hide[^"]*">.*?</details>', "", html, flags=re.S)  # folded cells
+    found = []
+    for cell in re.findall(r'<div class="cell_input[^"]*"[^>]*>(.*?)</pre>', shown, flags=re.S):
+        code = htmllib.unescape(re.sub(r"<[^>]+>", "", cell))
+        found += [line.strip() for line in code.splitlines() if re.match(r"\s*assert\b", line)]
+    return found
+
+
+def test_no_assert_is_visible_on_the_site(built_site):
+    found = [f"{page.relative_to(built_site)}: {line[:60]}" for page in pages(built_site)
+             for line in visible_asserts(page.read_text(encoding="utf-8"))]
+    pages_with_asserts = sorted({line.split(":")[0] for line in found})
+    skip_until_the_content_pass(found, f"visible asserts on {len(pages_with_asserts)} pages")
+    assert not found, "\n".join(found[:30])

@@ -11,7 +11,10 @@ otherwise rewrite or show:
   writes into every notebook it runs;
 - in the labs, a code cell holding a worked answer (between ``### BEGIN SOLUTION`` and
   ``### END SOLUTION``) starts with its source hidden in Lab (``jupyter.source_hidden``) and
-  folded on the site (the ``hide-input`` tag), so a reader sees it only on asking.
+  folded on the site (the ``hide-input`` tag), so a reader sees it only on asking;
+- in chapters and labs, a code cell tagged ``remove-cell`` (a cell of checks: the site leaves it
+  out, nbval still runs it) starts with its source hidden in Lab too, folded under a neutral
+  label (etc/jupyterlab-custom/custom.css) rather than its first line.
 
 It changes format and metadata only, never a cell's source, and running it twice changes
 nothing the second time. ``--check`` writes nothing and exits 1 when a file would change.
@@ -33,6 +36,7 @@ NOTEBOOK_DIRS = ("book", "labs")
 FORMAT = "md:myst"
 SOLUTION_MARKER = "### BEGIN SOLUTION"
 HIDE_ON_SITE = "hide-input"
+LEFT_OFF_SITE = "remove-cell"
 
 
 def is_text_notebook(path: Path) -> bool:
@@ -67,12 +71,20 @@ def hide_solutions(notebook) -> None:
             tags.append(HIDE_ON_SITE)
 
 
+def hide_checks(notebook) -> None:
+    """Fold every code cell the site leaves out (tag remove-cell) in Lab as well."""
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and LEFT_OFF_SITE in cell.metadata.get("tags", []):
+            cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
+
+
 def formatted(path: Path) -> str:
     """The text Jupytext writes for the notebook at ``path`` once its metadata is settled."""
     notebook = jupytext.reads(path.read_text(encoding="utf-8"), fmt=FORMAT)
     notebook.metadata["kernelspec"] = lab_kernelspec()
     if path.parent.name == "labs":
         hide_solutions(notebook)
+    hide_checks(notebook)
     return jupytext.writes(notebook, fmt=FORMAT, config=load_jupytext_config(str(path.parent)))
 
 

@@ -3,9 +3,22 @@
 ``make pdf`` first builds the whole book as one HTML page (Sphinx's singlehtml builder, with
 the executed outputs of the site build); this script serves that folder on a local port, opens
 it in Debian's Chromium through Playwright, waits until MathJax has typeset every formula, and
-prints it to A4 with page numbers. The page's print stylesheet (book/_static/offloadlab.css)
-starts each chapter and lab on a new page, wraps code instead of clipping it, and prints
-collapsed solutions open.
+prints it to A4. Before printing it turns the page into a book:
+
+- a title page, then a table of contents (chapters, labs and back matter, with their sections)
+  whose page numbers come from a first printing: the second printing fills them in, and the
+  script checks that they came out where the first said;
+- each chapter and lab on its own pages, its title as the running head (a named CSS page per
+  document, with a margin box), and page numbers at the foot;
+- PDF bookmarks for every chapter, lab, section and subsection, nested as the book is: Chromium's
+  own (``outline=True``) say where each heading landed, and pypdf writes them again with the
+  headings' text and nesting;
+- code that neither wraps nor is cut: a block whose longest line is wider than the page gets a
+  smaller font, just enough to fit; a short block is kept on one page, a long one may break
+  between lines;
+- collapsed solutions and folded lab answers printed open; figures stay vector (SVG).
+
+The print stylesheet (book/_static/offloadlab.css) does the rest.
 
     python tools/print_pdf.py book/_build/singlehtml book/_build/pdf/offloadlab.pdf
 """
@@ -15,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
+import io
 import os
 import shutil
 import sys
@@ -24,8 +38,138 @@ from pathlib import Path
 
 BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync"]
-FOOTER = ('<div style="width:100%; font-size:8px; color:#666; text-align:center;">'
-          '<span class="pageNumber"></span> / <span class="totalPages"></span></div>')
+TEXT_WIDTH_PX = round((210 - 2 * 16) / 25.4 * 96)  # A4 less the 16 mm margins @page sets, in CSS px
+SMALLEST_CODE_PX = 6.5  # a block is never printed smaller than this to make it fit (≈ 4.9 pt)
+SHORT_BLOCK_LINES = 24  # a block this long or shorter is kept on one page
+
+# Runs in the page before the first printing: builds the title page and the table of contents,
+# names each document's pages for its running head, and fits each code block to the page.
+# Returns the headings Chromium will put in the outline, in order, with the id the contents
+# link to.
+PREPARE = r"""
+({title, subtitle, version, authors, smallestCodePx, shortBlockLines, bookCss}) => {
+  const text = e => e.textContent.replace(/[#¶]\s*$/, "").replace(/\s+/g, " ").trim();
+  const article = document.querySelector("article.bd-article");
+  // The theme's print-only title and "Contents" heading, and the landing page's own "Contents"
+  // heading, under which the documents follow: the front matter below replaces them.
+  document.querySelectorAll("#jb-print-docs-body").forEach(e => e.remove());
+  const documents = [...article.querySelectorAll('span[id^="document-"] + section')];  // before any move
+  const landing = article.querySelector(":scope > section");
+  landing.querySelectorAll(":scope > section").forEach(s => {
+    if (s.querySelector('span[id^="document-"]')) s.querySelector(":scope > h2")?.remove();
+  });
+
+  // singlehtml nests every document two levels under the landing page (its title an h3):
+  // each becomes a top-level part again, its title an h1, so that the bookmarks and the
+  // contents list chapters and labs first, their sections under them.
+  const promote = (section, by) => section.querySelectorAll("h3, h4, h5, h6").forEach(h => {
+    const level = Math.max(1, Number(h.tagName[1]) - by);
+    const promoted = document.createElement(`h${level}`);
+    [...h.attributes].forEach(a => promoted.setAttribute(a.name, a.value));
+    promoted.append(...h.childNodes);
+    h.replaceWith(promoted);
+  });
+  documents.forEach(section => promote(section, 2));
+
+  // Running heads: each document's pages are a named page whose top margin holds its title.
+  const rules = [bookCss,
+    "@page { size: A4; margin: 20mm 16mm 18mm 16mm;",
+    "  @bottom-center { content: counter(page); font: 9pt sans-serif; color: #555; } }",
+    "@page :first { @bottom-center { content: none; } }",
+  ];
+  documents.forEach((section, i) => {
+    const heading = section.querySelector("h1");
+    if (!heading) return;
+    // The document's anchor moves inside it: between two named pages it would take a blank page.
+    section.prepend(section.previousElementSibling);
+    section.style.page = `document-${i}`;
+    rules.push(`@page document-${i} { @top-left { content: ${JSON.stringify(text(heading))};`
+               + " font: 9pt sans-serif; color: #555; } }");
+  });
+  const style = document.createElement("style");
+  style.textContent = rules.join("\n");
+  document.head.append(style);
+
+  // The title page and the contents, before everything else.
+  const front = document.createElement("section");
+  front.className = "offloadlab-front";
+  const cover = document.createElement("div");
+  cover.className = "offloadlab-title-page";
+  for (const [name, value] of [["title", title], ["subtitle", subtitle], ["version", `version ${version}`],
+                               ["authors", authors]]) {
+    const line = cover.appendChild(document.createElement("p"));
+    line.className = `offloadlab-${name}`;
+    line.textContent = value;
+  }
+  const contents = document.createElement("nav");
+  contents.className = "offloadlab-contents";
+  contents.innerHTML = "<h1>Contents</h1>";
+  let counter = 0;
+  const entry = (heading, level) => {
+    if (!heading.id) heading.id = `offloadlab-heading-${++counter}`;
+    const line = contents.appendChild(document.createElement("a"));
+    line.className = `offloadlab-contents-${level}`;
+    line.href = `#${heading.closest("section")?.id || heading.id}`;
+    line.dataset.target = heading.id;
+    line.innerHTML = '<span class="offloadlab-contents-title"></span><span class="offloadlab-contents-page">000</span>';
+    line.querySelector(".offloadlab-contents-title").textContent = text(heading);
+  };
+  entry(landing.querySelector("h1"), 1);
+  documents.forEach(section => {
+    const heading = section.querySelector("h1");
+    if (!heading) return;
+    entry(heading, 1);
+    section.querySelectorAll(":scope > section > h2").forEach(h2 => entry(h2, 2));
+  });
+  front.append(cover, contents);
+  article.prepend(front);
+  document.title = `${title}: ${subtitle}`;
+
+  // Code: never wrapped, never cut. A block wider than the page gets a smaller font.
+  for (const pre of document.querySelectorAll("div.highlight pre, div.cell_output pre")) {
+    const lines = pre.textContent.replace(/\n$/, "").split("\n").length;
+    // A short block is kept on one page with its frame (the cell around it), not left behind empty.
+    if (lines <= shortBlockLines) (pre.closest(".cell_input, .cell_output") || pre).classList.add("offloadlab-keep-whole");
+    const size = parseFloat(getComputedStyle(pre).fontSize);
+    if (pre.scrollWidth > pre.clientWidth + 1) {
+      const fitted = Math.max(smallestCodePx, Math.floor(size * pre.clientWidth / pre.scrollWidth * 10) / 10);
+      pre.style.fontSize = `${fitted}px`;
+    }
+  }
+  // The headings Chromium turns into bookmarks, in document order.
+  return [...document.querySelectorAll("h1, h2, h3, h4, h5, h6")]
+    .filter(h => h.getClientRects().length)
+    .map(h => ({id: h.id, title: text(h), level: Number(h.tagName[1])}));
+}
+"""
+
+# The book's own print style, on top of the site's (book/_static/offloadlab.css): the title page
+# and contents, and what the theme does for a page printed alone but a book must not do (hide
+# the first h1 of the article, which here is every chapter's title; indent the text).
+BOOK_CSS = """
+.bd-main .bd-content .bd-article h1:first-of-type { display: block; }
+.bd-main .bd-content { margin-left: 0; }
+.bd-main .bd-content .bd-article h1 { margin-top: 0; }
+.offloadlab-title-page { break-after: page; padding-top: 35%; text-align: center; }
+.offloadlab-title-page p { margin: 0 0 0.6em; }
+.offloadlab-title { font-size: 36pt; font-weight: bold; }
+.offloadlab-subtitle { font-size: 18pt; }
+.offloadlab-version, .offloadlab-authors { font-size: 12pt; color: #444; }
+.offloadlab-contents { break-after: page; }
+.offloadlab-contents a { display: flex; align-items: baseline; color: inherit; text-decoration: none;
+  break-inside: avoid; }
+.offloadlab-contents-1 { font-weight: bold; margin-top: 0.8em; break-after: avoid; }
+.offloadlab-contents-2 { padding-left: 1.5em; font-size: 0.92em; }
+/* A dotted leader from the title to its page number: dots drawn behind, hidden behind the words. */
+.offloadlab-contents a { background: radial-gradient(circle, #888 0.7px, transparent 0.9px) repeat-x 0 78% / 5px 100%; }
+.offloadlab-contents a > span { background: white; }
+.offloadlab-contents-title { padding-right: 0.4em; }
+.offloadlab-contents-page { margin-left: auto; padding-left: 0.4em; font-variant-numeric: tabular-nums; }
+"""
+
+FILL_PAGES = """pages => document.querySelectorAll(".offloadlab-contents a").forEach(line => {
+  line.querySelector(".offloadlab-contents-page").textContent = String(pages[line.dataset.target] ?? "");
+})"""
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -40,6 +184,69 @@ def serve(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
+def heading_places(headings: list[dict], pdf: bytes) -> list[tuple[int, float, float]]:
+    """Where each heading is printed, (page index, left, top), from the bookmarks Chromium made.
+
+    Chromium writes one bookmark per heading, in document order; their titles are not always
+    the heading's text (a heading moved to the next page is named twice), so only their number
+    and order are relied on, and the places they point to.
+    """
+    from pypdf import PdfReader
+
+    reader = PdfReader(io.BytesIO(pdf))
+    places = []
+
+    def walk(items):
+        for item in items:
+            if isinstance(item, list):
+                walk(item)
+            else:
+                places.append((reader.get_destination_page_number(item), float(item.left or 0), float(item.top or 0)))
+
+    walk(reader.outline)
+    if len(places) != len(headings):
+        raise RuntimeError(f"Chromium made {len(places)} bookmarks for {len(headings)} headings")
+    return places
+
+
+def with_bookmarks(pdf: bytes, headings: list[dict], places: list, metadata: dict) -> bytes:
+    """``pdf`` with bookmarks of our own: each heading down to level 3, under the heading above
+    it (chapters and labs at the top, their sections and subsections below), named by its text
+    and opening at its place on the page; and the book's title and authors in its properties."""
+    from pypdf import PdfWriter
+    from pypdf.generic import Fit
+
+    writer = PdfWriter(clone_from=io.BytesIO(pdf))
+    writer.root_object.pop("/Outlines", None)
+    parents = {}
+    for heading, (page, left, top) in zip(headings, places):
+        level = heading["level"]
+        if level > 3:
+            continue
+        parent = next((parents[above] for above in range(level - 1, 0, -1) if above in parents), None)
+        parents[level] = writer.add_outline_item(title=heading["title"], page_number=page, parent=parent, fit=Fit.xyz(left, top),
+                                                 is_open=False)
+        for deeper in [k for k in parents if k > level]:
+            del parents[deeper]
+    writer.add_metadata({"/Title": f"{metadata['title']}: {metadata['subtitle']}", "/Author": metadata["authors"],
+                         "/Subject": f"version {metadata['version']}"})
+    writer.page_mode = "/UseOutlines"
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()
+
+
+def book_metadata(root: Path = Path(__file__).resolve().parent.parent) -> dict:
+    """Title, subtitle, version and authors for the title page, from CITATION.cff."""
+    import yaml
+
+    cff = yaml.safe_load((root / "CITATION.cff").read_text(encoding="utf-8"))
+    title, _, subtitle = cff["title"].partition(":")
+    authors = ", ".join(a.get("name") or f"{a['given-names']} {a['family-names']}" for a in cff["authors"])
+    return {"title": title.strip(), "subtitle": subtitle.strip(), "version": str(cff["version"]), "authors": authors,
+            "smallestCodePx": SMALLEST_CODE_PX, "shortBlockLines": SHORT_BLOCK_LINES, "bookCss": BOOK_CSS}
+
+
 def print_pdf(site: Path, target: Path, chromium: str) -> None:
     """Print ``site``/index.html to ``target``; the file appears only once it is complete."""
     from playwright.sync_api import sync_playwright
@@ -48,7 +255,9 @@ def print_pdf(site: Path, target: Path, chromium: str) -> None:
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=BROWSER_ARGS)
-            page = browser.new_page(viewport={"width": 1100, "height": 1400})
+            # As wide as the printed text (A4 less the margins), so that what is measured before
+            # printing (which code blocks are too wide) is what will be printed.
+            page = browser.new_page(viewport={"width": TEXT_WIDTH_PX, "height": 1400})
             page.goto(f"{base}/index.html", wait_until="networkidle", timeout=300_000)
             if page.locator("span.math, div.math").count():
                 page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
@@ -57,22 +266,38 @@ def print_pdf(site: Path, target: Path, chromium: str) -> None:
             # Folded lab answers and collapsed solutions are printed open.
             page.evaluate("() => document.querySelectorAll('details').forEach(d => { d.open = true; })")
             page.emulate_media(media="print")
-            handle, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-            os.close(handle)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(partial, 0o666 & ~umask)  # mkstemp makes it private; the PDF is for publishing
-            try:
-                page.pdf(path=partial, format="A4", print_background=True, display_header_footer=True,
-                         header_template="<span></span>", footer_template=FOOTER,
-                         margin={"top": "16mm", "bottom": "18mm", "left": "16mm", "right": "16mm"})
-                os.replace(partial, target)
-            finally:
-                if os.path.exists(partial):
-                    os.unlink(partial)
+            metadata = book_metadata()
+            headings = page.evaluate(PREPARE, metadata)
+            options = {"print_background": True, "prefer_css_page_size": True, "outline": True, "tagged": True}
+            places = heading_places(headings, page.pdf(**options))  # first printing: where everything falls
+            for _ in range(3):
+                page.evaluate(FILL_PAGES, {h["id"]: place[0] + 1 for h, place in zip(headings, places)})
+                pdf = page.pdf(**options)
+                printed = heading_places(headings, pdf)
+                if [p[0] for p in printed] == [p[0] for p in places]:
+                    break
+                places = printed  # the numbers moved a heading; print again with the new ones
+            else:
+                raise RuntimeError("the table of contents did not settle in three printings")
+            pdf = with_bookmarks(pdf, headings, printed, metadata)
             browser.close()
     finally:
         server.shutdown()
+    write_atomically(target, pdf)
+
+
+def write_atomically(target: Path, data: bytes) -> None:
+    handle, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    try:
+        with os.fdopen(handle, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(partial, 0o666 & ~umask)  # mkstemp makes it private; the PDF is for publishing
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,7 @@ ARCHIVE = "calculators/offloadlab.zip"  # under the site's _static
 # The estimates layer and the base under it (design.md's table of layers): pure arithmetic on the
 # standard library. Each name is a module or a sub-package of offloadlab, walked whole.
 ESTIMATES_LAYER = ("units", "files", "cores", "memory", "overlap", "budget", "planner", "sharding", "architectures",
-                   "engines")
+                   "model_count", "engines")
 # Data the layer reads, folders of offloadlab shipped with it: the shipped model configs.
 LAYER_DATA = ("model_configs",)
 # The command line, which the calculators run: its module-level imports must be portable too (its

@@ -42,6 +42,14 @@ class Prefetcher:
     ``buffers`` items however many items there are, and is released with the prefetcher);
     with ``pinned=False`` it is copied straight from pageable memory, synchronously.
 
+    An item is a view into one of the ``buffers`` device staging buffers, valid until the item
+    ``buffers`` places after it is delivered into the same buffer: use it (issue the work that
+    reads it) before asking for that one, or ``.clone()`` it to keep it. ``list(prefetcher)``
+    would hold every item past its buffer's reuse, so it is refused: when an item is delivered
+    into a buffer whose last item is still referenced, iteration raises, and the refilled
+    buffer's earlier views have their version counters bumped, so that autograd refuses a
+    backward that saved one (its in-place check) instead of reading the new item's data.
+
     Iterating again starts a new pass over the same buffers, once the last pass is over: run to
     its end, or left with a ``break`` (its iterator dropped). Two passes at once would share the
     buffers, and are refused. On a GPU the last copies of a pass may still be reading pinned
@@ -128,6 +136,7 @@ class Prefetcher:
         count = len(self.sources)
         self._records = records = []
         pending = {}
+        served, stale = {}, []  # weak refs to the views of items delivered, and of those since overwritten
         try:
             for index in range(min(self.depth + 1, count)):
                 pending[index] = self._issue(index)
@@ -138,6 +147,10 @@ class Prefetcher:
                 for transfer in transfers:
                     transfer.synchronize() if self.synchronous else transfer.wait()
                 views = self.layouts[index].views(self._slots[slot])
+                if index >= self.buffers:  # the item that had this buffer now shows this one's data
+                    stale.append((index - self.buffers, index, served.pop(index - self.buffers)))
+                stale = self._check_stale(stale, index)
+                served[index] = [weakref.ref(v) for v in views]
                 begin = self.link.mark()
                 self._in_use = slot
                 yield views[0] if self._single[index] else views
@@ -152,6 +165,25 @@ class Prefetcher:
             if self._in_use is not None:  # closed mid-item (break, or a new pass): release what it held
                 self._released[self._in_use] = self.link.mark()
                 self._in_use = None
+
+    def _check_stale(self, stale: list, index: int) -> list:
+        """Refuse a consumer that still holds an item whose buffer was refilled (``stale``: (item,
+        the item that refilled it, weak refs to its views)), now that item ``index`` is delivered;
+        the item just before ``index`` may still be the consumer's loop variable, and is checked
+        at the next delivery. Bumps a held view's version counter, so a backward that saved it
+        fails too. Returns the entries left to check."""
+        left = []
+        for earlier, refill, refs in stale:
+            held = [v for v in (r() for r in refs) if v is not None]
+            if held and earlier < index - 1:
+                torch.autograd.graph.increment_version(held)
+                raise RuntimeError(f"Prefetcher: item {earlier} is still referenced, but its device buffer has held "
+                                   f"item {refill} since; an item is valid only until the item {self.buffers} places "
+                                   f"after it is delivered: use it before asking for the next, or .clone() it to "
+                                   f"keep it (list(prefetcher) keeps every item)")
+            if held:
+                left.append((earlier, refill, refs))
+        return left
 
     def timeline(self) -> dict:
         """{'H2D': [...], 'compute': [...]} of the last pass: (start, end, label) in seconds."""

@@ -118,6 +118,12 @@ class StreamedModel:
         self.model, self.link, self.blocks, self.buffers = model, link, chosen, buffers
         self.names = [names.get(id(b), f"block {i}") for i, b in enumerate(chosen)]
         self._params = [list(b.named_parameters()) for b in chosen]
+        for index, named in enumerate(self._params):
+            meta = [name for name, p in named if p.is_meta]
+            if meta:
+                raise ValueError(f"blocks: {self.names[index]!r} has parameters on the meta device ({meta[0]!r}"
+                                 f"{' and more' if len(meta) > 1 else ''}): shapes without values; materialise the "
+                                 f"model first (model.to_empty(device='cpu') and initialise it, or load its weights)")
         self._check_ownership()
 
         self.layouts = [Layout([p for _, p in named]) for named in self._params]
@@ -503,7 +509,9 @@ class StreamedModel:
                                      f"and {self.names[index]!r}; a streamed parameter belongs to one block")
                 if streamed_model_of(p) is not None:
                     raise ValueError(f"blocks: {self.names[index]!r} is already streamed")
-        inside = collections.Counter(id(p) for named in self._params for _, p in named)
+        # (counted with repeats: a weight tied between two layers of one block is used twice inside it)
+        inside = collections.Counter(id(p) for block in self.blocks for _, p in block.named_parameters(
+            remove_duplicate=False))
         everywhere = collections.Counter(id(p) for _, p in self.model.named_parameters(remove_duplicate=False))
         for name, p in self.model.named_parameters(remove_duplicate=False):
             if id(p) in inside and everywhere[id(p)] > inside[id(p)]:

@@ -231,4 +231,20 @@ def test_two_passes_at_once_are_refused(link):
     with pytest.raises(RuntimeError, match="a pass over its buffers is still in progress"):
         iter(prefetcher)
     del outer  # left: the next pass may start
-    assert len(list(prefetcher)) == 4
+    assert sum(1 for _ in prefetcher) == 4
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_an_item_kept_past_its_buffers_reuse_is_refused_not_changed(link, buffers):
+    """Each item is a view into a staging buffer, valid until the item ``buffers`` places later
+    is delivered there. list(Prefetcher(...)) used to give [4, 3, 4, 3, 4] for items 0 … 4."""
+    source = [torch.full((4,), float(i)) for i in range(5)]
+    with pytest.raises(RuntimeError, match=r"item 0 is still referenced, but its device buffer has held item"):
+        list(Prefetcher(source, link, buffers=buffers))
+    kept = []
+    with pytest.raises(RuntimeError, match=r"\.clone\(\) it to keep it"):
+        for item in Prefetcher(source, link, buffers=buffers):
+            kept.append(item)
+    assert len(kept) <= buffers + 1  # refused as the first kept item is overwritten (one item later for one buffer)
+    cloned = [item.clone() for item in Prefetcher(source, link, buffers=buffers)]  # kept the right way
+    assert all(torch.equal(a, b) for a, b in zip(cloned, source))

@@ -479,3 +479,28 @@ def test_copying_or_unstreaming_under_an_optimizer_is_refused_clearly(link):
         handle.remove()
     optimizer.close()
     handle.remove()
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "CPUOffloadAdam"])
+def test_weights_tied_inside_one_block_stream_and_train_like_the_plain_model(link, optimizer):
+    """Two layers of one block sharing a weight: the block still owns it (used to be refused as
+    'also used outside the streamed blocks')."""
+    plain, streamed = twins(GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=16))
+    for model in (plain, streamed):
+        for block in model.blocks:
+            block.norm2.weight = block.norm1.weight
+    StreamedModel(streamed, link)
+    make = {"AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+            "CPUOffloadAdam": lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link)}[optimizer]
+    x, y = batch(64, 16)
+    for model in (plain, streamed):
+        three_steps(model, make(model), x, y)
+    for a, b in zip(plain.parameters(), streamed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_block_on_the_meta_device_is_refused_in_words(link):
+    with torch.device("meta"):
+        model = TinyGPT(GPTConfig(layers=2, hidden=8, heads=2, vocab=8, seq=4))
+    with pytest.raises(ValueError, match=r"^blocks: 'blocks.0' has parameters on the meta device .* materialise"):
+        StreamedModel(model, link)

@@ -12,16 +12,10 @@ from __future__ import annotations
 
 import threading
 
-from .. import _torch_compat
 from ..layout import Layout
 from ..ownership import streamer_of
 
-__all__ = ["Bucket", "Received", "identity", "make_buckets"]
-
-
-def identity(p) -> tuple[int, int]:
-    """What changes when a parameter's values are changed or replaced: its version counter and address."""
-    return _torch_compat.version(p), p.data_ptr()
+__all__ = ["Bucket", "Received", "make_buckets"]
 
 
 class Received:
@@ -62,8 +56,7 @@ class Bucket:
 
     Progress: ``received`` (this step's gradients so far), ``submitted`` (handed to the worker;
     ``updated`` is set whenever no update of the bucket runs), ``steps`` (AdamW's step count per
-    parameter), ``synced`` (each parameter's :func:`identity` when the master copy last matched
-    it) and ``upload`` (the copy taking the newest weights up).
+    parameter) and ``upload`` (the copy taking the newest weights up).
     """
 
     def __init__(self, index: int, params: list, groups: list, start: int, streamed=None, block=None):
@@ -75,7 +68,6 @@ class Bucket:
         self.numel = self.layout.nbytes // itemsize
         self.streamed, self.block = streamed, block
         self.steps = [0] * len(params)
-        self.synced = [None] * len(params)
         self.received = Received(len(params))
         self.upload = None
         self.submitted = False
@@ -143,38 +135,26 @@ class Bucket:
         """Each parameter's step count, from a state dict."""
         self.steps = list(steps)
 
-    def changed_outside(self) -> list[int]:
-        """Positions of parameters changed or replaced outside the optimizer since it last wrote
-        them (``p.data = …``, ``model.load_state_dict``); they count as matched from now on: the
-        caller takes their values into the master copy."""
-        changed = [k for k, p in enumerate(self.params) if self.synced[k] != identity(p)]
-        for k in changed:
-            self.synced[k] = identity(self.params[k])
-        return changed
-
-    def synced_now(self) -> None:
-        """Every parameter now holds what the master copy holds."""
-        self.synced = [identity(p) for p in self.params]
-
     def weights_sent(self, upload) -> None:
         """The new weights have been written: into the parameters' host memory (``upload`` None) or
         on their way up in the copy ``upload``."""
         self.upload = upload
-        self.synced_now()
 
     def update_done(self) -> None:
         self.updated.set()
 
 
-def make_buckets(param_groups, bucket_bytes: int, start_index: int = 0, start: int = 0) -> list[Bucket]:
+def make_buckets(param_groups, bucket_bytes: int, start_index: int = 0, start: int = 0,
+                 only: set[int] | None = None) -> list[Bucket]:
     """Buckets of at most ``bucket_bytes`` gradient bytes over the trainable parameters of
-    ``param_groups``, in the reverse of the order given (the order backward produces gradients
-    for ``model.parameters()``). Streamed blocks make one bucket each, as they are streamed."""
+    ``param_groups`` (those whose ids are in ``only``, if given), in the reverse of the order given
+    (the order backward produces gradients for ``model.parameters()``). Streamed blocks make one
+    bucket each, as they are streamed."""
     buckets, blocks_done = [], set()
     group_of = {id(p): g for g in param_groups for p in g["params"]}
     for group in param_groups:
         current, current_bytes = [], 0
-        for p in reversed([p for p in group["params"] if p.requires_grad]):
+        for p in reversed([p for p in group["params"] if p.requires_grad and (only is None or id(p) in only)]):
             streamed = streamer_of(p)
             if streamed is not None:
                 block = streamed.block_of(p)

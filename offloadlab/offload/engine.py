@@ -16,7 +16,9 @@ the worker, the schedule's last word.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
 import threading
 import warnings
 
@@ -28,11 +30,11 @@ from ..ownership import streamer_of
 from . import schedule
 from .bucket import make_buckets
 from .host_state import HostState, check_group
-from .intake import GradientIntake
+from .intake import GradientIntake, check_unconverted
 from .loss_scaler import LossScaler
 from .worker import UpdateWorker
 
-__all__ = ["OffloadEngine", "StepTimeline", "managed", "owner", "DEVICE_DTYPES"]
+__all__ = ["OffloadEngine", "StepTimeline", "check_disjoint", "managed", "owner", "DEVICE_DTYPES"]
 
 DEVICE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -46,6 +48,38 @@ def owner(param: torch.Tensor) -> "OffloadEngine | None":
     """The live engine that manages ``param``, or None."""
     engine = ownership.optimizer_of(param)
     return engine if engine is not None and engine.closed is None else None
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Hold a SIGINT (Ctrl-C, a notebook's interrupt) that arrives inside the block and deliver it
+    to the handler there was before, once the block is done; off the main thread, nothing is held."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # (None: a handler installed outside Python, which could not be put back)
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(signal.SIGINT, held[0])  # Python's own handler raises KeyboardInterrupt here
+
+
+def check_disjoint(params: list) -> None:
+    """ValueError if two parameters share memory (``nn.Parameter(b)`` beside ``nn.Parameter(b[:4])``):
+    each has its own master copy and update here, so the shared elements would get two updates
+    and end as whichever landed last; torch.optim.AdamW applies both to the one memory."""
+    spans = sorted((p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size(), p.nbytes, i)
+                   for i, p in enumerate(params))
+    for (start, nbytes, i), (next_start, _, j) in zip(spans, spans[1:]):
+        if next_start < start + nbytes:
+            a, b = sorted((i, j))
+            raise ValueError(f"params: two trainable parameters share memory (shapes {tuple(params[a].shape)} and "
+                             f"{tuple(params[b].shape)}), as views of one tensor do; CPUOffloadAdam keeps a master "
+                             f"copy per parameter and cannot update shared elements as AdamW does. Make one "
+                             f"parameter and derive the other from it in forward, or clone one of them")
 
 
 class StepTimeline:
@@ -99,6 +133,7 @@ class OffloadEngine:
         self._zero_grad: set[int] = set()
         trainable = [p for g in param_groups for p in g["params"] if p.requires_grad]
         self.device, self.dtype = self._check_params(trainable, link)
+        check_disjoint(trainable)
         streamed = next((m for p in trainable if (m := streamer_of(p)) is not None), None)
         if link is None and streamed is not None:
             link = streamed.link  # its gradient copies land in our buffers: one link, one set of engines
@@ -129,12 +164,17 @@ class OffloadEngine:
         self.accumulation_steps = accumulation_steps
         self.step_count = 0  # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
         self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
+        self._unfinished = None  # the rest of a step taken but not yet done (see _to_step_boundary)
+        self._refreshed: set[int] = set()
+        # Whether zero_grad() came since the last step: AdamW's next step would add that step's
+        # gradients to its own without it; this optimizer's step consumes them, and says so once.
+        self._zeroed_since_step, self._said_not_zeroed = True, False
         cpu_adam.load()  # find or build the kernel now, not on the worker in the middle of a backward
 
         buckets = make_buckets(param_groups, bucket_bytes)  # (checks streamed blocks first)
         self._take_over(trainable, stacklevel=5)  # an earlier optimizer finishes before we copy the weights
         self.timeline = StepTimeline(record_timeline)
-        self.host = HostState(self.link, self.dtype, buckets)
+        self.host = HostState(self.link, self.dtype, buckets, keep_sent=self.schedule.pending_upload())
         self.intake = GradientIntake(self.link, self.host, self.schedule.eager_after,
                                      ready=self._ready, record=self._record_arrival, usable=self._usable)
         self.worker = UpdateWorker(self.link, self.host, self.threads,
@@ -155,6 +195,10 @@ class OffloadEngine:
                              f"got {sorted(map(str, dtypes))}")
         if any(not p.is_contiguous() for p in trainable):
             raise ValueError("params: expected contiguous parameters")
+        if any(p.is_meta for p in trainable):
+            raise ValueError("params: a parameter is on the meta device (it has a shape but no values); "
+                             "materialise the model first (model.to_empty(device=...) and initialise it, or load "
+                             "its weights)")
         if devices:
             device = devices.pop()
         else:  # only streamed parameters: they compute on their StreamedModel's device
@@ -165,8 +209,8 @@ class OffloadEngine:
         """Close live engines that manage any of ``trainable``; the warning names the user's line
         ``stacklevel`` frames up (CPUOffloadAdam(...) or add_param_group(...))."""
         previous = {id(e): e for p in trainable if (e := owner(p)) is not None}
-        for engine in previous.values():
-            engine.close(reason="its parameters were taken over by a newer CPUOffloadAdam")
+        for engine in previous.values():  # (gradients they hold for a step not yet taken come back to .grad)
+            engine.close(reason="its parameters were taken over by a newer CPUOffloadAdam", return_gradients=True)
         if previous:
             warnings.warn(f"CPUOffloadAdam: closed {len(previous)} earlier optimizer(s) over the same parameters "
                           f"and took their parameters over", stacklevel=stacklevel)
@@ -182,11 +226,17 @@ class OffloadEngine:
         if device.type != self.device.type or dtype != self.dtype:
             raise ValueError(f"params: expected {self.dtype} parameters on {self.device} like the others; "
                              f"got {dtype} on {device}")
+        self._manage([group], trainable, stacklevel=5)
+
+    def _manage(self, groups: list, trainable: list, stacklevel: int) -> None:
+        """Give ``trainable`` (parameters of ``groups``) host state, hooks and a place in new buckets."""
+        check_disjoint([p for b in self.host.buckets for p in b.params] + trainable)
         self.synchronize()
         self.intake.settle()
         self.link.synchronize()  # every gradient in flight has landed before the buffers are copied over
-        self._take_over(trainable, stacklevel=4)
-        buckets = make_buckets([group], self.bucket_bytes, start_index=len(self.host.buckets), start=self.host.numel)
+        self._take_over(trainable, stacklevel=stacklevel)
+        buckets = make_buckets(groups, self.bucket_bytes, start_index=len(self.host.buckets), start=self.host.numel,
+                               only={id(p) for p in trainable})
         self.host.extend(buckets)
         self.intake.add(buckets)
         self.worker.resize()
@@ -197,27 +247,79 @@ class OffloadEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> None:
-        """One optimizer step, under the schedule (see :mod:`~offloadlab.offload.schedule`)."""
+        """One optimizer step, under the schedule (see :mod:`~offloadlab.offload.schedule`).
+
+        A step is whole or not at all, whatever interrupts it: a Ctrl-C (SIGINT on the main thread)
+        is held until the step is done and then raised; a KeyboardInterrupt raised inside it (by a
+        hook, say) first brings the optimizer to a step boundary (:meth:`_to_step_boundary`).
+        """
         self.check_usable()
         for i, group in enumerate(self.param_groups):  # a scheduler's bad value is refused, not run
             check_group(group, f"param_groups[{i}]: ")
+        for bucket in self.host.buckets:
+            for p in bucket.params:
+                check_unconverted(p, self.dtype, self.device if bucket.streamed is None else p.device)
+        with interrupts_held():
+            try:
+                self._step()
+            except KeyboardInterrupt:
+                self._to_step_boundary()
+                raise
+
+    def _step(self) -> None:
+        self._refreshed = set()  # buckets whose parameters were compared with their weights this step
         self._take_in_gradients()
         self.schedule.before_update(self._finish, self._submitted())
         self._take_zero_gradients()
         ready = [b for b in self.host.buckets if b.received.any() and not b.submitted]
         scale = self._grad_scale(ready)
         self._clip_now = None
+        if not self._zeroed_since_step and not self._said_not_zeroed and (ready or self._submitted()):
+            self._said_not_zeroed = True
+            warnings.warn("CPUOffloadAdam: step() without zero_grad() since the last step; torch.optim.AdamW "
+                          "would add the last step's gradients to this one's, but here each step() consumes its "
+                          "gradients: this step uses only those received since the last. Call "
+                          "optimizer.zero_grad() every step to say so (model.zero_grad() does not reach the "
+                          "optimizer)", stacklevel=6)
+        self._zeroed_since_step = False
         if scale is None:  # fp16 overflow: this step is skipped
-            for bucket in ready:
-                bucket.discard()
-            self.scaler.update(overflowed=True)
-            return
-        self.step_count += 1
-        for bucket in ready:
-            self.worker.submit(bucket, scale, self.step_count)
+            self._unfinished = lambda: self._skip(ready)
+        else:  # from here on the step is taken: an interrupt finishes it rather than undoing it
+            self._unfinished = lambda: self._hand_over(ready, scale)
+            self.step_count += 1
+        self._unfinished()
+
+    def _hand_over(self, remaining: list, scale: float) -> None:
+        """Hand this step's buckets (``remaining``: those not yet handed over) to the worker, and
+        finish as the schedule says."""
+        while remaining:
+            if not remaining[0].submitted:  # (an interrupt may have come after it was handed over)
+                # (a delayed update's weights, just sent, were compared with the parameters first)
+                self.worker.submit(remaining[0], scale, self.step_count,
+                                   refresh=remaining[0].index not in self._refreshed)
+            remaining.pop(0)
         self.schedule.after_handing_over(self._finish, self._submitted())
         if self.scaler is not None:
             self.scaler.update(overflowed=False)
+        self._unfinished = None
+
+    def _skip(self, ready: list) -> None:
+        for bucket in ready:
+            bucket.discard()
+        self.scaler.update(overflowed=True)
+        self._unfinished = None
+
+    def _to_step_boundary(self) -> None:
+        """After a KeyboardInterrupt inside step(): a step already taken (counted, or with
+        accumulation_steps, its update started during backward) is finished; otherwise nothing of
+        it happens — this step's gradients stay received, as AdamW's stay in ``.grad`` — but the
+        update an earlier step left pending (delayed_update) is applied, as step() began to."""
+        if self._unfinished is not None:
+            self._unfinished()
+        elif self.schedule.eager_after is not None and self._submitted():
+            self._step()
+        else:
+            self.schedule.before_update(self._finish, self._submitted())
 
     def _take_in_gradients(self) -> None:
         """Before a step or a clip: close a backward pass that raised, and take in gradients left in
@@ -236,14 +338,24 @@ class OffloadEngine:
         self.timeline.record(lane, interval, label, self.step_count + 1)
 
     def _check_unmanaged_gradients(self) -> None:
-        """AdamW would update a parameter of its groups that has a gradient; one this optimizer does
-        not hold state for (it did not require grad when the optimizer was made) is an error."""
-        for i, group in enumerate(self.param_groups):
-            for j, p in enumerate(group["params"]):
-                if p.grad is not None and self.intake.position(p) is None:
-                    raise RuntimeError(f"CPUOffloadAdam: param_groups[{i}]['params'][{j}] has a gradient, but it "
-                                       f"did not require grad when the optimizer was made, so it has no state here; "
-                                       f"give it to the optimizer with add_param_group once it is trainable")
+        """AdamW updates every parameter of its groups that has a gradient: one that did not require
+        grad when the optimizer was made gets its host state now, and trains from this step on. (A
+        streamed one cannot: its block's gradient layout is fixed when it is streamed.)"""
+        unmanaged = [(i, j, p) for i, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])
+                     if p.grad is not None and self.intake.position(p) is None]
+        for i, j, p in unmanaged:
+            if streamer_of(p) is not None:
+                raise RuntimeError(f"CPUOffloadAdam: param_groups[{i}]['params'][{j}] has a gradient, but it did not "
+                                   f"require grad when the optimizer was made, and it is streamed, so its block "
+                                   f"has no place for it; make the optimizer again (it takes the parameters over; "
+                                   f"load the old one's state_dict() into it to keep the state)")
+        if unmanaged:
+            params = [p for _, _, p in unmanaged]
+            device, dtype = self._check_params(params, self.link)
+            if device.type != self.device.type or dtype != self.dtype:
+                raise ValueError(f"params: expected {self.dtype} parameters on {self.device} like the others; "
+                                 f"got {dtype} on {device}")
+            self._manage(self.param_groups, params, stacklevel=7)
 
     def _take_zero_gradients(self) -> None:
         """Note which parameters got a gradient this step; give a zero one to each that got none but
@@ -284,14 +396,21 @@ class OffloadEngine:
             bucket.updated.wait()
         if self.worker.error is not None:
             self._fail()
+        edited = 0
         for bucket in buckets:
             if upload:
+                edited += self.host.refresh(bucket)  # (delayed update: weights set by hand while it ran win)
+                self._refreshed.add(bucket.index)
                 self.worker.upload(bucket, after="compute", step=self.step_count)
             if bucket.upload is not None:
                 bucket.upload.wait()
             bucket.settle()
         if buckets:
             self.timeline.close(self.step_count)
+        if edited:
+            warnings.warn(f"CPUOffloadAdam: {edited} parameter(s) were changed outside the optimizer while a delayed "
+                          f"update was pending; they keep the values set, and that update is dropped for them "
+                          f"(call optimizer.synchronize() before changing weights by hand)", stacklevel=8)
 
     def _grad_scale(self, ready: list) -> float | None:
         """1 / loss scale × clipping factor; None when an fp16 overflow means skip the step."""
@@ -362,6 +481,9 @@ class OffloadEngine:
         """Forget gradients received since the last step (zero_grad)."""
         if self.closed is not None:
             return
+        if self.schedule.eager_after is not None and self._submitted():
+            self.step()  # updates that started during backward: their step is finished, not left half-done
+        self._zeroed_since_step = True
         self._note_zero_grad([p for bucket in self.host.buckets for p in bucket.params], set_to_none)
         for streamed in {id(b.streamed): b.streamed for b in self.host.buckets if b.streamed is not None}.values():
             streamed.settle()  # a backward that raised: what it gathered reaches us first, to be discarded
@@ -387,13 +509,17 @@ class OffloadEngine:
                 bucket.upload.wait()
                 bucket.upload.synchronize()
 
-    def close(self, reason: str = "close() was called") -> None:
-        """Finish pending work (unless the worker failed), remove hooks, stop the thread, free host memory."""
+    def close(self, reason: str = "close() was called", return_gradients: bool = False) -> None:
+        """Finish pending work (unless the worker failed), remove hooks, stop the thread, free host
+        memory. With ``return_gradients``, gradients received for a step not yet taken go back to
+        the parameters' ``.grad``, where torch.optim.AdamW (or a new CPUOffloadAdam) finds them."""
         if self.closed is not None:
             return
         try:
             if self.worker.error is None:
                 self.synchronize()
+                if return_gradients:
+                    self._return_gradients()
         finally:
             self.closed = reason
             self.intake.close()
@@ -404,3 +530,24 @@ class OffloadEngine:
             for bucket in self.host.buckets:
                 for p in bucket.params:
                     ownership.release(p, self)
+
+    @torch.no_grad()
+    def _return_gradients(self) -> None:
+        """Put this step's gradients so far (the fp32 sum of several micro-batches, in the
+        parameter's dtype) into ``.grad``, added to any gradient already there; a parameter whose
+        gradient zero_grad(set_to_none=False) kept as zeros gets zeros, as AdamW would see it."""
+        self.intake.settle()
+        self.intake.take_loose()
+        for bucket in self.host.buckets:
+            received = bucket.received
+            received.landed()
+            self.host.fold(bucket, received, final=True)
+            for k, p in enumerate(bucket.params):
+                if received.counts[k]:
+                    grad = self.host.gradient(bucket, k, k + 1, received.counts)
+                    grad = grad.view(p.shape).to(device=p.device, dtype=p.dtype)
+                elif id(p) in self._zero_grad:
+                    grad = torch.zeros_like(p)
+                else:
+                    continue
+                p.grad = grad if p.grad is None else p.grad + grad

@@ -28,20 +28,31 @@ import torch
 from ..link import Link
 from .bucket import Bucket, Received
 
-__all__ = ["HostState", "export_state", "check_state", "check_hyperparameters", "check_group", "UNSUPPORTED_FLAGS"]
+__all__ = ["HostState", "same_bits", "export_state", "check_state", "check_hyperparameters", "check_group", "UNSUPPORTED_FLAGS"]
 
 # AdamW options CPUOffloadAdam does not implement: a state dict or group that turns one on is refused.
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one floating dtype hold the same bit patterns (NaNs and signed zeros
+    included, where ``torch.equal`` calls NaN unequal to itself and -0 equal to +0)."""
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(as_int), b.view(as_int))
+
+
 class HostState:
     """The flat pinned host buffers of every bucket (see the module docstring); sizes in elements."""
 
-    def __init__(self, link: Link, dtype: torch.dtype, buckets: list[Bucket]):
+    def __init__(self, link: Link, dtype: torch.dtype, buckets: list[Bucket], keep_sent: bool = False):
         self.link, self.dtype = link, dtype
         self.buckets: list[Bucket] = []
         self.numel = 0
         self.master = self.exp_avg = self.exp_avg_sq = self.grads = self.weights_out = None
+        # With a delayed update the outgoing copy runs a step ahead of the parameters: a copy of
+        # what they were last sent is kept (``keep_sent``) to tell a change made by hand.
+        self.sent = None
+        self._keep_sent = keep_sent
         self.accumulated = None  # fp32 gradient sums, allocated by the first step that accumulates
         self._allocating = threading.Lock()
         self.extend(buckets)
@@ -56,6 +67,8 @@ class HostState:
         self.grads = self._grow(old["grads"], numel, self.dtype)
         # fp32 weights go back straight from the master copy; low precision needs its own buffer.
         self.weights_out = None if self.dtype == torch.float32 else self._grow(self.weights_out, numel, self.dtype)
+        if self._keep_sent:
+            self.sent = self._grow(self.sent, numel, self.dtype)
         if old["accumulated"] is not None:
             self.accumulated = torch.empty(max(numel, 1), dtype=torch.float32)
             self.accumulated[:old["accumulated"].numel()].copy_(old["accumulated"])
@@ -68,21 +81,48 @@ class HostState:
                     # as it is, so its outgoing copy must hold it from the start (not poison).
                     if self.weights_out is not None:
                         self.weights_out[s:e].copy_(p.detach().reshape(-1))
+                    if self.sent is not None:
+                        self.sent[s:e].copy_(p.detach().reshape(-1))
                     self.exp_avg[s:e].zero_()
                     self.exp_avg_sq[s:e].zero_()
-                bucket.synced_now()
         self.buckets += buckets
 
     @torch.no_grad()
-    def refresh(self, bucket: Bucket) -> None:
-        """Take weights changed outside the optimizer since it last wrote them (a
-        ``model.load_state_dict`` after the optimizer was made, ``p.data = …``) into the master
-        copy, as torch.optim.AdamW, which updates the parameters themselves, would see them."""
-        for k in bucket.changed_outside():
-            p, (s, e) = bucket.params[k], bucket.ranges[k]
-            self.master[s:e].copy_(p.detach().reshape(-1))
-            if self.weights_out is not None:
-                self.weights_out[s:e].copy_(p.detach().reshape(-1))
+    def refresh(self, bucket: Bucket) -> int:
+        """Take weights changed outside the optimizer since it last wrote them into the master
+        copy, as torch.optim.AdamW, which updates the parameters themselves, would see them.
+
+        However they were changed — ``p.data.fill_(…)``, ``copy_`` from a checkpoint or an EMA,
+        an in-place op under ``torch.no_grad()``, ``p.data = …``, ``model.load_state_dict``,
+        ``torch.nn.utils.vector_to_parameters`` — the parameter no longer holds, bit for bit, the
+        weights last sent to it (the outgoing copy), and that is what is compared: a version
+        counter misses edits made through ``.data``. A parameter that still holds them keeps its
+        fp32 master. On a GPU the comparison reads the bucket's weights down once per step.
+        Returns how many parameters had changed.
+        """
+        if bucket.upload is not None:
+            bucket.upload.synchronize()  # the weights last sent have reached the parameters
+        sent = self.outgoing() if self.sent is None else self.sent
+        current = [p.detach().reshape(-1) for p in bucket.params]
+        whole = torch.cat(current) if len(current) > 1 else current[0]
+        if whole.device != sent.device:  # one copy down for the bucket, not one per tensor
+            whole = whole.to(sent.device)
+            current = whole.split([p.numel() for p in bucket.params])
+        if whole.numel() == bucket.numel and same_bits(whole, sent[bucket.start:bucket.end]):
+            return 0  # (packed end to end: one comparison for the bucket, the usual answer)
+        changed = 0
+        for weights, (s, e) in zip(current, bucket.ranges):
+            if not same_bits(weights, sent[s:e]):
+                changed += 1
+                for buffer in (self.master, self.weights_out, self.sent):
+                    if buffer is not None:
+                        buffer[s:e].copy_(weights)
+        return changed
+
+    def weights_sent(self, bucket: Bucket) -> None:
+        """The bucket's outgoing weights have just been sent to its parameters (kept, if asked)."""
+        if self.sent is not None:
+            self.sent[bucket.start:bucket.end].copy_(self.outgoing()[bucket.start:bucket.end])
 
     def _grow(self, old, numel: int, dtype) -> torch.Tensor:
         new = self.link.host_buffer(max(numel, 1), dtype)
@@ -140,15 +180,19 @@ class HostState:
     def nbytes(self) -> dict[str, int]:
         """Bytes of host memory held, by buffer (all exact-size; pinned but for the gradient sum)."""
         buffers = {"master_weights": self.master, "first_moment": self.exp_avg, "second_moment": self.exp_avg_sq,
-                   "gradients": self.grads, "weights_out": self.weights_out,
+                   "gradients": self.grads, "weights_out": self.weights_out, "weights_sent": self.sent,
                    "accumulated_gradients": self.accumulated}
         return {k: b.numel() * b.element_size() for k, b in buffers.items() if b is not None}
 
     @torch.no_grad()
-    def load(self, entries: dict) -> None:
+    def load(self, entries: dict) -> int:
         """Set every parameter's state from ``entries`` ({param: entry checked by :func:`check_state`});
-        a parameter without one starts afresh. Master weights missing from an entry come from the
-        parameter itself, and the outgoing weights are made from the master weights."""
+        a parameter without one starts afresh, and the outgoing weights are made from the master
+        weights. A saved master is taken only where it rounds to the parameter's current value:
+        otherwise (none saved, or saved for other weights — a model not loaded yet, parameters
+        in another order) the master comes from the parameter, which keeps its weights, as under
+        torch.optim.AdamW. Returns how many saved masters were passed over that way."""
+        passed_over = 0
         for bucket in self.buckets:
             bucket.restore_steps([entries.get(p, {}).get("step", 0) for p in bucket.params])
             for k, p in enumerate(bucket.params):
@@ -156,13 +200,19 @@ class HostState:
                 entry = entries.get(p, {})
                 self.exp_avg[s:e].copy_(entry["exp_avg"].reshape(-1) if entry else 0)
                 self.exp_avg_sq[s:e].copy_(entry["exp_avg_sq"].reshape(-1) if entry else 0)
-                self.master[s:e].copy_(entry.get("master", p.detach()).reshape(-1))
+                weights = p.detach().reshape(-1).to(self.master.device)
+                master = entry["master"].reshape(-1) if "master" in entry else None
+                if master is not None and not same_bits(master.to(weights.dtype), weights):
+                    master, passed_over = None, passed_over + 1
+                self.master[s:e].copy_(weights if master is None else master)
                 if self.weights_out is not None:
                     self.weights_out[s:e].copy_(self.master[s:e])
+        return passed_over
 
     def release(self) -> None:
         """Drop every buffer (the pinned memory is freed once no view of it is left)."""
         self.master = self.exp_avg = self.exp_avg_sq = self.grads = self.weights_out = self.accumulated = None
+        self.sent = None
 
     def entry(self, bucket: Bucket, k: int) -> dict:
         """Live views of parameter ``k`` of ``bucket``'s state, shaped like the parameter (AdamW's keys)."""

@@ -27,7 +27,17 @@ from ..link import Link
 from .bucket import Bucket
 from .host_state import HostState
 
-__all__ = ["GradientIntake"]
+__all__ = ["GradientIntake", "check_unconverted"]
+
+
+def check_unconverted(param: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    """RuntimeError naming a conversion of the model after the optimizer was made (``model.to(…)``,
+    ``.double()``), which the host state cannot follow."""
+    if param.dtype != dtype or param.device.type != device.type:
+        raise RuntimeError(f"CPUOffloadAdam: a parameter is now {param.dtype} on {param.device}, but was {dtype} on "
+                           f"{device} when the optimizer was made (model.to(…), .half() or .double() since); "
+                           f"convert the model first, then make the optimizer (load optimizer.state_dict() into "
+                           f"the new one to keep the state)")
 
 
 class GradientIntake:
@@ -81,8 +91,11 @@ class GradientIntake:
             return  # a failed or closed optimizer leaves gradients where autograd put them
         bucket, k = self._where[id(param)]
         grad = param.grad
+        check_unconverted(grad, self.host.dtype, self.link.device if bucket.streamed is None else grad.device)
         if grad.is_sparse:
             raise ValueError("params: CPUOffloadAdam does not support sparse gradients")
+        if bucket.submitted and self.eager_after is not None:
+            param.grad = None  # the extra pass is dropped, not left in .grad for the next step to take
         self._check_not_submitted(bucket)
         self._backward.arm()
         self._gather.add(bucket.index, k, grad)
@@ -127,7 +140,9 @@ class GradientIntake:
     def _check_not_submitted(self, bucket: Bucket) -> None:
         if bucket.submitted and self.eager_after is not None:
             raise RuntimeError(f"CPUOffloadAdam: more backward passes than accumulation_steps={self.eager_after} "
-                               f"before step(); declare the number of micro-batches you run, or leave "
+                               f"before step(); this pass's gradients are dropped, and the step of the first "
+                               f"{self.eager_after} stands (its updates have started): step() or zero_grad() "
+                               f"finishes it. Declare the number of micro-batches you run, or leave "
                                f"accumulation_steps unset")
 
     # ------------------------------------------------------------------ the GradientSink protocol

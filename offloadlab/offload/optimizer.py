@@ -32,6 +32,27 @@ Gradients leave the model during backward, so two usual calls must go to the opt
 
 (offloadlab does not patch torch to redirect them: importing it changes nothing in torch.)
 
+Where a user does by hand what AdamW allows, this optimizer does what AdamW does, or says
+at once that it cannot:
+
+- weights changed outside the optimizer, however (``p.data.fill_``, ``copy_`` from a checkpoint
+  or an EMA, in-place ops under ``torch.no_grad()``, ``p.data = …``, ``model.load_state_dict``,
+  ``vector_to_parameters``): the next update starts from them. Each parameter is compared, bit
+  for bit, with the weights last sent to it when its update is handed over (on a GPU, one copy
+  of the weights down per step). With ``accumulation_steps`` that is during backward: change
+  weights before it, not between backward and step(). With ``delayed_update``, weights changed
+  while an update is pending keep their values, and a warning says that update is dropped;
+- Ctrl-C during :meth:`~CPUOffloadAdam.step` waits for the step to be whole, then raises
+  KeyboardInterrupt: the optimizer is never left between steps;
+- a new optimizer over the same parameters (a reload mid-accumulation) finds the gradients
+  collected so far in ``.grad``, as a new AdamW would;
+- a state dict's fp32 master weights are used only where they round to the parameters' current
+  values, so loading into same-shaped parameters in another order leaves the weights alone (a
+  warning names the masters passed over);
+- without ``zero_grad()``, AdamW's next step would add this step's gradients to its own; here
+  step() consumes them, and says so with a warning the first time that would matter;
+- parameters that share memory, and parameters on the meta device, are refused at construction.
+
 Lifecycle: :meth:`close` (or dropping the optimizer, or a new CPUOffloadAdam over the same
 parameters, which takes them over with a warning) removes the hooks, stops the worker and frees
 the host memory; a closed optimizer raises on use. If the CPU update fails, :meth:`step` raises
@@ -41,6 +62,7 @@ the error and the optimizer is closed (the step was only partly applied).
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -280,8 +302,11 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         """Load a state dict from this class or from torch.optim.AdamW and send the weights to the device.
 
         The fp32 master weights come from the state dict when it has current ones (saved by this
-        class at the same step), else from the current parameters (an AdamW state dict, or one
-        whose master copy went through AdamW and is stale).
+        class at the same step) that round to the parameter's current value; else from the
+        current parameters (an AdamW state dict, one whose master copy went through AdamW and is
+        stale, or one saved for other weights), which keep their values, as under AdamW. Saved
+        masters passed over for not matching the weights are named in a warning: load the
+        model's weights first, then the optimizer's state, to keep them.
 
         Everything is checked first — group sizes, every tensor's shape, flags this class does
         not implement (amsgrad, maximize, …) — so a refused state dict changes nothing.
@@ -298,7 +323,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         engine.synchronize()
         for own, values in zip(self.param_groups, hyper):
             own.update(values)
-        engine.host.load(entries)
+        passed_over = engine.host.load(entries)
         engine.upload_all()
+        if passed_over:
+            warnings.warn(f"CPUOffloadAdam.load_state_dict: {passed_over} saved fp32 master weight(s) do not round "
+                          f"to the parameters' current values; those parameters keep their weights, as with "
+                          f"torch.optim.AdamW, and start a master copy from them (load the model's state dict "
+                          f"first to keep the saved masters)", stacklevel=2)
         for hook in _torch_compat.optimizer_hooks(self, "load_state_dict_post"):
             hook(self)

@@ -55,10 +55,12 @@ class UpdateWorker:
         if sizes and (self._staging is None or self._staging.numel() < max(sizes)):
             self._staging = self.link.device_buffer(max(sizes), torch.uint8)
 
-    def submit(self, bucket: Bucket, grad_scale: float, step: int) -> None:
+    def submit(self, bucket: Bucket, grad_scale: float, step: int, refresh: bool = True) -> None:
         """Hand this step's gradients of ``bucket`` to the thread (``grad_scale`` multiplies them
-        first), with its groups' hyperparameters as they are now (a scheduler may change them next)."""
-        self.host.refresh(bucket)  # weights changed since the optimizer last wrote them are the ones to update
+        first), with its groups' hyperparameters as they are now (a scheduler may change them next).
+        Weights changed by hand are taken in first, unless ``refresh`` is False (they were, just now)."""
+        if refresh:
+            self.host.refresh(bucket)  # weights changed since the optimizer last wrote them are the ones to update
         hyper = {id(g): (float(g["lr"]), tuple(map(float, g["betas"])), float(g["eps"]), float(g["weight_decay"]))
                  for g in bucket.groups}  # (a tensor lr, as AdamW allows, is read now: a scheduler may change it)
         self._jobs.put((bucket, bucket.hand_over(), grad_scale, step, hyper))
@@ -107,6 +109,7 @@ class UpdateWorker:
         if bucket.streamed is not None:
             bucket.streamed.write_host_weights(bucket.block, [outgoing[s:e] for s, e in bucket.ranges])
             bucket.weights_sent(None)
+            self.host.weights_sent(bucket)
             return
         torch.autograd.graph.increment_version(bucket.params)  # a later reader of the old weights fails loudly
         label = f"b{bucket.index}"
@@ -119,4 +122,5 @@ class UpdateWorker:
             transfer = self.link.to_device_scattered(targets, outgoing[bucket.start:bucket.end].view(torch.uint8),
                                                      staging, after=after, label=label)
         bucket.weights_sent(transfer)
+        self.host.weights_sent(bucket)
         self._record("H2D", transfer, label, step)

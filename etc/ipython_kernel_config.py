@@ -6,9 +6,14 @@ vector in the PDF, with their text kept as text. The site build, JupyterLab and 
 start their kernels from this environment, so they all draw the same figures.
 """
 
+import os
+
 c = get_config()  # noqa: F821 (IPython provides it while it loads this file)
 
 c.InlineBackend.figure_formats = {"svg"}
+# offloadlab.plots imports pyplot, which would settle on a non-interactive backend before the
+# kernel names its own: name the inline backend first, as the kernel would.
+os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
 try:
     from offloadlab.plots import STYLE
 except ImportError:  # offloadlab is not installed here: matplotlib's own style, still SVG

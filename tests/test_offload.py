@@ -104,6 +104,22 @@ def test_more_micro_batches_than_declared_is_a_clear_error(link):
     opt.close()
 
 
+def test_the_extra_pass_gets_the_clear_error_even_when_the_update_lands_during_it(link):
+    """The eager update's copy up may land at any time after the last declared backward: here
+    between the extra pass's forward and its backward. The weights were marked as changing when the
+    update was handed over, so autograd does not stop the pass before the optimizer can say why."""
+    model = mlp()
+    opt = CPUOffloadAdam(model.parameters(), link=link, accumulation_steps=1)
+    x, y = data(1, 1)[0][0]
+    nn.functional.mse_loss(model(x), y).backward()
+    loss = nn.functional.mse_loss(model(x), y)
+    for bucket in opt.buckets:
+        bucket.updated.wait()  # every update done and its weights sent up, after the forward
+    with pytest.raises(RuntimeError, match="more backward passes than accumulation_steps=1"):
+        loss.backward()
+    opt.close()
+
+
 def test_bf16_master_weights_match_reference_mixed_precision(link):
     model, ref_model = mlp(torch.bfloat16), mlp(torch.bfloat16)
     masters = [p.detach().float().requires_grad_() for p in ref_model.parameters() if p.requires_grad]

@@ -61,6 +61,8 @@ class UpdateWorker:
         Weights changed by hand are taken in first, unless ``refresh`` is False (they were, just now)."""
         if refresh:
             self.host.refresh(bucket)  # weights changed since the optimizer last wrote them are the ones to update
+        if self.upload_after_update:
+            self.announce(bucket)  # (the copy up may land at any time from now on)
         hyper = {id(g): (float(g["lr"]), tuple(map(float, g["betas"])), float(g["eps"]), float(g["weight_decay"]))
                  for g in bucket.groups}  # (a tensor lr, as AdamW allows, is read now: a scheduler may change it)
         self._jobs.put((bucket, bucket.hand_over(), grad_scale, step, hyper))
@@ -101,17 +103,26 @@ class UpdateWorker:
             bucket.advance(first, stop, count)
         self._record("CPU", (started, self.link.now()), f"b{bucket.index}", step)
         if self.upload_after_update:
-            self.upload(bucket, after=self.link.mark_on(received.marker), step=step)
+            self.upload(bucket, after=self.link.mark_on(received.marker), step=step, announced=True)
 
-    def upload(self, bucket: Bucket, after="compute", step: int | None = None) -> None:
-        """Send the bucket's current weights to its parameters (device) or its block's host memory."""
+    def announce(self, bucket: Bucket) -> None:
+        """Say, on the caller's thread, that the bucket's weights change from now on: a graph that
+        saved them before fails autograd's in-place check in its backward, however late the copy up
+        lands, instead of computing with a mix of old and new values."""
+        if bucket.streamed is None:
+            torch.autograd.graph.increment_version(bucket.params)
+
+    def upload(self, bucket: Bucket, after="compute", step: int | None = None, announced: bool = False) -> None:
+        """Send the bucket's current weights to its parameters (device) or its block's host memory
+        (``announced``: :meth:`announce` was called for them when the update was handed over)."""
         outgoing = self.host.outgoing()
         if bucket.streamed is not None:
             bucket.streamed.write_host_weights(bucket.block, [outgoing[s:e] for s, e in bucket.ranges])
             bucket.weights_sent(None)
             self.host.weights_sent(bucket)
             return
-        torch.autograd.graph.increment_version(bucket.params)  # a later reader of the old weights fails loudly
+        if not announced:
+            self.announce(bucket)
         label = f"b{bucket.index}"
         if len(bucket.params) == 1:
             s, e = bucket.ranges[0]

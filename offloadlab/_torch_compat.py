@@ -29,6 +29,18 @@ TESTED = "2.13.0"   # the torch CI pins, and every entry here is tested on
 SUPPORTED = "2.13"  # the releases of torch offloadlab supports
 
 
+# torch.optim loads two modules the first time they are needed: torch._dynamo when the first
+# optimizer is made (a second's work) and the profiler's CUPTI monitor at the first step. A Ctrl-C
+# that lands in such an import leaves a half-made module, and every later optimizer in that Python
+# fails ("partially initialized module 'torch._dynamo'"): a notebook's kernel is lost. Loaded here,
+# they load with the package, in the cell that imports torch.
+for _lazy in ("torch._dynamo", "torch.profiler._cupti_monitor"):
+    try:
+        importlib.import_module(_lazy)
+    except ImportError:  # (a torch without it: nothing to load early)
+        pass
+
+
 class MissingTorchAPI(RuntimeError):
     """A private torch API offloadlab uses is not in this torch."""
 

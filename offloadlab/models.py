@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import _torch_compat  # noqa: F401  (loads what torch.optim would load lazily: see there)
 from .memory import transformer_params
 
 __all__ = ["GPTConfig", "Block", "TinyGPT", "markov_corpus", "batches", "train"]

@@ -11,6 +11,8 @@ cell, which imports, is left out: interrupting ``import torch`` breaks any kerne
 
 import queue
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -125,3 +127,34 @@ def interrupt_and_run_on(path, cells):
                               + "\n".join(failures))
     finally:
         kernel.close()
+
+
+# torch.optim.Optimizer's constructor imports torch._dynamo the first time it runs (about a second's
+# work). A Ctrl-C that lands in that import leaves a half-made module behind, and every later
+# optimizer in that kernel fails ("partially initialized module 'torch._dynamo'"): lab 1 lost its
+# kernel so once. What a notebook's first cell imports must leave no import to a later cell's
+# optimizer: here an import that starts after them fails, as an interrupted one would.
+OPTIMIZERS = {
+    "torch.optim.AdamW": "from offloadlab.models import GPTConfig, TinyGPT\nfrom torch.optim import AdamW as make",
+    "CPUOffloadAdam": "from offloadlab.models import GPTConfig, TinyGPT\nfrom offloadlab.offload import "
+                      "CPUOffloadAdam as make",
+}
+NO_MORE_IMPORTS = """
+import sys
+class Interrupted:
+    def find_spec(self, name, path=None, target=None):
+        raise KeyboardInterrupt(f"import of {name} after the first cell")
+sys.meta_path.insert(0, Interrupted())
+model = TinyGPT(GPTConfig(layers=1, hidden=32, heads=2, vocab=64, seq=8))
+optimizer = make(model.parameters(), lr=1e-3)
+model(torch.randint(0, 64, (2, 8)))[0].float().pow(2).mean().backward()
+optimizer.step()
+sys.meta_path.pop(0)
+"""
+
+
+@pytest.mark.parametrize("imports", OPTIMIZERS.values(), ids=OPTIMIZERS.keys())
+def test_the_first_optimizer_of_a_notebook_imports_nothing(imports):
+    code = "import torch\n" + imports + NO_MORE_IMPORTS
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

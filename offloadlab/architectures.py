@@ -54,6 +54,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .units import check_integer, is_integer
+
 __all__ = ["Weight", "LayerShape", "Architecture", "FAMILIES", "CONFIG_FOLDER", "shipped", "read_config",
            "from_config", "load", "defaults"]
 
@@ -376,8 +378,7 @@ class _Config:
             value = default
         if value is None:
             raise ValueError(f"{self.source}: expected the field {key!r} for a {self.family} model; it is missing")
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{self.source}: expected {key!r} to be a positive integer; got {value!r}")
+        check_integer(value, self.source, expected=f"{key!r} to be a positive integer")
         if key in _LAYER_FIELDS and value > MAX_LAYERS:  # each layer is listed: refuse before building them
             raise ValueError(f"{self.source}: expected {key!r} to be at most {MAX_LAYERS:,} layers; got {value:,}")
         return value
@@ -387,9 +388,7 @@ class _Config:
         value = self._value(key)
         if value is None:
             value = 0
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{self.source}: expected {key!r} to be a whole number; got {value!r}")
-        return value
+        return check_integer(value, self.source, 0, expected=f"{key!r} to be a whole number")
 
     def bool(self, key: str) -> bool:
         value = self._value(key)
@@ -408,7 +407,7 @@ class _Config:
 
     def int_list(self, key: str) -> list[int]:
         value = self._value(key) or []
-        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if not isinstance(value, list) or not all(is_integer(v) for v in value):
             raise ValueError(f"{self.source}: expected {key!r} to be a list of layer numbers; got {value!r}")
         return value
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 
+from .units import is_number
+
 __all__ = ["Verdict", "answer", "exact", "student_release", "STUDENT_VARIABLE"]
 
 STUDENT_VARIABLE = "OFFLOADLAB_STUDENT"
@@ -79,7 +81,7 @@ def answer(name: str, yours, expected, rel_tol: float = 0.05, hint: str = "") ->
     string, NaN, infinity, a tensor of several elements — fails with a line saying so.
     ``expected`` must be a finite real number, since the lab computes it.
     """
-    if not (isinstance(rel_tol, (int, float)) and not isinstance(rel_tol, bool) and 0 <= rel_tol < 1):
+    if not (is_number(rel_tol) and 0 <= rel_tol < 1):
         raise ValueError(f"rel_tol: expected a fraction in [0, 1); got {rel_tol!r}")
     target = _number(expected)
     if target is None:

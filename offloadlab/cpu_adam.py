@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from . import cores, kernel_build
+from .units import check_integer
 
 __all__ = ["adamw_step", "grad_sum_of_squares", "floor_pass", "backend", "load", "Kernel", "Library",
            "bytes_per_param", "default_threads", "TORCH", "VARIANT_ENV"]
@@ -280,9 +281,7 @@ def _check_disjoint(**buffers: torch.Tensor | None) -> None:
 def _check_threads(threads) -> int:
     if threads is None:
         return default_threads()
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads: expected a positive number of threads; got {threads!r}")
-    return threads
+    return check_integer(threads, "threads", expected="a positive number of threads")
 
 
 def _raise_for(status: int, function: str) -> None:
@@ -308,8 +307,7 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: fl
     _check("grad", grad, _DTYPES, n)
     if out is not None:
         _check("out", out, _DTYPES, n)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step: expected the 1-based step count; got {step!r}")
+    check_integer(step, "step", expected="the 1-based step count")
     beta1, beta2 = betas
     if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
         raise ValueError(f"betas: expected two numbers in [0, 1); got {betas!r}")

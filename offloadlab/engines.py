@@ -14,11 +14,10 @@ trains under ``torchrun`` on two CPU processes, both TinyGPT and a transformers 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from . import sharding
-from .units import format_duration, format_size
+from .units import check_integer, format_duration, format_size, is_integer, is_number
 
 __all__ = ["Setup", "ENGINES", "plan_for", "setup", "offered", "deepspeed_config", "deepspeed_snippet",
            "zenflow_block", "fsdp_snippet", "NVME_PATH_PLACEHOLDER", "MODEL_PLACEHOLDER"]
@@ -84,15 +83,12 @@ class Setup:
             raise ValueError(f"offload: expected a combination the engines offer; got {self.strategy} with "
                              f"offload {self.offload!r}")
         for name in ("gpus", "micro_batch", "accumulation", "nvme_buffer", "seq"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive integer; got {value!r}")
-        if self.checkpointed is not None and (isinstance(self.checkpointed, bool) or not isinstance(
-                self.checkpointed, int) or self.checkpointed < 1 or not self.recompute):
+            check_integer(getattr(self, name), name)
+        if self.checkpointed is not None and (not is_integer(self.checkpointed) or self.checkpointed < 1
+                                              or not self.recompute):
             raise ValueError(f"checkpointed: expected a positive number of blocks, with recompute; got "
                              f"{self.checkpointed!r}")
-        if not (isinstance(self.clipping, (int, float)) and not isinstance(self.clipping, bool)
-                and math.isfinite(self.clipping) and self.clipping >= 0):
+        if not (is_number(self.clipping) and self.clipping >= 0):
             raise ValueError(f"clipping: expected a gradient norm ≥ 0 (0: no clipping); got {self.clipping!r}")
         if self.precision not in ("bf16", "fp16"):
             raise ValueError(f"precision: expected 'bf16' or 'fp16'; got {self.precision!r}")

@@ -24,7 +24,7 @@ import torch
 
 from . import devices, overlap
 from .link import Link
-from .units import parse_size
+from .units import check_integer, parse_size
 
 __all__ = ["MatmulWork", "OverlapResult", "measure_overlap", "CrossoverResult", "measure_crossover",
            "WINDOW", "GPU_SHAPE", "overlap_work", "planned_count", "transfer_bytes", "matmul_device_bytes"]
@@ -39,8 +39,7 @@ class MatmulWork:
 
     def __init__(self, rows: int, hidden: int, count: int, device):
         for name, value in (("rows", rows), ("hidden", hidden), ("count", count)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive integer; got {value!r}")
+            check_integer(value, name)
         generator = torch.Generator().manual_seed(0)
         self.x = torch.randn(rows, hidden, generator=generator).to(device)
         self.w = (torch.randn(hidden, hidden, generator=generator) / hidden**0.5).to(device)
@@ -169,8 +168,7 @@ def _run_once(link: Link, work: MatmulWork, host, device, mode: str):
 
 def measure_overlap(link: Link, nbytes, work: MatmulWork, repeats: int = 3) -> OverlapResult:
     """Time ``work`` alone, a host→device transfer of ``nbytes`` alone, and both at once."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats: expected a positive integer; got {repeats!r}")
+    check_integer(repeats, "repeats")
     host, device, size = _buffers(link, nbytes)
     _run_once(link, work, host, device, "both")  # warm-up
     samples = {"compute": [], "transfer": [], "both": []}

@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 import math
 
+from .units import is_number
+
 __all__ = ["recomputed", "exchange_seconds", "one_buffer_pass_seconds", "disk_step_seconds",
            "ADAM_STATE_BYTES", "Outcome", "lab01_challenge", "lab04_challenge", "lab06_challenge", "lab02_challenge", "lab03_challenge", "lab05_challenge",
            "lab07_challenge", "lab08_challenge"]
@@ -315,7 +317,7 @@ def lab02_challenge(probe, link, reference: float, budget: int = 32 * 2**20, rel
     with link.record() as recording:
         beta = probe(link)
     moved = sum(t.nbytes for t in recording.transfers)
-    if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not (math.isfinite(beta) and beta > 0):
+    if not is_number(beta) or beta <= 0:
         return Outcome(False, f"✗ challenge: the probe returned {beta!r}; expected a bandwidth in bytes/s")
     if moved > budget:
         return Outcome(False, f"✗ challenge: the probe moved {moved / 2**20:.1f} MiB (measured by the link); "

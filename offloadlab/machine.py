@@ -19,6 +19,7 @@ import psutil
 import torch
 
 from . import cores
+from .units import is_integer
 
 __all__ = [
     "Accelerator",
@@ -43,7 +44,7 @@ def pcie_bandwidth(generation: int, width: int) -> float:
     """Nominal bandwidth of a PCIe link in one direction, bytes/s (gen 4 ×16 ≈ 31.5 GB/s)."""
     if generation not in _PCIE_LANE:
         raise ValueError(f"generation: expected a PCIe generation 1–6; got {generation!r}")
-    if isinstance(width, bool) or not isinstance(width, int) or width not in (1, 2, 4, 8, 16, 32):
+    if not is_integer(width) or width not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"width: expected a link width of 1, 2, 4, 8, 16 or 32 lanes; got {width!r}")
     rate, efficiency = _PCIE_LANE[generation]
     return rate * 1e9 * efficiency / 8 * width

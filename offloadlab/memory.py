@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .units import check_non_negative, parse_count
+from .units import check_integer, check_non_negative, parse_count
 
 __all__ = [
     "Recipe",
@@ -186,8 +186,7 @@ def transformer_params(
     The count does not depend on the number of heads.
     """
     for name, value in (("layers", layers), ("hidden", hidden), ("vocab", vocab)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}: expected a positive integer; got {value!r}")
+        check_integer(value, name)
     check_non_negative(positions, "positions")
     ratio = float(mlp_ratio)
     if not ratio > 0 or ratio * hidden != int(ratio * hidden):
@@ -217,8 +216,7 @@ def activation_bytes_per_layer(
     - ``"full"``: 2·s·b·h — only the layer's input kept, everything else recomputed.
     """
     for name, value in (("batch", batch), ("seq", seq), ("hidden", hidden), ("heads", heads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}: expected a positive integer; got {value!r}")
+        check_integer(value, name)
     sbh = seq * batch * hidden
     if recompute == "none":
         return sbh * (34 + 5 * heads * seq / hidden)

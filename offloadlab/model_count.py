@@ -21,6 +21,7 @@ from dataclasses import replace
 
 from . import architectures
 from .architectures import Architecture, LayerShape, Weight
+from .units import is_integer
 
 __all__ = ["available", "architecture", "version"]
 
@@ -107,7 +108,7 @@ def _counted(config_text: str, name: str) -> Architecture:
 def _attr(config, *names):
     for key in names:
         value = getattr(config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if is_integer(value) and value > 0:
             return value
     return 0
 

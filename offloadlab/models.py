@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from . import _torch_compat  # noqa: F401  (loads what torch.optim would load lazily: see there)
 from .memory import transformer_params
+from .units import check_integer
 
 __all__ = ["GPTConfig", "Block", "TinyGPT", "markov_corpus", "batches", "train"]
 
@@ -32,9 +33,7 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("layers", "hidden", "heads", "vocab", "seq", "mlp_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive integer; got {value!r}")
+            check_integer(getattr(self, name), name)
         if self.hidden % self.heads:
             raise ValueError(f"heads: expected a divisor of hidden={self.hidden}; got {self.heads}")
 
@@ -110,8 +109,7 @@ def markov_corpus(vocab: int, tokens: int, successors: int = 4, seed: int = 0) -
     next tokens. Generated, never downloaded; a model that learns the chain drives its loss
     from ln(vocab) towards the chain's entropy (about ln(successors))."""
     for name, value in (("vocab", vocab), ("tokens", tokens), ("successors", successors)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}: expected a positive integer; got {value!r}")
+        check_integer(value, name)
     if successors > vocab:
         raise ValueError(f"successors: expected at most vocab={vocab}; got {successors}")
     generator = torch.Generator().manual_seed(seed)

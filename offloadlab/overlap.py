@@ -13,7 +13,8 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from .units import check_non_negative, check_positive, parse_bandwidth, parse_duration, parse_size
+from .units import (check_integer, check_non_negative, check_positive, parse_bandwidth,
+                    parse_duration, parse_size)
 
 __all__ = ["Stage", "stage", "PipelineStep", "pipeline", "crossover_batch", "crossover_tokens", "OffloadStep",
            "offload_step"]
@@ -84,8 +85,7 @@ def pipeline(transfer_seconds, compute_seconds, depth: int = 1) -> PipelineStep:
     computes = [check_non_negative(c, "compute_seconds") for c in compute_seconds]
     if len(transfers) != len(computes):
         raise ValueError(f"compute_seconds: expected {len(transfers)} values, one per transfer; got {len(computes)}")
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-        raise ValueError(f"depth: expected an integer ≥ 0; got {depth!r}")
+    check_integer(depth, "depth", 0)
     fetched, computed = [], []
     for i, (t, c) in enumerate(zip(transfers, computes)):
         link_free = fetched[-1][1] if fetched else 0.0
@@ -237,8 +237,7 @@ def offload_step(layers: int, forward, backward, *, gradient=0.0, update=0.0, up
       hide it, for 2 B per parameter of GPU memory). A layer's gradient cannot land before the
       previous update has read the one before it, which can hold up backward.
     """
-    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-        raise ValueError(f"layers: expected a positive integer; got {layers!r}")
+    check_integer(layers, "layers")
     seconds = {name: check_non_negative(value, name) for name, value in
                (("forward", forward), ("backward", backward), ("gradient", gradient), ("update", update),
                 ("upload", upload), ("fetch", fetch))}

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from . import memory, sharding
-from .units import format_count, parse_count
+from .units import check_integer, format_count, parse_count
 
 __all__ = ["STYLE", "book_style", "log_scale", "state_vs_model_size", "state_breakdown", "who_holds_what",
            "held_per_param", "ladder", "timeline"]
@@ -410,8 +410,7 @@ def held_per_param(strategy: str, gpus: int, recipe: str = memory.DEFAULT_RECIPE
     """
     if strategy not in sharding.STRATEGIES:
         raise ValueError(f"strategy: expected one of {', '.join(sharding.STRATEGIES)}; got {strategy!r}")
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus: expected a positive integer; got {gpus!r}")
+    check_integer(gpus, "gpus")
     kinds = memory.get_recipe(recipe).bytes_per_param
     w = kinds["weights"]
     optimizer = {k: kinds[k] for k in ("master_weights", "first_moment", "second_moment") if k in kinds}

@@ -23,6 +23,7 @@ import torch
 
 from .layout import Layout
 from .link import Link
+from .units import check_integer
 
 __all__ = ["Prefetcher", "Layout"]
 
@@ -59,11 +60,9 @@ class Prefetcher:
 
     def __init__(self, items, link: Link, buffers: int = 2, depth: int | None = None,
                  synchronous: bool = False, pinned: bool = True):
-        if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
-            raise ValueError(f"buffers: expected a positive integer; got {buffers!r}")
+        check_integer(buffers, "buffers")
         depth = buffers - 1 if depth is None else depth
-        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth < buffers:
-            raise ValueError(f"depth: expected an integer in [0, buffers - 1] = [0, {buffers - 1}]; got {depth!r}")
+        check_integer(depth, "depth", 0, buffers - 1, expected=f"an integer in [0, buffers - 1] = [0, {buffers - 1}]")
         self.link, self.buffers, self.depth = link, buffers, 0 if synchronous else depth
         self.synchronous, self.pinned = bool(synchronous), bool(pinned)
         items = list(items)

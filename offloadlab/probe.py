@@ -27,7 +27,7 @@ from tqdm import tqdm  # plain bars: hidden where stderr is not a terminal (note
 
 from . import cores, machine
 from .link import Link
-from .units import format_bandwidth, format_size, parse_count, parse_size
+from .units import check_integer, format_bandwidth, format_size, parse_count, parse_size
 
 __all__ = [
     "Measurement",
@@ -107,8 +107,7 @@ def host_memory_bandwidth(nbytes="256 MiB", threads=None, repeats: int = 5) -> l
     size = int(parse_size(nbytes, "nbytes"))
     counts = sorted({1, cores.usable_cores()}) if threads is None else list(threads)
     for n in counts:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"threads: expected positive integers; got {n!r}")
+        check_integer(n, "threads", expected="positive integers")
     numel = size // 4
     a, b = torch.ones(numel), torch.ones(numel)
     records = []
@@ -213,8 +212,7 @@ def link_sweep(link: Link, sizes=None, directions=("h2d", "d2h"), pinned=(True, 
     for d in directions:
         if d not in ("h2d", "d2h"):
             raise ValueError(f"directions: expected 'h2d' and/or 'd2h'; got {d!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats: expected a positive integer; got {repeats!r}")
+    check_integer(repeats, "repeats")
     source = _link_source(link)
     clock = "emulated copy-thread timestamps" if link.emulated else "CUDA events on the copy stream"
     largest = max(chosen) // 4
@@ -428,8 +426,7 @@ def disk_bandwidth(folder=".", nbytes="256 MiB", block="4 MiB", queue_depth: int
     chunk = int(parse_size(block, "block"))
     if chunk % 4096:
         raise ValueError(f"block: expected a multiple of 4 KiB; got {block!r}")
-    if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or not 1 <= queue_depth <= 1024:
-        raise ValueError(f"queue_depth: expected an integer from 1 to 1024; got {queue_depth!r}")
+    check_integer(queue_depth, "queue_depth", 1, 1024)
     count = size // chunk
     if count == 0:
         raise ValueError(f"nbytes: expected at least one block ({format_size(chunk, binary=True)}); got {nbytes!r}")

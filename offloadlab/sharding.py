@@ -62,6 +62,7 @@ import math
 from dataclasses import dataclass
 
 from . import memory
+from .units import check_integer
 
 __all__ = ["STRATEGIES", "OFFLOADS", "Layout", "layout", "nvme_layout", "valid", "ring_bytes", "deepspeed_estimate",
            "fsdp2_pinned_bytes", "nvme_buffer_elements", "NVME_BUFFER_COUNT", "NVME_DEFAULT_BUFFER"]
@@ -148,8 +149,7 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
         raise ValueError(f"offload: expected one of {', '.join(OFFLOADS)}; got {offload!r}")
     if not valid(strategy, offload):
         raise ValueError(f"offload: expected one that {strategy} offers; got {offload!r}")
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus: expected a positive integer; got {gpus!r}")
+    check_integer(gpus, "gpus")
     kinds = memory.get_recipe(recipe).bytes_per_param
     w, g = kinds["weights"], kinds["gradients"]
     optimizer = sum(kinds.get(k, 0) for k in ("master_weights", "first_moment", "second_moment"))

@@ -51,6 +51,7 @@ from .gather import GradientGather
 from .layout import Layout
 from .link import Link, Marker
 from .ownership import GradientSink
+from .units import check_integer
 
 __all__ = ["StreamedModel", "streamed_model_of"]
 
@@ -112,8 +113,7 @@ class StreamedModel:
             raise ValueError("blocks: expected the modules to stream (the model has no .blocks)")
         if len({id(b) for b in chosen}) != len(chosen):
             raise ValueError("blocks: expected each block once")
-        if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 2:
-            raise ValueError(f"buffers: expected an integer ≥ 2 (one block computing, one arriving); got {buffers!r}")
+        check_integer(buffers, "buffers", 2, expected="an integer ≥ 2 (one block computing, one arriving)")
         names = {id(m): n for n, m in model.named_modules()}
         self.model, self.link, self.blocks, self.buffers = model, link, chosen, buffers
         self.names = [names.get(id(b), f"block {i}") for i, b in enumerate(chosen)]

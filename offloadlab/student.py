@@ -49,6 +49,7 @@ from pathlib import Path
 
 from . import files
 from .check import STUDENT_VARIABLE
+from .units import is_number
 
 __all__ = ["BEGIN", "END", "BEGIN_HIDDEN", "END_HIDDEN", "STUB", "SWITCH", "assignment_name", "find_labs",
            "strip_solutions", "strip_hidden_tests", "source_notebook", "released_lab",
@@ -179,7 +180,7 @@ def source_notebook(path: Path):
 
 
 def _check_points(points_given, where: str) -> None:
-    if isinstance(points_given, bool) or not isinstance(points_given, (int, float)) or points_given <= 0:
+    if not is_number(points_given) or points_given <= 0:
         raise ValueError(f"{where}: points: expected a positive number; got {points_given!r}")
 
 

@@ -26,6 +26,9 @@ __all__ = [
     "parse_count",
     "check_positive",
     "check_non_negative",
+    "check_integer",
+    "is_integer",
+    "is_number",
     "format_size",
     "format_bandwidth",
     "format_duration",
@@ -171,6 +174,30 @@ def check_positive(value, name: str) -> float:
 def check_non_negative(value, name: str) -> float:
     """``value`` as a float if it is a finite number ≥ 0, else ValueError."""
     return _plain(value, name, "a number ≥ 0", allow_zero=True)
+
+
+def is_integer(value) -> bool:
+    """True for a Python int that is not a bool (``True`` is an int to Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """True for a finite Python int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_integer(value, name: str, low: int = 1, high: int | None = None, expected: str | None = None) -> int:
+    """``value`` if it is an integer from ``low`` to ``high`` (inclusive; unbounded when None), else
+    ValueError: "{name}: expected {expected}; got {value!r}". ``expected`` defaults to 'a positive
+    integer' (low 1, no high), 'an integer ≥ {low}' or 'an integer from {low} to {high}'."""
+    if is_integer(value) and value >= low and (high is None or value <= high):
+        return value
+    if expected is None:
+        if high is not None:
+            expected = f"an integer from {low} to {high}"
+        else:
+            expected = "a positive integer" if low == 1 else f"an integer ≥ {low}"
+    raise ValueError(f"{name}: expected {expected}; got {value!r}")
 
 
 def _scaled(number: float, steps: list[tuple[float, str]], digits: int) -> str:

@@ -490,8 +490,9 @@ def test_bad_arguments(link):
         CPUOffloadAdam(model.parameters(), betas=(0.9, 1.2), link=link)
     with pytest.raises(ValueError, match=r"^param_groups\[0\]: weight_decay: "):
         CPUOffloadAdam([{"params": list(model.parameters()), "weight_decay": -1}], link=link)
-    with pytest.raises(ValueError, match="^max_grad_norm: "):
-        CPUOffloadAdam(model.parameters(), max_grad_norm=0, link=link)
+    for norm in (0, True):  # (True is an int to Python: it was taken as a norm of 1)
+        with pytest.raises(ValueError, match="^max_grad_norm: "):
+            CPUOffloadAdam(model.parameters(), max_grad_norm=norm, link=link)
     with pytest.raises(ValueError, match="^accumulation_steps: "):
         CPUOffloadAdam(model.parameters(), accumulation_steps=0, link=link)
     with pytest.raises(ValueError, match="^bucket_bytes: "):

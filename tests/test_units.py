@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 
@@ -89,6 +90,28 @@ def test_zero_allowed_where_meaningful():
     assert units.check_non_negative(0, "x") == 0
     with pytest.raises(ValueError, match="^x: "):
         units.check_positive(0, "x")
+
+
+@pytest.mark.parametrize("value", [True, False, 1.0, "3", None, float("nan")])
+def test_an_integer_argument_refuses_bools_floats_and_strings(value):
+    with pytest.raises(ValueError, match=rf"^count: expected a positive integer; got {re.escape(repr(value))}$"):
+        units.check_integer(value, "count")
+
+
+def test_an_integer_arguments_bounds_and_their_message():
+    assert units.check_integer(0, "depth", 0) == 0 and units.check_integer(1024, "depth", 1, 1024) == 1024
+    with pytest.raises(ValueError, match="^depth: expected an integer ≥ 0; got -1$"):
+        units.check_integer(-1, "depth", 0)
+    with pytest.raises(ValueError, match="^depth: expected an integer from 1 to 1024; got 1025$"):
+        units.check_integer(1025, "depth", 1, 1024)
+    with pytest.raises(ValueError, match="^step: expected the 1-based step count; got 0$"):
+        units.check_integer(0, "step", expected="the 1-based step count")
+
+
+def test_numbers_are_finite_ints_and_floats_and_never_bools():
+    assert units.is_number(0) and units.is_number(-2.5) and units.is_integer(7)
+    assert not any(units.is_number(v) for v in (True, float("inf"), float("nan"), "1", None))
+    assert not any(units.is_integer(v) for v in (True, 7.0, "7"))
 
 
 def test_format_round_trips():

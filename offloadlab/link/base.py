@@ -17,6 +17,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..units import check_integer
+
 __all__ = ["Link", "Transfer", "Marker", "Recording", "POISON_BYTE", "poison", "pinned_allocation_bytes"]
 
 # What fresh buffers hold: all-ones bytes are a NaN in fp32, fp16, bf16 and fp64 alike (exponent
@@ -38,8 +40,7 @@ def pinned_allocation_bytes(nbytes: int) -> int:
     (pytorch#95823): 1.1 GiB of pinned weights cost 2 GiB of page-locked memory. The links
     here register exact-size buffers instead.
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"nbytes: expected a whole number of bytes ≥ 0; got {nbytes!r}")
+    check_integer(nbytes, "nbytes", 0, expected="a whole number of bytes ≥ 0")
     return 0 if nbytes == 0 else 1 << (nbytes - 1).bit_length()
 
 

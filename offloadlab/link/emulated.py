@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from .. import cores
-from ..units import parse_bandwidth, parse_duration
+from ..units import is_number, parse_bandwidth, parse_duration
 from .base import Link, Marker, Transfer, _nbytes, poison
 
 __all__ = ["EmulatedLink", "DEFAULT_EMULATED_BANDWIDTH", "DEFAULT_EMULATED_LATENCY"]
@@ -193,8 +193,7 @@ class EmulatedLink(Link):
         super().__init__()
         self.bandwidth = parse_bandwidth(bandwidth, "bandwidth")
         self.latency = parse_duration(latency, "latency", allow_zero=True)
-        if not (isinstance(pageable_fraction, (int, float)) and not isinstance(pageable_fraction, bool)
-                and 0 < pageable_fraction <= 1):
+        if not (is_number(pageable_fraction) and 0 < pageable_fraction <= 1):
             raise ValueError(f"pageable_fraction: expected a fraction in (0, 1]; got {pageable_fraction!r}")
         self.pageable_fraction = float(pageable_fraction)
         self._epoch = time.perf_counter()

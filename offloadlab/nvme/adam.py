@@ -13,6 +13,7 @@ import time
 import torch
 
 from .. import cpu_adam
+from ..units import is_integer
 from .aio import all_of
 from .direct_io import aligned_empty, round_up
 from .tier import FileTier
@@ -80,7 +81,7 @@ def adam_from_file(master: FileTier, exp_avg: FileTier, exp_avg_sq: FileTier, gr
         raise ValueError(f"exp_avg: expected the three files to share one block size; got "
                          f"{[t.block for t in tiers]} elements")
     chunk = chunk or block * max(1, master.queue_depth // 2)  # reads of one chunk + writes of another fill the depth
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0 or chunk % block:
+    if not is_integer(chunk) or chunk <= 0 or chunk % block:
         raise ValueError(f"chunk: expected a positive multiple of the tiers' block ({block} elements); got {chunk!r}")
     n = master.numel
     chunk = min(chunk, round_up(n, block))

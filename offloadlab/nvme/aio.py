@@ -14,15 +14,14 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ..units import check_integer
 from .direct_io import PAGE, round_up
 
 __all__ = ["BlockQueue", "checked_depth", "all_of"]
 
 
 def checked_depth(depth) -> int:
-    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 1024:
-        raise ValueError(f"queue_depth: expected an integer from 1 to 1024; got {depth!r}")
-    return depth
+    return check_integer(depth, "queue_depth", 1, 1024)
 
 
 class BlockQueue:

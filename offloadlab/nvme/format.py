@@ -14,6 +14,7 @@ from array import array
 
 import torch
 
+from ..units import check_integer, is_integer
 from .direct_io import PAGE, round_up
 
 __all__ = ["FORMAT_VERSION", "ChecksumError", "FileLayout", "new_layout", "DTYPES"]
@@ -99,12 +100,10 @@ class FileLayout:
 
 def new_layout(numel, dtype, block_bytes, init, checksums) -> FileLayout:
     """The layout of a new tier, every argument checked before any file is made."""
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
-        raise ValueError(f"numel: expected a positive integer; got {numel!r}")
+    check_integer(numel, "numel")
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}; got {dtype!r}")
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes <= 0 \
-            or block_bytes % PAGE or block_bytes > 1 << 30:
+    if not is_integer(block_bytes) or block_bytes <= 0 or block_bytes % PAGE or block_bytes > 1 << 30:
         raise ValueError(f"block_bytes: expected a multiple of 4096 up to 1 GiB; got {block_bytes!r}")
     if not isinstance(checksums, bool):
         raise ValueError(f"checksums: expected True or False; got {checksums!r}")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..units import format_size
+from ..units import format_size, is_integer
 from . import direct_io
 from .aio import BlockQueue, all_of, checked_depth
 from .direct_io import PAGE, round_up
@@ -187,7 +187,7 @@ class FileTier:
             raise ValueError(f"{name}: expected a contiguous host tensor of {self.dtype}; got "
                              f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
         stop = start + tensor.numel() if isinstance(start, int) else None
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0 or stop > self.numel or stop == start:
+        if not is_integer(start) or start < 0 or stop > self.numel or stop == start:
             raise ValueError(f"start: expected a non-empty range inside [0, {self.numel}); got {start!r}"
                              f"+{tensor.numel()}")
         return [(b, max(lo, start), min(hi, stop)) for b in range(start // self.block, (stop - 1) // self.block + 1)

@@ -20,12 +20,12 @@ keeps it but moves ``step`` on) is recognised as stale and rebuilt from the weig
 
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
 
 from ..link import Link
+from ..units import is_number
 from .bucket import Bucket, Received
 
 __all__ = ["HostState", "same_bits", "export_state", "check_state", "check_hyperparameters", "check_group", "UNSUPPORTED_FLAGS"]
@@ -252,7 +252,7 @@ def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None
     def number(x):
         if isinstance(x, torch.Tensor) and x.numel() == 1 and x.is_floating_point():
             x = x.item()  # AdamW takes a one-element tensor too
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        return is_number(x)
 
     if not (number(lr) and lr >= 0):
         raise ValueError(f"{where}lr: expected a number ≥ 0; got {lr!r}")
@@ -277,8 +277,7 @@ def _step_count(value, where: str) -> int:
         if value.numel() != 1:
             raise ValueError(f"{where}step: expected a single number; got a tensor of shape {tuple(value.shape)}")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or value != int(value):
+    if not is_number(value) or value < 0 or value != int(value):
         raise ValueError(f"{where}step: expected a whole number of steps ≥ 0; got {value!r}")
     return int(value)
 

@@ -8,13 +8,13 @@ gradients overflowed (an inf or nan anywhere) is skipped and the scale multiplie
 
 from __future__ import annotations
 
-import math
+from ..units import check_integer, is_number
 
 __all__ = ["LossScaler"]
 
 
 def _positive(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+    if not is_number(value) or value <= 0:
         raise ValueError(f"{name}: expected a positive number; got {value!r}")
     return float(value)
 
@@ -31,8 +31,7 @@ class LossScaler:
             raise ValueError(f"growth_factor: expected a number > 1; got {growth_factor!r}")
         if self.backoff_factor >= 1:
             raise ValueError(f"backoff_factor: expected a number < 1; got {backoff_factor!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval: expected a positive integer; got {growth_interval!r}")
+        check_integer(growth_interval, "growth_interval")
         self.growth_interval, self.dynamic = growth_interval, bool(dynamic)
         self.good_steps = 0     # steps in a row without overflow
         self.skipped_steps = 0  # steps skipped for overflow, over the whole run
@@ -70,7 +69,6 @@ class LossScaler:
         scale = _positive(state.get("scale", self.scale), "state_dict: offload: loss_scale")
         counts = {k: state.get(k, getattr(self, k)) for k in ("good_steps", "skipped_steps")}
         for name, value in counts.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"state_dict: offload: {name}: expected a whole number ≥ 0; got {value!r}")
+            check_integer(value, f"state_dict: offload: {name}", 0, expected="a whole number ≥ 0")
         self.scale = scale
         self.good_steps, self.skipped_steps = counts["good_steps"], counts["skipped_steps"]

@@ -61,7 +61,6 @@ the error and the optimizer is closed (the step was only partly applied).
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -69,6 +68,7 @@ from collections.abc import Mapping
 import torch
 
 from .. import _torch_compat
+from ..units import check_integer, is_number
 from .engine import OffloadEngine, managed
 from .host_state import check_group, check_hyperparameters, check_state, export_state
 
@@ -127,16 +127,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
                  accumulation_steps: int | None = None, delayed_update: bool = False, loss_scale="dynamic",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, record_timeline: bool = False):
         check_hyperparameters(lr, betas, eps, weight_decay)
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
-                                              and math.isfinite(max_grad_norm)):
+        if max_grad_norm is not None and not (is_number(max_grad_norm) and max_grad_norm > 0):
             raise ValueError(f"max_grad_norm: expected a positive number or None; got {max_grad_norm!r}")
-        if accumulation_steps is not None and (isinstance(accumulation_steps, bool)
-                                               or not isinstance(accumulation_steps, int) or accumulation_steps < 1):
-            raise ValueError(f"accumulation_steps: expected a positive integer or None; got {accumulation_steps!r}")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads: expected a positive integer or None; got {threads!r}")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes: expected a positive whole number of bytes; got {bucket_bytes!r}")
+        for name, value in (("accumulation_steps", accumulation_steps), ("threads", threads)):
+            if value is not None:
+                check_integer(value, name, expected="a positive integer or None")
+        check_integer(bucket_bytes, "bucket_bytes", expected="a positive whole number of bytes")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         seen: set[int] = set()
         for i, group in enumerate(self.param_groups):
@@ -224,8 +220,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
 
         Call it between backward and :meth:`step`; the clipping is applied by the CPU update.
         """
-        if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0
-                and math.isfinite(max_norm)):
+        if not (is_number(max_norm) and max_norm > 0):
             raise ValueError(f"max_norm: expected a positive number; got {max_norm!r}")
         if norm_type != 2.0:
             raise ValueError(f"norm_type: expected 2.0 (CPUOffloadAdam clips by the L2 norm); got {norm_type!r}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import budget, memory, overlap
-from ..units import format_duration, format_size
+from ..units import check_integer, format_duration, format_size
 from .workload import ASSUMED_COMPUTE, ASSUMED_CPU_ADAM, Hardware, Workload, usable_host
 
 __all__ = ["Candidate", "candidates", "Plan", "schedule", "single_gpu_plans", "OFFLOAD_LEVELS", "HIDDEN_FRACTION",
@@ -237,10 +237,8 @@ def recompute_choices(work: Workload, fits_with, recompute="auto") -> list[int]:
     if recompute != "auto":
         if recompute in ("none", "all"):
             return [0 if recompute == "none" else everything]
-        if isinstance(recompute, bool) or not isinstance(recompute, int) or not 0 <= recompute <= everything:
-            raise ValueError(f"recompute: expected 'auto', 'none', 'all' or a number of layers from 0 to "
-                             f"{everything}; got {recompute!r}")
-        return [recompute]
+        return [check_integer(recompute, "recompute", 0, everything,
+                              expected=f"'auto', 'none', 'all' or a number of layers from 0 to {everything}")]
     choices = [0, everything]
     if not fits_with(0) and fits_with(everything):
         low, high = 0, everything  # fits_with(high) holds, fits_with(low) does not

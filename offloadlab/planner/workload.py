@@ -13,7 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..architectures import Architecture, LayerShape
-from ..units import (check_positive, format_bandwidth, format_size, parse_bandwidth, parse_count, parse_size)
+from ..units import (check_integer, check_positive, format_bandwidth, format_size, is_integer,
+                     is_number, parse_bandwidth, parse_count, parse_size)
 
 __all__ = ["Workload", "Hardware", "Activations", "typical_shape", "ATTENTIONS", "ASSUMED_COMPUTE",
            "ASSUMED_CPU_ADAM", "ASSUMED_INTERCONNECT", "ASSUMED_NVME", "ASSUMED_VOCAB", "WORKSPACE_FRACTION",
@@ -96,23 +97,21 @@ class Workload:
     def __post_init__(self):
         object.__setattr__(self, "params", parse_count(self.params, "params"))
         for name in ("batch", "seq"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive integer; got {value!r}")
+            check_integer(getattr(self, name), name)
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention: expected one of {', '.join(ATTENTIONS)}; got {self.attention!r}")
         if self.architecture is not None:
             object.__setattr__(self, "vocab", self.architecture.vocab)
         elif self.vocab is None:
             object.__setattr__(self, "vocab", ASSUMED_VOCAB)
-        elif isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab <= 0:
-            raise ValueError(f"vocab: expected a positive integer; got {self.vocab!r}")
+        else:
+            check_integer(self.vocab, "vocab")
         shape = (self.layers, self.hidden, self.heads)
         if all(v is None for v in shape):
             object.__setattr__(self, "shape_assumed", True)
             for name, value in zip(("layers", "hidden", "heads"), typical_shape(self.params)):
                 object.__setattr__(self, name, value)
-        elif not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape):
+        elif not all(is_integer(v) and v > 0 for v in shape):
             raise ValueError(f"layers: expected layers, hidden and heads given together as positive integers; "
                              f"got {shape}")
         elif self.hidden % self.heads:
@@ -263,9 +262,7 @@ class Hardware:
         if not (isinstance(self.comm_fraction, (int, float)) and 0 <= self.comm_fraction < 1):
             raise ValueError(f"comm_fraction: expected a fraction in [0, 1); got {self.comm_fraction!r}")
         for name in ("gpus_per_node", "gpus_per_link"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive integer; got {value!r}")
+            check_integer(getattr(self, name), name)
         if self.gpus_per_node % self.gpus_per_link:
             raise ValueError(f"gpus_per_link: expected a divisor of gpus_per_node={self.gpus_per_node} (GPUs share "
                              f"links in equal groups); got {self.gpus_per_link}")
@@ -330,7 +327,7 @@ class Hardware:
 
         def number(value, what: str, low: float, high: float) -> float:
             """A figure of the record, refused unless a number in [low, high] (a damaged or hand-edited file)."""
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            if not is_number(value) or not low <= value <= high:
                 raise ValueError(f"measured: expected {what} between {low:g} and {high:g} in the record; got {value!r}")
             return float(value)
 

@@ -93,14 +93,14 @@ def nominal() -> dict:
     """The material's ladder (tiers and links), marked nominal."""
     data = reference.load("nominal-ladder")
     return {"tiers": [{**t, "source": "nominal"} for t in data["tiers"]],
-            "links": [{**l, "source": "nominal"} for l in data["links"]]}
+            "links": [{**link, "source": "nominal"} for link in data["links"]]}
 
 
 def cliff(ladder: dict) -> float | None:
     """How many times slower the host link is than GPU memory (None if either is unknown)."""
     hbm = ladder["tiers"][0]["bandwidth_bytes_per_s"]
-    host_links = [l["bandwidth_bytes_per_s"] for l in ladder["links"]
-                  if l["name"] in ("host → GPU", "PCIe, CPU to GPU") and l["bandwidth_bytes_per_s"]]
+    host_links = [link["bandwidth_bytes_per_s"] for link in ladder["links"]
+                  if link["name"] in ("host → GPU", "PCIe, CPU to GPU") and link["bandwidth_bytes_per_s"]]
     return hbm / host_links[0] if hbm and host_links else None
 
 
@@ -117,7 +117,7 @@ def table(ladder: dict) -> str:
     lines += [f"{t['name'][:34]:<34} {size(t.get('capacity_bytes')):>10} {rate(t):>14}  {t['source']}"
               for t in ladder["tiers"]]
     lines.append(f"{'link':<34} {'':>10} {'bandwidth':>14}  source")
-    lines += [f"{l['name'][:34]:<34} {'':>10} {rate(l):>14}  {l['source']}" for l in ladder["links"]]
+    lines += [f"{link['name'][:34]:<34} {'':>10} {rate(link):>14}  {link['source']}" for link in ladder["links"]]
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: the repository root and the built static site."""
+"""Shared fixtures: the repository root, the built static site, small disks and the optimizer's links."""
 
 import shutil
 import subprocess
@@ -58,3 +58,20 @@ def small_disk(tmp_path):
     yield mount
     for folder in reversed(mounted):
         subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+@pytest.fixture(params=["emulated", "CUDA order checker"])
+def link(request):
+    """The optimizer's tests (test_offload*.py) run on the emulated link, and on the same under
+    CUDA's ordering rules with training on a stream of its own (tests/cuda_semantics.py): any
+    violation fails the test when it ends. (A module with a ``link`` fixture of its own uses that.)"""
+    from offloadlab.link import EmulatedLink
+    from tests.cuda_semantics import CudaOrderLink
+
+    if request.param == "emulated":
+        with EmulatedLink(bandwidth="8 GB/s", latency=0) as emulated:
+            yield emulated
+        return
+    with CudaOrderLink(bandwidth="8 GB/s", latency=0) as checker, checker.compute_stream("training"):
+        yield checker
+        checker.check()

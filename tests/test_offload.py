@@ -14,24 +14,9 @@ import torch
 from torch import nn
 
 from offloadlab import cpu_adam, trace
-from offloadlab.link import EmulatedLink
 from offloadlab.memory import measure_state
 from offloadlab.models import GPTConfig, TinyGPT, batches, markov_corpus, train
 from offloadlab.offload import CPUOffloadAdam, LossScaler
-from tests.cuda_semantics import CudaOrderLink
-
-
-@pytest.fixture(params=["emulated", "CUDA order checker"])
-def link(request):
-    """The emulated link, and the same under CUDA's ordering rules with training on a stream of
-    its own (tests/cuda_semantics.py): any violation fails the test when it ends."""
-    if request.param == "emulated":
-        with EmulatedLink(bandwidth="8 GB/s", latency=0) as emulated:
-            yield emulated
-        return
-    with CudaOrderLink(bandwidth="8 GB/s", latency=0) as checker, checker.compute_stream("training"):
-        yield checker
-        checker.check()
 
 
 def mlp(dtype=torch.float32, unused=False):

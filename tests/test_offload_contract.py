@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from offloadlab.offload import CPUOffloadAdam
-from tests.test_offload import assert_matches, data, link, mlp  # noqa: F401 (link is a fixture)
+from tests.test_offload import assert_matches, data, mlp
 
 
 def backward(model, micro):

@@ -20,27 +20,12 @@ import pytest
 import torch
 from torch import nn
 
-from offloadlab.link import EmulatedLink
 from offloadlab.offload import CPUOffloadAdam
 from offloadlab.streaming import StreamedModel
-from tests.cuda_semantics import CudaOrderLink
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOSS_SCALE = 1024.0  # fp16: a fixed power of two, so scaling and unscaling are exact on both sides
 HYPER = dict(lr=1e-2, weight_decay=0.1)  # decay moves every parameter that is stepped, even with a zero gradient
-
-
-@pytest.fixture(params=["emulated", "CUDA order checker"])
-def link(request):
-    """The emulated link, and the same under CUDA's ordering rules with training on a stream of
-    its own (tests/cuda_semantics.py): any violation fails the test when it ends."""
-    if request.param == "emulated":
-        with EmulatedLink(bandwidth="8 GB/s", latency=0) as emulated:
-            yield emulated
-        return
-    with CudaOrderLink(bandwidth="8 GB/s", latency=0) as checker, checker.compute_stream("training"):
-        yield checker
-        checker.check()
 
 
 class MixedAdamW:

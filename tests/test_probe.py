@@ -163,7 +163,7 @@ def test_nominal_ladder_is_the_material():
     tiers = {t["name"]: t for t in nominal["tiers"]}
     assert tiers["GPU memory (HBM)"]["capacity_bytes"] == 80e9
     assert tiers["GPU memory (HBM)"]["bandwidth_bytes_per_s"] == 3350e9
-    links = {l["name"].split(",")[0]: l["bandwidth_bytes_per_s"] for l in nominal["links"]}
+    links = {link["name"].split(",")[0]: link["bandwidth_bytes_per_s"] for link in nominal["links"]}
     assert links["NVLink"] == 450e9 and links["PCIe"] == 60e9 and links["InfiniBand"] == 50e9
     assert all(row["source"] == "nominal" for row in nominal["tiers"] + nominal["links"])
     assert ladder.cliff(nominal) == pytest.approx(3350 / 60)
@@ -295,6 +295,6 @@ def test_each_timed_copy_waits_behind_a_busy_engine_so_alpha_holds_no_host_dispa
                      256 * 2**10, filler, 256 * 2**10, filler, 256 * 2**10]
     timed = [t for t in recording.transfers if t.nbytes != filler]
     fillers = [t for t in recording.transfers if t.nbytes == filler]
-    for before, copy in zip(fillers, [t for i, t in enumerate(timed) if i % 3]):
-        assert copy.start >= before.end  # (engines run in order: it began once the filler was done)
+    for before, measured in zip(fillers, [t for i, t in enumerate(timed) if i % 3]):
+        assert measured.start >= before.end  # (engines run in order: it began once the filler was done)
     assert all(r.params["pinning"] == "emulated" and "behind a" in r.method for r in records)

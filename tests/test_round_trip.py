@@ -64,7 +64,7 @@ def test_a_reference_keeps_up_with_its_heading():
     assert rewritten(chapter, mine, targets, {}) == mine
     # A role broken across lines is no role to jupyterlab-myst (its pattern stops at a line end):
     # Lab shows the raw text. It is put back on one line, hand-written text included.
-    wrapped = f"see {{ref}}`the optimizer\nchapter <ch-cpu-adam>` and {{ref}}`6. CPU Adam: the update\n<ch-cpu-adam>`"
+    wrapped = "see {ref}`the optimizer\nchapter <ch-cpu-adam>` and {ref}`6. CPU Adam: the update\n<ch-cpu-adam>`"
     assert rewritten(chapter, wrapped, targets, {}) == (f"see {{ref}}`the optimizer chapter <ch-cpu-adam>` and "
                                                         f"{{ref}}`{title} <ch-cpu-adam>`")
 

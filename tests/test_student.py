@@ -1,7 +1,6 @@
 """The student release and the nbgrader source notebooks made from the labs."""
 
 import os
-import re
 import shutil
 import subprocess
 import sys

@@ -1,4 +1,5 @@
-"""Every private torch API offloadlab relies on, in one place, each tested on the torch it was written for.
+"""Every private torch API offloadlab relies on, in one place, each tested on the torch it was
+written for.
 
 Parameter streaming and the optimizer need a few things torch has no public API for: whether a
 backward pass is running and a callback at its end, the saved-tensor hooks already in force, a
@@ -21,11 +22,27 @@ import importlib
 
 import torch
 
-__all__ = ["TESTED", "SUPPORTED", "MissingTorchAPI", "EndOfBackward", "in_backward", "saved_tensors_default_hooks",
-           "reparametrize_module", "is_cast_node", "version", "view_base", "storage_key", "WeakIdKeyDictionary",
-           "disable_dynamo", "foreach_copy_", "accepts_grad_scaler", "grad_scaler_stepped", "optimizer_hooks"]
+__all__ = [
+    "TESTED",
+    "SUPPORTED",
+    "MissingTorchAPI",
+    "EndOfBackward",
+    "in_backward",
+    "saved_tensors_default_hooks",
+    "reparametrize_module",
+    "is_cast_node",
+    "version",
+    "view_base",
+    "storage_key",
+    "WeakIdKeyDictionary",
+    "disable_dynamo",
+    "foreach_copy_",
+    "accepts_grad_scaler",
+    "grad_scaler_stepped",
+    "optimizer_hooks",
+]
 
-TESTED = "2.13.0"   # the torch CI pins, and every entry here is tested on
+TESTED = "2.13.0"  # the torch CI pins, and every entry here is tested on
 SUPPORTED = "2.13"  # the releases of torch offloadlab supports
 
 
@@ -45,8 +62,10 @@ class MissingTorchAPI(RuntimeError):
     """A private torch API offloadlab uses is not in this torch."""
 
     def __init__(self, api: str, purpose: str):
-        super().__init__(f"offloadlab needs torch's {api} ({purpose}), which torch {torch.__version__} does not have; "
-                         f"offloadlab supports torch {SUPPORTED} (tested: {TESTED})")
+        super().__init__(
+            f"offloadlab needs torch's {api} ({purpose}), which torch {torch.__version__} does not "
+            f"have; offloadlab supports torch {SUPPORTED} (tested: {TESTED})"
+        )
 
 
 def _find(path: str, purpose: str):
@@ -74,12 +93,15 @@ def _find(path: str, purpose: str):
 # ----------------------------------------------------------------------------- the autograd engine
 
 _current_graph_task_id = _find("torch._C._current_graph_task_id", "which backward pass is running")
-_queue_callback = _find("torch.autograd.Variable._execution_engine.queue_callback",
-                        "a callback at the end of a backward pass")
+_queue_callback = _find(
+    "torch.autograd.Variable._execution_engine.queue_callback",
+    "a callback at the end of a backward pass",
+)
 
 
 def in_backward() -> bool:
-    """True on a thread that is running a backward pass (a hook, or a block recomputed by checkpointing)."""
+    """True on a thread that is running a backward pass (a hook, or a block recomputed by
+    checkpointing)."""
     return _current_graph_task_id() != -1
 
 
@@ -117,8 +139,9 @@ class EndOfBackward:
         self._fn()
 
 
-_top_saved_tensors_default_hooks = _find("torch._C._autograd._top_saved_tensors_default_hooks",
-                                         "the saved-tensor hooks already in force")
+_top_saved_tensors_default_hooks = _find(
+    "torch._C._autograd._top_saved_tensors_default_hooks", "the saved-tensor hooks already in force"
+)
 
 
 def saved_tensors_default_hooks():
@@ -128,14 +151,17 @@ def saved_tensors_default_hooks():
 
 # ``with reparametrize_module(module, {name: tensor}):`` runs ``module`` with those tensors in place
 # of its parameters (torch.func.functional_call's machinery, without the call).
-reparametrize_module = _find("torch.nn.utils.stateless._reparametrize_module",
-                             "running a module with other tensors in place of its parameters")
+reparametrize_module = _find(
+    "torch.nn.utils.stateless._reparametrize_module",
+    "running a module with other tensors in place of its parameters",
+)
 
 
 @functools.cache
 def _cast_node_type() -> type:
     """The autograd node of a dtype cast (``.to(dtype)``; autocast casts weights the same way)."""
-    with torch.enable_grad():  # (first asked inside a saved-tensor hook, where grad mode may be off)
+    # (first asked inside a saved-tensor hook, where grad mode may be off)
+    with torch.enable_grad():
         return type(torch.zeros(1, requires_grad=True).to(torch.float64).grad_fn)
 
 
@@ -146,12 +172,15 @@ def is_cast_node(node) -> bool:
 
 # ----------------------------------------------------------------------------- tensors
 
+
 def version(t: torch.Tensor) -> int:
     """``t``'s version counter: it moves on with every in-place change (autograd's own check)."""
     try:
         return t._version
     except AttributeError:
-        raise MissingTorchAPI("Tensor._version", "the version counter of in-place changes") from None
+        raise MissingTorchAPI(
+            "Tensor._version", "the version counter of in-place changes"
+        ) from None
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
@@ -163,22 +192,27 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def storage_key(storage) -> int:
-    """A key that is the same for every handle of one storage (its address may be 0: meta tensors)."""
+    """A key that is the same for every handle of one storage (its address may be 0: meta
+    tensors)."""
     try:
         return storage._cdata
     except AttributeError:
         raise MissingTorchAPI("UntypedStorage._cdata", "telling storages apart") from None
 
 
-WeakIdKeyDictionary = _find("torch.utils.weak.WeakIdKeyDictionary",
-                            "a weak dictionary keyed by tensor identity (tensors compare elementwise)")
+WeakIdKeyDictionary = _find(
+    "torch.utils.weak.WeakIdKeyDictionary",
+    "a weak dictionary keyed by tensor identity (tensors compare elementwise)",
+)
 
 foreach_copy_ = _find("torch._foreach_copy_", "many device copies in one call")
 
 
-# ----------------------------------------------------------------------------- torch.optim and torch.amp
+# ------------------------------------------------------------------------ torch.optim and torch.amp
 
-disable_dynamo = _find("torch._disable_dynamo", "keeping torch.compile out of state-dict methods, as torch.optim does")
+disable_dynamo = _find(
+    "torch._disable_dynamo", "keeping torch.compile out of state-dict methods, as torch.optim does"
+)
 
 _AMP_FLAG = "_step_supports_amp_scaling"
 
@@ -192,7 +226,8 @@ def accepts_grad_scaler(cls: type) -> type:
 
 
 def grad_scaler_stepped(optimizer) -> bool:
-    """True (and GradScaler's two attributes removed) when this step() was called by GradScaler.step."""
+    """True (and GradScaler's two attributes removed) when this step() was called by
+    GradScaler.step."""
     if "found_inf" not in optimizer.__dict__:
         return False
     optimizer.__dict__.pop("found_inf")
@@ -200,17 +235,21 @@ def grad_scaler_stepped(optimizer) -> bool:
     return True
 
 
-_OPTIMIZER_HOOKS = {"state_dict_pre": "_optimizer_state_dict_pre_hooks",
-                    "state_dict_post": "_optimizer_state_dict_post_hooks",
-                    "load_state_dict_pre": "_optimizer_load_state_dict_pre_hooks",
-                    "load_state_dict_post": "_optimizer_load_state_dict_post_hooks"}
+_OPTIMIZER_HOOKS = {
+    "state_dict_pre": "_optimizer_state_dict_pre_hooks",
+    "state_dict_post": "_optimizer_state_dict_post_hooks",
+    "load_state_dict_pre": "_optimizer_load_state_dict_pre_hooks",
+    "load_state_dict_post": "_optimizer_load_state_dict_post_hooks",
+}
 
 
 def optimizer_hooks(optimizer, which: str) -> list:
-    """The hooks registered on ``optimizer`` with ``register_<which>_hook``
-    (``which``: 'state_dict_pre', 'state_dict_post', 'load_state_dict_pre', 'load_state_dict_post')."""
+    """The hooks registered on ``optimizer`` with ``register_<which>_hook`` (``which``:
+    'state_dict_pre', 'state_dict_post', 'load_state_dict_pre', 'load_state_dict_post')."""
     attribute = _OPTIMIZER_HOOKS[which]
     try:
         return list(getattr(optimizer, attribute).values())
     except AttributeError:
-        raise MissingTorchAPI(f"Optimizer.{attribute}", f"the optimizer's {which.replace('_', ' ')} hooks") from None
+        raise MissingTorchAPI(
+            f"Optimizer.{attribute}", f"the optimizer's {which.replace('_', ' ')} hooks"
+        ) from None

@@ -3,10 +3,10 @@
 A model's ``config.json`` holds its shape: layers, hidden size, attention heads and key/value heads,
 MLP width, vocabulary, experts, and whether the output head shares the token embedding. From that
 shape :func:`from_config` lists every weight tensor the model's own code creates (its module, its
-shape, and whether it is tied to another), family by family, and :class:`Architecture` counts
-from that list: the total (a tied tensor once), the parameters one token uses (mixture-of-experts
-models route each token through a few experts), the largest module and the largest tensor. It
-also describes each layer's computation, for the activations it keeps (:meth:`LayerShape.kept_bytes`).
+shape, and whether it is tied to another), family by family, and :class:`Architecture` counts from
+that list: the total (a tied tensor once), the parameters one token uses (mixture-of-experts models
+route each token through a few experts), the largest module and the largest tensor. It also
+describes each layer's computation, for the activations it keeps (:meth:`LayerShape.kept_bytes`).
 
 ===========  =================================================================================
 family       what differs
@@ -56,45 +56,130 @@ from pathlib import Path
 
 from .units import check_integer, is_integer
 
-__all__ = ["Weight", "LayerShape", "Architecture", "FAMILIES", "CONFIG_FOLDER", "shipped", "read_config",
-           "from_config", "load", "defaults"]
+__all__ = [
+    "Weight",
+    "LayerShape",
+    "Architecture",
+    "FAMILIES",
+    "CONFIG_FOLDER",
+    "shipped",
+    "read_config",
+    "from_config",
+    "load",
+    "defaults",
+]
 
 CONFIG_FOLDER = Path(__file__).resolve().parent / "model_configs"
 
-_LLAMA = dict(tie_word_embeddings=False, attention_bias=False, mlp_bias=False, head_dim=None,
-              num_key_value_heads=None)
+_LLAMA = dict(
+    tie_word_embeddings=False,
+    attention_bias=False,
+    mlp_bias=False,
+    head_dim=None,
+    num_key_value_heads=None,
+)
 # transformers 5's defaults for the fields the counts read, where a config may leave them out.
 _DEFAULTS: dict[str, dict] = {
     "llama": _LLAMA,
     "mistral": dict(tie_word_embeddings=False, head_dim=None, num_key_value_heads=8),
     "qwen2": dict(tie_word_embeddings=False, num_key_value_heads=32),
-    "qwen3": dict(tie_word_embeddings=False, attention_bias=False, head_dim=128, num_key_value_heads=32),
+    "qwen3": dict(
+        tie_word_embeddings=False, attention_bias=False, head_dim=128, num_key_value_heads=32
+    ),
     "phi3": dict(tie_word_embeddings=False, num_key_value_heads=None),
-    "gemma": dict(tie_word_embeddings=True, attention_bias=False, head_dim=256, num_key_value_heads=16),
-    "gemma2": dict(tie_word_embeddings=True, attention_bias=False, head_dim=256, num_key_value_heads=4),
-    "gemma3_text": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, tie_word_embeddings=True,
-                        attention_bias=False),
-    "gpt2": dict(tie_word_embeddings=True, vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
-                 n_inner=None),
+    "gemma": dict(
+        tie_word_embeddings=True, attention_bias=False, head_dim=256, num_key_value_heads=16
+    ),
+    "gemma2": dict(
+        tie_word_embeddings=True, attention_bias=False, head_dim=256, num_key_value_heads=4
+    ),
+    "gemma3_text": dict(
+        vocab_size=262_208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        tie_word_embeddings=True,
+        attention_bias=False,
+    ),
+    "gpt2": dict(
+        tie_word_embeddings=True,
+        vocab_size=50257,
+        n_positions=1024,
+        n_embd=768,
+        n_layer=12,
+        n_head=12,
+        n_inner=None,
+    ),
     "phi": dict(tie_word_embeddings=False, num_key_value_heads=None, qk_layernorm=False),
-    "opt": dict(tie_word_embeddings=True, word_embed_proj_dim=None, do_layer_norm_before=True,
-                _remove_final_layer_norm=False, enable_bias=True, layer_norm_elementwise_affine=True),
-    "falcon": dict(tie_word_embeddings=True, num_kv_heads=None, new_decoder_architecture=False, multi_query=True,
-                   parallel_attn=True, bias=False, ffn_hidden_size=None, num_ln_in_parallel_attn=None),
+    "opt": dict(
+        tie_word_embeddings=True,
+        word_embed_proj_dim=None,
+        do_layer_norm_before=True,
+        _remove_final_layer_norm=False,
+        enable_bias=True,
+        layer_norm_elementwise_affine=True,
+    ),
+    "falcon": dict(
+        tie_word_embeddings=True,
+        num_kv_heads=None,
+        new_decoder_architecture=False,
+        multi_query=True,
+        parallel_attn=True,
+        bias=False,
+        ffn_hidden_size=None,
+        num_ln_in_parallel_attn=None,
+    ),
     "bloom": dict(tie_word_embeddings=True),
-    "mixtral": dict(tie_word_embeddings=False, head_dim=None, num_key_value_heads=8, num_local_experts=8,
-                    num_experts_per_tok=2),
-    "qwen2_moe": dict(tie_word_embeddings=False, num_key_value_heads=16, qkv_bias=True, decoder_sparse_step=1,
-                      mlp_only_layers=[], num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
-                      shared_expert_intermediate_size=5632),
-    "deepseek_v2": dict(tie_word_embeddings=False, attention_bias=False, mlp_bias=False, first_k_dense_replace=0,
-                        kv_lora_rank=512, q_lora_rank=1536, n_routed_experts=64, n_shared_experts=2,
-                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts_per_tok=None,
-                        moe_intermediate_size=1407),
-    "deepseek_v3": dict(tie_word_embeddings=False, attention_bias=False, first_k_dense_replace=3, kv_lora_rank=512,
-                        q_lora_rank=1536, n_routed_experts=256, n_shared_experts=1, qk_nope_head_dim=128,
-                        qk_rope_head_dim=64, v_head_dim=128, num_experts_per_tok=8, moe_intermediate_size=2048),
+    "mixtral": dict(
+        tie_word_embeddings=False,
+        head_dim=None,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "qwen2_moe": dict(
+        tie_word_embeddings=False,
+        num_key_value_heads=16,
+        qkv_bias=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_experts=60,
+        num_experts_per_tok=4,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
+    ),
+    "deepseek_v2": dict(
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        first_k_dense_replace=0,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_experts_per_tok=None,
+        moe_intermediate_size=1407,
+    ),
+    "deepseek_v3": dict(
+        tie_word_embeddings=False,
+        attention_bias=False,
+        first_k_dense_replace=3,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+    ),
 }
 FAMILIES = tuple(sorted(_DEFAULTS))
 # The most decoder layers a config may have (real ones have a few hundred at most): the weights of
@@ -108,7 +193,8 @@ _TEXT_CONFIG = "text_config"
 
 
 def defaults(family: str) -> dict:
-    """The defaults this module assumes for ``family`` (transformers' own, for the fields it reads)."""
+    """The defaults this module assumes for ``family`` (transformers' own, for the fields it
+    reads)."""
     return dict(_DEFAULTS[family])
 
 
@@ -139,7 +225,8 @@ class Weight:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What one decoder layer computes for each token, in elements: what its activations follow from.
+    """What one decoder layer computes for each token, in elements: what its activations follow
+    from.
 
     ``norm`` is 'rms' (transformers' RMSNorm, which computes in fp32 and keeps that copy),
     'gemma' (Gemma's RMSNorm, which also scales in fp32) or 'layer' (torch's LayerNorm);
@@ -165,7 +252,8 @@ class LayerShape:
     residual_norms: int = 0
     qk_norm: bool = False
     mlp_kept: int = 0  # elements kept per element of the MLP's width; 0: 4 when gated, 2 when not
-    extra: int = 0  # other elements kept per token in the compute dtype (a fused QKV output, latents)
+    # other elements kept per token in the compute dtype (a fused QKV output, latents)
+    extra: int = 0
 
     def kept_bytes(self, element: int, seq: int, attention: str = "sdpa") -> float:
         """Bytes of activations this layer keeps for backward, per token, in the compute dtype's
@@ -185,15 +273,21 @@ class LayerShape:
         if attention == "eager":
             attend = e * (2 * self.q_width + 2 * self.o_width) + (4 + e) * self.heads * seq
         else:
-            attend = e * (self.q_width + self.k_width + self.v_width + self.o_width) + 4 * self.heads
+            attend = (
+                e * (self.q_width + self.k_width + self.v_width + self.o_width) + 4 * self.heads
+            )
         if self.qk_norm:  # an RMSNorm over each head of the queries and the keys
             attend += (4 + e) * (self.q_width + self.k_width)
         # Gated: gate, activation, up and their product; plain: the projection and the activation
-        # (ReLU keeps only its output; GPT-2's tanh GELU, written as five tensor operations, keeps five).
+        # (ReLU keeps only its output; GPT-2's tanh GELU, written as five tensor operations, keeps
+        # five).
         per_width = (self.mlp_kept or (4 if self.gated else 2)) * e
         if self.experts:
-            mlp = self.top_k * (per_width * self.mlp_width + 2 * e * h) + 8 * self.experts \
+            mlp = (
+                self.top_k * (per_width * self.mlp_width + 2 * e * h)
+                + 8 * self.experts
                 + per_width * self.shared_width
+            )
         else:
             mlp = per_width * self.mlp_width
         return norms + attend + mlp + e * self.extra
@@ -236,8 +330,11 @@ class Architecture:
         """Parameters one token passes through: all but the experts it is not routed to."""
         if not self.experts:
             return self.params
-        idle = sum(w.numel * (w.experts - self.experts_per_token) // w.experts
-                   for w in self.weights if w.experts and not w.tied)
+        idle = sum(
+            w.numel * (w.experts - self.experts_per_token) // w.experts
+            for w in self.weights
+            if w.experts and not w.tied
+        )
         return self.params - idle
 
     def _per_layer(self) -> list[int]:
@@ -249,7 +346,8 @@ class Architecture:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of the largest decoder layer (every layer, unless some are dense and some experts)."""
+        """Parameters of the largest decoder layer (every layer, unless some are dense and some
+        experts)."""
         return max(self._per_layer())
 
     @property
@@ -258,7 +356,8 @@ class Architecture:
         return self.params - sum(self._per_layer())
 
     def module_params(self) -> dict[str, int]:
-        """Each module's own parameters (a tied weight in each module that holds it, as torch lists them)."""
+        """Each module's own parameters (a tied weight in each module that holds it, as torch
+        lists them)."""
         sizes: dict[str, int] = {}
         for w in self.weights:
             sizes[w.module] = sizes.get(w.module, 0) + w.numel
@@ -276,18 +375,33 @@ class Architecture:
 
     @property
     def largest_weight_params(self) -> int:
-        """Elements of the largest single tensor: what each NVMe swap buffer must hold (a shard of it)."""
+        """Elements of the largest single tensor: what each NVMe swap buffer must hold (a shard
+        of it)."""
         return max(w.numel for w in self.weights)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "family": self.family, "layers": self.layers, "hidden": self.hidden,
-                "heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "intermediate": self.intermediate, "vocab": self.vocab, "tied_embeddings": self.tied_embeddings,
-                "experts": self.experts, "experts_per_token": self.experts_per_token, "params": self.params,
-                "active_params": self.active_params, "layer_params": self.layer_params,
-                "root_params": self.root_params, "largest_module_params": self.largest_module_params,
-                "largest_weight_params": self.largest_weight_params, "counted_by": self.counted_by,
-                "notes": list(self.notes)}
+        return {
+            "name": self.name,
+            "family": self.family,
+            "layers": self.layers,
+            "hidden": self.hidden,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate": self.intermediate,
+            "vocab": self.vocab,
+            "tied_embeddings": self.tied_embeddings,
+            "experts": self.experts,
+            "experts_per_token": self.experts_per_token,
+            "params": self.params,
+            "active_params": self.active_params,
+            "layer_params": self.layer_params,
+            "root_params": self.root_params,
+            "largest_module_params": self.largest_module_params,
+            "largest_weight_params": self.largest_weight_params,
+            "counted_by": self.counted_by,
+            "notes": list(self.notes),
+        }
 
 
 def shipped() -> list[str]:
@@ -299,9 +413,13 @@ def _parse_json(text: str, source: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{source}: expected a readable JSON config; got JSONDecodeError: {error}") from None
+        raise ValueError(
+            f"{source}: expected a readable JSON config; got JSONDecodeError: {error}"
+        ) from None
     except RecursionError:  # thousands of nested brackets: the parser gives up before we could look
-        raise ValueError(f"{source}: expected a JSON config; got nesting too deep to read") from None
+        raise ValueError(
+            f"{source}: expected a JSON config; got nesting too deep to read"
+        ) from None
 
 
 def read_config(model: str | Path) -> tuple[dict, str, tuple[str, ...]]:
@@ -318,21 +436,26 @@ def read_config(model: str | Path) -> tuple[dict, str, tuple[str, ...]]:
         path, name = CONFIG_FOLDER / f"{text}.json", text
     elif path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"model: expected a folder holding a config.json (a model snapshot); got {text!r}, "
-                             f"which has none")
+            raise ValueError(
+                f"model: expected a folder holding a config.json (a model snapshot); got {text!r}, "
+                f"which has none"
+            )
         path, name = path / "config.json", text
     elif path.is_file():
         name = text
     else:
         close = difflib.get_close_matches(text, names, n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"model: expected one of {', '.join(names)}, or a config.json file or the folder "
-                         f"holding one; got {text!r}{hint}")
+        raise ValueError(
+            f"model: expected one of {', '.join(names)}, or a config.json file or the folder "
+            f"holding one; got {text!r}{hint}"
+        )
     try:
         raw = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path.name}: expected a readable JSON config; got {type(error).__name__}: "
-                         f"{error}") from None
+        raise ValueError(
+            f"{path.name}: expected a readable JSON config; got {type(error).__name__}: {error}"
+        ) from None
     config = _parse_json(raw, name)
     notes: tuple[str, ...] = ()
     if isinstance(config, dict) and isinstance(config.get(_TEXT_CONFIG), dict):
@@ -341,14 +464,17 @@ def read_config(model: str | Path) -> tuple[dict, str, tuple[str, ...]]:
         inner.setdefault("model_type", f"{outer}_text" if f"{outer}_text" in _DEFAULTS else outer)
         if "tie_word_embeddings" in config and "tie_word_embeddings" not in inner:
             inner["tie_word_embeddings"] = config["tie_word_embeddings"]
-        notes = (f"a multimodal {outer} config: counting its language model (text_config, "
-                 f"{inner['model_type']}), not its vision tower",)
+        notes = (
+            f"a multimodal {outer} config: counting its language model (text_config, "
+            f"{inner['model_type']}), not its vision tower",
+        )
         config = inner
     return config, name, notes
 
 
 def load(model: str | Path) -> Architecture:
-    """The :class:`Architecture` of a shipped configuration, a local config.json or a snapshot folder."""
+    """The :class:`Architecture` of a shipped configuration, a local config.json or a snapshot
+    folder."""
     config, name, notes = read_config(model)
     arch = from_config(config, name=name)
     return arch if not notes else _with_notes(arch, notes)
@@ -377,10 +503,17 @@ class _Config:
         if value is None:
             value = default
         if value is None:
-            raise ValueError(f"{self.source}: expected the field {key!r} for a {self.family} model; it is missing")
+            raise ValueError(
+                f"{self.source}: expected the field {key!r} for a {self.family} model; it is "
+                "missing"
+            )
         check_integer(value, self.source, expected=f"{key!r} to be a positive integer")
-        if key in _LAYER_FIELDS and value > MAX_LAYERS:  # each layer is listed: refuse before building them
-            raise ValueError(f"{self.source}: expected {key!r} to be at most {MAX_LAYERS:,} layers; got {value:,}")
+        # each layer is listed: refuse before building them
+        if key in _LAYER_FIELDS and value > MAX_LAYERS:
+            raise ValueError(
+                f"{self.source}: expected {key!r} to be at most {MAX_LAYERS:,} layers; got "
+                f"{value:,}"
+            )
         return value
 
     def count(self, key: str) -> int:
@@ -408,12 +541,16 @@ class _Config:
     def int_list(self, key: str) -> list[int]:
         value = self._value(key) or []
         if not isinstance(value, list) or not all(is_integer(v) for v in value):
-            raise ValueError(f"{self.source}: expected {key!r} to be a list of layer numbers; got {value!r}")
+            raise ValueError(
+                f"{self.source}: expected {key!r} to be a list of layer numbers; got {value!r}"
+            )
         return value
 
     def divide(self, total: int, parts: int, total_key: str, parts_key: str) -> int:
         if total % parts:
-            raise ValueError(f"{self.source}: expected {parts_key!r} to divide {total_key}={total}; got {parts}")
+            raise ValueError(
+                f"{self.source}: expected {parts_key!r} to divide {total_key}={total}; got {parts}"
+            )
         return total // parts
 
 
@@ -455,31 +592,45 @@ def from_config(config: dict, name: str = "config.json") -> Architecture:
         raise ValueError(f"{name}: expected a JSON object; got {type(config).__name__}")
     family = config.get("model_type")
     if family not in _DEFAULTS:
-        raise ValueError(f"{name}: expected 'model_type' to be one of {', '.join(FAMILIES)} for this formula; got "
-                         f"{family!r} (with transformers installed, `offloadlab plan` counts any model type "
-                         f"from transformers' own code)")
+        raise ValueError(
+            f"{name}: expected 'model_type' to be one of {', '.join(FAMILIES)} for this formula; "
+            f"got {family!r} (with transformers installed, `offloadlab plan` counts any model type "
+            f"from transformers' own code)"
+        )
     c = _Config(config, name, family)
-    builder = {"gpt2": _gpt2, "phi": _phi, "opt": _opt, "falcon": _falcon, "bloom": _bloom}.get(family, _rotary)
+    builder = {"gpt2": _gpt2, "phi": _phi, "opt": _opt, "falcon": _falcon, "bloom": _bloom}.get(
+        family, _rotary
+    )
     return builder(c, name)
 
 
 def _attention_widths(c: _Config, hidden: int, heads: int) -> tuple[int, int]:
     kv_heads = c.int("num_key_value_heads", heads)
     if heads % kv_heads:
-        raise ValueError(f"{c.source}: expected 'num_key_value_heads' to divide num_attention_heads={heads}; "
-                         f"got {kv_heads}")
-    head_dim = c.optional("head_dim") or c.divide(hidden, heads, "hidden_size", "num_attention_heads")
+        raise ValueError(
+            f"{c.source}: expected 'num_key_value_heads' to divide num_attention_heads={heads}; "
+            f"got {kv_heads}"
+        )
+    head_dim = c.optional("head_dim") or c.divide(
+        hidden, heads, "hidden_size", "num_attention_heads"
+    )
     return kv_heads, head_dim
 
 
 def _rotary(c: _Config, name: str) -> Architecture:
     """The rotary-embedding decoders: llama and the families written after it."""
     family = c.family
-    hidden, heads, layers = c.int("hidden_size"), c.int("num_attention_heads"), c.int("num_hidden_layers")
+    hidden, heads, layers = (
+        c.int("hidden_size"),
+        c.int("num_attention_heads"),
+        c.int("num_hidden_layers"),
+    )
     vocab, width = c.int("vocab_size"), c.int("intermediate_size")
     tied = c.bool("tie_word_embeddings")
     mla = family in ("deepseek_v2", "deepseek_v3")
-    kv_heads, head_dim = (heads, c.int("qk_rope_head_dim")) if mla else _attention_widths(c, hidden, heads)
+    kv_heads, head_dim = (
+        (heads, c.int("qk_rope_head_dim")) if mla else _attention_widths(c, hidden, heads)
+    )
     q_bias = {"qwen2": True, "qwen2_moe": c.bool("qkv_bias")}.get(family, c.bool("attention_bias"))
     o_bias = c.bool("attention_bias") if family not in ("qwen2", "qwen2_moe") else False
     experts, top_k, expert_width, shared, moe_layers = _experts(c, layers)
@@ -517,25 +668,61 @@ def _rotary(c: _Config, name: str) -> Architecture:
             b.linear(f"{at}.mlp.gate_proj", hidden, width, mlp_bias)
             b.linear(f"{at}.mlp.up_proj", hidden, width, mlp_bias)
             b.linear(f"{at}.mlp.down_proj", width, hidden, mlp_bias)
-        norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                      "post_feedforward_layernorm")[:norms]
+        norm_names = (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        )[:norms]
         for norm in norm_names:
             b.norm(f"{at}.{norm}", hidden)
-        # Of Gemma 2's four norms, those after attention and after the MLP feed the residual, not a projection.
+        # Of Gemma 2's four norms, those after attention and after the MLP feed the residual, not a
+        # projection.
         gemma = family.startswith("gemma")
-        shapes.append(LayerShape(hidden, 2, "gemma" if gemma else "rms", q_width, k_width, v_width, o_width, heads,
-                                 expert_width if sparse else width, True, experts if sparse else 0,
-                                 top_k if sparse else 0, shared if sparse else 0, residual_norms=norms - 2,
-                                 qk_norm=family in ("qwen3", "gemma3_text"), extra=extra))
+        shapes.append(
+            LayerShape(
+                hidden,
+                2,
+                "gemma" if gemma else "rms",
+                q_width,
+                k_width,
+                v_width,
+                o_width,
+                heads,
+                expert_width if sparse else width,
+                True,
+                experts if sparse else 0,
+                top_k if sparse else 0,
+                shared if sparse else 0,
+                residual_norms=norms - 2,
+                qk_norm=family in ("qwen3", "gemma3_text"),
+                extra=extra,
+            )
+        )
     b.layer = None
     b.norm("model.norm", hidden)
     b.head(hidden, vocab, tied, "model.embed_tokens")
-    return Architecture(name, family, layers, hidden, heads, kv_heads, head_dim, width, vocab, tied, experts,
-                        top_k, tuple(b.weights), tuple(shapes))
+    return Architecture(
+        name,
+        family,
+        layers,
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        width,
+        vocab,
+        tied,
+        experts,
+        top_k,
+        tuple(b.weights),
+        tuple(shapes),
+    )
 
 
 def _experts(c: _Config, layers: int) -> tuple[int, int, int, int, set[int]]:
-    """(experts, routed per token, one expert's width, shared experts' width, the layers with experts)."""
+    """(experts, routed per token, one expert's width, shared experts' width, the layers with
+    experts)."""
     family = c.family
     if family == "mixtral":
         experts, top_k = c.int("num_local_experts"), c.int("num_experts_per_tok")
@@ -544,7 +731,13 @@ def _experts(c: _Config, layers: int) -> tuple[int, int, int, int, set[int]]:
         experts, top_k = c.count("num_experts"), c.int("num_experts_per_tok")
         step, dense = c.int("decoder_sparse_step"), set(c.int_list("mlp_only_layers"))
         sparse = {i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0}
-        return experts, top_k, c.int("moe_intermediate_size"), c.int("shared_expert_intermediate_size"), sparse
+        return (
+            experts,
+            top_k,
+            c.int("moe_intermediate_size"),
+            c.int("shared_expert_intermediate_size"),
+            sparse,
+        )
     if family in ("deepseek_v2", "deepseek_v3"):
         experts, top_k = c.int("n_routed_experts"), c.int("num_experts_per_tok")
         width = c.int("moe_intermediate_size")
@@ -552,13 +745,18 @@ def _experts(c: _Config, layers: int) -> tuple[int, int, int, int, set[int]]:
         return experts, top_k, width, width * c.count("n_shared_experts"), set(range(first, layers))
     for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size"):
         if c.config.get(key):
-            raise ValueError(f"{c.source}: expected a dense {family} model; got the mixture-of-experts field "
-                             f"{key!r}, which {family} does not have")
+            raise ValueError(
+                f"{c.source}: expected a dense {family} model; got the mixture-of-experts field "
+                f"{key!r}, which {family} does not have"
+            )
     return 0, 0, 0, 0, set()
 
 
-def _expert_mlp(b: _Builder, c: _Config, at: str, hidden: int, experts: int, width: int, shared: int) -> None:
-    """A router and ``experts`` gated experts fused per projection; shared experts where the family has them."""
+def _expert_mlp(
+    b: _Builder, c: _Config, at: str, hidden: int, experts: int, width: int, shared: int
+) -> None:
+    """A router and ``experts`` gated experts fused per projection; shared experts where the
+    family has them."""
     if c.family == "mixtral":
         b.tensor(f"{at}.mlp.gate", "weight", experts, hidden)
         b.tensor(f"{at}.mlp.experts", "gate_up_proj", experts, 2 * width, hidden, experts=experts)
@@ -582,10 +780,17 @@ def _expert_mlp(b: _Builder, c: _Config, at: str, hidden: int, experts: int, wid
     b.linear(f"{at}.mlp.shared_experts.down_proj", shared, hidden, bias)
 
 
-def _latent_attention(b: _Builder, c: _Config, at: str, hidden: int, heads: int) -> tuple[int, int, int, int]:
-    """DeepSeek's multi-head latent attention; returns the (q, k, v) widths per token and the extra kept."""
+def _latent_attention(
+    b: _Builder, c: _Config, at: str, hidden: int, heads: int
+) -> tuple[int, int, int, int]:
+    """DeepSeek's multi-head latent attention; returns the (q, k, v) widths per token and the
+    extra kept."""
     nope, rope, v_dim = c.int("qk_nope_head_dim"), c.int("qk_rope_head_dim"), c.int("v_head_dim")
-    latent, q_rank, bias = c.int("kv_lora_rank"), c.optional("q_lora_rank"), c.bool("attention_bias")
+    latent, q_rank, bias = (
+        c.int("kv_lora_rank"),
+        c.optional("q_lora_rank"),
+        c.bool("attention_bias"),
+    )
     q_width = heads * (nope + rope)
     if q_rank is None:
         b.linear(f"{at}.self_attn.q_proj", hidden, q_width, False)
@@ -597,7 +802,9 @@ def _latent_attention(b: _Builder, c: _Config, at: str, hidden: int, heads: int)
     b.norm(f"{at}.self_attn.kv_a_layernorm", latent)
     b.linear(f"{at}.self_attn.kv_b_proj", latent, heads * (nope + v_dim), False)
     b.linear(f"{at}.self_attn.o_proj", heads * v_dim, hidden, bias)
-    extra = latent + rope + 2 * latent + heads * (nope + v_dim) + (2 * q_rank + q_rank if q_rank else 0)
+    extra = (
+        latent + rope + 2 * latent + heads * (nope + v_dim) + (2 * q_rank + q_rank if q_rank else 0)
+    )
     return q_width, q_width, heads * v_dim, extra
 
 
@@ -608,7 +815,11 @@ def _mlp_kept(c: _Config, key: str, default: str) -> int:
 
 def _gpt2(c: _Config, name: str) -> Architecture:
     hidden, heads, layers = c.int("n_embd"), c.int("n_head"), c.int("n_layer")
-    vocab, positions, tied = c.int("vocab_size"), c.int("n_positions"), c.bool("tie_word_embeddings")
+    vocab, positions, tied = (
+        c.int("vocab_size"),
+        c.int("n_positions"),
+        c.bool("tie_word_embeddings"),
+    )
     width = c.int("n_inner", 4 * hidden)
     head_dim = c.divide(hidden, heads, "n_embd", "n_head")
     b = _Builder()
@@ -626,20 +837,55 @@ def _gpt2(c: _Config, name: str) -> Architecture:
     b.layer = None
     b.norm("transformer.ln_f", hidden, bias=True)
     b.head(hidden, vocab, tied, "transformer.wte")
-    # transformers' GPT-2 keeps the fused QKV output as well as the queries, keys and values it splits off.
-    shape = LayerShape(hidden, 2, "layer", hidden, hidden, hidden, hidden, heads, width, False,
-                       mlp_kept=_mlp_kept(c, "activation_function", "gelu_new"), extra=3 * hidden)
-    return Architecture(name, "gpt2", layers, hidden, heads, heads, head_dim, width, vocab, tied,
-                        weights=tuple(b.weights), layer_shapes=(shape,) * layers)
+    # transformers' GPT-2 keeps the fused QKV output as well as the queries, keys and values it
+    # splits off.
+    shape = LayerShape(
+        hidden,
+        2,
+        "layer",
+        hidden,
+        hidden,
+        hidden,
+        hidden,
+        heads,
+        width,
+        False,
+        mlp_kept=_mlp_kept(c, "activation_function", "gelu_new"),
+        extra=3 * hidden,
+    )
+    return Architecture(
+        name,
+        "gpt2",
+        layers,
+        hidden,
+        heads,
+        heads,
+        head_dim,
+        width,
+        vocab,
+        tied,
+        weights=tuple(b.weights),
+        layer_shapes=(shape,) * layers,
+    )
 
 
 def _phi(c: _Config, name: str) -> Architecture:
-    hidden, heads, layers = c.int("hidden_size"), c.int("num_attention_heads"), c.int("num_hidden_layers")
-    vocab, width, tied = c.int("vocab_size"), c.int("intermediate_size"), c.bool("tie_word_embeddings")
+    hidden, heads, layers = (
+        c.int("hidden_size"),
+        c.int("num_attention_heads"),
+        c.int("num_hidden_layers"),
+    )
+    vocab, width, tied = (
+        c.int("vocab_size"),
+        c.int("intermediate_size"),
+        c.bool("tie_word_embeddings"),
+    )
     kv_heads = c.int("num_key_value_heads", heads)
     if heads % kv_heads:
-        raise ValueError(f"{c.source}: expected 'num_key_value_heads' to divide num_attention_heads={heads}; "
-                         f"got {kv_heads}")
+        raise ValueError(
+            f"{c.source}: expected 'num_key_value_heads' to divide num_attention_heads={heads}; "
+            f"got {kv_heads}"
+        )
     head_dim = c.divide(hidden, heads, "hidden_size", "num_attention_heads")
     qk_norm = c.bool("qk_layernorm")
     q_width, k_width = heads * head_dim, kv_heads * head_dim
@@ -660,24 +906,62 @@ def _phi(c: _Config, name: str) -> Architecture:
         b.norm(f"{at}.input_layernorm", hidden, bias=True)
     b.layer = None
     b.norm("model.final_layernorm", hidden, bias=True)
-    b.head(hidden, vocab, tied, "model.embed_tokens", bias=True)  # tying shares the weight; the bias stays
-    shape = LayerShape(hidden, 1, "layer", q_width, k_width, k_width, q_width, heads, width, False,
-                       qk_norm=qk_norm, mlp_kept=_mlp_kept(c, "hidden_act", "gelu_new"))
-    return Architecture(name, "phi", layers, hidden, heads, kv_heads, head_dim, width, vocab, tied,
-                        weights=tuple(b.weights), layer_shapes=(shape,) * layers)
+    # tying shares the weight; the bias stays
+    b.head(hidden, vocab, tied, "model.embed_tokens", bias=True)
+    shape = LayerShape(
+        hidden,
+        1,
+        "layer",
+        q_width,
+        k_width,
+        k_width,
+        q_width,
+        heads,
+        width,
+        False,
+        qk_norm=qk_norm,
+        mlp_kept=_mlp_kept(c, "hidden_act", "gelu_new"),
+    )
+    return Architecture(
+        name,
+        "phi",
+        layers,
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        width,
+        vocab,
+        tied,
+        weights=tuple(b.weights),
+        layer_shapes=(shape,) * layers,
+    )
 
 
 def _opt(c: _Config, name: str) -> Architecture:
-    hidden, heads, layers = c.int("hidden_size"), c.int("num_attention_heads"), c.int("num_hidden_layers")
-    vocab, width, positions = c.int("vocab_size"), c.int("ffn_dim"), c.int("max_position_embeddings")
+    hidden, heads, layers = (
+        c.int("hidden_size"),
+        c.int("num_attention_heads"),
+        c.int("num_hidden_layers"),
+    )
+    vocab, width, positions = (
+        c.int("vocab_size"),
+        c.int("ffn_dim"),
+        c.int("max_position_embeddings"),
+    )
     tied, bias = c.bool("tie_word_embeddings"), c.bool("enable_bias")
-    affine = c.bool("layer_norm_elementwise_affine") if "layer_norm_elementwise_affine" in c.config else True
+    affine = (
+        c.bool("layer_norm_elementwise_affine")
+        if "layer_norm_elementwise_affine" in c.config
+        else True
+    )
     projected = c.int("word_embed_proj_dim", hidden)
     head_dim = c.divide(hidden, heads, "hidden_size", "num_attention_heads")
     b = _Builder()
     norm = (lambda module: b.norm(module, hidden, bias=True)) if affine else (lambda module: None)
     b.tensor("model.decoder.embed_tokens", "weight", vocab, projected)
-    b.tensor("model.decoder.embed_positions", "weight", positions + 2, hidden)  # OPT offsets positions by 2
+    # OPT offsets positions by 2
+    b.tensor("model.decoder.embed_positions", "weight", positions + 2, hidden)
     if projected != hidden:
         b.linear("model.decoder.project_out", hidden, projected, False)
         b.linear("model.decoder.project_in", projected, hidden, False)
@@ -694,29 +978,61 @@ def _opt(c: _Config, name: str) -> Architecture:
         norm(f"{at}.final_layer_norm")
     b.layer = None
     b.head(projected, vocab, tied, "model.decoder.embed_tokens")
-    shape = LayerShape(hidden, 2, "layer", hidden, hidden, hidden, hidden, heads, width, False,
-                       mlp_kept=_mlp_kept(c, "activation_function", "relu"))
-    return Architecture(name, "opt", layers, hidden, heads, heads, head_dim, width, vocab, tied,
-                        weights=tuple(b.weights), layer_shapes=(shape,) * layers)
+    shape = LayerShape(
+        hidden,
+        2,
+        "layer",
+        hidden,
+        hidden,
+        hidden,
+        hidden,
+        heads,
+        width,
+        False,
+        mlp_kept=_mlp_kept(c, "activation_function", "relu"),
+    )
+    return Architecture(
+        name,
+        "opt",
+        layers,
+        hidden,
+        heads,
+        heads,
+        head_dim,
+        width,
+        vocab,
+        tied,
+        weights=tuple(b.weights),
+        layer_shapes=(shape,) * layers,
+    )
 
 
 def _falcon(c: _Config, name: str) -> Architecture:
-    hidden, heads, layers = c.int("hidden_size"), c.int("num_attention_heads"), c.int("num_hidden_layers")
+    hidden, heads, layers = (
+        c.int("hidden_size"),
+        c.int("num_attention_heads"),
+        c.int("num_hidden_layers"),
+    )
     vocab, tied, bias = c.int("vocab_size"), c.bool("tie_word_embeddings"), c.bool("bias")
     width = c.int("ffn_hidden_size", 4 * hidden)
     head_dim = c.divide(hidden, heads, "hidden_size", "num_attention_heads")
     new = c.bool("new_decoder_architecture")
     kv_heads = c.int("num_kv_heads", heads) if (new or not c.bool("multi_query")) else 1
     parallel = c.bool("parallel_attn")
-    norms = (c.int("num_ln_in_parallel_attn", 2 if new else 1) if parallel else 2)
-    names = (("ln_attn", "ln_mlp") if norms == 2 else ("input_layernorm",)) if parallel else \
-        ("input_layernorm", "post_attention_layernorm")
+    norms = c.int("num_ln_in_parallel_attn", 2 if new else 1) if parallel else 2
+    names = (
+        (("ln_attn", "ln_mlp") if norms == 2 else ("input_layernorm",))
+        if parallel
+        else ("input_layernorm", "post_attention_layernorm")
+    )
     b = _Builder()
     b.tensor("transformer.word_embeddings", "weight", vocab, hidden)
     for layer in range(layers):
         b.layer = layer
         at = f"transformer.h.{layer}"
-        b.linear(f"{at}.self_attention.query_key_value", hidden, (heads + 2 * kv_heads) * head_dim, bias)
+        b.linear(
+            f"{at}.self_attention.query_key_value", hidden, (heads + 2 * kv_heads) * head_dim, bias
+        )
         b.linear(f"{at}.self_attention.dense", hidden, hidden, bias)
         b.linear(f"{at}.mlp.dense_h_to_4h", hidden, width, bias)
         b.linear(f"{at}.mlp.dense_4h_to_h", width, hidden, bias)
@@ -725,10 +1041,32 @@ def _falcon(c: _Config, name: str) -> Architecture:
     b.layer = None
     b.norm("transformer.ln_f", hidden, bias=True)
     b.head(hidden, vocab, tied, "transformer.word_embeddings")
-    shape = LayerShape(hidden, len(names), "layer", hidden, kv_heads * head_dim, kv_heads * head_dim, hidden,
-                       heads, width, False)
-    return Architecture(name, "falcon", layers, hidden, heads, kv_heads, head_dim, width, vocab, tied,
-                        weights=tuple(b.weights), layer_shapes=(shape,) * layers)
+    shape = LayerShape(
+        hidden,
+        len(names),
+        "layer",
+        hidden,
+        kv_heads * head_dim,
+        kv_heads * head_dim,
+        hidden,
+        heads,
+        width,
+        False,
+    )
+    return Architecture(
+        name,
+        "falcon",
+        layers,
+        hidden,
+        heads,
+        kv_heads,
+        head_dim,
+        width,
+        vocab,
+        tied,
+        weights=tuple(b.weights),
+        layer_shapes=(shape,) * layers,
+    )
 
 
 def _bloom(c: _Config, name: str) -> Architecture:
@@ -752,5 +1090,17 @@ def _bloom(c: _Config, name: str) -> Architecture:
     b.norm("transformer.ln_f", hidden, bias=True)
     b.head(hidden, vocab, tied, "transformer.word_embeddings")
     shape = LayerShape(hidden, 2, "layer", hidden, hidden, hidden, hidden, heads, 4 * hidden, False)
-    return Architecture(name, "bloom", layers, hidden, heads, heads, head_dim, 4 * hidden, vocab, tied,
-                        weights=tuple(b.weights), layer_shapes=(shape,) * layers)
+    return Architecture(
+        name,
+        "bloom",
+        layers,
+        hidden,
+        heads,
+        heads,
+        head_dim,
+        4 * hidden,
+        vocab,
+        tied,
+        weights=tuple(b.weights),
+        layer_shapes=(shape,) * layers,
+    )

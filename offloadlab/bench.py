@@ -13,6 +13,7 @@ so the real, slower machine stays under them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -24,8 +25,23 @@ from .devices import ASSUMED, Footprint
 from .link import open_link
 from .units import format_bandwidth, format_duration, parse_size
 
-__all__ = ["link", "overlap", "adam", "offload", "prefetch", "nvme", "check_nvme_folder", "format_result",
-           "link_plan", "overlap_plan", "adam_plan", "offload_plan", "prefetch_plan", "nvme_plan", "OVERLAP_CASES"]
+__all__ = [
+    "link",
+    "overlap",
+    "adam",
+    "offload",
+    "prefetch",
+    "nvme",
+    "check_nvme_folder",
+    "format_result",
+    "link_plan",
+    "overlap_plan",
+    "adam_plan",
+    "offload_plan",
+    "prefetch_plan",
+    "nvme_plan",
+    "OVERLAP_CASES",
+]
 
 MiB = 2**20
 
@@ -55,12 +71,19 @@ def link_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
     filler, repeats, top = probe.busy_filler_bytes(False), 3 if quick else 5, sizes[-1]
     pinned_rate = profile.link_bytes_per_s * ASSUMED["link_efficiency"]
     pageable_rate = profile.link_bytes_per_s * ASSUMED["pageable_efficiency"]
-    sweep = sum(2 * ((repeats + 1) * size / rate + repeats * filler / pinned_rate)
-                for size in sizes for rate in (pinned_rate, pageable_rate))
+    sweep = sum(
+        2 * ((repeats + 1) * size / rate + repeats * filler / pinned_rate)
+        for size in sizes
+        for rate in (pinned_rate, pageable_rate)
+    )
     both = (repeats + 1) * top / pinned_rate
     plain = 2 * (repeats + 2) * top / pageable_rate
-    return Footprint(max(top + filler, 2 * top), max(top + filler, 2 * top), sweep + both + plain + 2.0,
-                     f"a sweep of 4 KiB to {top >> 20} MiB each way, pinned and pageable, {repeats} repeats")
+    return Footprint(
+        max(top + filler, 2 * top),
+        max(top + filler, 2 * top),
+        sweep + both + plain + 2.0,
+        f"a sweep of 4 KiB to {top >> 20} MiB each way, pinned and pageable, {repeats} repeats",
+    )
 
 
 def link(quick: bool = False) -> dict:
@@ -76,19 +99,36 @@ def link(quick: bool = False) -> dict:
         emulated = chosen.emulated
         configured = getattr(chosen, "bandwidth", None)
         largest = max(r.params["size"] for r in records)
-        both = {r.params["direction"]: r.value for r in probe.bidirectional(chosen, largest, repeats=3 if quick else 5)}
+        both = {
+            r.params["direction"]: r.value
+            for r in probe.bidirectional(chosen, largest, repeats=3 if quick else 5)
+        }
     rows, ratios = [], {}
     nominal = machine.pcie_link().nominal_bytes_per_s if not emulated else None
     for direction in ("h2d", "d2h"):
         pinned = probe.fit_sweep(records, direction, pinned=True)
         pageable = probe.fit_sweep(records, direction, pinned=False)
-        rows.append({"contender": f"offloadlab pinned {direction}", "bytes_per_s": pinned.beta,
-                     "latency_s": pinned.alpha})
-        rows.append({"contender": f"offloadlab pageable {direction}", "bytes_per_s": pageable.beta,
-                     "latency_s": pageable.alpha})
+        rows.append(
+            {
+                "contender": f"offloadlab pinned {direction}",
+                "bytes_per_s": pinned.beta,
+                "latency_s": pinned.alpha,
+            }
+        )
+        rows.append(
+            {
+                "contender": f"offloadlab pageable {direction}",
+                "bytes_per_s": pageable.beta,
+                "latency_s": pageable.alpha,
+            }
+        )
         ratios[f"{direction} pinned / pageable"] = pinned.beta / pageable.beta
-        rows.append({"contender": f"offloadlab pinned {direction}, both directions at once",
-                     "bytes_per_s": both[direction]})
+        rows.append(
+            {
+                "contender": f"offloadlab pinned {direction}, both directions at once",
+                "bytes_per_s": both[direction],
+            }
+        )
         if emulated:
             ratios[f"{direction} pinned / configured emulated bandwidth"] = pinned.beta / configured
             continue
@@ -99,17 +139,29 @@ def link(quick: bool = False) -> dict:
             ratios[f"{direction} pinned / nominal PCIe"] = pinned.beta / nominal
         else:
             ratios[f"{direction} pinned / nominal PCIe"] = None
-    one_way = {r["contender"].split()[-1]: r["bytes_per_s"] for r in rows if r["contender"].startswith(
-        "offloadlab pinned") and "," not in r["contender"]}
-    ratios["both directions at once / one direction (duplex; 2.0 is full duplex)"] = \
-        (both["h2d"] + both["d2h"]) / max(one_way["h2d"], one_way["d2h"])
-    return {"benchmark": "link", "source": "emulated" if emulated else "measured", "rows": rows,
-            "ratios": ratios, "provenance": machine.provenance(),
-            "note": "" if emulated or nominal else "nominal PCIe rate unknown (NVML unavailable)"}
+    one_way = {
+        r["contender"].split()[-1]: r["bytes_per_s"]
+        for r in rows
+        if r["contender"].startswith("offloadlab pinned") and "," not in r["contender"]
+    }
+    ratios["both directions at once / one direction (duplex; 2.0 is full duplex)"] = (
+        both["h2d"] + both["d2h"]
+    ) / max(one_way["h2d"], one_way["d2h"])
+    return {
+        "benchmark": "link",
+        "source": "emulated" if emulated else "measured",
+        "rows": rows,
+        "ratios": ratios,
+        "provenance": machine.provenance(),
+        "note": "" if emulated or nominal else "nominal PCIe rate unknown (NVML unavailable)",
+    }
 
 
-OVERLAP_CASES = (("transfer hidden (¼ of compute)", 0.25), ("balanced (equal)", 1.0),
-                 ("bandwidth-bound (4× compute)", 4.0))
+OVERLAP_CASES = (
+    ("transfer hidden (¼ of compute)", 0.25),
+    ("balanced (equal)", 1.0),
+    ("bandwidth-bound (4× compute)", 4.0),
+)
 _CALIBRATION_BYTES = {True: 8 * MiB, False: 256 * MiB}  # by emulated
 
 
@@ -125,7 +177,8 @@ def overlap_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footpri
     buffers = max(largest, _CALIBRATION_BYTES[False])
     rate = profile.link_bytes_per_s * ASSUMED["link_efficiency"]
 
-    def experiment_seconds(nbytes: int, repeats: int) -> float:  # measure_overlap: warm-up, repeats, timeline
+    # measure_overlap: warm-up, repeats, timeline
+    def experiment_seconds(nbytes: int, repeats: int) -> float:
         compute = window  # (the run counts its products from their measured time)
         transfer = nbytes / rate
         both = max(compute, transfer)
@@ -133,10 +186,16 @@ def overlap_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footpri
 
     repeats = 3 if quick else 5
     seconds = experiment_seconds(_CALIBRATION_BYTES[False], 1) + sum(
-        experiment_seconds(experiment.transfer_bytes(profile, f, window), repeats) for _, f in OVERLAP_CASES)
-    return Footprint(buffers, buffers + experiment.matmul_device_bytes(*experiment.GPU_SHAPE), seconds,
-                     f"transfers of ¼, 1 and 4 compute windows of {window * 1e3:.0f} ms over the nominal link, "
-                     f"in one pinned buffer")
+        experiment_seconds(experiment.transfer_bytes(profile, f, window), repeats)
+        for _, f in OVERLAP_CASES
+    )
+    return Footprint(
+        buffers,
+        buffers + experiment.matmul_device_bytes(*experiment.GPU_SHAPE),
+        seconds,
+        f"transfers of ¼, 1 and 4 compute windows of {window * 1e3:.0f} ms over the nominal link, "
+        f"in one pinned buffer",
+    )
 
 
 def overlap(quick: bool = False) -> dict:
@@ -149,15 +208,26 @@ def overlap(quick: bool = False) -> dict:
     """
     with open_link() as chosen:
         if chosen.emulated:
-            work, limit = experiment.MatmulWork(*experiment.EMULATED_SHAPE, 8 if quick else 16, chosen.device), None
+            work, limit = (
+                experiment.MatmulWork(
+                    *experiment.EMULATED_SHAPE, 8 if quick else 16, chosen.device
+                ),
+                None,
+            )
         else:
             profile = devices.present()
             work = experiment.overlap_work(chosen, _overlap_window(quick))
-            limit = {f: experiment.transfer_bytes(profile, 1.1 * f, _overlap_window(quick)) for _, f in OVERLAP_CASES}
-        calibration = experiment.measure_overlap(chosen, _CALIBRATION_BYTES[chosen.emulated], work, 1)
+            limit = {
+                f: experiment.transfer_bytes(profile, 1.1 * f, _overlap_window(quick))
+                for _, f in OVERLAP_CASES
+            }
+        calibration = experiment.measure_overlap(
+            chosen, _CALIBRATION_BYTES[chosen.emulated], work, 1
+        )
         bandwidth = calibration.nbytes / calibration.t_transfer
         result_rows, ratios = [], {}
-        for name, factor in reversed(OVERLAP_CASES):  # the largest first: the others reuse its buffers
+        # the largest first: the others reuse its buffers
+        for name, factor in reversed(OVERLAP_CASES):
             nbytes = max(4096, int(factor * calibration.t_compute * bandwidth))
             if limit is not None:
                 nbytes = min(nbytes, limit[factor])
@@ -166,9 +236,14 @@ def overlap(quick: bool = False) -> dict:
             ratios[f"{name}: measured / predicted step"] = r.ratio
         ratios = dict(reversed(list(ratios.items())))
         source = "emulated" if chosen.emulated else "measured"
-    return {"benchmark": "overlap", "source": source, "rows": result_rows, "ratios": ratios,
-            "compute": {"rows": work.rows, "hidden": work.hidden, "products": work.count},
-            "provenance": machine.provenance()}
+    return {
+        "benchmark": "overlap",
+        "source": source,
+        "rows": result_rows,
+        "ratios": ratios,
+        "compute": {"rows": work.rows, "hidden": work.hidden, "products": work.count},
+        "provenance": machine.provenance(),
+    }
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -198,7 +273,8 @@ def _deepspeed_step(weights):
     """DeepSpeedCPUAdam's step on ``weights``, or (None, why it is absent): its C++ extension is
     compiled at first use, which can fail long after the import succeeded."""
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # its import and build print notices: not the result
+        # its import and build print notices: not the result
+        with contextlib.redirect_stdout(sys.stderr):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             optimizer = DeepSpeedCPUAdam([weights], lr=1e-3, adamw_mode=True)
@@ -215,8 +291,8 @@ def _adam_params(quick: bool) -> int:
     return int(16e6 if quick else 64e6)
 
 
-FLOOR_MARGIN = 1.05   # a contender this much faster than its floor shows the floor was not a floor
-FLOOR_PASSES = 3      # floor passes per round: the floor is the best of them all
+FLOOR_MARGIN = 1.05  # a contender this much faster than its floor shows the floor was not a floor
+FLOOR_PASSES = 3  # floor passes per round: the floor is the best of them all
 FLOOR_CACHE_MULTIPLE = 4  # the step's arrays, at least this many times the last-level cache
 
 
@@ -225,22 +301,36 @@ def adam_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
     import importlib.util
 
     count = _adam_params(quick)
-    contenders = 8 + 3 * FLOOR_PASSES  # two variants, the same job, torch's two and the cast, DeepSpeed's two;
+    # two variants, the same job, torch's two and the cast, DeepSpeed's two;
+    contenders = 8 + 3 * FLOOR_PASSES
     step = 28 * count / ASSUMED["host_bandwidth"]  # and three floors
-    deepspeed = 60.0 if importlib.util.find_spec("deepspeed") else 0.0  # its CPU Adam may compile at first use
-    return Footprint(0, 0, contenders * ((3 if quick else 5) + 1) * step + deepspeed + 2.0,
-                     f"{count / 1e6:.0f} M parameters, every contender in interleaved rounds"
-                     + ("; DeepSpeed's CPU Adam may compile at first use (60 s assumed)" if deepspeed else ""))
+    # its CPU Adam may compile at first use
+    deepspeed = 60.0 if importlib.util.find_spec("deepspeed") else 0.0
+    return Footprint(
+        0,
+        0,
+        contenders * ((3 if quick else 5) + 1) * step + deepspeed + 2.0,
+        f"{count / 1e6:.0f} M parameters, every contender in interleaved rounds"
+        + ("; DeepSpeed's CPU Adam may compile at first use (60 s assumed)" if deepspeed else ""),
+    )
 
 
 # What each contender reads and writes: (gradient dtype, dtype of the weights' copy, or None).
-_BF16_IN_OUT, _FP32_IN, _FP32_IN_BF16_OUT = (torch.bfloat16, torch.bfloat16), (torch.float32, None), \
-    (torch.float32, torch.bfloat16)
-_FLOOR_NAMES = {_BF16_IN_OUT: "bf16 gradients in, bf16 weights out", _FP32_IN: "fp32 gradients in, no copy",
-                _FP32_IN_BF16_OUT: "fp32 gradients in, bf16 weights out"}
+_BF16_IN_OUT, _FP32_IN, _FP32_IN_BF16_OUT = (
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, None),
+    (torch.float32, torch.bfloat16),
+)
+_FLOOR_NAMES = {
+    _BF16_IN_OUT: "bf16 gradients in, bf16 weights out",
+    _FP32_IN: "fp32 gradients in, no copy",
+    _FP32_IN_BF16_OUT: "fp32 gradients in, bf16 weights out",
+}
 
 
-def floor_verdict(seconds: dict, floors: dict, streams: dict, array_bytes: int, cache_bytes: int | None) -> str:
+def floor_verdict(
+    seconds: dict, floors: dict, streams: dict, array_bytes: int, cache_bytes: int | None
+) -> str:
     """Why the floors of :func:`adam` are not floors, or '' when they are.
 
     ``seconds``: each contender's median; ``floors``: seconds of the floor of each kind of streams;
@@ -248,14 +338,22 @@ def floor_verdict(seconds: dict, floors: dict, streams: dict, array_bytes: int, 
     (``cache_bytes``), or a contender faster than its floor by more than :data:`FLOOR_MARGIN`.
     """
     if cache_bytes is not None and array_bytes < FLOOR_CACHE_MULTIPLE * cache_bytes:
-        return (f"the step's arrays ({array_bytes / 2**20:.0f} MiB) are less than {FLOOR_CACHE_MULTIPLE}× the "
-                f"last-level cache ({cache_bytes / 2**20:.0f} MiB): give more parameters")
-    beaten = [(name, floors[streams[name]] / value) for name, value in seconds.items()
-              if floors[streams[name]] / value > FLOOR_MARGIN]
+        return (
+            f"the step's arrays ({array_bytes / 2**20:.0f} MiB) are less than "
+            f"{FLOOR_CACHE_MULTIPLE}× the last-level cache ({cache_bytes / 2**20:.0f} MiB): give "
+            "more parameters"
+        )
+    beaten = [
+        (name, floors[streams[name]] / value)
+        for name, value in seconds.items()
+        if floors[streams[name]] / value > FLOOR_MARGIN
+    ]
     if beaten:
         name, factor = max(beaten, key=lambda item: item[1])
-        return (f"{name} ran at {100 * factor:.0f} % of its floor (over {100 * FLOOR_MARGIN:.0f} %): the floor "
-                f"passes were slowed, or the arrays were in cache")
+        return (
+            f"{name} ran at {100 * factor:.0f} % of its floor (over {100 * FLOOR_MARGIN:.0f} %): "
+            f"the floor passes were slowed, or the arrays were in cache"
+        )
     return ""
 
 
@@ -282,11 +380,17 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     threads = threads or torch.get_num_threads()
     repeats = 3 if quick else 5
     kernel = cpu_adam.load()
-    variants = [kernel.variant]  # the best this CPU runs (or the one OFFLOADLAB_CPU_ADAM_VARIANT names)
+    # the best this CPU runs (or the one OFFLOADLAB_CPU_ADAM_VARIANT names)
+    variants = [kernel.variant]
     if kernel.compiled and kernel.library.runnable[-1] != kernel.variant:
-        variants.append(kernel.library.runnable[-1])  # the portable one, for CPUs without wider instructions
-    labels = {variant: f"offloadlab fused step, {variant} variant" if variant != cpu_adam.TORCH
-              else "offloadlab step, torch fallback" for variant in variants}
+        # the portable one, for CPUs without wider instructions
+        variants.append(kernel.library.runnable[-1])
+    labels = {
+        variant: f"offloadlab fused step, {variant} variant"
+        if variant != cpu_adam.TORCH
+        else "offloadlab step, torch fallback"
+        for variant in variants
+    }
     same_job = f"offloadlab step, {variants[0]}, fp32 gradients, no copy"
     master, m, v = torch.randn(count), torch.zeros(count), torch.zeros(count)
     grad, out16 = torch.randn(count).to(torch.bfloat16), torch.empty(count, dtype=torch.bfloat16)
@@ -296,31 +400,48 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     contenders, streams = {}, {}
     for variant in variants:
         contenders[labels[variant]] = lambda variant=variant: cpu_adam.adamw_step(
-            master, m, v, grad, out16, step=next(steps), lr=1e-3, threads=threads, variant=variant)
+            master, m, v, grad, out16, step=next(steps), lr=1e-3, threads=threads, variant=variant
+        )
         streams[labels[variant]] = _BF16_IN_OUT
-    contenders[same_job] = lambda: cpu_adam.adamw_step(master, m, v, weights.grad, step=next(steps), lr=1e-3,
-                                                       threads=threads, variant=variants[0])
+    contenders[same_job] = lambda: cpu_adam.adamw_step(
+        master, m, v, weights.grad, step=next(steps), lr=1e-3, threads=threads, variant=variants[0]
+    )
     foreach = torch.optim.AdamW([weights], lr=1e-3, foreach=True)
     fused = torch.optim.AdamW([weights], lr=1e-3, fused=True)
     contenders["torch AdamW foreach"] = foreach.step
     contenders["torch AdamW fused"] = fused.step
-    contenders["torch AdamW fused + bf16 cast"] = lambda: (fused.step(), out16.copy_(weights.detach()))
+    contenders["torch AdamW fused + bf16 cast"] = lambda: (
+        fused.step(),
+        out16.copy_(weights.detach()),
+    )
     deepspeed, deepspeed_absent = _deepspeed_step(weights)
     if deepspeed:
         contenders["DeepSpeedCPUAdam"] = deepspeed
-        contenders["DeepSpeedCPUAdam + bf16 cast"] = lambda: (deepspeed(), out16.copy_(weights.detach()))
+        contenders["DeepSpeedCPUAdam + bf16 cast"] = lambda: (
+            deepspeed(),
+            out16.copy_(weights.detach()),
+        )
     for name in contenders:
         streams.setdefault(name, _FP32_IN_BF16_OUT if name.endswith("bf16 cast") else _FP32_IN)
     timed = dict(contenders)
     if kernel.compiled:  # the floors: arrays of their own, the kernel's loop without the arithmetic
         floor_arrays = [torch.zeros(count) for _ in range(3)]
-        inputs = {torch.bfloat16: torch.zeros(count, dtype=torch.bfloat16), torch.float32: torch.zeros(count)}
+        inputs = {
+            torch.bfloat16: torch.zeros(count, dtype=torch.bfloat16),
+            torch.float32: torch.zeros(count),
+        }
         for kind in _FLOOR_NAMES:
             grad_dtype, out_dtype = kind
             floor_out = None if out_dtype is None else torch.empty(count, dtype=out_dtype)
             for k in range(FLOOR_PASSES):
-                timed[("floor", kind, k)] = lambda grad_in=inputs[grad_dtype], floor_out=floor_out: \
-                    cpu_adam.floor_pass(*floor_arrays, grad_in, floor_out, threads=threads, variant=variants[0])
+                timed[("floor", kind, k)] = functools.partial(
+                    cpu_adam.floor_pass,
+                    *floor_arrays,
+                    inputs[grad_dtype],
+                    floor_out,
+                    threads=threads,
+                    variant=variants[0],
+                )
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -328,16 +449,32 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     finally:
         torch.set_num_threads(previous)
     seconds = {name: statistics.median(samples[name]) for name in contenders}
-    floors = {kind: min(t for key, values in samples.items() if key[:2] == ("floor", kind) for t in values)
-              for kind in _FLOOR_NAMES} if kernel.compiled else {}
+    floors = (
+        {
+            kind: min(
+                t for key, values in samples.items() if key[:2] == ("floor", kind) for t in values
+            )
+            for kind in _FLOOR_NAMES
+        }
+        if kernel.compiled
+        else {}
+    )
     array_bytes = cpu_adam.bytes_per_param() * count
     cache = machine.last_level_cache_bytes()
-    why = floor_verdict(seconds, floors, streams, array_bytes, cache) if kernel.compiled else \
-        f"no compiled kernel, whose loop the floor is ({kernel.describe()})"
+    why = (
+        floor_verdict(seconds, floors, streams, array_bytes, cache)
+        if kernel.compiled
+        else f"no compiled kernel, whose loop the floor is ({kernel.describe()})"
+    )
     rows = []
     for name, value in seconds.items():
         moved = cpu_adam.bytes_per_param(*streams[name]) * count
-        row = {"contender": name, "seconds": value, "params_per_s": count / value, "bytes_per_s": moved / value}
+        row = {
+            "contender": name,
+            "seconds": value,
+            "params_per_s": count / value,
+            "bytes_per_s": moved / value,
+        }
         if not why:
             row["percent_of_floor"] = 100 * floors[streams[name]] / value
         rows.append(row)
@@ -345,38 +482,73 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
     baseline = seconds[labels[variants[1]]] if len(variants) > 1 else None
     cast = seconds["torch AdamW fused + bf16 cast"]
     ratios = {
-        "offloadlab step / bandwidth floor (target ≤ 1.10)": None if why else ours / floors[_BF16_IN_OUT],
+        "offloadlab step / bandwidth floor (target ≤ 1.10)": None
+        if why
+        else ours / floors[_BF16_IN_OUT],
         "fused + cast / offloadlab step (target ≥ 1.5)": cast / ours,
-        "fused + cast / offloadlab baseline step (target ≥ 1.0)": cast / baseline if baseline else None,
-        "DeepSpeedCPUAdam + cast / offloadlab step (target ≥ 1.0)":
-            seconds["DeepSpeedCPUAdam + bf16 cast"] / ours if deepspeed else None,
-        "DeepSpeedCPUAdam / offloadlab step, same job (target ≥ 1.0)":
-            seconds["DeepSpeedCPUAdam"] / seconds[same_job] if deepspeed else None,
+        "fused + cast / offloadlab baseline step (target ≥ 1.0)": cast / baseline
+        if baseline
+        else None,
+        "DeepSpeedCPUAdam + cast / offloadlab step (target ≥ 1.0)": seconds[
+            "DeepSpeedCPUAdam + bf16 cast"
+        ]
+        / ours
+        if deepspeed
+        else None,
+        "DeepSpeedCPUAdam / offloadlab step, same job (target ≥ 1.0)": seconds["DeepSpeedCPUAdam"]
+        / seconds[same_job]
+        if deepspeed
+        else None,
     }
-    floor = {"valid": not why, "why_not": why, "passes": FLOOR_PASSES * repeats, "last_level_cache_bytes": cache,
-             "array_bytes": array_bytes,
-             "kinds": [{"streams": _FLOOR_NAMES[kind], "seconds": floors[kind],
-                        "bytes_per_s": cpu_adam.bytes_per_param(*kind) * count / floors[kind]} for kind in floors]}
-    return {"benchmark": "adam", "source": "measured", "rows": rows, "ratios": ratios,
-            "params": count, "threads": threads, "floor": floor,
-            "backend": cpu_adam.backend(), "provenance": machine.provenance(),
-            "note": "" if deepspeed else f"DeepSpeedCPUAdam: absent ({deepspeed_absent})"}
+    floor = {
+        "valid": not why,
+        "why_not": why,
+        "passes": FLOOR_PASSES * repeats,
+        "last_level_cache_bytes": cache,
+        "array_bytes": array_bytes,
+        "kinds": [
+            {
+                "streams": _FLOOR_NAMES[kind],
+                "seconds": floors[kind],
+                "bytes_per_s": cpu_adam.bytes_per_param(*kind) * count / floors[kind],
+            }
+            for kind in floors
+        ],
+    }
+    return {
+        "benchmark": "adam",
+        "source": "measured",
+        "rows": rows,
+        "ratios": ratios,
+        "params": count,
+        "threads": threads,
+        "floor": floor,
+        "backend": cpu_adam.backend(),
+        "provenance": machine.provenance(),
+        "note": "" if deepspeed else f"DeepSpeedCPUAdam: absent ({deepspeed_absent})",
+    }
 
 
-OFFLOAD_TARGETS = {"at step": 1.30, "delayed": 1.15, "fast link": 2.00}  # step over AdamW's, emulated link
+# step over AdamW's, emulated link
+OFFLOAD_TARGETS = {"at step": 1.30, "delayed": 1.15, "fast link": 2.00}
 
 
 def _offload_models(gpu: bool) -> list[tuple]:
-    """(name, config, batch) of the two models :func:`offload` trains: a small GPT, and a deep narrow
-    decoder of 400 tensors (33 layers of two norms, four projections and their biases, the
-    embeddings and the final norm), as many small tensors as a real decoder has (Llama-3.1-8B: 291)."""
+    """(name, config, batch) of the two models :func:`offload` trains: a small GPT, and a deep
+    narrow decoder of 400 tensors (33 layers of two norms, four projections and their biases, the
+    embeddings and the final norm), as many small tensors as a real decoder has (Llama-3.1-8B:
+    291)."""
     from .models import GPTConfig
 
     if gpu:
-        return [("TinyGPT", GPTConfig(layers=8, hidden=1024, heads=16, vocab=8192, seq=512), 8),
-                ("400 tensors", GPTConfig(layers=33, hidden=512, heads=8, vocab=8192, seq=256), 8)]
-    return [("TinyGPT", GPTConfig(layers=2, hidden=256, heads=4, vocab=1024, seq=64), 4),
-            ("400 tensors", GPTConfig(layers=33, hidden=64, heads=4, vocab=256, seq=32), 2)]
+        return [
+            ("TinyGPT", GPTConfig(layers=8, hidden=1024, heads=16, vocab=8192, seq=512), 8),
+            ("400 tensors", GPTConfig(layers=33, hidden=512, heads=8, vocab=8192, seq=256), 8),
+        ]
+    return [
+        ("TinyGPT", GPTConfig(layers=2, hidden=256, heads=4, vocab=1024, seq=64), 4),
+        ("400 tensors", GPTConfig(layers=33, hidden=64, heads=4, vocab=256, seq=32), 2),
+    ]
 
 
 def _offload_rounds(gpu: bool, quick: bool) -> tuple[int, int]:
@@ -386,15 +558,16 @@ def _offload_rounds(gpu: bool, quick: bool) -> tuple[int, int]:
 
 def _offload_contenders(torchao: bool) -> int:
     """How many contenders keep their state in pinned memory at once (one model's)."""
-    return 4 + torchao  # at step, eager, delayed; the fast link's (emulated only); torchao's (GPU only)
+    # at step, eager, delayed; the fast link's (emulated only); torchao's (GPU only)
+    return 4 + torchao
 
 
 def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
-    """What :func:`offload` asks of a GPU of ``profile``, model by model (each model's contenders are
-    alive at once, the models one after the other): every offloaded contender's pinned state (16
-    bytes per parameter with bf16 weights: fp32 master and moments, bf16 gradients and weights),
-    and on the device every contender's bf16 weights, AdamW's gradients and moments, each
-    offloaded contender's gather and staging buffers, and the saved activations of one step."""
+    """What :func:`offload` asks of a GPU of ``profile``, model by model (each model's contenders
+    are alive at once, the models one after the other): every offloaded contender's pinned state
+    (16 bytes per parameter with bf16 weights: fp32 master and moments, bf16 gradients and
+    weights), and on the device every contender's bf16 weights, AdamW's gradients and moments,
+    each offloaded contender's gather and staging buffers, and the saved activations of one step."""
     import importlib.util
 
     from .offload.capacity import saved_activation_bytes
@@ -409,22 +582,38 @@ def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footpri
         activations = saved_activation_bytes(config, batch, torch.bfloat16)
         flops = 6 * params * batch * config.seq  # forward and backward
         device_step = flops / (profile.bf16_flops * ASSUMED["matmul_efficiency"])
-        offloaded_step = max(device_step, 28 * params / ASSUMED["host_bandwidth"])  # the CPU update's traffic
+        # the CPU update's traffic
+        offloaded_step = max(device_step, 28 * params / ASSUMED["host_bandwidth"])
         build = 3.0  # a fresh model, and for the offloaded ones its pinned state
         steps = rounds * (1 + per_round)
         seconds += (2 + offloaded) * build + steps * (2 * device_step + offloaded * offloaded_step)
         pinned = max(pinned, offloaded * 16 * params)
-        device = max(device, (2 + offloaded) * 2 * params + 6 * params + offloaded * 3 * DEFAULT_BUCKET_BYTES
-                     + activations)
-    models = " and ".join(f"{name} of {config.params / 1e6:.0f} M parameters" for name, config, _ in
-                          _offload_models(True))
-    return Footprint(pinned, device, seconds, f"{models}, {rounds} rounds of {1 + per_round} steps per "
-                                              f"contender; activations counted on the meta device")
+        device = max(
+            device,
+            (2 + offloaded) * 2 * params
+            + 6 * params
+            + offloaded * 3 * DEFAULT_BUCKET_BYTES
+            + activations,
+        )
+    models = " and ".join(
+        f"{name} of {config.params / 1e6:.0f} M parameters"
+        for name, config, _ in _offload_models(True)
+    )
+    return Footprint(
+        pinned,
+        device,
+        seconds,
+        f"{models}, {rounds} rounds of {1 + per_round} steps per "
+        f"contender; activations counted on the meta device",
+    )
 
 
-def _offload_rounds_timed(runs: dict, rounds: int, per_round: int, threads: int, device: str) -> dict:
+def _offload_rounds_timed(
+    runs: dict, rounds: int, per_round: int, threads: int, device: str
+) -> dict:
     """{contender: seconds of each timed step}: ``rounds`` rounds in which every contender of
-    ``runs`` ({name: (model, optimizer or None, batches)}) takes 1 + ``per_round`` steps in a row."""
+    ``runs`` ({name: (model, optimizer or None, batches)}) takes 1 + ``per_round`` steps in a
+    row."""
     seconds = {name: [] for name in runs}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -443,7 +632,8 @@ def _offload_rounds_timed(runs: dict, rounds: int, per_round: int, threads: int,
                     if step:
                         seconds[name].append(time.perf_counter() - start)
                 if hasattr(optimizer, "synchronize"):
-                    optimizer.synchronize()  # (a delayed update: applied now, not in the next contender's turn)
+                    # (a delayed update: applied now, not in the next contender's turn)
+                    optimizer.synchronize()
     finally:
         torch.set_num_threads(previous)
     return seconds
@@ -472,22 +662,38 @@ def offload(quick: bool = False) -> dict:
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
-    dtype = torch.bfloat16 if gpu else torch.float32  # CPUs without bf16 units emulate bf16 matmuls slowly
+    # CPUs without bf16 units emulate bf16 matmuls slowly
+    dtype = torch.bfloat16 if gpu else torch.float32
     rounds, per_round = _offload_rounds(gpu, quick)
-    threads = torch.get_num_threads() if gpu else max(1, torch.get_num_threads() - 1)  # emulation: a core copies
-    alone, adamw, fast = "forward and backward alone", "AdamW on the device", \
-        "CPUOffloadAdam (update at step), 1 TB/s link, no latency"
-    contenders = {alone: lambda m: None,
-                  adamw: lambda m: torch.optim.AdamW(m.parameters()),
-                  "CPUOffloadAdam (update at step)": lambda m: CPUOffloadAdam(m.parameters(), threads=threads),
-                  "CPUOffloadAdam, eager (accumulation_steps=1)":
-                      lambda m: CPUOffloadAdam(m.parameters(), threads=threads, accumulation_steps=1),
-                  "CPUOffloadAdam, delayed update":
-                      lambda m: CPUOffloadAdam(m.parameters(), threads=threads, delayed_update=True)}
-    targets = {"CPUOffloadAdam (update at step)": "at step", "CPUOffloadAdam, delayed update": "delayed",
-               fast: "fast link"}
-    note = (f"every contender: {threads} torch threads; CPUOffloadAdam's CPU update: {threads} OpenMP threads; "
-            f"median of {rounds} rounds × {per_round} steps")
+    # emulation: a core copies
+    threads = torch.get_num_threads() if gpu else max(1, torch.get_num_threads() - 1)
+    alone, adamw, fast = (
+        "forward and backward alone",
+        "AdamW on the device",
+        "CPUOffloadAdam (update at step), 1 TB/s link, no latency",
+    )
+    contenders = {
+        alone: lambda m: None,
+        adamw: lambda m: torch.optim.AdamW(m.parameters()),
+        "CPUOffloadAdam (update at step)": lambda m: CPUOffloadAdam(
+            m.parameters(), threads=threads
+        ),
+        "CPUOffloadAdam, eager (accumulation_steps=1)": lambda m: CPUOffloadAdam(
+            m.parameters(), threads=threads, accumulation_steps=1
+        ),
+        "CPUOffloadAdam, delayed update": lambda m: CPUOffloadAdam(
+            m.parameters(), threads=threads, delayed_update=True
+        ),
+    }
+    targets = {
+        "CPUOffloadAdam (update at step)": "at step",
+        "CPUOffloadAdam, delayed update": "delayed",
+        fast: "fast link",
+    }
+    note = (
+        f"every contender: {threads} torch threads; CPUOffloadAdam's CPU update: {threads} OpenMP "
+        f"threads; median of {rounds} rounds × {per_round} steps"
+    )
     try:
         from torchao.optim import CPUOffloadOptimizer
     except Exception:
@@ -495,7 +701,8 @@ def offload(quick: bool = False) -> dict:
     else:
         if gpu:
             contenders["torchao CPUOffloadOptimizer"] = lambda m: CPUOffloadOptimizer(
-                m.parameters(), torch.optim.AdamW, fused=True)
+                m.parameters(), torch.optim.AdamW, fused=True
+            )
         else:
             note += "; torchao CPUOffloadOptimizer: needs a GPU"
     if gpu:
@@ -511,7 +718,11 @@ def offload(quick: bool = False) -> dict:
             for name, make in mine.items():
                 torch.manual_seed(0)
                 model = TinyGPT(config).to(device, dtype)
-                runs[name] = (model, make(model), batches(markov_corpus(config.vocab, 50_000), batch, config.seq))
+                runs[name] = (
+                    model,
+                    make(model),
+                    batches(markov_corpus(config.vocab, 50_000), batch, config.seq),
+                )
             seconds = _offload_rounds_timed(runs, rounds, per_round, threads, device)
         finally:
             for _, optimizer, _ in runs.values():
@@ -522,8 +733,13 @@ def offload(quick: bool = False) -> dict:
         median = {name: statistics.median(values) for name, values in seconds.items()}
         tensors = len(list(runs[alone][0].parameters()))
         for name, value in median.items():
-            row = {"contender": name, "model": model_name, "tensors": tensors, "params": config.params,
-                   "seconds": value}
+            row = {
+                "contender": name,
+                "model": model_name,
+                "tensors": tensors,
+                "params": config.params,
+                "seconds": value,
+            }
             if name != alone:
                 row["overhead_per_tensor_s"] = (value - median[alone]) / tensors
             rows.append(row)
@@ -533,16 +749,24 @@ def offload(quick: bool = False) -> dict:
                 if target and not gpu:
                     label += f" (target ≤ {OFFLOAD_TARGETS[target]:.2f})"
                 ratios[label] = value / median[adamw]
-    return {"benchmark": "offload", "source": "measured" if gpu else "emulated", "rows": rows, "ratios": ratios,
-            "params": {name: config.params for name, config, _ in _offload_models(gpu)},
-            "provenance": machine.provenance(), "note": note}
+    return {
+        "benchmark": "offload",
+        "source": "measured" if gpu else "emulated",
+        "rows": rows,
+        "ratios": ratios,
+        "params": {name: config.params for name, config, _ in _offload_models(gpu)},
+        "provenance": machine.provenance(),
+        "note": note,
+    }
 
 
 PREFETCH_LAYERS = 8
-PREFETCH_COMPUTE_RATIO = 2.0  # each layer's compute over its transfer: double buffering can then hide the copy
+# each layer's compute over its transfer: double buffering can then hide the copy
+PREFETCH_COMPUTE_RATIO = 2.0
 _PREFETCH_LAYER_BYTES = {True: 4 * MiB, False: 64 * MiB}  # by emulated
 _PREFETCH_HIDDEN = 2048  # on a GPU: (rows × 2048) @ (2048 × 2048) products, rows sized to the link
-_PRODUCTS_PER_TRANSFER = 4  # products that last one layer's transfer: compute is counted in quarters of it
+# products that last one layer's transfer: compute is counted in quarters of it
+_PRODUCTS_PER_TRANSFER = 4
 
 
 def prefetch_shape(profile: devices.DeviceProfile) -> tuple[int, int, int]:
@@ -552,27 +776,41 @@ def prefetch_shape(profile: devices.DeviceProfile) -> tuple[int, int, int]:
     transfer = _PREFETCH_LAYER_BYTES[False] / profile.link_bytes_per_s
     rate = profile.matmul_flops(torch.float32)
     hidden = _PREFETCH_HIDDEN
-    rows = max(64, round(transfer / _PRODUCTS_PER_TRANSFER * rate / (2 * hidden * hidden) / 64) * 64)
+    rows = max(
+        64, round(transfer / _PRODUCTS_PER_TRANSFER * rate / (2 * hidden * hidden) / 64) * 64
+    )
     per_product = 2 * rows * hidden * hidden / rate
     return rows, hidden, max(1, round(PREFETCH_COMPUTE_RATIO * transfer / per_product))
 
 
 def prefetch_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
-    """What :func:`prefetch` asks of a GPU of ``profile`` (with Accelerate's comparison, when installed)."""
+    """What :func:`prefetch` asks of a GPU of ``profile`` (with Accelerate's comparison, when
+    installed)."""
     layer = _PREFETCH_LAYER_BYTES[False]
     sweep = probe.default_sizes_for(emulated=False, quick=True)[-1] + probe.busy_filler_bytes(False)
     rows, hidden, count = prefetch_shape(profile)
-    streaming = PREFETCH_LAYERS * layer  # the pinned weights (the pageable copies are ordinary memory)
-    accelerate = 16 * 4096 * 4096 * 4  # its Linear stack, streamed from pinned memory by StreamedModel
-    pinned = streaming + max(sweep, accelerate)  # (the weights live through the sweep and the comparison)
-    device = max(sweep, 2 * layer + experiment.matmul_device_bytes(rows, hidden),
-                 2 * 4096 * 4096 * 4 + 3 * 4096 * 4096 * 4)
+    # the pinned weights (the pageable copies are ordinary memory)
+    streaming = PREFETCH_LAYERS * layer
+    # its Linear stack, streamed from pinned memory by StreamedModel
+    accelerate = 16 * 4096 * 4096 * 4
+    # (the weights live through the sweep and the comparison)
+    pinned = streaming + max(sweep, accelerate)
+    device = max(
+        sweep,
+        2 * layer + experiment.matmul_device_bytes(rows, hidden),
+        2 * 4096 * 4096 * 4 + 3 * 4096 * 4096 * 4,
+    )
     transfer = PREFETCH_LAYERS * layer / (profile.link_bytes_per_s * ASSUMED["link_efficiency"])
     compute = PREFETCH_COMPUTE_RATIO * transfer
-    passes = 4 * (1 + 5) + 2 * 3  # four variants: a warm-up and five passes each; compute alone thrice
-    return Footprint(pinned, device, passes * (compute + transfer) + 10.0,
-                     f"{PREFETCH_LAYERS} layers of {layer >> 20} MiB, each computing {count} products of "
-                     f"{rows}×{hidden} (twice its transfer at the datasheet rates)")
+    # four variants: a warm-up and five passes each; compute alone thrice
+    passes = 4 * (1 + 5) + 2 * 3
+    return Footprint(
+        pinned,
+        device,
+        passes * (compute + transfer) + 10.0,
+        f"{PREFETCH_LAYERS} layers of {layer >> 20} MiB, each computing {count} products of "
+        f"{rows}×{hidden} (twice its transfer at the datasheet rates)",
+    )
 
 
 def prefetch(quick: bool = False) -> dict:
@@ -594,13 +832,17 @@ def prefetch(quick: bool = False) -> dict:
         layer_bytes = _PREFETCH_LAYER_BYTES[chosen.emulated]
         weights = [chosen.host_buffer(layer_bytes // 4).normal_() for _ in range(layers)]
         pageable = [w.clone() for w in weights]
-        peak = probe.fit_sweep(probe.link_sweep(chosen, directions=("h2d",), pinned=(True,), quick=True,
-                                                repeats=3)).beta
+        peak = probe.fit_sweep(
+            probe.link_sweep(chosen, directions=("h2d",), pinned=(True,), quick=True, repeats=3)
+        ).beta
         t_layer_transfer = layer_bytes / peak
-        rows_, hidden, _ = prefetch_shape(devices.present()) if gpu else (*experiment.EMULATED_SHAPE, None)
+        rows_, hidden, _ = (
+            prefetch_shape(devices.present()) if gpu else (*experiment.EMULATED_SHAPE, None)
+        )
 
         def on_device(work, count=1) -> float:
-            """Seconds of ``count`` launches of ``work`` on the compute stream, on the link's clock."""
+            """Seconds of ``count`` launches of ``work`` on the compute stream, on the link's
+            clock."""
             begin = chosen.mark()
             for _ in range(count):
                 chosen.launch(work)
@@ -625,23 +867,37 @@ def prefetch(quick: bool = False) -> dict:
         transfer_alone = layers * t_layer_transfer
         bound = max(compute_alone, transfer_alone)
         result_rows, ratios = [], {}
-        for name, sources, variant in (("double buffered", weights, {}), ("one buffer", weights, {"buffers": 1}),
-                                       ("pageable source", pageable, {"pinned": False}),
-                                       ("synchronous copy", weights, {"synchronous": True})):
+        for name, sources, variant in (
+            ("double buffered", weights, {}),
+            ("one buffer", weights, {"buffers": 1}),
+            ("pageable source", pageable, {"pinned": False}),
+            ("synchronous copy", weights, {"synchronous": True}),
+        ):
             prefetcher = Prefetcher(sources, chosen, **variant)
             one_pass(prefetcher)  # warm-up
             seconds = statistics.median(one_pass(prefetcher) for _ in range(5))
             copies = prefetcher.timeline()["H2D"]
             busy = sum(end - start for start, end, _ in copies)
-            result_rows.append({"contender": name, "seconds": seconds, "ratio_to_bound": seconds / bound,
-                                "link_percent_of_peak": 100 * layers * layer_bytes / busy / peak})
-            ratios[f"{name}: step / max(compute, transfer) (target ≤ 1.10 double buffered)"
-                   if name == "double buffered" else f"{name}: step / max(compute, transfer)"] = seconds / bound
+            result_rows.append(
+                {
+                    "contender": name,
+                    "seconds": seconds,
+                    "ratio_to_bound": seconds / bound,
+                    "link_percent_of_peak": 100 * layers * layer_bytes / busy / peak,
+                }
+            )
+            ratios[
+                f"{name}: step / max(compute, transfer) (target ≤ 1.10 double buffered)"
+                if name == "double buffered"
+                else f"{name}: step / max(compute, transfer)"
+            ] = seconds / bound
         by_name = {r["contender"]: r["seconds"] for r in result_rows}
-        ratios["synchronous / double buffered (target ≥ 1.4; ideal 1.5)"] = \
+        ratios["synchronous / double buffered (target ≥ 1.4; ideal 1.5)"] = (
             by_name["synchronous copy"] / by_name["double buffered"]
-        ratios["double buffered: link bandwidth / pinned peak (GPU target ≥ 0.90)"] = \
+        )
+        ratios["double buffered: link bandwidth / pinned peak (GPU target ≥ 0.90)"] = (
             result_rows[0]["link_percent_of_peak"] / 100
+        )
         ratios["compute / transfer per layer (aimed at 2)"] = compute_alone / transfer_alone
         source = "measured" if gpu else "emulated"
     note = "median of 5 passes per variant"
@@ -654,10 +910,18 @@ def prefetch(quick: bool = False) -> dict:
             ratios.update(_accelerate_comparison(quick))
         else:
             note += "; Accelerate cpu_offload: needs a GPU"
-    return {"benchmark": "prefetch", "source": source, "rows": result_rows, "ratios": ratios,
-            "compute_seconds": compute_alone, "transfer_seconds": transfer_alone, "peak_bytes_per_s": peak,
-            "compute": {"rows": rows_, "hidden": hidden, "products_per_layer": count},
-            "provenance": machine.provenance(), "note": note}
+    return {
+        "benchmark": "prefetch",
+        "source": source,
+        "rows": result_rows,
+        "ratios": ratios,
+        "compute_seconds": compute_alone,
+        "transfer_seconds": transfer_alone,
+        "peak_bytes_per_s": peak,
+        "compute": {"rows": rows_, "hidden": hidden, "products_per_layer": count},
+        "provenance": machine.provenance(),
+        "note": note,
+    }
 
 
 def _accelerate_comparison(quick: bool) -> dict:
@@ -699,19 +963,25 @@ def _nvme_bytes(quick: bool, nbytes=None) -> int:
 
 
 def nvme_plan(profile: devices.DeviceProfile | None = None, quick: bool = False) -> Footprint:
-    """What :func:`nvme` asks: no pinned or device memory; time bound by the disk (see :data:`ASSUMED`)."""
+    """What :func:`nvme` asks: no pinned or device memory; time bound by the disk (see
+    :data:`ASSUMED`)."""
     size, repeats = _nvme_bytes(quick), 2 if quick else 3
-    # per depth: both tiers' two slots written once, then per repeat each tier writes and reads and the
-    # probe writes twice (untimed, then timed) and reads, at that depth and at its own
+    # per depth: both tiers' two slots written once, then per repeat each tier writes and reads and
+    # the probe writes twice (untimed, then timed) and reads, at that depth and at its own
     moved = len(NVME_DEPTHS) * size * (4 + repeats * 10)
-    return Footprint(0, 0, moved / ASSUMED["disk_bandwidth"] + 2.0,
-                     f"{size >> 20} MiB of state at queue depths {', '.join(map(str, NVME_DEPTHS))}, "
-                     f"{moved / 1e9:.0f} GB of disk traffic")
+    return Footprint(
+        0,
+        0,
+        moved / ASSUMED["disk_bandwidth"] + 2.0,
+        f"{size >> 20} MiB of state at queue depths {', '.join(map(str, NVME_DEPTHS))}, "
+        f"{moved / 1e9:.0f} GB of disk traffic",
+    )
 
 
 def check_nvme_folder(folder=".", quick: bool = False, nbytes=None) -> None:
     """Refuse a folder bench nvme could not finish in, before it starts: ValueError for a missing
-    folder, OSError for a read-only one or one without room for two tiers (two slots each) and a probe file."""
+    folder, OSError for a read-only one or one without room for two tiers (two slots each) and a
+    probe file."""
     probe.check_disk_folder(folder, 5 * _nvme_bytes(quick, nbytes))
 
 
@@ -736,12 +1006,19 @@ def nvme(quick: bool = False, folder=".", nbytes=None) -> dict:
     state = aligned_empty(size // 4)
     state.normal_()
     kinds = {"raw": "raw direct I/O", "plain": "FileTier, no checksums", "tier": "FileTier, crc32"}
-    seconds = {(kind, way, depth): [] for kind in kinds for way in ("write", "read") for depth in NVME_DEPTHS}
+    seconds = {
+        (kind, way, depth): []
+        for kind in kinds
+        for way in ("write", "read")
+        for depth in NVME_DEPTHS
+    }
     probed = {"write": [], "read": []}  # what `offloadlab probe` reports: depth 1, 4 MiB blocks
     direct = True
     for depth in NVME_DEPTHS:
-        with FileTier.temporary(folder, state.numel(), queue_depth=depth) as tier, \
-                FileTier.temporary(folder, state.numel(), queue_depth=depth, checksums=False) as plain:
+        with (
+            FileTier.temporary(folder, state.numel(), queue_depth=depth) as tier,
+            FileTier.temporary(folder, state.numel(), queue_depth=depth, checksums=False) as plain,
+        ):
             direct = direct and tier.direct and plain.direct
             for each in (tier, plain):
                 for _ in range(2):  # both slots once: the steady state a training run lives in
@@ -764,10 +1041,20 @@ def nvme(quick: bool = False, folder=".", nbytes=None) -> dict:
                 probed["read"].append(read.value)
     median = {key: statistics.median(values) for key, values in seconds.items()}
     baseline = {way: statistics.median(values) for way, values in probed.items()}
-    rows = [{"contender": f"probe {way}, depth 1, 4 MiB blocks", "bytes_per_s": baseline[way]} for way in ("write", "read")]
-    rows += [{"contender": f"{name} {way}, depth {depth}", "bytes_per_s": size / median[kind, way, depth],
-              "queue_depth": depth}
-             for depth in NVME_DEPTHS for kind, name in kinds.items() for way in ("write", "read")]
+    rows = [
+        {"contender": f"probe {way}, depth 1, 4 MiB blocks", "bytes_per_s": baseline[way]}
+        for way in ("write", "read")
+    ]
+    rows += [
+        {
+            "contender": f"{name} {way}, depth {depth}",
+            "bytes_per_s": size / median[kind, way, depth],
+            "queue_depth": depth,
+        }
+        for depth in NVME_DEPTHS
+        for kind, name in kinds.items()
+        for way in ("write", "read")
+    ]
 
     def io_time(kind, depth):
         return median[kind, "write", depth] + median[kind, "read", depth]
@@ -775,20 +1062,33 @@ def nvme(quick: bool = False, folder=".", nbytes=None) -> dict:
     ratios = {}
     for way in ("write", "read"):
         best = min(NVME_DEPTHS, key=lambda d: median["tier", way, d])
-        ratios[f"tier {way} at its best depth ({best}) / probe {way} (target ≥ 0.80)"] = \
+        ratios[f"tier {way} at its best depth ({best}) / probe {way} (target ≥ 0.80)"] = (
             size / median["tier", way, best] / baseline[way]
+        )
     best = min(NVME_DEPTHS, key=lambda d: io_time("tier", d))
-    ratios[f"tier I/O time / raw I/O time at depth {best}: crash-safety overhead (target ≤ 1.10)"] = \
-        io_time("tier", best) / io_time("raw", best)
-    ratios[f"commit protocol alone: no-checksum tier / raw at depth {best}"] = \
-        io_time("plain", best) / io_time("raw", best)
-    ratios[f"checksums alone: crc32 tier / no-checksum tier at depth {best}"] = \
-        io_time("tier", best) / io_time("plain", best)
+    ratios[
+        f"tier I/O time / raw I/O time at depth {best}: crash-safety overhead (target ≤ 1.10)"
+    ] = io_time("tier", best) / io_time("raw", best)
+    ratios[f"commit protocol alone: no-checksum tier / raw at depth {best}"] = io_time(
+        "plain", best
+    ) / io_time("raw", best)
+    ratios[f"checksums alone: crc32 tier / no-checksum tier at depth {best}"] = io_time(
+        "tier", best
+    ) / io_time("plain", best)
     for way in ("write", "read"):
         ratios[f"tier {way}: depth 16 / depth 1"] = median["tier", way, 1] / median["tier", way, 16]
-    return {"benchmark": "nvme", "source": "measured", "rows": rows, "ratios": ratios, "bytes": size,
-            "folder": str(machine.disk(folder).path), "provenance": machine.provenance(),
-            "note": "" if direct else "O_DIRECT refused by this file system: the page cache may serve these rates"}
+    return {
+        "benchmark": "nvme",
+        "source": "measured",
+        "rows": rows,
+        "ratios": ratios,
+        "bytes": size,
+        "folder": str(machine.disk(folder).path),
+        "provenance": machine.provenance(),
+        "note": ""
+        if direct
+        else "O_DIRECT refused by this file system: the page cache may serve these rates",
+    }
 
 
 def format_result(result: dict) -> str:
@@ -796,30 +1096,49 @@ def format_result(result: dict) -> str:
     lines = [f"benchmark {result['benchmark']} ({result['source']})"]
     for row in result["rows"]:
         if "params_per_s" in row:
-            of_floor = f"  {row['percent_of_floor']:5.1f}% of floor" if "percent_of_floor" in row else ""
-            lines.append(f"  {row['contender']:<58} {row['seconds'] * 1e3:8.1f} ms  {row['params_per_s'] / 1e9:5.2f} "
-                         f"G params/s  {format_bandwidth(row['bytes_per_s']):>10}{of_floor}")
+            of_floor = (
+                f"  {row['percent_of_floor']:5.1f}% of floor" if "percent_of_floor" in row else ""
+            )
+            lines.append(
+                f"  {row['contender']:<58} {row['seconds'] * 1e3:8.1f} ms  "
+                f"{row['params_per_s'] / 1e9:5.2f} G params/s  "
+                f"{format_bandwidth(row['bytes_per_s']):>10}{of_floor}"
+            )
         elif "ratio_to_bound" in row:
-            lines.append(f"  {row['contender']:<22} {format_duration(row['seconds']):>10}  "
-                         f"{row['ratio_to_bound']:.2f}× max(compute, transfer)  "
-                         f"link {row['link_percent_of_peak']:.0f}% of pinned peak")
+            lines.append(
+                f"  {row['contender']:<22} {format_duration(row['seconds']):>10}  "
+                f"{row['ratio_to_bound']:.2f}× max(compute, transfer)  "
+                f"link {row['link_percent_of_peak']:.0f}% of pinned peak"
+            )
         elif "model" in row:
-            overhead = (f"  {row['overhead_per_tensor_s'] * 1e6:+7.1f} µs per tensor"
-                        if "overhead_per_tensor_s" in row else "")
-            lines.append(f"  {row['model'] + ':':<12} {row['contender']:<58} "
-                         f"{format_duration(row['seconds']):>10} per step{overhead}")
+            overhead = (
+                f"  {row['overhead_per_tensor_s'] * 1e6:+7.1f} µs per tensor"
+                if "overhead_per_tensor_s" in row
+                else ""
+            )
+            lines.append(
+                f"  {row['model'] + ':':<12} {row['contender']:<58} "
+                f"{format_duration(row['seconds']):>10} per step{overhead}"
+            )
         elif "t_compute_s" not in row and "seconds" in row:
             lines.append(f"  {row['contender']:<40} {format_duration(row['seconds']):>10} per step")
         elif "bytes_per_s" in row:
             extra = f"  latency {row['latency_s'] * 1e6:.0f} µs" if "latency_s" in row else ""
-            lines.append(f"  {row['contender']:<40} {format_bandwidth(row['bytes_per_s']):>12}{extra}")
+            lines.append(
+                f"  {row['contender']:<40} {format_bandwidth(row['bytes_per_s']):>12}{extra}"
+            )
         else:
-            lines.append(f"  {row['contender']:<40} compute {format_duration(row['t_compute_s'])}, transfer "
-                         f"{format_duration(row['t_transfer_s'])}, both {format_duration(row['t_both_s'])}")
+            lines.append(
+                f"  {row['contender']:<40} compute {format_duration(row['t_compute_s'])}, transfer "
+                f"{format_duration(row['t_transfer_s'])}, both {format_duration(row['t_both_s'])}"
+            )
     floor = result.get("floor")
     if floor and floor["valid"]:
-        lines += [f"  floor, {kind['streams']:<52} {kind['seconds'] * 1e3:8.1f} ms  best of {floor['passes']} passes  "
-                  f"{format_bandwidth(kind['bytes_per_s']):>10}" for kind in floor["kinds"]]
+        lines += [
+            f"  floor, {kind['streams']:<52} {kind['seconds'] * 1e3:8.1f} ms  best of "
+            f"{floor['passes']} passes  {format_bandwidth(kind['bytes_per_s']):>10}"
+            for kind in floor["kinds"]
+        ]
     elif floor:
         lines.append(f"  floor not valid, so not shown: {floor['why_not']}")
     lines.append("  ratios:")

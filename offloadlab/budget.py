@@ -32,10 +32,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import memory
-from .units import format_bandwidth, format_duration, format_size, parse_bandwidth, parse_count, parse_duration
+from .units import (
+    format_bandwidth,
+    format_duration,
+    format_size,
+    parse_bandwidth,
+    parse_count,
+    parse_duration,
+)
 
-__all__ = ["OFFLOAD_CHOICES", "DUPLEX_FORMS", "PCIE_X16", "Traffic", "TRAFFIC", "traffic", "traffic_bytes", "ceiling",
-           "both_directions_rate", "link_seconds", "Verdict", "verdict"]
+__all__ = [
+    "OFFLOAD_CHOICES",
+    "DUPLEX_FORMS",
+    "PCIE_X16",
+    "Traffic",
+    "TRAFFIC",
+    "traffic",
+    "traffic_bytes",
+    "ceiling",
+    "both_directions_rate",
+    "link_seconds",
+    "Verdict",
+    "verdict",
+]
 
 OFFLOAD_CHOICES = ("optimizer", "gradients", "parameters", "park-and-copy")
 # PCIe ×16 links, per direction: (nominal, achievable) bytes/s. Nominal is the line rate after
@@ -50,12 +69,15 @@ PCIE_X16 = {
 # Two measurements of the same link differ by a few percent: a both-directions rate this much above
 # the one-direction rate is read as full duplex, not refused.
 MEASUREMENT_SLACK = 0.10
-DUPLEX_FORMS = "'full', 'half', or the bandwidth each direction keeps while both run, such as '20 GB/s'"
+DUPLEX_FORMS = (
+    "'full', 'half', or the bandwidth each direction keeps while both run, such as '20 GB/s'"
+)
 
 
 @dataclass(frozen=True)
 class Traffic:
-    """Bytes per parameter an offload moves each step: ``h2d`` up to the GPU, ``d2h`` down to the host."""
+    """Bytes per parameter an offload moves each step: ``h2d`` up to the GPU, ``d2h`` down to the
+    host."""
 
     offload: tuple[str, ...]
     recipe: str
@@ -73,15 +95,20 @@ def _names(offload) -> list[str]:
     names = [offload] if isinstance(offload, str) else list(offload)
     if not names or any(n not in OFFLOAD_CHOICES for n in names):
         got = "nothing" if not names else repr(next(n for n in names if n not in OFFLOAD_CHOICES))
-        raise ValueError(f"offload: expected one or more of {', '.join(OFFLOAD_CHOICES)}; got {got}")
+        raise ValueError(
+            f"offload: expected one or more of {', '.join(OFFLOAD_CHOICES)}; got {got}"
+        )
     if "park-and-copy" in names and "optimizer" in names:
-        raise ValueError("offload: expected 'optimizer' (update where it lives) or 'park-and-copy', not both: "
-                         "they are two ways of offloading the same state; got both")
+        raise ValueError(
+            "offload: expected 'optimizer' (update where it lives) or 'park-and-copy', not both: "
+            "they are two ways of offloading the same state; got both"
+        )
     return list(dict.fromkeys(names))
 
 
 def traffic(offload, recipe: str = memory.DEFAULT_RECIPE) -> Traffic:
-    """Bytes per parameter per step, each way, of the offload choice(s) ``offload`` under ``recipe``.
+    """Bytes per parameter per step, each way, of the offload choice(s) ``offload`` under
+    ``recipe``.
 
     Every figure is a kind of state's bytes from the recipe:
 
@@ -112,7 +139,10 @@ def traffic(offload, recipe: str = memory.DEFAULT_RECIPE) -> Traffic:
         else:
             d2h += g
             h2d += g
-            why.append(f"gradients down as backward makes them ({g:g} B) and back up for the GPU's update ({g:g} B)")
+            why.append(
+                f"gradients down as backward makes them ({g:g} B) and back up for the GPU's update "
+                f"({g:g} B)"
+            )
     if "parameters" in names:
         h2d += 2 * w
         why.append(f"each layer's weights up for forward and again for backward (2 × {w:g} B)")
@@ -136,12 +166,14 @@ def traffic_bytes(params, offload, recipe: str = memory.DEFAULT_RECIPE) -> float
 
 
 def ceiling(bandwidth, window) -> float:
-    """Bytes one direction of a ``bandwidth`` link moves in ``window`` seconds: the step's budget."""
+    """Bytes one direction of a ``bandwidth`` link moves in ``window`` seconds: the step's
+    budget."""
     return parse_bandwidth(bandwidth, "bandwidth") * parse_duration(window, "window")
 
 
 def both_directions_rate(bandwidth, duplex="full") -> tuple[float, str]:
-    """(bytes/s each direction keeps while both run, 'full' | 'half' | 'measured') for ``duplex``."""
+    """(bytes/s each direction keeps while both run, 'full' | 'half' | 'measured') for
+    ``duplex``."""
     rate = parse_bandwidth(bandwidth, "bandwidth")
     if duplex == "full":
         return rate, "full"
@@ -152,9 +184,11 @@ def both_directions_rate(bandwidth, duplex="full") -> tuple[float, str]:
     except ValueError:
         raise ValueError(f"duplex: expected {DUPLEX_FORMS}; got {duplex!r}") from None
     if both > rate * (1 + MEASUREMENT_SLACK):
-        raise ValueError(f"duplex: expected at most the one-direction bandwidth {format_bandwidth(rate)}, give or "
-                         f"take the {MEASUREMENT_SLACK:.0%} two measurements differ by (a direction cannot gain "
-                         f"from the other running); got {duplex!r}")
+        raise ValueError(
+            f"duplex: expected at most the one-direction bandwidth {format_bandwidth(rate)}, give "
+            f"or take the {MEASUREMENT_SLACK:.0%} two measurements differ by (a direction cannot "
+            f"gain from the other running); got {duplex!r}"
+        )
     return min(both, rate), "measured"  # a measurement a little above the one-way rate is that rate
 
 
@@ -167,7 +201,8 @@ def link_seconds(h2d_bytes: float, d2h_bytes: float, bandwidth: float, both: flo
 
 @dataclass(frozen=True)
 class Verdict:
-    """A step's traffic, each way, against the window that should hide it; what would make it fit."""
+    """A step's traffic, each way, against the window that should hide it; what would make it
+    fit."""
 
     h2d_bytes: float
     d2h_bytes: float
@@ -208,34 +243,48 @@ class Verdict:
         """The window's allowance in words, under this duplex assumption."""
         one_way = format_size(self.ceiling_bytes)
         if self.duplex == "full":
-            return f"{one_way} each way (full duplex: both directions at once, each at its one-way rate)"
+            return (
+                f"{one_way} each way (full duplex: both directions at once, each at its "
+                "one-way rate)"
+            )
         if self.duplex == "half":
             return f"{one_way} for both directions together (half duplex: they share one rate)"
-        return (f"{one_way} one way alone, {format_size(self.both_directions * self.window)} each way while both run "
-                f"(measured: {format_bandwidth(self.both_directions)} per direction)")
+        return (
+            f"{one_way} one way alone, {format_size(self.both_directions * self.window)} each way "
+            f"while both run (measured: {format_bandwidth(self.both_directions)} per direction)"
+        )
 
     def fixes(self) -> list[str]:
         """What would bring the traffic within budget, each as a plain sentence."""
         if self.fits:
             return []
         return [
-            f"offload less: cut the traffic to {format_size(self.traffic_bytes / self.ratio)} per step "
-            f"(÷{self.ratio:.2g})",
-            f"a faster link: {format_bandwidth(self.bandwidth * self.ratio)} per direction would carry it",
-            f"a larger compute window: {format_duration(self.transfer_seconds)} of compute per step "
-            f"(a larger batch or longer sequences) would hide it",
+            f"offload less: cut the traffic to {format_size(self.traffic_bytes / self.ratio)} per "
+            f"step (÷{self.ratio:.2g})",
+            f"a faster link: {format_bandwidth(self.bandwidth * self.ratio)} per direction would "
+            "carry it",
+            f"a larger compute window: {format_duration(self.transfer_seconds)} of compute per "
+            f"step (a larger batch or longer sequences) would hide it",
         ]
 
     def summary(self) -> str:
-        lines = [f"budget: {format_bandwidth(self.bandwidth)} × {format_duration(self.window)}: {self._budget()}"]
+        lines = [
+            f"budget: {format_bandwidth(self.bandwidth)} × {format_duration(self.window)}: "
+            f"{self._budget()}"
+        ]
         if self.offload:
-            lines.append(f"traffic ({', '.join(self.offload)}; {self.recipe}): {format_size(self.h2d_bytes)} up, "
-                         f"{format_size(self.d2h_bytes)} down → {format_duration(self.transfer_seconds)} on the link")
+            lines.append(
+                f"traffic ({', '.join(self.offload)}; {self.recipe}): "
+                f"{format_size(self.h2d_bytes)} up, {format_size(self.d2h_bytes)} down → "
+                f"{format_duration(self.transfer_seconds)} on the link"
+            )
             if self.fits:
                 lines.append(f"verdict: fits ({self.ratio:.0%} of the window)")
             else:
-                lines.append(f"verdict: {self.ratio:.2g}× over budget; stalls {format_duration(self.stall_seconds)} "
-                             f"per step")
+                lines.append(
+                    f"verdict: {self.ratio:.2g}× over budget; stalls "
+                    f"{format_duration(self.stall_seconds)} per step"
+                )
                 lines += [f"  fix: {fix}" for fix in self.fixes()]
         return "\n".join(lines)
 
@@ -259,8 +308,15 @@ class Verdict:
         }
 
 
-def verdict(bandwidth, window, params=None, offload=("optimizer",), *, duplex="full",
-            recipe: str = memory.DEFAULT_RECIPE) -> Verdict:
+def verdict(
+    bandwidth,
+    window,
+    params=None,
+    offload=("optimizer",),
+    *,
+    duplex="full",
+    recipe: str = memory.DEFAULT_RECIPE,
+) -> Verdict:
     """The budget of a step, and — given ``params`` — whether ``offload``'s traffic fits it.
 
     ``bandwidth`` is one direction's rate alone; ``duplex`` says how the directions share it
@@ -274,4 +330,13 @@ def verdict(bandwidth, window, params=None, offload=("optimizer",), *, duplex="f
         return Verdict(0.0, 0.0, rate, both, label, seconds, [], recipe)
     count = parse_count(params, "params")
     moved = traffic(offload, recipe)
-    return Verdict(count * moved.h2d, count * moved.d2h, rate, both, label, seconds, list(moved.offload), recipe)
+    return Verdict(
+        count * moved.h2d,
+        count * moved.d2h,
+        rate,
+        both,
+        label,
+        seconds,
+        list(moved.offload),
+        recipe,
+    )

@@ -90,7 +90,9 @@ def answer(name: str, yours, expected, rel_tol: float = 0.05, hint: str = "") ->
         return _report(Verdict(False, f"✗ {name}: no answer yet"))
     value = _number(yours)
     if value is None:
-        return _report(Verdict(False, f"✗ {name}: expected a finite real number as the answer; got {yours!r}"))
+        return _report(
+            Verdict(False, f"✗ {name}: expected a finite real number as the answer; got {yours!r}")
+        )
     tolerance = "exactly" if rel_tol == 0 else f"within {_percent(rel_tol)}"
     if abs(value - target) <= Fraction(rel_tol) * abs(target):
         if student_release():
@@ -102,13 +104,18 @@ def answer(name: str, yours, expected, rel_tol: float = 0.05, hint: str = "") ->
         must = "match exactly" if rel_tol == 0 else f"be {tolerance}"
         line = f"✗ {name}: your answer is {_how_far_off(value, target)} (it must {must})."
     else:
-        line = (f"✗ {name}: {_show(value)}, but {_show(target)} was expected ({tolerance}); yours is "
-                f"{_how_far_off(value, target)}.")
-    return _report(Verdict(False, line + _unit_slip(value, target) + (f" Hint: {hint}" if hint else "")))
+        line = (
+            f"✗ {name}: {_show(value)}, but {_show(target)} was expected ({tolerance}); yours is "
+            f"{_how_far_off(value, target)}."
+        )
+    return _report(
+        Verdict(False, line + _unit_slip(value, target) + (f" Hint: {hint}" if hint else ""))
+    )
 
 
 def exact(name: str, yours, expected, hint: str = "") -> Verdict:
-    """Check an answer that is not a quantity — a batch from a list, a name, ``None`` — for equality.
+    """Check an answer that is not a quantity — a batch from a list, a name, ``None`` — for
+    equality.
 
     Numbers go through :func:`answer` with ``rel_tol=0``, so the reader still learns which way
     a number is off. In the student release a wrong answer is not shown the expected one.
@@ -120,7 +127,9 @@ def exact(name: str, yours, expected, hint: str = "") -> Verdict:
     if type(yours) is type(expected) and yours == expected:
         shown = "your answer agrees" if student_release() else f"{yours!r} agrees"
         return _report(Verdict(True, f"✓ {name}: {shown}"))
-    shown = f"{yours!r} is not it" if student_release() else f"{yours!r}, but {expected!r} was expected"
+    shown = (
+        f"{yours!r} is not it" if student_release() else f"{yours!r}, but {expected!r} was expected"
+    )
     return _report(Verdict(False, f"✗ {name}: {shown}." + (f" Hint: {hint}" if hint else "")))
 
 
@@ -139,7 +148,8 @@ def _number(x) -> Fraction | None:
         return x
     try:
         value = float(x)
-    except (TypeError, ValueError, OverflowError, RuntimeError):  # torch raises RuntimeError for many elements
+    # torch raises RuntimeError for many elements
+    except (TypeError, ValueError, OverflowError, RuntimeError):
         return None
     return Fraction(value) if math.isfinite(value) else None
 

@@ -61,7 +61,7 @@ def _arguments(**flags: str):
         message = str(error)
         for name, flag in flags.items():
             if message.startswith(f"{name}: "):
-                message = flag + message[len(name):]
+                message = flag + message[len(name) :]
         raise UsageError(message) from None
 
 
@@ -71,6 +71,7 @@ def _bounded(parse, low: float, high: float, limits: str):
     The bounds are wide enough for any real machine and narrow enough that no figure derived from
     the arguments (a time, a ratio) overflows to infinity or underflows to zero.
     """
+
     def convert(text: str) -> float:
         try:
             value = parse(text, "value")
@@ -79,12 +80,17 @@ def _bounded(parse, low: float, high: float, limits: str):
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"expected {limits}; got {text!r}")
         return value
+
     return convert
 
 
 _SIZE = _bounded(units.parse_size, 1, 1e18, "a size from 1 B to 1000 PB, e.g. '80 GB'")
-_BANDWIDTH = _bounded(units.parse_bandwidth, 1, 1e15, "a bandwidth from 1 B/s to 1 PB/s, e.g. '32 GB/s'")
-_DURATION = _bounded(units.parse_duration, 1e-9, 1e9, "a duration from 1 ns to 1e9 s, e.g. '250 ms'")
+_BANDWIDTH = _bounded(
+    units.parse_bandwidth, 1, 1e15, "a bandwidth from 1 B/s to 1 PB/s, e.g. '32 GB/s'"
+)
+_DURATION = _bounded(
+    units.parse_duration, 1e-9, 1e9, "a duration from 1 ns to 1e9 s, e.g. '250 ms'"
+)
 _MIN_PARAMS, _MAX_PARAMS = 1e6, 1e15
 
 
@@ -95,8 +101,10 @@ def _whole_count(text, name):
     if not float(count).is_integer():
         raise ValueError(f"{name}: expected a whole number of parameters; got {text!r}")
     if count < _MIN_PARAMS:
-        raise ValueError(f"{name}: expected a model's parameter count, at least {_MIN_PARAMS:.0e}; got {text!r}: "
-                         f"did you mean {count:g}e9?")
+        raise ValueError(
+            f"{name}: expected a model's parameter count, at least {_MIN_PARAMS:.0e}; got "
+            f"{text!r}: did you mean {count:g}e9?"
+        )
     return count
 
 
@@ -108,20 +116,35 @@ def _rate_or_bare(unit: str, floor: float, example: str):
     def parse(text, name):
         match = re.fullmatch(rf"\s*([0-9.eE+-]+)\s*([kKmMgGtTpP]?){unit}/s\s*", text)
         if match:
-            return units.check_positive(float(match.group(1)) * prefixes[match.group(2).lower()], name)
+            return units.check_positive(
+                float(match.group(1)) * prefixes[match.group(2).lower()], name
+            )
         value = units.check_positive(text, name)
         if value < floor:
-            raise ValueError(f"{name}: expected {example} or a bare number of at least {floor:g}; got {text!r}: "
-                             f"did you mean '{value:g} {'T' if unit == 'FLOP' else 'G'}{unit}/s'?")
+            raise ValueError(
+                f"{name}: expected {example} or a bare number of at least {floor:g}; got {text!r}: "
+                f"did you mean '{value:g} {'T' if unit == 'FLOP' else 'G'}{unit}/s'?"
+            )
         return value
+
     return parse
 
 
-_PARAMS = _bounded(_whole_count, _MIN_PARAMS, _MAX_PARAMS, "a whole parameter count from 1e6 to 1e15, e.g. 10e9")
-_FLOPS = _bounded(_rate_or_bare("FLOP", 1e9, "a rate such as '400 TFLOP/s'"), 1, 1e21,
-                  "FLOP/s from 1 to 1e21, e.g. '400 TFLOP/s'")
-_PARAMS_PER_S = _bounded(_rate_or_bare("", 1e6, "a rate such as '3 G/s' (parameters per second)"), 1, 1e15,
-                         "parameters per second from 1 to 1e15, e.g. 3e9")
+_PARAMS = _bounded(
+    _whole_count, _MIN_PARAMS, _MAX_PARAMS, "a whole parameter count from 1e6 to 1e15, e.g. 10e9"
+)
+_FLOPS = _bounded(
+    _rate_or_bare("FLOP", 1e9, "a rate such as '400 TFLOP/s'"),
+    1,
+    1e21,
+    "FLOP/s from 1 to 1e21, e.g. '400 TFLOP/s'",
+)
+_PARAMS_PER_S = _bounded(
+    _rate_or_bare("", 1e6, "a rate such as '3 G/s' (parameters per second)"),
+    1,
+    1e15,
+    "parameters per second from 1 to 1e15, e.g. 3e9",
+)
 
 
 def _recompute(text: str):
@@ -131,8 +154,11 @@ def _recompute(text: str):
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto', 'none', 'all' or a number of layers; got {text!r}") \
-            from None
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto', 'none', 'all' or a number of layers; got {text!r}"
+        ) from None
+
+
 _FRACTION = _bounded(units.check_non_negative, 0, 0.999, "a fraction from 0 to 0.999")
 
 
@@ -144,8 +170,10 @@ def _duplex(text: str):
         _BANDWIDTH(text)
         return text  # as typed: a refusal against --link (in budget) quotes it
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected 'full', 'half' or the rate each direction keeps while both "
-                                         f"run, e.g. '20 GB/s'; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected 'full', 'half' or the rate each direction keeps while both "
+            f"run, e.g. '20 GB/s'; got {text!r}"
+        ) from None
 
 
 def _positive_int(text: str) -> int:
@@ -165,14 +193,17 @@ def _shipped_models() -> list[str]:
 
 
 def _name_list(text: str) -> tuple[str, ...]:
-    """Comma-separated names, spaces around them ignored; an empty or repeated name is refused
-    (a repeat is a slip: counting it twice would double its traffic, dropping it would hide the slip)."""
+    """Comma-separated names, spaces around them ignored; an empty or repeated name is refused (a
+    repeat is a slip: counting it twice would double its traffic, dropping it would hide the
+    slip)."""
     names = tuple(name.strip() for name in text.split(","))
     if not all(names):
         raise argparse.ArgumentTypeError(f"expected comma-separated names; got {text!r}")
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
-        raise argparse.ArgumentTypeError(f"expected each name once; got {text!r} ({', '.join(repeated)} repeated)")
+        raise argparse.ArgumentTypeError(
+            f"expected each name once; got {text!r} ({', '.join(repeated)} repeated)"
+        )
     return names
 
 
@@ -180,7 +211,8 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse calls this for every bad argument
         raise UsageError(f"{self.prog}: {re.sub(r'^argument ', '', message)}")
 
-    def _print_message(self, message, file=None):  # argparse's own swallows a failed write (--help > /dev/full)
+    # argparse's own swallows a failed write (--help > /dev/full)
+    def _print_message(self, message, file=None):
         if message:
             (file or sys.stdout).write(message)
 
@@ -197,14 +229,22 @@ def _cmd_state(args) -> int:
     if args.json:
         print(_dumps(breakdown.to_dict()))
         return 0
-    print(f"{format_count(breakdown.params)} parameters, recipe {recipe.name}: {recipe.description}")
+    print(
+        f"{format_count(breakdown.params)} parameters, recipe {recipe.name}: {recipe.description}"
+    )
     for kind, size in breakdown.by_kind.items():
         print(f"  {kind:<20} {recipe.bytes_per_param[kind]:>6g} B/param  {format_size(size):>10}")
     print(f"  {'total':<20} {recipe.total:>6g} B/param  {format_size(breakdown.total_bytes):>10}")
     fits = memory.fitting_gpus(breakdown.total_bytes)
-    print("fits on: " + (", ".join(fits) + " cards" if fits else f"none of {', '.join(memory.GPU_SIZES)}")
-          + " (by the memory each card reports: "
-          + ", ".join(f"{name} → {format_size(size, binary=True)}" for name, size in memory.GPU_SIZES.items()) + ")")
+    print(
+        "fits on: "
+        + (", ".join(fits) + " cards" if fits else f"none of {', '.join(memory.GPU_SIZES)}")
+        + " (by the memory each card reports: "
+        + ", ".join(
+            f"{name} → {format_size(size, binary=True)}" for name, size in memory.GPU_SIZES.items()
+        )
+        + ")"
+    )
     return 0
 
 
@@ -214,8 +254,14 @@ def _cmd_budget(args) -> int:
     if (args.params is None) != (args.offload is None):
         raise UsageError("offloadlab budget: give --params and --offload together, or neither")
     with _arguments(duplex="--duplex"):
-        result = budget.verdict(args.link, args.window, args.params, args.offload or (), duplex=args.duplex,
-                                recipe=args.recipe)
+        result = budget.verdict(
+            args.link,
+            args.window,
+            args.params,
+            args.offload or (),
+            duplex=args.duplex,
+            recipe=args.recipe,
+        )
     print(_dumps(result.to_dict()) if args.json else result.summary())
     return 0
 
@@ -231,99 +277,182 @@ def _cmd_overlap(args) -> int:
     behind_backward = overlap.crossover_tokens(args.compute, args.link, flops_per_param_token=4)
     stage = overlap.stage(args.bytes, args.link, args.window) if args.bytes is not None else None
     if args.json:
-        condition = {"transfer_s": stage.t_transfer, "hidden": stage.hidden, "stall_s": stage.stall,
-                     "regime": stage.regime} if stage else dict.fromkeys(("transfer_s", "hidden", "stall_s", "regime"))
-        print(_dumps({"bandwidth_bytes_per_s": args.link, "flops": args.compute, "crossover_tokens": tokens,
-                      "crossover_tokens_backward_only": behind_backward, "crossover_assumes": _CROSSOVER_ASSUMES,
-                      "bytes": args.bytes, "window_s": args.window, **condition}))
+        condition = (
+            {
+                "transfer_s": stage.t_transfer,
+                "hidden": stage.hidden,
+                "stall_s": stage.stall,
+                "regime": stage.regime,
+            }
+            if stage
+            else dict.fromkeys(("transfer_s", "hidden", "stall_s", "regime"))
+        )
+        print(
+            _dumps(
+                {
+                    "bandwidth_bytes_per_s": args.link,
+                    "flops": args.compute,
+                    "crossover_tokens": tokens,
+                    "crossover_tokens_backward_only": behind_backward,
+                    "crossover_assumes": _CROSSOVER_ASSUMES,
+                    "bytes": args.bytes,
+                    "window_s": args.window,
+                    **condition,
+                }
+            )
+        )
         return 0
     if stage is not None:
-        print(f"overlap: {format_size(args.bytes)} over {format_bandwidth(args.link)} takes "
-              f"{format_duration(stage.t_transfer)}; the window is {format_duration(stage.t_compute)} → "
-              f"{stage.regime}" + (f": the GPU waits {format_duration(stage.stall)}" if stage.stall else ""))
+        print(
+            f"overlap: {format_size(args.bytes)} over {format_bandwidth(args.link)} takes "
+            f"{format_duration(stage.t_transfer)}; the window is "
+            f"{format_duration(stage.t_compute)} → {stage.regime}"
+            + (f": the GPU waits {format_duration(stage.stall)}" if stage.stall else "")
+        )
+
     def whole(t: float) -> str:  # the fewest whole tokens that reach T*
         return f"{max(1, math.ceil(t - 1e-9)):,}"
-    print(f"crossover: T* = R/(3B) = {format_count(args.compute)}FLOP/s ÷ (3 × {format_bandwidth(args.link)}): "
-          f"from {whole(tokens)} tokens per step with all of forward and backward as the window; "
-          f"R/(2B): from {whole(behind_backward)} with backward alone")
+
+    print(
+        f"crossover: T* = R/(3B) = {format_count(args.compute)}FLOP/s ÷ (3 × "
+        f"{format_bandwidth(args.link)}): from {whole(tokens)} tokens per step with all of forward "
+        f"and backward as the window; R/(2B): from {whole(behind_backward)} with backward alone"
+    )
     print(f"  assumes {_CROSSOVER_ASSUMES}")
     return 0
 
 
-_CROSSOVER_ASSUMES = ("optimizer offload of mixed-precision training (2 B per parameter each way: 16-bit "
-                      "gradients down, 16-bit weights up), full duplex, 6 FLOPs per parameter per token "
-                      "(4 in backward); the model's size cancels")
+_CROSSOVER_ASSUMES = (
+    "optimizer offload of mixed-precision training (2 B per parameter each way: 16-bit "
+    "gradients down, 16-bit weights up), full duplex, 6 FLOPs per parameter per token "
+    "(4 in backward); the model's size cancels"
+)
 
 
 def _plan_workload(args):
-    """The workload of ``plan``: a shipped model, a local config.json or snapshot folder, or a bare count.
+    """The workload of ``plan``: a shipped model, a local config.json or snapshot folder, or a bare
+    count.
 
     A model is counted by transformers' own code on the meta device when transformers is installed
     (``--count auto``, the default, or ``transformers``), else — or with ``--count formula`` — by
     :mod:`offloadlab.architectures`' formulas."""
     from . import architectures, model_count, planner
 
-    given = [name for name, value in (("--params", args.params), ("--model", args.model),
-                                      ("--model-config", args.model_config)) if value is not None]
+    given = [
+        name
+        for name, value in (
+            ("--params", args.params),
+            ("--model", args.model),
+            ("--model-config", args.model_config),
+        )
+        if value is not None
+    ]
     if len(given) != 1:
-        raise UsageError(f"offloadlab plan: expected exactly one of --params, --model or --model-config; "
-                         f"got {' and '.join(given) or 'none'}")
+        raise UsageError(
+            f"offloadlab plan: expected exactly one of --params, --model or --model-config; "
+            f"got {' and '.join(given) or 'none'}"
+        )
     if args.params is not None:
-        return planner.Workload(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                                batch=args.batch, seq=args.seq, attention=args.attention)
+        return planner.Workload(
+            args.params,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            batch=args.batch,
+            seq=args.seq,
+            attention=args.attention,
+        )
     if any(v is not None for v in (args.layers, args.hidden, args.heads)):
-        raise UsageError("offloadlab plan: --layers/--hidden/--heads go with --params; a model config has its shape")
+        raise UsageError(
+            "offloadlab plan: --layers/--hidden/--heads go with --params; a model config has its "
+            "shape"
+        )
     source = args.model if args.model is not None else args.model_config
     if args.model_config is not None and not Path(args.model_config).exists():
-        raise UsageError(f"--model-config: expected a config.json file or the folder of a model snapshot; got "
-                         f"{args.model_config!r}")
-    config, name, notes = architectures.read_config(source if args.model is not None else Path(source))
+        raise UsageError(
+            f"--model-config: expected a config.json file or the folder of a model snapshot; got "
+            f"{args.model_config!r}"
+        )
+    config, name, notes = architectures.read_config(
+        source if args.model is not None else Path(source)
+    )
     if args.count == "transformers" and not model_count.available():
-        raise UsageError("--count: transformers is not installed here (pip install transformers), so it cannot "
-                         "count the model; use --count formula")
+        raise UsageError(
+            "--count: transformers is not installed here (pip install transformers), so it cannot "
+            "count the model; use --count formula"
+        )
     if args.count == "formula" or not model_count.available():
         architecture = dataclasses.replace(architectures.from_config(config, name), notes=notes)
     else:
         try:
             architecture = model_count.architecture(config, name, notes)
-        except ValueError as error:  # this transformers cannot build it: the formula, if it has one, can
-            if args.count == "transformers" or config.get("model_type") not in architectures.FAMILIES:
+        # this transformers cannot build it: the formula, if it has one, can
+        except ValueError as error:
+            if (
+                args.count == "transformers"
+                or config.get("model_type") not in architectures.FAMILIES
+            ):
                 raise
-            architecture = dataclasses.replace(architectures.from_config(config, name), notes=notes + (
-                f"transformers could not build it ({str(error).removeprefix(name + ': ')}): counted by the "
-                f"formula",))
+            architecture = dataclasses.replace(
+                architectures.from_config(config, name),
+                notes=notes
+                + (
+                    f"transformers could not build it ({str(error).removeprefix(name + ': ')}): "
+                    f"counted by the formula",
+                ),
+            )
     if architecture.params > _MAX_PARAMS:  # the bound --params has, so no derived figure overflows
-        raise UsageError(f"--model-config: expected a model of at most {_MAX_PARAMS:.0e} parameters; "
-                         f"{source!r} describes {architecture.params:.3g}")
-    return planner.Workload.of_model(architecture, batch=args.batch, seq=args.seq, attention=args.attention)
+        raise UsageError(
+            f"--model-config: expected a model of at most {_MAX_PARAMS:.0e} parameters; "
+            f"{source!r} describes {architecture.params:.3g}"
+        )
+    return planner.Workload.of_model(
+        architecture, batch=args.batch, seq=args.seq, attention=args.attention
+    )
 
 
 _MEASURED_MAX_BYTES = 16 * 2**20  # a probe record is tens of kB; /dev/zero is endless
 
 
 def _plan_hardware(args):
-    """The node of ``plan``: the flags, or an ``offloadlab probe --json`` record with the flags over it."""
+    """The node of ``plan``: the flags, or an ``offloadlab probe --json`` record with the flags
+    over it."""
     from . import planner
 
-    def exact(value, unit):  # a checked figure, passed on with its unit (a bare Python number would be bytes)
+    # a checked figure, passed on with its unit (a bare Python number would be bytes)
+    def exact(value, unit):
         return None if value is None else f"{value!r} {unit}"
 
-    given = dict(gpu_memory=exact(args.gpu_memory, "B"), link=exact(args.link, "B/s"),
-                 host_memory=exact(args.host_memory, "B"), cpu_adam=args.cpu_adam, compute=args.compute,
-                 comm_fraction=args.comm_fraction, gpus_per_node=args.gpus_per_node,
-                 interconnect=exact(args.interconnect, "B/s"), gpus_per_link=args.gpus_per_link,
-                 nvme=exact(args.nvme, "B/s"))
+    given = dict(
+        gpu_memory=exact(args.gpu_memory, "B"),
+        link=exact(args.link, "B/s"),
+        host_memory=exact(args.host_memory, "B"),
+        cpu_adam=args.cpu_adam,
+        compute=args.compute,
+        comm_fraction=args.comm_fraction,
+        gpus_per_node=args.gpus_per_node,
+        interconnect=exact(args.interconnect, "B/s"),
+        gpus_per_link=args.gpus_per_link,
+        nvme=exact(args.nvme, "B/s"),
+    )
     if args.measured is None:
         for flag in ("gpu_memory", "link"):
             if given[flag] is None:
-                raise UsageError(f"offloadlab plan: --{flag.replace('_', '-')} is required (or --measured FILE)")
+                raise UsageError(
+                    f"offloadlab plan: --{flag.replace('_', '-')} is required (or --measured FILE)"
+                )
         with _arguments():
             return planner.Hardware(**given)
+
     def refused(reason: str) -> UsageError:
-        return UsageError(f"--measured: expected an `offloadlab probe --json` file; got {args.measured!r} ({reason})")
+        return UsageError(
+            f"--measured: expected an `offloadlab probe --json` file; got {args.measured!r} "
+            f"({reason})"
+        )
 
     try:
-        with open(args.measured, "rb") as source:  # (a pipe too: --measured <(offloadlab probe --json -))
+        # (a pipe too: --measured <(offloadlab probe --json -))
+        with open(args.measured, "rb") as source:
             text = source.read(_MEASURED_MAX_BYTES + 1)
     except OSError as error:
         raise refused(error.strerror or type(error).__name__) from None
@@ -346,63 +475,101 @@ def _cmd_plan(args) -> int:
         work = _plan_workload(args)
     hardware = _plan_hardware(args)
     if hardware.gpus_per_node == 1 and (args.interconnect is not None or args.gpus_per_link != 1):
-        raise UsageError("offloadlab plan: --interconnect and --gpus-per-link need --gpus-per-node above 1")
+        raise UsageError(
+            "offloadlab plan: --interconnect and --gpus-per-link need --gpus-per-node above 1"
+        )
     if isinstance(args.recompute, int) and not 0 <= args.recompute <= work.layers:
-        raise UsageError(f"--recompute: expected a number of layers from 0 to {work.layers}; got {args.recompute}")
+        raise UsageError(
+            f"--recompute: expected a number of layers from 0 to {work.layers}; got "
+            f"{args.recompute}"
+        )
     report = planner.plan(work, hardware, recompute=args.recompute)
     emitted, note = {}, None
     if args.emit:
         if report.chosen is None:
-            raise UsageError(f"offloadlab plan: --emit {args.emit}: nothing fits on this hardware, so there is no "
-                             f"configuration to emit (run without --emit to see what binds)")
+            raise UsageError(
+                f"offloadlab plan: --emit {args.emit}: nothing fits on this hardware, so there is "
+                f"no configuration to emit (run without --emit to see what binds)"
+            )
         options = dict(accumulation=args.accumulation, nvme_path=args.nvme_path)
         if work.architecture is not None:
-            options["blocks"] = {"gpt2": "model.transformer.h", "falcon": "model.transformer.h",
-                                 "bloom": "model.transformer.h", "opt": "model.model.decoder.layers"}.get(
-                work.architecture.family, "model.model.layers")
+            options["blocks"] = {
+                "gpt2": "model.transformer.h",
+                "falcon": "model.transformer.h",
+                "bloom": "model.transformer.h",
+                "opt": "model.model.decoder.layers",
+            }.get(work.architecture.family, "model.model.layers")
             if args.model_config is not None:
                 folder = Path(args.model_config)
                 options["model"] = str(folder if folder.is_dir() else folder.parent)
         try:
             picked, note = engines.plan_for(report, args.emit)
         except ValueError as error:
-            raise UsageError(f"offloadlab plan: --emit {args.emit}: {str(error).removeprefix('engine: ')}") from None
+            raise UsageError(
+                f"offloadlab plan: --emit {args.emit}: {str(error).removeprefix('engine: ')}"
+            ) from None
         with _arguments():
             chosen = engines.setup(report, args.emit, **options)
         if args.emit == "deepspeed":
-            emitted = {"deepspeed": engines.deepspeed_config(chosen), "deepspeed_python": engines.deepspeed_snippet(chosen)}
+            emitted = {
+                "deepspeed": engines.deepspeed_config(chosen),
+                "deepspeed_python": engines.deepspeed_snippet(chosen),
+            }
         else:
             emitted = {"fsdp": engines.fsdp_snippet(chosen)}
         emitted["emitted_plan"] = {**picked.to_dict(), "note": note}
     if args.json:
-        payload = {"params": int(work.params) if float(work.params).is_integer() else work.params,
-                   "active_params": work.active_params,
-                   "model": work.architecture.to_dict() if work.architecture else None,
-                   "gpus_per_node": hardware.gpus_per_node, "measured": list(hardware.sources),
-                   **report.to_dict(), **emitted}
+        payload = {
+            "params": int(work.params) if float(work.params).is_integer() else work.params,
+            "active_params": work.active_params,
+            "model": work.architecture.to_dict() if work.architecture else None,
+            "gpus_per_node": hardware.gpus_per_node,
+            "measured": list(hardware.sources),
+            **report.to_dict(),
+            **emitted,
+        }
         print(_dumps(payload, indent=1))
         return 0
     if work.architecture is not None:
         a = work.architecture
-        active = f" ({a.active_params:,} active per token: {a.experts_per_token} of {a.experts} experts)" \
-            if a.experts else ""
-        print(f"model {a.name} ({a.family}): {a.params:,} parameters{active}, exact from its config — {a.layers} "
-              f"layers, hidden {a.hidden}, {a.heads} heads ({a.kv_heads} key/value), MLP {a.intermediate}, vocabulary "
-              f"{a.vocab}, head {'tied' if a.tied_embeddings else 'untied'}")
+        active = (
+            f" ({a.active_params:,} active per token: {a.experts_per_token} of {a.experts} experts)"
+            if a.experts
+            else ""
+        )
+        print(
+            f"model {a.name} ({a.family}): {a.params:,} parameters{active}, exact from its config "
+            f"— {a.layers} layers, hidden {a.hidden}, {a.heads} heads ({a.kv_heads} key/value), "
+            f"MLP {a.intermediate}, vocabulary {a.vocab}, head "
+            f"{'tied' if a.tied_embeddings else 'untied'}"
+        )
         print(f"counted by: {a.counted_by}" + "".join(f"; {n}" for n in a.notes))
     if hardware.gpus_per_node > 1:
-        print(f"node: {hardware.gpus_per_node} GPUs; each gets 1/{hardware.gpus_per_node} of host memory and CPU "
-              f"cores" + (f", and shares its link with {hardware.gpus_per_link - 1} other(s)"
-                          if hardware.gpus_per_link > 1 else ""))
+        print(
+            f"node: {hardware.gpus_per_node} GPUs; each gets 1/{hardware.gpus_per_node} of host "
+            f"memory and CPU cores"
+            + (
+                f", and shares its link with {hardware.gpus_per_link - 1} other(s)"
+                if hardware.gpus_per_link > 1
+                else ""
+            )
+        )
     for source in hardware.sources:
         print(f"measured: {source}")
     print(report.explain())
-    on_drive = report.chosen is not None and getattr(getattr(report.chosen, "layout", None), "nvme_bytes", 0)
+    on_drive = report.chosen is not None and getattr(
+        getattr(report.chosen, "layout", None), "nvme_bytes", 0
+    )
     if emitted and on_drive and not args.nvme_path:
-        print(f"\nnote: the plan offloads to NVMe; the config names {engines.NVME_PATH_PLACEHOLDER} — pass "
-              f"--nvme-path with a folder on the drive")
+        print(
+            f"\nnote: the plan offloads to NVMe; the config names {engines.NVME_PATH_PLACEHOLDER} "
+            f"— pass --nvme-path with a folder on the drive"
+        )
     if emitted and args.nvme_path and not on_drive:
-        print("\nnote: the plan fits in host memory, so the configuration offloads there and --nvme-path is unused")
+        print(
+            "\nnote: the plan fits in host memory, so the configuration offloads there and "
+            "--nvme-path is unused"
+        )
     if note:
         print(f"\nnote: --emit {args.emit}: {note}")
     for name, text in emitted.items():
@@ -437,7 +604,10 @@ def _save(saves: list[tuple[str, Path, object, str]], text: str) -> tuple[list[s
         try:
             write(target)
         except OSError as error:
-            faults.append(f"{flag}: could not write {target} ({error.strerror or error}); the results are on stdout")
+            faults.append(
+                f"{flag}: could not write {target} ({error.strerror or error}); the results are on "
+                "stdout"
+            )
         else:
             notes.append(done)
     if faults:
@@ -452,44 +622,73 @@ def _cmd_probe(args) -> int:
     if args.reference_dir is not None and not args.reference:
         raise UsageError("--reference-dir: give it with --reference NAME")
     if args.reference_dir is not None and not Path(args.reference_dir).is_dir():
-        raise UsageError(f"--reference-dir: expected an existing folder; got {args.reference_dir!r}")
+        raise UsageError(
+            f"--reference-dir: expected an existing folder; got {args.reference_dir!r}"
+        )
     reference_target = None
     if args.reference is not None:
         try:
-            reference_target = reference.target(args.reference, args.reference_dir, overwrite=args.force,
-                                                 how_to_replace="--force")
+            reference_target = reference.target(
+                args.reference, args.reference_dir, overwrite=args.force, how_to_replace="--force"
+            )
         except ValueError as error:  # the name or the folder the user gave
             raise UsageError(f"--reference: {str(error).removeprefix('name: ')}") from None
-        except OSError as error:  # the folder refuses a file: name the folder and where it came from
+        # the folder refuses a file: name the folder and where it came from
+        except OSError as error:
             folder = args.reference_dir or reference.user_folder()
-            origin = "" if args.reference_dir else f" (from ${reference.USER_FOLDER_VARIABLE})" \
-                if os.environ.get(reference.USER_FOLDER_VARIABLE) else " (your reference folder)"
-            raise Fault(f"--reference: cannot write in {str(folder)!r}{origin}: {error.strerror or error}") from None
+            origin = (
+                ""
+                if args.reference_dir
+                else f" (from ${reference.USER_FOLDER_VARIABLE})"
+                if os.environ.get(reference.USER_FOLDER_VARIABLE)
+                else " (your reference folder)"
+            )
+            raise Fault(
+                f"--reference: cannot write in {str(folder)!r}{origin}: {error.strerror or error}"
+            ) from None
     if not args.disk or not Path(args.disk).is_dir():
         raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
-    measured = ladder.measure(quick=args.quick, disk_folder=args.disk)  # checks the disk before the sweeps
+    # checks the disk before the sweeps
+    measured = ladder.measure(quick=args.quick, disk_folder=args.disk)
     mine = ladder.of_machine(measured)
     info = measured["machine"]
     records = [r.to_dict() for r in measured["records"]]
     text = _dumps({"machine": info.to_dict(), "ladder": mine, "records": records}, indent=1) + "\n"
     saves = []
     if json_target is not None:
-        saves.append(("--json", json_target, lambda path: files.write_atomically(path, text, replace=args.force),
-                      f"wrote {len(records)} records to {json_target}"))
+        saves.append(
+            (
+                "--json",
+                json_target,
+                lambda path: files.write_atomically(path, text, replace=args.force),
+                f"wrote {len(records)} records to {json_target}",
+            )
+        )
     if reference_target is not None:
         kind = "emulated" if info.accelerator.kind == "none" else "measured"
         label = info.accelerator.name or info.cpu
-        saves.append(("--reference", reference_target, lambda path: reference.write(
-            path, kind, label, records[0]["provenance"], records, overwrite=args.force),
-            f"wrote reference {reference_target}"))
+        saves.append(
+            (
+                "--reference",
+                reference_target,
+                lambda path: reference.write(
+                    path, kind, label, records[0]["provenance"], records, overwrite=args.force
+                ),
+                f"wrote reference {reference_target}",
+            )
+        )
     notes, faults = _save(saves, text)
     faults = measured["faults"] + faults
-    print(f"this machine: {info.cpu}, {info.logical_cores} cores, {format_size(info.host_memory_bytes)} RAM; "
-          f"accelerator: {info.accelerator.name or 'none'}")
+    print(
+        f"this machine: {info.cpu}, {info.logical_cores} cores, "
+        f"{format_size(info.host_memory_bytes)} RAM; accelerator: {info.accelerator.name or 'none'}"
+    )
     print(ladder.table(mine))
     if info.accelerator.kind == "none":
-        print("not measured here: GPU memory bandwidth and the real PCIe link (no GPU); "
-              "the host↔GPU rows come from the emulated link")
+        print(
+            "not measured here: GPU memory bandwidth and the real PCIe link (no GPU); "
+            "the host↔GPU rows come from the emulated link"
+        )
     for note in notes:
         print(note)
     if faults:
@@ -507,13 +706,24 @@ def _cmd_bench(args) -> int:
         if not Path(args.disk or ".").is_dir():
             raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
         with _arguments():
-            bench.check_nvme_folder(args.disk or ".", quick=args.quick)  # OSError: a fault, found before the run
+            # OSError: a fault, found before the run
+            bench.check_nvme_folder(args.disk or ".", quick=args.quick)
         result = bench.nvme(quick=args.quick, folder=args.disk or ".")
     else:
         result = getattr(bench, args.name)(quick=args.quick)
     text = _dumps(result, indent=1) + "\n"
-    saves = [] if target is None else [("--json", target, lambda path: files.write_atomically(path, text, args.force),
-                                        f"wrote the result to {target}")]
+    saves = (
+        []
+        if target is None
+        else [
+            (
+                "--json",
+                target,
+                lambda path: files.write_atomically(path, text, args.force),
+                f"wrote the result to {target}",
+            )
+        ]
+    )
     notes, faults = _save(saves, text)
     print(bench.format_result(result))
     for note in notes:
@@ -529,17 +739,31 @@ def _cmd_gpu_check(args) -> int:
     if not args.dry_run:
         for flag, given in (("--profile", args.profile), ("--json", args.json)):
             if given is not None:
-                raise UsageError(f"{flag}: only with --dry-run (the real run measures the GPU present)")
+                raise UsageError(
+                    f"{flag}: only with --dry-run (the real run measures the GPU present)"
+                )
         if args.disk is not None and not Path(args.disk).is_dir():
             raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
-        return gpucheck.run(Path(args.out), quick=not args.full, disk=Path(args.disk) if args.disk else None)
+        return gpucheck.run(
+            Path(args.out), quick=not args.full, disk=Path(args.disk) if args.disk else None
+        )
     target = _output_target(args.json, args.force)
     with _arguments(profile="--profile"):
         profile = gpucheck.profile_for(args.profile)
     planned = gpucheck.plan(profile, quick=not args.full)
     text = _dumps(planned, indent=1) + "\n"
-    saves = [] if target is None else [("--json", target, lambda path: files.write_atomically(path, text, args.force),
-                                        f"wrote the plan to {target}")]
+    saves = (
+        []
+        if target is None
+        else [
+            (
+                "--json",
+                target,
+                lambda path: files.write_atomically(path, text, args.force),
+                f"wrote the plan to {target}",
+            )
+        ]
+    )
     notes, faults = _save(saves, text)
     print(gpucheck.format_plan(planned))
     for note in notes:
@@ -555,106 +779,238 @@ def build_parser() -> argparse.ArgumentParser:
 
     state = commands.add_parser("state", help="bytes of training state for a model size")
     state.add_argument("--params", required=True, type=_PARAMS, help="parameter count, e.g. 10e9")
-    state.add_argument("--recipe", default=memory.DEFAULT_RECIPE, help=f"one of {', '.join(memory.RECIPES)}")
+    state.add_argument(
+        "--recipe", default=memory.DEFAULT_RECIPE, help=f"one of {', '.join(memory.RECIPES)}"
+    )
     state.add_argument("--json", action="store_true", help="print a JSON object")
     state.set_defaults(run=_cmd_state)
 
-    budget = commands.add_parser("budget", help="the per-step bandwidth budget and an offload's verdict")
-    budget.add_argument("--link", required=True, type=_BANDWIDTH, help="one direction's bandwidth, e.g. '25 GB/s'")
-    budget.add_argument("--window", required=True, type=_DURATION, help="compute time to hide behind, e.g. '250 ms'")
+    budget = commands.add_parser(
+        "budget", help="the per-step bandwidth budget and an offload's verdict"
+    )
+    budget.add_argument(
+        "--link", required=True, type=_BANDWIDTH, help="one direction's bandwidth, e.g. '25 GB/s'"
+    )
+    budget.add_argument(
+        "--window", required=True, type=_DURATION, help="compute time to hide behind, e.g. '250 ms'"
+    )
     budget.add_argument("--params", type=_PARAMS, help="parameter count, e.g. 10e9")
-    budget.add_argument("--offload", type=_name_list,
-                        help="comma-separated: optimizer, gradients, parameters, park-and-copy")
-    budget.add_argument("--duplex", default="full", type=_duplex,
-                        help="full (default: both directions at once, each at its one-way rate), half (they share "
-                             "it), or the rate each direction keeps while both run, e.g. '20 GB/s'")
-    budget.add_argument("--recipe", default=memory.DEFAULT_RECIPE,
-                        help=f"bytes per parameter of each kind of state: one of {', '.join(memory.RECIPES)}")
+    budget.add_argument(
+        "--offload",
+        type=_name_list,
+        help="comma-separated: optimizer, gradients, parameters, park-and-copy",
+    )
+    budget.add_argument(
+        "--duplex",
+        default="full",
+        type=_duplex,
+        help="full (default: both directions at once, each at its one-way rate), half (they share "
+        "it), or the rate each direction keeps while both run, e.g. '20 GB/s'",
+    )
+    budget.add_argument(
+        "--recipe",
+        default=memory.DEFAULT_RECIPE,
+        help=f"bytes per parameter of each kind of state: one of {', '.join(memory.RECIPES)}",
+    )
     budget.add_argument("--json", action="store_true", help="print a JSON object")
     budget.set_defaults(run=_cmd_budget)
 
-    overlap = commands.add_parser("overlap", help="the overlap condition and the crossover tokens T*")
-    overlap.add_argument("--link", required=True, type=_BANDWIDTH, help="one direction's bandwidth, e.g. '25 GB/s'")
-    overlap.add_argument("--compute", required=True, type=_FLOPS, help="sustained FLOP/s of the GPU, e.g. 200e12")
-    overlap.add_argument("--bytes", type=_SIZE, help="bytes one direction moves in the step, e.g. '20 GB'")
-    overlap.add_argument("--window", type=_DURATION, help="compute the copy can hide behind, e.g. '250 ms'")
+    overlap = commands.add_parser(
+        "overlap", help="the overlap condition and the crossover tokens T*"
+    )
+    overlap.add_argument(
+        "--link", required=True, type=_BANDWIDTH, help="one direction's bandwidth, e.g. '25 GB/s'"
+    )
+    overlap.add_argument(
+        "--compute", required=True, type=_FLOPS, help="sustained FLOP/s of the GPU, e.g. 200e12"
+    )
+    overlap.add_argument(
+        "--bytes", type=_SIZE, help="bytes one direction moves in the step, e.g. '20 GB'"
+    )
+    overlap.add_argument(
+        "--window", type=_DURATION, help="compute the copy can hide behind, e.g. '250 ms'"
+    )
     overlap.add_argument("--json", action="store_true", help="print a JSON object")
     overlap.set_defaults(run=_cmd_overlap)
 
-    plan = commands.add_parser("plan", help="what to offload, in what order, and the predicted step")
-    plan.add_argument("--params", type=_PARAMS, help="parameter count, e.g. 30e9 (or --model / --model-config)")
+    plan = commands.add_parser(
+        "plan", help="what to offload, in what order, and the predicted step"
+    )
+    plan.add_argument(
+        "--params", type=_PARAMS, help="parameter count, e.g. 30e9 (or --model / --model-config)"
+    )
     plan.add_argument("--model", help="a shipped model config: " + ", ".join(_shipped_models()))
-    plan.add_argument("--model-config", metavar="PATH",
-                      help="a Hugging Face config.json, or the folder of a model snapshot, to count exactly")
-    plan.add_argument("--count", choices=["auto", "transformers", "formula"], default="auto",
-                      help="how a model is counted: auto (default: transformers' meta-device build when installed, "
-                           "else the formula), transformers, or formula")
-    plan.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",
-                      help="sdpa (default: flash or memory-efficient attention, no seq × seq scores kept) or eager")
-    plan.add_argument("--recompute", type=_recompute, default="auto",
-                      help="activation checkpointing: auto (default: none, every layer, or the fewest layers that "
-                           "fit), none, all, or a number of layers")
-    plan.add_argument("--gpu-memory", type=_SIZE, help="GPU memory, e.g. '80 GB' (or from --measured)")
-    plan.add_argument("--link", type=_BANDWIDTH, help="host↔GPU bandwidth per direction, e.g. '25 GB/s' (or from --measured)")
-    plan.add_argument("--measured", metavar="FILE", help="an `offloadlab probe --json` record of this machine")
-    plan.add_argument("--gpus-per-node", type=_positive_int, default=1,
-                      help="GPUs sharing the node's host memory and cores (default 1)")
-    plan.add_argument("--interconnect", type=_BANDWIDTH, help="GPU↔GPU bandwidth per direction, e.g. '450 GB/s' (default: assumed)")
-    plan.add_argument("--gpus-per-link", type=_positive_int, default=1,
-                      help="GPUs sharing one host link, e.g. 2 behind one PCIe switch (default 1)")
-    plan.add_argument("--host-memory", type=_SIZE, help="host memory, e.g. '2 TB' (default: unlimited)")
+    plan.add_argument(
+        "--model-config",
+        metavar="PATH",
+        help="a Hugging Face config.json, or the folder of a model snapshot, to count exactly",
+    )
+    plan.add_argument(
+        "--count",
+        choices=["auto", "transformers", "formula"],
+        default="auto",
+        help="how a model is counted: auto (default: transformers' meta-device build when "
+        "installed, else the formula), transformers, or formula",
+    )
+    plan.add_argument(
+        "--attention",
+        choices=["sdpa", "eager"],
+        default="sdpa",
+        help="sdpa (default: flash or memory-efficient attention, no seq × seq scores kept) or "
+        "eager",
+    )
+    plan.add_argument(
+        "--recompute",
+        type=_recompute,
+        default="auto",
+        help="activation checkpointing: auto (default: none, every layer, or the fewest layers "
+        "that fit), none, all, or a number of layers",
+    )
+    plan.add_argument(
+        "--gpu-memory", type=_SIZE, help="GPU memory, e.g. '80 GB' (or from --measured)"
+    )
+    plan.add_argument(
+        "--link",
+        type=_BANDWIDTH,
+        help="host↔GPU bandwidth per direction, e.g. '25 GB/s' (or from --measured)",
+    )
+    plan.add_argument(
+        "--measured", metavar="FILE", help="an `offloadlab probe --json` record of this machine"
+    )
+    plan.add_argument(
+        "--gpus-per-node",
+        type=_positive_int,
+        default=1,
+        help="GPUs sharing the node's host memory and cores (default 1)",
+    )
+    plan.add_argument(
+        "--interconnect",
+        type=_BANDWIDTH,
+        help="GPU↔GPU bandwidth per direction, e.g. '450 GB/s' (default: assumed)",
+    )
+    plan.add_argument(
+        "--gpus-per-link",
+        type=_positive_int,
+        default=1,
+        help="GPUs sharing one host link, e.g. 2 behind one PCIe switch (default 1)",
+    )
+    plan.add_argument(
+        "--host-memory", type=_SIZE, help="host memory, e.g. '2 TB' (default: unlimited)"
+    )
     plan.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size (default 1)")
-    plan.add_argument("--seq", type=_positive_int, default=2048, help="sequence length (default 2048)")
-    plan.add_argument("--layers", type=_positive_int, help="transformer layers (with --hidden and --heads)")
+    plan.add_argument(
+        "--seq", type=_positive_int, default=2048, help="sequence length (default 2048)"
+    )
+    plan.add_argument(
+        "--layers", type=_positive_int, help="transformer layers (with --hidden and --heads)"
+    )
     plan.add_argument("--hidden", type=_positive_int, help="hidden size")
     plan.add_argument("--heads", type=_positive_int, help="attention heads")
-    plan.add_argument("--compute", type=_FLOPS,
-                      help="sustained FLOP/s of the GPU, e.g. '400 TFLOP/s' or 400e12 (default: assumed)")
-    plan.add_argument("--cpu-adam", type=_PARAMS_PER_S,
-                      help="CPU Adam throughput in params/s, e.g. 3e9 or '3 G/s' (default: assumed)")
-    plan.add_argument("--comm-fraction", type=_FRACTION, default=0.0,
-                      help="fraction of the step already spent communicating (0–1)")
-    plan.add_argument("--emit", choices=["deepspeed", "fsdp"], help="also print an equivalent configuration")
-    plan.add_argument("--accumulation", type=_positive_int, default=1,
-                      help="micro-batches per optimizer step, for --emit (default 1)")
-    plan.add_argument("--nvme", type=_BANDWIDTH, help="plan on NVMe when host memory is short: the drive's sustained rate, e.g. '3 GB/s'")
-    plan.add_argument("--nvme-path", help="with --emit: the folder on the NVMe drive that an NVMe plan offloads to")
+    plan.add_argument(
+        "--compute",
+        type=_FLOPS,
+        help="sustained FLOP/s of the GPU, e.g. '400 TFLOP/s' or 400e12 (default: assumed)",
+    )
+    plan.add_argument(
+        "--cpu-adam",
+        type=_PARAMS_PER_S,
+        help="CPU Adam throughput in params/s, e.g. 3e9 or '3 G/s' (default: assumed)",
+    )
+    plan.add_argument(
+        "--comm-fraction",
+        type=_FRACTION,
+        default=0.0,
+        help="fraction of the step already spent communicating (0–1)",
+    )
+    plan.add_argument(
+        "--emit", choices=["deepspeed", "fsdp"], help="also print an equivalent configuration"
+    )
+    plan.add_argument(
+        "--accumulation",
+        type=_positive_int,
+        default=1,
+        help="micro-batches per optimizer step, for --emit (default 1)",
+    )
+    plan.add_argument(
+        "--nvme",
+        type=_BANDWIDTH,
+        help="plan on NVMe when host memory is short: the drive's sustained rate, e.g. '3 GB/s'",
+    )
+    plan.add_argument(
+        "--nvme-path",
+        help="with --emit: the folder on the NVMe drive that an NVMe plan offloads to",
+    )
     plan.add_argument("--json", action="store_true", help="print a JSON object")
     plan.set_defaults(run=_cmd_plan)
 
     probe = commands.add_parser("probe", help="measure this machine's memory tiers and links")
-    probe.add_argument("--quick", action="store_true", help="small sizes: seconds on a CPU-only machine")
+    probe.add_argument(
+        "--quick", action="store_true", help="small sizes: seconds on a CPU-only machine"
+    )
     probe.add_argument("--disk", default=".", help="folder whose disk to measure (default: here)")
     probe.add_argument("--json", metavar="FILE", help="write every record to FILE")
-    probe.add_argument("--reference", metavar="NAME",
-                       help="also save the records as reference data NAME, in your reference folder "
-                            "($OFFLOADLAB_REFERENCE_DIR, else ~/.local/share/offloadlab/reference)")
-    probe.add_argument("--reference-dir", metavar="DIR",
-                       help="save the --reference file in DIR instead (make gpu-check: offloadlab/reference)")
-    probe.add_argument("--force", action="store_true", help="replace an existing --json or --reference file")
+    probe.add_argument(
+        "--reference",
+        metavar="NAME",
+        help="also save the records as reference data NAME, in your reference folder "
+        "($OFFLOADLAB_REFERENCE_DIR, else ~/.local/share/offloadlab/reference)",
+    )
+    probe.add_argument(
+        "--reference-dir",
+        metavar="DIR",
+        help="save the --reference file in DIR instead (make gpu-check: offloadlab/reference)",
+    )
+    probe.add_argument(
+        "--force", action="store_true", help="replace an existing --json or --reference file"
+    )
     probe.set_defaults(run=_cmd_probe)
 
     bench = commands.add_parser("bench", help="benchmarks against peers, reported as ratios")
-    bench.add_argument("name", choices=["link", "overlap", "adam", "offload", "prefetch", "nvme"],
-                       help="what to benchmark")
+    bench.add_argument(
+        "name",
+        choices=["link", "overlap", "adam", "offload", "prefetch", "nvme"],
+        help="what to benchmark",
+    )
     bench.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     bench.add_argument("--json", metavar="FILE", help="write the result to FILE")
     bench.add_argument("--force", action="store_true", help="replace an existing --json file")
-    bench.add_argument("--disk", metavar="DIR", help="folder for bench nvme's scratch files (default: here)")
+    bench.add_argument(
+        "--disk", metavar="DIR", help="folder for bench nvme's scratch files (default: here)"
+    )
     bench.set_defaults(run=_cmd_bench)
 
-    check = commands.add_parser("gpu-check", help="the GPU kit: every CUDA path, benchmarks and reference data "
-                                                  "(or, with --dry-run, its plan)")
-    check.add_argument("--dry-run", action="store_true",
-                       help="print the plan (memory and time of each part) and run nothing heavy; works without a GPU")
-    check.add_argument("--profile", help="with --dry-run: plan for this GPU instead of the one present: "
-                                         "h100-sxm, h200, a100-40gb, l4 or rtx-4090")
+    check = commands.add_parser(
+        "gpu-check",
+        help="the GPU kit: every CUDA path, benchmarks and reference data "
+        "(or, with --dry-run, its plan)",
+    )
+    check.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (memory and time of each part) and run nothing heavy; works without a "
+        "GPU",
+    )
+    check.add_argument(
+        "--profile",
+        help="with --dry-run: plan for this GPU instead of the one present: "
+        "h100-sxm, h200, a100-40gb, l4 or rtx-4090",
+    )
     check.add_argument("--json", metavar="FILE", help="with --dry-run: write the plan to FILE")
     check.add_argument("--force", action="store_true", help="replace an existing --json file")
-    check.add_argument("--full", action="store_true", help="full-size benchmarks and probe (past 8 minutes)")
-    check.add_argument("--quick", action="store_true", help="quick benchmarks and probe (the default)")
-    check.add_argument("--out", default="build/gpu-check", help="folder for the results and logs (default build/gpu-check)")
-    check.add_argument("--disk", metavar="DIR", help="folder for the NVMe bench's scratch files (default: --out)")
+    check.add_argument(
+        "--full", action="store_true", help="full-size benchmarks and probe (past 8 minutes)"
+    )
+    check.add_argument(
+        "--quick", action="store_true", help="quick benchmarks and probe (the default)"
+    )
+    check.add_argument(
+        "--out",
+        default="build/gpu-check",
+        help="folder for the results and logs (default build/gpu-check)",
+    )
+    check.add_argument(
+        "--disk", metavar="DIR", help="folder for the NVMe bench's scratch files (default: --out)"
+    )
     check.set_defaults(run=_cmd_gpu_check)
     return parser
 
@@ -709,8 +1065,11 @@ def main(argv: list[str] | None = None) -> int:
         _error(str(error))
         return FAULT
     except OSError as error:  # what the machine refused: a disk, a file system, a device
-        _error(f"{error.filename}: {error.strerror}" if error.filename and error.strerror else
-               error.strerror or str(error))
+        _error(
+            f"{error.filename}: {error.strerror}"
+            if error.filename and error.strerror
+            else error.strerror or str(error)
+        )
         _stdout_gone()  # what could not be written is not written again at exit
         return FAULT
     except KeyboardInterrupt:

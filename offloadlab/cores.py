@@ -22,7 +22,8 @@ __all__ = ["usable_cores", "worker_threads", "cgroup_cpu_limit"]
 
 
 def usable_cores(root: str | os.PathLike = "/") -> int:
-    """Cores this process may use (see the module docstring); ``root`` is where /proc and /sys are."""
+    """Cores this process may use (see the module docstring); ``root`` is where /proc and /sys
+    are."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

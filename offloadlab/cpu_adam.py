@@ -58,22 +58,48 @@ import torch
 from . import cores, kernel_build
 from .units import check_integer
 
-__all__ = ["adamw_step", "grad_sum_of_squares", "floor_pass", "backend", "load", "Kernel", "Library",
-           "bytes_per_param", "default_threads", "TORCH", "VARIANT_ENV"]
+__all__ = [
+    "adamw_step",
+    "grad_sum_of_squares",
+    "floor_pass",
+    "backend",
+    "load",
+    "Kernel",
+    "Library",
+    "bytes_per_param",
+    "default_threads",
+    "TORCH",
+    "VARIANT_ENV",
+]
 
 TORCH = "torch"  # the name of the pure-torch step among the variants
 VARIANT_ENV = "OFFLOADLAB_CPU_ADAM_VARIANT"
 _KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # enum in csrc/kernel.h
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of gradients and of the weights' copy
-_STATUS = {1: "a gradient or copy dtype it has no loop for", 2: "a variant it does not hold",
-           3: "a variant whose instructions this CPU lacks", 4: "not enough memory"}
+_STATUS = {
+    1: "a gradient or copy dtype it has no loop for",
+    2: "a variant it does not hold",
+    3: "a variant whose instructions this CPU lacks",
+    4: "not enough memory",
+}
 
 
 class _Coefficients(ctypes.Structure):
     """``struct adamw_coefficients`` of csrc/kernel.h: the step's scalars, rounded once to float."""
 
-    _fields_ = [(name, ctypes.c_float) for name in
-                ("decay", "lerp_weight", "beta2", "one_minus_b2", "eps", "bc2_sqrt", "neg_step_size", "grad_scale")]
+    _fields_ = [
+        (name, ctypes.c_float)
+        for name in (
+            "decay",
+            "lerp_weight",
+            "beta2",
+            "one_minus_b2",
+            "eps",
+            "bc2_sqrt",
+            "neg_step_size",
+            "grad_scale",
+        )
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +107,10 @@ class Library:
     """The kernel library this process found or built, or (``handle`` None) why there is none."""
 
     handle: ctypes.CDLL | None = dataclasses.field(repr=False, compare=False)
-    origin: str = ""                 # where it came from, in words (no paths of this machine)
-    variants: tuple[str, ...] = ()   # the copies of the kernel it holds, best first
-    runnable: tuple[str, ...] = ()   # those this CPU can execute, best first
-    problem: str = ""                # why there is none: every attempt, compiler output in full
+    origin: str = ""  # where it came from, in words (no paths of this machine)
+    variants: tuple[str, ...] = ()  # the copies of the kernel it holds, best first
+    runnable: tuple[str, ...] = ()  # those this CPU can execute, best first
+    problem: str = ""  # why there is none: every attempt, compiler output in full
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +118,7 @@ class Kernel:
     """The step :func:`adamw_step` runs: a variant of the library's kernel, or ``"torch"``."""
 
     variant: str
-    chosen_by: str                   # _BEST, or what named the variant
+    chosen_by: str  # _BEST, or what named the variant
     library: Library
 
     @property
@@ -101,20 +127,25 @@ class Kernel:
 
     def supports(self, grad_dtype: torch.dtype, out_dtype: torch.dtype | None) -> bool:
         """Whether the compiled kernel has a loop for this pair (the C code answers)."""
-        return self.compiled and bool(self.library.handle.offloadlab_adamw_supports(_KIND[grad_dtype],
-                                                                                   _KIND[out_dtype]))
+        return self.compiled and bool(
+            self.library.handle.offloadlab_adamw_supports(_KIND[grad_dtype], _KIND[out_dtype])
+        )
 
     def describe(self) -> str:
         library = self.library
         if not self.compiled:
             return f"torch fallback ({library.problem or 'chosen by ' + self.chosen_by})"
-        how = (f"the best of {', '.join(library.variants)} this CPU runs" if self.chosen_by == _BEST
-               else f"chosen by {self.chosen_by}; this CPU runs {', '.join(library.runnable)}")
+        how = (
+            f"the best of {', '.join(library.variants)} this CPU runs"
+            if self.chosen_by == _BEST
+            else f"chosen by {self.chosen_by}; this CPU runs {', '.join(library.runnable)}"
+        )
         return f"compiled C kernel, {self.variant} variant ({how}), {library.origin}, OpenMP"
 
 
 _BEST = "the best this CPU runs"
-_INSTALLED = Path(__file__).with_name(kernel_build.LIBRARY_NAME)  # where setup.py builds the library
+# where setup.py builds the library
+_INSTALLED = Path(__file__).with_name(kernel_build.LIBRARY_NAME)
 _lock = threading.Lock()
 _opened: Library | None = None
 
@@ -126,7 +157,8 @@ def default_threads() -> int:
 
 
 def bytes_per_param(grad_dtype=torch.bfloat16, out_dtype=torch.bfloat16) -> int:
-    """Bytes the step moves per parameter: 3 × (read + write) fp32 + the gradient + the output copy."""
+    """Bytes the step moves per parameter: 3 × (read + write) fp32 + the gradient + the output
+    copy."""
     grad_bytes = torch.tensor([], dtype=grad_dtype).element_size()
     out_bytes = 0 if out_dtype is None else torch.tensor([], dtype=out_dtype).element_size()
     return 24 + grad_bytes + out_bytes
@@ -144,7 +176,9 @@ def _try_open(path: Path, origin: str, problems: list[str]) -> Library | None:
     try:
         handle = ctypes.CDLL(str(path))
     except OSError as error:
-        problems.append(f"the library {origin} does not load: {str(error).replace(str(path), path.name)}")
+        problems.append(
+            f"the library {origin} does not load: {str(error).replace(str(path), path.name)}"
+        )
         return None
     handle.offloadlab_source_digest.restype = ctypes.c_char_p
     if handle.offloadlab_source_digest().decode() != kernel_build.source_digest():
@@ -154,14 +188,39 @@ def _try_open(path: Path, origin: str, problems: list[str]) -> Library | None:
     handle.offloadlab_variant_name.argtypes = [ctypes.c_int]
     handle.offloadlab_variant_runs_here.argtypes = [ctypes.c_int]
     handle.offloadlab_adamw_supports.argtypes = [ctypes.c_int, ctypes.c_int]
-    handle.offloadlab_adamw.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-                                        ctypes.POINTER(_Coefficients), ctypes.c_int]
-    handle.offloadlab_sumsq.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
-                                        ctypes.POINTER(ctypes.c_double)]
-    handle.offloadlab_floor.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-                                        ctypes.c_int]
+    handle.offloadlab_adamw.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.POINTER(_Coefficients),
+        ctypes.c_int,
+    ]
+    handle.offloadlab_sumsq.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_double),
+    ]
+    handle.offloadlab_floor.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
     count = range(handle.offloadlab_variant_count())
     variants = tuple(handle.offloadlab_variant_name(v).decode() for v in count)
     runnable = tuple(variants[v] for v in count if handle.offloadlab_variant_runs_here(v))
@@ -171,8 +230,14 @@ def _try_open(path: Path, origin: str, problems: list[str]) -> Library | None:
 def _first_use_name(compiler: list[str]) -> str:
     """The cached library's file name: a digest of all it is built from. The machine is part of
     it, for home folders shared between x86-64 and Arm nodes whose compilers print the same."""
-    key = "\0".join([kernel_build.source_digest(), kernel_build.compiler_identity(compiler), " ".join(compiler),
-                     platform.machine()])
+    key = "\0".join(
+        [
+            kernel_build.source_digest(),
+            kernel_build.compiler_identity(compiler),
+            " ".join(compiler),
+            platform.machine(),
+        ]
+    )
     return f"cpu_adam-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
@@ -205,8 +270,12 @@ def _library() -> Library:
         if _opened is None:
             _opened = _open()
             if _opened.handle is None:
-                warnings.warn(f"offloadlab.cpu_adam: no compiled kernel, so the slower pure-torch AdamW step "
-                              f"runs: {_opened.problem}", RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"offloadlab.cpu_adam: no compiled kernel, so the slower pure-torch AdamW step "
+                    f"runs: {_opened.problem}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
         return _opened
 
 
@@ -227,18 +296,26 @@ def load(variant: str | None = None) -> Kernel:
     if variant is None:
         return Kernel(library.runnable[0] if library.handle else TORCH, _BEST, library)
     if library.handle is None:
-        raise ValueError(f"{source}: expected {TORCH!r}, the only step without a compiled kernel; got {variant!r} "
-                         f"({library.problem})")
+        raise ValueError(
+            f"{source}: expected {TORCH!r}, the only step without a compiled kernel; got "
+            f"{variant!r} ({library.problem})"
+        )
     if variant not in library.variants:
-        raise ValueError(f"{source}: expected one of {', '.join(library.variants + (TORCH,))}; got {variant!r}")
+        raise ValueError(
+            f"{source}: expected one of {', '.join(library.variants + (TORCH,))}; got {variant!r}"
+        )
     if variant not in library.runnable:
-        raise ValueError(f"{source}: expected a variant this CPU runs ({', '.join(library.runnable + (TORCH,))}); "
-                         f"got {variant!r}, whose instructions it lacks")
+        raise ValueError(
+            f"{source}: expected a variant this CPU runs "
+            f"({', '.join(library.runnable + (TORCH,))}); got {variant!r}, whose instructions it "
+            "lacks"
+        )
     return Kernel(variant, source, library)
 
 
 def backend(grad_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> str:
-    """Which step :func:`adamw_step` runs here, in one sentence, finding or building the kernel first.
+    """Which step :func:`adamw_step` runs here, in one sentence, finding or building the kernel
+    first.
 
     With ``grad_dtype`` (and ``out_dtype``, the copy's dtype; ``None``: no copy), for that pair.
     """
@@ -248,13 +325,18 @@ def backend(grad_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None
         _check_dtype("out_dtype", out_dtype, _DTYPES)
     kernel = load()
     if grad_dtype is not None and kernel.compiled and not kernel.supports(grad_dtype, out_dtype):
-        return f"torch fallback (the compiled kernel has no loop for {grad_dtype} gradients and {out_dtype} copies)"
+        return (
+            f"torch fallback (the compiled kernel has no loop for {grad_dtype} gradients and "
+            f"{out_dtype} copies)"
+        )
     return kernel.describe()
 
 
 def _check_dtype(name: str, dtype, dtypes) -> None:
     if dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}; got {dtype}")
+        raise ValueError(
+            f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}; got {dtype}"
+        )
 
 
 def _check(name: str, t: torch.Tensor, dtypes, numel: int | None) -> None:
@@ -270,12 +352,17 @@ def _check(name: str, t: torch.Tensor, dtypes, numel: int | None) -> None:
 def _check_disjoint(**buffers: torch.Tensor | None) -> None:
     """The kernel reads and writes each buffer once per element: two of them sharing memory
     would make the result depend on the order of those reads and writes."""
-    spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-             for name, t in buffers.items() if t is not None and t.numel()]
+    spans = [
+        (name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for name, t in buffers.items()
+        if t is not None and t.numel()
+    ]
     for i, (name, start, end) in enumerate(spans):
         for other, other_start, other_end in spans[:i]:
             if start < other_end and other_start < end:
-                raise ValueError(f"{name}: expected memory of its own; got memory shared with {other}")
+                raise ValueError(
+                    f"{name}: expected memory of its own; got memory shared with {other}"
+                )
 
 
 def _check_threads(threads) -> int:
@@ -286,12 +373,27 @@ def _check_threads(threads) -> int:
 
 def _raise_for(status: int, function: str) -> None:
     if status:
-        raise RuntimeError(f"{function}: the compiled kernel refused the call: {_STATUS.get(status, status)}")
+        raise RuntimeError(
+            f"{function}: the compiled kernel refused the call: {_STATUS.get(status, status)}"
+        )
 
 
-def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: float, betas=(0.9, 0.999),
-               eps: float = 1e-8, weight_decay: float = 1e-2, grad_scale: float = 1.0,
-               threads: int | None = None, variant: str | None = None) -> None:
+def adamw_step(
+    master,
+    exp_avg,
+    exp_avg_sq,
+    grad,
+    out=None,
+    *,
+    step: int,
+    lr: float,
+    betas=(0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    grad_scale: float = 1.0,
+    threads: int | None = None,
+    variant: str | None = None,
+) -> None:
     """One AdamW step in place on flat fp32 ``master``, ``exp_avg``, ``exp_avg_sq``.
 
     ``grad`` is fp32, bf16 or fp16 (as it arrived from the GPU) and is multiplied by
@@ -315,21 +417,43 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: fl
         raise ValueError("lr: expected lr, eps and weight_decay ≥ 0 and a finite grad_scale")
     _check_disjoint(master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad, out=out)
     threads = _check_threads(threads)
-    # The scalars as torch.optim.AdamW computes them, in double precision (the kernel rounds each to float once).
+    # The scalars as torch.optim.AdamW computes them, in double precision (the kernel rounds each to
+    # float once).
     bc2_sqrt = (1 - beta2**step) ** 0.5
     neg_step_size = -(lr / (1 - beta1**step))
     kernel = load(variant)
     out_dtype = None if out is None else out.dtype
     if kernel.supports(grad.dtype, out_dtype):
-        coefficients = _Coefficients(1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, bc2_sqrt,
-                                     neg_step_size, grad_scale)
+        coefficients = _Coefficients(
+            1 - lr * weight_decay,
+            1 - beta1,
+            beta2,
+            1 - beta2,
+            eps,
+            bc2_sqrt,
+            neg_step_size,
+            grad_scale,
+        )
         index = kernel.library.variants.index(kernel.variant)
-        _raise_for(kernel.library.handle.offloadlab_adamw(
-            index, master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), _KIND[grad.dtype],
-            None if out is None else out.data_ptr(), _KIND[out_dtype], n, ctypes.byref(coefficients), threads),
-            "adamw_step")
+        _raise_for(
+            kernel.library.handle.offloadlab_adamw(
+                index,
+                master.data_ptr(),
+                exp_avg.data_ptr(),
+                exp_avg_sq.data_ptr(),
+                grad.data_ptr(),
+                _KIND[grad.dtype],
+                None if out is None else out.data_ptr(),
+                _KIND[out_dtype],
+                n,
+                ctypes.byref(coefficients),
+                threads,
+            ),
+            "adamw_step",
+        )
         return
-    g = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()  # a new tensor: the caller's stays as it is
+    # a new tensor: the caller's stays as it is
+    g = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()
     master.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -339,8 +463,16 @@ def adamw_step(master, exp_avg, exp_avg_sq, grad, out=None, *, step: int, lr: fl
         out.copy_(master)
 
 
-def floor_pass(master, exp_avg, exp_avg_sq, grad, out=None, *, threads: int | None = None,
-               variant: str | None = None) -> None:
+def floor_pass(
+    master,
+    exp_avg,
+    exp_avg_sq,
+    grad,
+    out=None,
+    *,
+    threads: int | None = None,
+    variant: str | None = None,
+) -> None:
     """One pass of the step's memory traffic without its arithmetic: the floor of ``bench adam``.
 
     The compiled kernel's loop with AdamW's operations replaced by one add per array: it reads
@@ -360,15 +492,30 @@ def floor_pass(master, exp_avg, exp_avg_sq, grad, out=None, *, threads: int | No
     threads = _check_threads(threads)
     kernel = load(variant)
     if not kernel.compiled:
-        raise ValueError(f"variant: the floor is the compiled kernel's loop; got the {kernel.describe()}")
+        raise ValueError(
+            f"variant: the floor is the compiled kernel's loop; got the {kernel.describe()}"
+        )
     index = kernel.library.variants.index(kernel.variant)
-    _raise_for(kernel.library.handle.offloadlab_floor(
-        index, master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), _KIND[grad.dtype],
-        None if out is None else out.data_ptr(), _KIND[None if out is None else out.dtype], n, threads),
-        "floor_pass")
+    _raise_for(
+        kernel.library.handle.offloadlab_floor(
+            index,
+            master.data_ptr(),
+            exp_avg.data_ptr(),
+            exp_avg_sq.data_ptr(),
+            grad.data_ptr(),
+            _KIND[grad.dtype],
+            None if out is None else out.data_ptr(),
+            _KIND[None if out is None else out.dtype],
+            n,
+            threads,
+        ),
+        "floor_pass",
+    )
 
 
-def grad_sum_of_squares(grad: torch.Tensor, threads: int | None = None, *, variant: str | None = None) -> float:
+def grad_sum_of_squares(
+    grad: torch.Tensor, threads: int | None = None, *, variant: str | None = None
+) -> float:
     """Σ g² of a host gradient buffer, in double precision (inf or nan if any element is).
 
     The compiled kernel adds in an order fixed by the buffer's length alone: the same result
@@ -380,7 +527,16 @@ def grad_sum_of_squares(grad: torch.Tensor, threads: int | None = None, *, varia
     if kernel.compiled:
         total = ctypes.c_double()
         index = kernel.library.variants.index(kernel.variant)
-        _raise_for(kernel.library.handle.offloadlab_sumsq(index, grad.data_ptr(), _KIND[grad.dtype], grad.numel(),
-                                                          threads, ctypes.byref(total)), "grad_sum_of_squares")
+        _raise_for(
+            kernel.library.handle.offloadlab_sumsq(
+                index,
+                grad.data_ptr(),
+                _KIND[grad.dtype],
+                grad.numel(),
+                threads,
+                ctypes.byref(total),
+            ),
+            "grad_sum_of_squares",
+        )
         return total.value
     return float(grad.double().square().sum())

@@ -35,20 +35,29 @@ import torch
 
 from . import machine
 
-__all__ = ["DeviceProfile", "PROFILES", "Footprint", "ASSUMED", "get", "present", "names", "quick_mode"]
+__all__ = [
+    "DeviceProfile",
+    "PROFILES",
+    "Footprint",
+    "ASSUMED",
+    "get",
+    "present",
+    "names",
+    "quick_mode",
+]
 
 GB = 10**9
 
 # What a plan's time estimates assume, where a datasheet gives only a peak. Sizes never depend on
 # these: a plan's bytes come from peaks (an upper bound), and the runs measure before they size.
 ASSUMED = {
-    "link_efficiency": 0.8,       # pinned copies reach about 80 % of the PCIe nominal rate
+    "link_efficiency": 0.8,  # pinned copies reach about 80 % of the PCIe nominal rate
     "pageable_efficiency": 0.35,  # pageable copies are staged by the driver: about a third of it
-    "matmul_efficiency": 0.7,     # large products reach about 70 % of the datasheet peak
-    "host_bandwidth": 20e9,       # bytes/s of one socket's memory for a streaming CPU loop
-    "disk_bandwidth": 2e9,        # bytes/s of a data-center NVMe drive, sequential, one direction
-    "process_start": 8.0,         # seconds: a Python process importing torch and starting CUDA
-    "notebook_start": 6.0,        # seconds: a Jupyter kernel started, the notebook's imports run
+    "matmul_efficiency": 0.7,  # large products reach about 70 % of the datasheet peak
+    "host_bandwidth": 20e9,  # bytes/s of one socket's memory for a streaming CPU loop
+    "disk_bandwidth": 2e9,  # bytes/s of a data-center NVMe drive, sequential, one direction
+    "process_start": 8.0,  # seconds: a Python process importing torch and starting CUDA
+    "notebook_start": 6.0,  # seconds: a Jupyter kernel started, the notebook's imports run
 }
 
 
@@ -73,17 +82,17 @@ def quick_mode() -> bool:
 class DeviceProfile:
     """One GPU and the server around it. Sizes in bytes, rates in FLOP/s (dense)."""
 
-    name: str                 # how to ask for it: --profile NAME
-    gpu: str                  # the product
-    memory_bytes: int         # device memory (datasheet GB, or what the card reports)
-    host_memory_bytes: int    # host memory this GPU's work may use (see host_memory_basis)
-    host_memory_basis: str    # where that figure comes from
+    name: str  # how to ask for it: --profile NAME
+    gpu: str  # the product
+    memory_bytes: int  # device memory (datasheet GB, or what the card reports)
+    host_memory_bytes: int  # host memory this GPU's work may use (see host_memory_basis)
+    host_memory_basis: str  # where that figure comes from
     pcie_generation: int
     pcie_width: int
-    fp32_flops: float         # fp32 matrix products, TF32 off
-    tf32_flops: float         # fp32 matrix products, TF32 on
-    bf16_flops: float         # bf16 matrix products
-    source: str               # where the figures come from
+    fp32_flops: float  # fp32 matrix products, TF32 off
+    tf32_flops: float  # fp32 matrix products, TF32 on
+    bf16_flops: float  # bf16 matrix products
+    source: str  # where the figures come from
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -105,33 +114,90 @@ class DeviceProfile:
         return {**dataclasses.asdict(self), "link_bytes_per_s": self.link_bytes_per_s}
 
 
-_HOPPER = "NVIDIA {} Tensor Core GPU datasheet, SXM column (tensor rates halved: printed with sparsity)"
+_HOPPER = (
+    "NVIDIA {} Tensor Core GPU datasheet, SXM column (tensor rates halved: printed with sparsity)"
+)
 
-PROFILES = {p.name: p for p in (
-    DeviceProfile("h100-sxm", "NVIDIA H100 SXM5 80 GB", 80 * GB, 256 * GB,
-                  "a DGX H100's 2 TB of system memory shared by its 8 GPUs", 5, 16,
-                  67e12, 494.5e12, 989.5e12, _HOPPER.format("H100")),
-    DeviceProfile("h200", "NVIDIA H200 SXM 141 GB", 141 * GB, 256 * GB,
-                  "a DGX H200's 2 TB of system memory shared by its 8 GPUs", 5, 16,
-                  67e12, 494.5e12, 989.5e12, _HOPPER.format("H200")),
-    DeviceProfile("a100-40gb", "NVIDIA A100 40 GB", 40 * GB, 128 * GB,
-                  "a DGX A100's 1 TB of system memory shared by its 8 GPUs", 4, 16,
-                  19.5e12, 156e12, 312e12,
-                  "NVIDIA A100 Tensor Core GPU datasheet, 40 GB (tensor rates: the dense figures)"),
-    DeviceProfile("l4", "NVIDIA L4 24 GB", 24 * GB, 32 * GB,
-                  "a cloud VM with one L4 and 32 GB (Google Cloud's g2-standard-8)", 4, 16,
-                  30.3e12, 60e12, 121e12,
-                  "NVIDIA L4 Tensor Core GPU datasheet (tensor rates halved: printed with sparsity)"),
-    DeviceProfile("rtx-4090", "NVIDIA GeForce RTX 4090 24 GB", 24 * GB, 64 * GB,
-                  "a workstation with 64 GB", 4, 16,
-                  82.6e12, 82.6e12, 165.2e12,
-                  "NVIDIA Ada Lovelace architecture whitepaper, GeForce RTX 4090 (dense tensor rates, "
-                  "FP32 accumulate)"),
-)}
+PROFILES = {
+    p.name: p
+    for p in (
+        DeviceProfile(
+            "h100-sxm",
+            "NVIDIA H100 SXM5 80 GB",
+            80 * GB,
+            256 * GB,
+            "a DGX H100's 2 TB of system memory shared by its 8 GPUs",
+            5,
+            16,
+            67e12,
+            494.5e12,
+            989.5e12,
+            _HOPPER.format("H100"),
+        ),
+        DeviceProfile(
+            "h200",
+            "NVIDIA H200 SXM 141 GB",
+            141 * GB,
+            256 * GB,
+            "a DGX H200's 2 TB of system memory shared by its 8 GPUs",
+            5,
+            16,
+            67e12,
+            494.5e12,
+            989.5e12,
+            _HOPPER.format("H200"),
+        ),
+        DeviceProfile(
+            "a100-40gb",
+            "NVIDIA A100 40 GB",
+            40 * GB,
+            128 * GB,
+            "a DGX A100's 1 TB of system memory shared by its 8 GPUs",
+            4,
+            16,
+            19.5e12,
+            156e12,
+            312e12,
+            "NVIDIA A100 Tensor Core GPU datasheet, 40 GB (tensor rates: the dense figures)",
+        ),
+        DeviceProfile(
+            "l4",
+            "NVIDIA L4 24 GB",
+            24 * GB,
+            32 * GB,
+            "a cloud VM with one L4 and 32 GB (Google Cloud's g2-standard-8)",
+            4,
+            16,
+            30.3e12,
+            60e12,
+            121e12,
+            "NVIDIA L4 Tensor Core GPU datasheet (tensor rates halved: printed with sparsity)",
+        ),
+        DeviceProfile(
+            "rtx-4090",
+            "NVIDIA GeForce RTX 4090 24 GB",
+            24 * GB,
+            64 * GB,
+            "a workstation with 64 GB",
+            4,
+            16,
+            82.6e12,
+            82.6e12,
+            165.2e12,
+            "NVIDIA Ada Lovelace architecture whitepaper, GeForce RTX 4090 (dense tensor rates, "
+            "FP32 accumulate)",
+        ),
+    )
+}
 
 # The names torch reports for each profile's GPU (torch.cuda.get_device_name), as patterns.
-_REPORTED = (("h200", r"\bH200\b"), ("h100-sxm", r"\bH100\b"), ("a100-40gb", r"\bA100\b"),
-             ("l4", r"\bL4\b"), ("rtx-4090", r"RTX 4090"))
+_REPORTED = (
+    ("h200", r"\bH200\b"),
+    ("h100-sxm", r"\bH100\b"),
+    ("a100-40gb", r"\bA100\b"),
+    ("l4", r"\bL4\b"),
+    ("rtx-4090", r"RTX 4090"),
+)
 
 
 def names() -> list[str]:
@@ -146,7 +212,8 @@ def get(name: str) -> DeviceProfile:
 
 
 def matching(gpu_name: str) -> DeviceProfile | None:
-    """The profile whose GPU torch reports as ``gpu_name`` (e.g. 'NVIDIA H100 80GB HBM3'), or None."""
+    """The profile whose GPU torch reports as ``gpu_name`` (e.g. 'NVIDIA H100 80GB HBM3'), or
+    None."""
     return next((PROFILES[n] for n, pattern in _REPORTED if re.search(pattern, gpu_name)), None)
 
 
@@ -159,13 +226,23 @@ def present() -> DeviceProfile | None:
     properties = torch.cuda.get_device_properties(0)
     known = matching(properties.name)
     if known is None:
-        raise ValueError(f"profile: no profile for this GPU ({properties.name}); name the nearest of "
-                         f"{', '.join(PROFILES)}")
+        raise ValueError(
+            f"profile: no profile for this GPU ({properties.name}); name the nearest of "
+            f"{', '.join(PROFILES)}"
+        )
     link = machine.pcie_link()
     generation = link.max_generation or known.pcie_generation
     width = link.max_width or known.pcie_width
-    basis = "this machine's memory" + ("" if link.max_generation else "; PCIe link: the profile's (NVML unreadable)")
-    return dataclasses.replace(known, name=f"{known.name} (this machine)", gpu=properties.name,
-                               memory_bytes=int(properties.total_memory),
-                               host_memory_bytes=int(psutil.virtual_memory().total), host_memory_basis=basis,
-                               pcie_generation=generation, pcie_width=width)
+    basis = "this machine's memory" + (
+        "" if link.max_generation else "; PCIe link: the profile's (NVML unreadable)"
+    )
+    return dataclasses.replace(
+        known,
+        name=f"{known.name} (this machine)",
+        gpu=properties.name,
+        memory_bytes=int(properties.total_memory),
+        host_memory_bytes=int(psutil.virtual_memory().total),
+        host_memory_basis=basis,
+        pcie_generation=generation,
+        pcie_width=width,
+    )

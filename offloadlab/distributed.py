@@ -46,11 +46,13 @@ class CollectiveCounter:
     """
 
     # entry point: (kind, the argument holding the full tensor)
-    _WRAPPED = {"all_gather_single": ("all-gather", "output_tensor"),
-                "all_gather_into_tensor": ("all-gather", "output_tensor"),
-                "reduce_scatter_single": ("reduce-scatter", "input"),
-                "reduce_scatter_tensor": ("reduce-scatter", "input"),
-                "all_reduce": ("all-reduce", "tensor")}
+    _WRAPPED = {
+        "all_gather_single": ("all-gather", "output_tensor"),
+        "all_gather_into_tensor": ("all-gather", "output_tensor"),
+        "reduce_scatter_single": ("reduce-scatter", "input"),
+        "reduce_scatter_tensor": ("reduce-scatter", "input"),
+        "all_reduce": ("all-reduce", "tensor"),
+    }
 
     def __init__(self):
         self.calls: dict[str, int] = {}
@@ -59,7 +61,9 @@ class CollectiveCounter:
 
     def _record(self, kind: str, tensor: torch.Tensor) -> None:
         self.calls[kind] = self.calls.get(kind, 0) + 1
-        self.tensor_bytes[kind] = self.tensor_bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+        self.tensor_bytes[kind] = (
+            self.tensor_bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+        )
 
     def __enter__(self):
         for name, (kind, argument) in self._WRAPPED.items():
@@ -69,7 +73,14 @@ class CollectiveCounter:
             signature = inspect.signature(original)
             self._originals[name] = original
 
-            def counted(*args, _original=original, _kind=kind, _argument=argument, _signature=signature, **kwargs):
+            def counted(
+                *args,
+                _original=original,
+                _kind=kind,
+                _argument=argument,
+                _signature=signature,
+                **kwargs,
+            ):
                 self._record(_kind, _signature.bind(*args, **kwargs).arguments[_argument])
                 return _original(*args, **kwargs)
 
@@ -96,7 +107,8 @@ def _train(model, optimizer, data, steps: int, rank: int, world: int, device="cp
 
 
 def reference_losses(steps: int, seed: int = 0) -> list[float]:
-    """The same model, data and AdamW on one process in fp32: the losses the sharded runs should follow."""
+    """The same model, data and AdamW on one process in fp32: the losses the sharded runs should
+    follow."""
     torch.manual_seed(seed)
     model = TinyGPT(LAB_CONFIG)
     optimizer = torch.optim.AdamW(model.parameters(), **_OPTIMIZER)
@@ -121,8 +133,8 @@ def counted(model: TinyGPT) -> TinyGPT:
 
 
 def load_reference(model) -> None:
-    """Fill a sharded TinyGPT with the weights :func:`reference_losses` starts from (seed 0), from the
-    full state dict every rank builds for itself."""
+    """Fill a sharded TinyGPT with the weights :func:`reference_losses` starts from (seed 0),
+    from the full state dict every rank builds for itself."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     torch.manual_seed(0)
@@ -141,46 +153,93 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # The emitted script as a user runs it, with TinyGPT built in place of a transformers model: it
     # sets the device, starts the process group, builds on the meta device, shards and fills.
-    setup = engines.Setup("fsdp2", args.offload, args.recompute, world, micro_batch=GLOBAL_BATCH // world,
-                          blocks="model.blocks", seq=LAB_CONFIG.seq, clipping=0.0,
-                          imports="from offloadlab.distributed import LAB_CONFIG, counted, load_reference\n"
-                                  "from offloadlab.models import TinyGPT",
-                          build="counted(TinyGPT(LAB_CONFIG))", initialise="load_reference(model)", **_OPTIMIZER)
+    setup = engines.Setup(
+        "fsdp2",
+        args.offload,
+        args.recompute,
+        world,
+        micro_batch=GLOBAL_BATCH // world,
+        blocks="model.blocks",
+        seq=LAB_CONFIG.seq,
+        clipping=0.0,
+        imports="from offloadlab.distributed import LAB_CONFIG, counted, load_reference\n"
+        "from offloadlab.models import TinyGPT",
+        build="counted(TinyGPT(LAB_CONFIG))",
+        initialise="load_reference(model)",
+        **_OPTIMIZER,
+    )
     snippet = engines.fsdp_snippet(setup)
     scope = {"__name__": "emitted_fsdp2_script"}  # its own training loop runs only as __main__
     exec(compile(snippet, "<emitted FSDP2 script>", "exec"), scope)
     rank, device, model = dist.get_rank(), scope["device"], scope["model"]
     try:
-        data = batches(markov_corpus(LAB_CONFIG.vocab, 20_000), GLOBAL_BATCH, LAB_CONFIG.seq, seed=1)
+        data = batches(
+            markov_corpus(LAB_CONFIG.vocab, 20_000), GLOBAL_BATCH, LAB_CONFIG.seq, seed=1
+        )
         with CollectiveCounter() as counter:
             losses = _train(model, scope["optimizer"], data, args.steps, rank, world, device)
         mean = torch.stack(losses).to(device)
         dist.all_reduce(mean)  # outside the counter: the global loss is ours, not training's
         if rank == 0:
-            result = {"world": world, "backend": dist.get_backend(), "offload": args.offload,
-                      "recompute": args.recompute, "steps": args.steps, "snippet": snippet,
-                      "losses": (mean / world).tolist(), "params": sum(p.numel() for p in TinyGPT(LAB_CONFIG).parameters()),
-                      "calls": counter.calls, "tensor_bytes": counter.tensor_bytes,
-                      "block_forward_calls": model.block_forward_calls}
+            result = {
+                "world": world,
+                "backend": dist.get_backend(),
+                "offload": args.offload,
+                "recompute": args.recompute,
+                "steps": args.steps,
+                "snippet": snippet,
+                "losses": (mean / world).tolist(),
+                "params": sum(p.numel() for p in TinyGPT(LAB_CONFIG).parameters()),
+                "calls": counter.calls,
+                "tensor_bytes": counter.tensor_bytes,
+                "block_forward_calls": model.block_forward_calls,
+            }
             Path(args.out).write_text(json.dumps(result, indent=1), encoding="utf-8")
     finally:
         dist.destroy_process_group()
 
 
-def launch(offload: str = "none", recompute: bool = False, steps: int = 4, processes: int = 2,
-           out: str | os.PathLike = "sharded.json", timeout: float = 300) -> dict:
+def launch(
+    offload: str = "none",
+    recompute: bool = False,
+    steps: int = 4,
+    processes: int = 2,
+    out: str | os.PathLike = "sharded.json",
+    timeout: float = 300,
+) -> dict:
     """Run :func:`main` on ``processes`` processes with torchrun and return rank 0's record."""
     if offload not in ("none", "optimizer+parameters"):
-        raise ValueError(f"offload: expected 'none' or 'optimizer+parameters' (FSDP2's choices); got {offload!r}")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-               "-m", "offloadlab.distributed", "--offload", offload, "--steps", str(steps), "--out", str(out)]
+        raise ValueError(
+            f"offload: expected 'none' or 'optimizer+parameters' (FSDP2's choices); got {offload!r}"
+        )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={processes}",
+        "-m",
+        "offloadlab.distributed",
+        "--offload",
+        offload,
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+    ]
     if recompute:
         command.append("--recompute")
     # One thread per process: two processes on two cores must not oversubscribe them.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
     if not (torch.cuda.is_available() and torch.cuda.device_count() >= processes):
-        env["CUDA_VISIBLE_DEVICES"] = ""  # a GPU per process or none: the script then runs on CPUs with gloo
+        # a GPU per process or none: the script then runs on CPUs with gloo
+        env["CUDA_VISIBLE_DEVICES"] = ""
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

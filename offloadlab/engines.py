@@ -19,17 +19,32 @@ from dataclasses import dataclass
 from . import sharding
 from .units import check_integer, format_duration, format_size, is_integer, is_number
 
-__all__ = ["Setup", "ENGINES", "plan_for", "setup", "offered", "deepspeed_config", "deepspeed_snippet",
-           "zenflow_block", "fsdp_snippet", "NVME_PATH_PLACEHOLDER", "MODEL_PLACEHOLDER"]
+__all__ = [
+    "Setup",
+    "ENGINES",
+    "plan_for",
+    "setup",
+    "offered",
+    "deepspeed_config",
+    "deepspeed_snippet",
+    "zenflow_block",
+    "fsdp_snippet",
+    "NVME_PATH_PLACEHOLDER",
+    "MODEL_PLACEHOLDER",
+]
 
 NVME_PATH_PLACEHOLDER = "/local_nvme"  # written when the plan goes to NVMe and no path was given
-MODEL_PLACEHOLDER = "/path/to/model"   # written when no model folder or hub id was given
+MODEL_PLACEHOLDER = "/path/to/model"  # written when no model folder or hub id was given
 ENGINES = {"deepspeed": "DeepSpeed", "fsdp": "FSDP2"}
 _STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
-# The planner's single-GPU offload levels as DeepSpeed runs them (partitioning is a no-op on one GPU).
-_LEVEL_STRATEGY = {"nothing": ("ddp", "none"), "optimizer": ("zero2", "optimizer"),
-                   "optimizer+gradients": ("zero2", "optimizer"),
-                   "optimizer+gradients+parameters": ("zero3", "optimizer+parameters")}
+# The planner's single-GPU offload levels as DeepSpeed runs them (partitioning is a no-op on one
+# GPU).
+_LEVEL_STRATEGY = {
+    "nothing": ("ddp", "none"),
+    "optimizer": ("zero2", "optimizer"),
+    "optimizer+gradients": ("zero2", "optimizer"),
+    "optimizer+gradients+parameters": ("zero3", "optimizer+parameters"),
+}
 
 
 def offered(strategy: str, offload: str) -> bool:
@@ -78,28 +93,44 @@ class Setup:
     initialise: str | None = None
 
     def __post_init__(self):
-        if self.strategy not in sharding.STRATEGIES or self.offload not in sharding.OFFLOADS \
-                or not offered(self.strategy, self.offload):
-            raise ValueError(f"offload: expected a combination the engines offer; got {self.strategy} with "
-                             f"offload {self.offload!r}")
+        if (
+            self.strategy not in sharding.STRATEGIES
+            or self.offload not in sharding.OFFLOADS
+            or not offered(self.strategy, self.offload)
+        ):
+            raise ValueError(
+                f"offload: expected a combination the engines offer; got {self.strategy} with "
+                f"offload {self.offload!r}"
+            )
         for name in ("gpus", "micro_batch", "accumulation", "nvme_buffer", "seq"):
             check_integer(getattr(self, name), name)
-        if self.checkpointed is not None and (not is_integer(self.checkpointed) or self.checkpointed < 1
-                                              or not self.recompute):
-            raise ValueError(f"checkpointed: expected a positive number of blocks, with recompute; got "
-                             f"{self.checkpointed!r}")
+        if self.checkpointed is not None and (
+            not is_integer(self.checkpointed) or self.checkpointed < 1 or not self.recompute
+        ):
+            raise ValueError(
+                f"checkpointed: expected a positive number of blocks, with recompute; got "
+                f"{self.checkpointed!r}"
+            )
         if not (is_number(self.clipping) and self.clipping >= 0):
-            raise ValueError(f"clipping: expected a gradient norm ≥ 0 (0: no clipping); got {self.clipping!r}")
+            raise ValueError(
+                f"clipping: expected a gradient norm ≥ 0 (0: no clipping); got {self.clipping!r}"
+            )
         if self.precision not in ("bf16", "fp16"):
             raise ValueError(f"precision: expected 'bf16' or 'fp16'; got {self.precision!r}")
         if self.offload_device not in ("cpu", "nvme"):
-            raise ValueError(f"offload_device: expected 'cpu' or 'nvme'; got {self.offload_device!r}")
+            raise ValueError(
+                f"offload_device: expected 'cpu' or 'nvme'; got {self.offload_device!r}"
+            )
         if self.offload_device == "nvme":
             if not self.nvme_path:
-                raise ValueError("nvme_path: expected the folder on the NVMe drive to offload to; got nothing")
+                raise ValueError(
+                    "nvme_path: expected the folder on the NVMe drive to offload to; got nothing"
+                )
             if self.strategy != "zero3":
-                raise ValueError(f"offload_device: DeepSpeed offloads to NVMe only with ZeRO-3; the plan uses "
-                                 f"{self.strategy}")
+                raise ValueError(
+                    f"offload_device: DeepSpeed offloads to NVMe only with ZeRO-3; the plan uses "
+                    f"{self.strategy}"
+                )
 
     @property
     def stage(self) -> int:
@@ -118,7 +149,8 @@ def _runs(engine: str, plan) -> bool:
 
 
 def plan_for(report, engine: str):
-    """The plan ``engine`` ('deepspeed' or 'fsdp') runs for ``report``, and a note when it is not the chosen one.
+    """The plan ``engine`` ('deepspeed' or 'fsdp') runs for ``report``, and a note when it is not
+    the chosen one.
 
     The chosen plan itself when the engine runs it; otherwise the engine's plans for the same
     hardware (one GPU's included: the engines' accounts, updates after backward), the one that
@@ -140,21 +172,33 @@ def plan_for(report, engine: str):
     mine = [p for p in pool if _runs(engine, p)]
     fitting = sorted((p for p in mine if p.fits), key=lambda p: p.step)
     if not fitting:
-        closest = min(mine, key=lambda p: (not p.fits_gpu, p.host_need if p.fits_gpu else p.gpu_bytes))
-        raise ValueError(f"engine: no {name} configuration fits this hardware: the closest, {closest.name}, does not "
-                         f"fit ({closest.binding}); the plan ({chosen.name}) is not one {name} runs")
+        closest = min(
+            mine, key=lambda p: (not p.fits_gpu, p.host_need if p.fits_gpu else p.gpu_bytes)
+        )
+        raise ValueError(
+            f"engine: no {name} configuration fits this hardware: the closest, {closest.name}, "
+            f"does not fit ({closest.binding}); the plan ({chosen.name}) is not one {name} runs"
+        )
     wanted = _wanted(chosen)
-    same = [p for p in fitting if (p.layout.strategy, p.layout.offload) == wanted[:2]
-            and p.checkpointed == wanted[2]]
+    same = [
+        p
+        for p in fitting
+        if (p.layout.strategy, p.layout.offload) == wanted[:2] and p.checkpointed == wanted[2]
+    ]
     picked = same[0] if same else fitting[0]
     if isinstance(chosen, planner.NodePlan):
         whose, why = chosen.name, ""
     else:
         whose = f"offloadlab's own offload ({chosen.name}, its updates overlapping backward)"
-        why = "; its update waits for the end of backward, where the gradients' norm and overflow are checked"
-    note = (f"the plan is {whose}; {name} runs {picked.name}: step ≈ {format_duration(picked.step)} "
-            f"({picked.step / chosen.step:.2f}× the plan's{why}), host {format_size(picked.host_need)} for the node "
-            f"by {name}'s own account")
+        why = (
+            "; its update waits for the end of backward, where the gradients' norm and overflow "
+            "are checked"
+        )
+    note = (
+        f"the plan is {whose}; {name} runs {picked.name}: step ≈ {format_duration(picked.step)} "
+        f"({picked.step / chosen.step:.2f}× the plan's{why}), host {format_size(picked.host_need)} "
+        f"for the node by {name}'s own account"
+    )
     return picked, note
 
 
@@ -184,15 +228,23 @@ def setup(report, engine: str | None = None, **options) -> Setup:
         strategy, offload = _LEVEL_STRATEGY[chosen.offload]
     else:
         strategy, offload = layout.strategy, layout.offload
-    if strategy == "ddp" and offload != "none":  # engines shard what they offload: less host memory, same GPU
+    # engines shard what they offload: less host memory, same GPU
+    if strategy == "ddp" and offload != "none":
         strategy = "zero1"
     work = report.work
     gpus = getattr(report.hardware, "gpus_per_node", 1)
     checkpointed = chosen.checkpointed if 0 < chosen.checkpointed < work.layers else None
-    options = {"micro_batch": work.batch, "seq": work.seq, "checkpointed": checkpointed,
-               "nvme_buffer": sharding.nvme_buffer_elements(work.largest_weight_params(), gpus), **options}
+    options = {
+        "micro_batch": work.batch,
+        "seq": work.seq,
+        "checkpointed": checkpointed,
+        "nvme_buffer": sharding.nvme_buffer_elements(work.largest_weight_params(), gpus),
+        **options,
+    }
     if layout is not None and layout.nvme_bytes:  # ZeRO-Infinity on the drive
-        options.update(offload_device="nvme", nvme_path=options.get("nvme_path") or NVME_PATH_PLACEHOLDER)
+        options.update(
+            offload_device="nvme", nvme_path=options.get("nvme_path") or NVME_PATH_PLACEHOLDER
+        )
     elif options.get("nvme_path") is not None:
         options.pop("nvme_path")
     return Setup(strategy, offload, chosen.recompute, gpus, **options)
@@ -220,24 +272,42 @@ def deepspeed_config(config: Setup) -> dict:
         if config.offload == "optimizer+parameters":
             zero["offload_param"] = dict(target)
             if config.offload_device == "nvme":
-                zero["offload_param"].update(buffer_count=sharding.NVME_BUFFER_COUNT, buffer_size=config.nvme_buffer)
+                zero["offload_param"].update(
+                    buffer_count=sharding.NVME_BUFFER_COUNT, buffer_size=config.nvme_buffer
+                )
     if config.stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-    precision = {"bf16": {"enabled": True}} if config.precision == "bf16" else \
-        {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}}
+    precision = (
+        {"bf16": {"enabled": True}}
+        if config.precision == "bf16"
+        else {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}}
+    )
     result = {
         "train_batch_size": config.micro_batch * config.accumulation * config.gpus,
         "train_micro_batch_size_per_gpu": config.micro_batch,
         "gradient_accumulation_steps": config.accumulation,
         "gradient_clipping": float(config.clipping),
         **precision,
-        "optimizer": {"type": "AdamW", "params": {"lr": config.lr, "betas": list(config.betas), "eps": config.eps,
-                                                  "weight_decay": config.weight_decay}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": config.lr,
+                "betas": list(config.betas),
+                "eps": config.eps,
+                "weight_decay": config.weight_decay,
+            },
+        },
         "zero_optimization": zero,
     }
     if config.offload_device == "nvme":  # asynchronous I/O for the NVMe tier (see chapter 8)
-        result["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True,
-                         "intra_op_parallelism": 1}  # DeepSpeed 0.19's names and defaults (swap_tensor/constants.py)
+        result["aio"] = {
+            "block_size": 1048576,
+            "queue_depth": 8,
+            "single_submit": False,
+            "overlap_events": True,
+            # DeepSpeed 0.19's names and defaults (swap_tensor/constants.py)
+            "intra_op_parallelism": 1,
+        }
     return result
 
 
@@ -248,14 +318,25 @@ def zenflow_block(update_interval: int = 4) -> dict:
     the rest on the CPU every ``update_interval`` steps, in the background (``overlap_step``): the
     GPU stops waiting for the CPU update, and most weights lag that many steps behind.
     """
-    return {"topk_ratio": 0.1, "select_strategy": "auto", "select_interval": "auto",
-            "update_interval": update_interval, "overlap_step": True}
+    return {
+        "topk_ratio": 0.1,
+        "select_strategy": "auto",
+        "select_interval": "auto",
+        "update_interval": update_interval,
+        "overlap_step": True,
+    }
 
 
 def _recompute_lines(config: Setup) -> list[str]:
-    which = "every block's" if config.checkpointed is None else f"the first {config.checkpointed} blocks'"
-    return [f"for block in {config.recomputed_blocks}:  # recompute {which} activations in backward",
-            "    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)"]
+    which = (
+        "every block's"
+        if config.checkpointed is None
+        else f"the first {config.checkpointed} blocks'"
+    )
+    return [
+        f"for block in {config.recomputed_blocks}:  # recompute {which} activations in backward",
+        "    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)",
+    ]
 
 
 def deepspeed_snippet(config: Setup) -> str:
@@ -268,36 +349,56 @@ def deepspeed_snippet(config: Setup) -> str:
     Recomputation uses ``torch.utils.checkpoint`` (non-reentrant, which ZeRO-3 supports and which
     passes keyword arguments through, as Hugging Face blocks need).
     """
-    lines = ["# DeepSpeed: launch with `deepspeed --num_gpus N train.py` (one process per GPU); ds_config.json",
-             "# is the JSON above.",
-             *(["import functools"] if config.recompute else []),
-             "import json", "", "import deepspeed",
-             *(["from torch.utils.checkpoint import checkpoint"] if config.recompute else []),
-             "from transformers import AutoModelForCausalLM"]
+    lines = [
+        "# DeepSpeed: launch with `deepspeed --num_gpus N train.py` (one process per GPU); "
+        "ds_config.json",
+        "# is the JSON above.",
+        *(["import functools"] if config.recompute else []),
+        "import json",
+        "",
+        "import deepspeed",
+        *(["from torch.utils.checkpoint import checkpoint"] if config.recompute else []),
+        "from transformers import AutoModelForCausalLM",
+    ]
     if config.stage == 3:
         lines.append("from transformers.integrations import HfDeepSpeedConfig")
-    lines += ["", f"MODEL = {config.model!r}  # a Hugging Face model id, or the folder of its snapshot",
-              'ds_config = json.load(open("ds_config.json"))']
+    lines += [
+        "",
+        f"MODEL = {config.model!r}  # a Hugging Face model id, or the folder of its snapshot",
+        'ds_config = json.load(open("ds_config.json"))',
+    ]
     if config.stage == 3:
-        lines += ["# Before the model is built, and kept alive: from_pretrained then builds it already partitioned",
-                  "# (deepspeed.zero.Init), so no process holds the whole model. For a model of your own:",
-                  "#     with deepspeed.zero.Init(config_dict_or_path=ds_config): model = build()",
-                  "zero_init = HfDeepSpeedConfig(ds_config)"]
+        lines += [
+            "# Before the model is built, and kept alive: from_pretrained then builds it already "
+            "partitioned",
+            "# (deepspeed.zero.Init), so no process holds the whole model. For a model of your "
+            "own:",
+            "#     with deepspeed.zero.Init(config_dict_or_path=ds_config): model = build()",
+            "zero_init = HfDeepSpeedConfig(ds_config)",
+        ]
     lines.append("model = AutoModelForCausalLM.from_pretrained(MODEL)")
     if config.recompute:
         lines += _recompute_lines(config)
     if config.offload == "optimizer":
         block = zenflow_block()
-        lines += ["# Optional, ZenFlow (DeepSpeed ≥ 0.18): the GPU updates the most important tenth of each",
-                  "# gradient's columns every step and the CPU the rest every "
-                  f"{block['update_interval']} steps in the background, so the",
-                  "# GPU stops waiting for the CPU update and most weights lag up to that many steps behind (the",
-                  "# step the planner predicts is without it):",
-                  f"#     ds_config['zero_optimization']['zenflow'] = {block!r}"]
-    lines += ["engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),",
-              "                                                config=ds_config)",
-              "# each micro-batch: loss = engine(input_ids=batch, labels=batch).loss; engine.backward(loss);",
-              "# engine.step() (which clips to gradient_clipping and updates once per accumulated step)"]
+        lines += [
+            "# Optional, ZenFlow (DeepSpeed ≥ 0.18): the GPU updates the most important tenth of "
+            "each",
+            "# gradient's columns every step and the CPU the rest every "
+            f"{block['update_interval']} steps in the background, so the",
+            "# GPU stops waiting for the CPU update and most weights lag up to that many steps "
+            "behind (the",
+            "# step the planner predicts is without it):",
+            f"#     ds_config['zero_optimization']['zenflow'] = {block!r}",
+        ]
+    lines += [
+        "engine, optimizer, _, _ = deepspeed.initialize(model=model, "
+        "model_parameters=model.parameters(),",
+        "                                                config=ds_config)",
+        "# each micro-batch: loss = engine(input_ids=batch, labels=batch).loss; "
+        "engine.backward(loss);",
+        "# engine.step() (which clips to gradient_clipping and updates once per accumulated step)",
+    ]
     return "\n".join(lines)
 
 
@@ -319,84 +420,128 @@ def fsdp_snippet(config: Setup) -> str:
     offloads = config.offload != "none"
     lines = [f"# FSDP2, one process per GPU: torchrun --nproc-per-node {config.gpus} train.py"]
     if config.offload_device == "nvme":
-        lines += ["# The plan keeps the state on NVMe; FSDP2 cannot offload there, only to host memory, which the",
-                  "# plan found too small: use DeepSpeed (ZeRO-Infinity) for this run."]
+        lines += [
+            "# The plan keeps the state on NVMe; FSDP2 cannot offload there, only to host memory, "
+            "which the",
+            "# plan found too small: use DeepSpeed (ZeRO-Infinity) for this run.",
+        ]
     if config.offload == "optimizer":
-        lines += ["# The plan offloads only the optimizer; FSDP2 offloads parameters, gradients and the optimizer",
-                  "# together (CPUOffloadPolicy), which needs more link traffic than the plan assumed."]
+        lines += [
+            "# The plan offloads only the optimizer; FSDP2 offloads parameters, gradients and the "
+            "optimizer",
+            "# together (CPUOffloadPolicy), which needs more link traffic than the plan assumed.",
+        ]
     if config.strategy != "fsdp2" and config.offload == "none" and config.stage < 3:
-        lines += [f"# The plan shards less ({config.strategy}); FSDP2 shards everything, which needs less GPU memory",
-                  "# and one more all-gather of the weights per step."]
-    lines += [*(["import functools"] if config.recompute else []), "import os", "", "import torch",
-              "import torch.distributed as dist",
-              "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard"
-              if offloads else "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
-              *(["from torch.utils.checkpoint import checkpoint"] if config.recompute else [])]
+        lines += [
+            f"# The plan shards less ({config.strategy}); FSDP2 shards everything, which needs "
+            "less GPU memory",
+            "# and one more all-gather of the weights per step.",
+        ]
+    lines += [
+        *(["import functools"] if config.recompute else []),
+        "import os",
+        "",
+        "import torch",
+        "import torch.distributed as dist",
+        "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard"
+        if offloads
+        else "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
+        *(["from torch.utils.checkpoint import checkpoint"] if config.recompute else []),
+    ]
     if config.build is None:
-        lines += ["from transformers import AutoConfig, AutoModelForCausalLM", "",
-                  f"MODEL = {config.model!r}  # a Hugging Face model id, or the folder of its snapshot"]
+        lines += [
+            "from transformers import AutoConfig, AutoModelForCausalLM",
+            "",
+            f"MODEL = {config.model!r}  # a Hugging Face model id, or the folder of its snapshot",
+        ]
     elif config.imports:
         lines += config.imports.splitlines()
-    lines += ["",
-              'local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun: this process\'s GPU on its node',
-              "if torch.cuda.is_available():",
-              "    torch.cuda.set_device(local_rank)",
-              '    device = torch.device("cuda", local_rank)',
-              "else:  # no GPU: the same script on CPU processes",
-              '    device = torch.device("cpu")',
-              'dist.init_process_group("nccl" if device.type == "cuda" else "gloo")',
-              "",
-              "# Shapes only, no storage: no process builds the whole model. In fp32, so that the shards each rank",
-              "# keeps are the master weights the optimizer updates; computing happens in 16 bits (below).",
-              'with torch.device("meta"):']
-    lines.append(f"    model = {config.build}" if config.build else
-                 "    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MODEL), dtype=torch.float32)")
+    lines += [
+        "",
+        'local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun: this process\'s GPU on its '
+        "node",
+        "if torch.cuda.is_available():",
+        "    torch.cuda.set_device(local_rank)",
+        '    device = torch.device("cuda", local_rank)',
+        "else:  # no GPU: the same script on CPU processes",
+        '    device = torch.device("cpu")',
+        'dist.init_process_group("nccl" if device.type == "cuda" else "gloo")',
+        "",
+        "# Shapes only, no storage: no process builds the whole model. In fp32, so that the shards "
+        "each rank",
+        "# keeps are the master weights the optimizer updates; computing happens in 16 bits "
+        "(below).",
+        'with torch.device("meta"):',
+    ]
+    lines.append(
+        f"    model = {config.build}"
+        if config.build
+        else "    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MODEL), "
+        "dtype=torch.float32)"
+    )
     if config.recompute:
         lines += _recompute_lines(config)
     lines += [f"mixed = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={dtype})"]
     if offloads:
-        lines += ["# Pinned host memory needs a GPU; on a CPU-only machine the policy runs unpinned.",
-                  'options = dict(mp_policy=mixed, offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda"))']
+        lines += [
+            "# Pinned host memory needs a GPU; on a CPU-only machine the policy runs unpinned.",
+            "options = dict(mp_policy=mixed, "
+            'offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda"))',
+        ]
     else:
         lines.append("options = dict(mp_policy=mixed)")
-    lines += [f"for block in {config.blocks}:",
-              "    fully_shard(block, **options)",
-              "fully_shard(model, **options)  # the root: embeddings, final norm and head",
-              "",
-              "# Allocate this rank's shards " + ("in host memory" if offloads else "on its GPU") +
-              ", then fill them: fresh weights here. To start from a",
-              "# checkpoint, load it into the shards instead (torch.distributed.checkpoint).",
-              'model.to_empty(device="cpu")' if offloads else "model.to_empty(device=device)",
-              "with torch.no_grad():"]
-    lines.append(f"    {config.initialise}" if config.initialise else "    model.initialize_weights()")
+    lines += [
+        f"for block in {config.blocks}:",
+        "    fully_shard(block, **options)",
+        "fully_shard(model, **options)  # the root: embeddings, final norm and head",
+        "",
+        "# Allocate this rank's shards "
+        + ("in host memory" if offloads else "on its GPU")
+        + ", then fill them: fresh weights here. To start from a",
+        "# checkpoint, load it into the shards instead (torch.distributed.checkpoint).",
+        'model.to_empty(device="cpu")' if offloads else "model.to_empty(device=device)",
+        "with torch.no_grad():",
+    ]
+    lines.append(
+        f"    {config.initialise}" if config.initialise else "    model.initialize_weights()"
+    )
     fused = "  # fused: the CPU-Adam rate the plan assumes" if offloads else ""
-    lines += [f"optimizer = torch.optim.AdamW(model.parameters(), lr={config.lr!r}, betas={tuple(config.betas)!r}, "
-              f"eps={config.eps!r},",
-              f"                              weight_decay={config.weight_decay!r}, fused=True){fused}",
-              "",
-              "",
-              "def train_step(input_ids, labels):",
-              f"    for micro in range({config.accumulation}):  # micro-batches per optimizer step",
-              "        loss = model(input_ids=input_ids[micro], labels=labels[micro]).loss",
-              "        loss.backward()" if config.accumulation == 1 else f"        (loss / {config.accumulation}).backward()"]
+    lines += [
+        f"optimizer = torch.optim.AdamW(model.parameters(), lr={config.lr!r}, "
+        f"betas={tuple(config.betas)!r}, eps={config.eps!r},",
+        f"                              weight_decay={config.weight_decay!r}, fused=True){fused}",
+        "",
+        "",
+        "def train_step(input_ids, labels):",
+        f"    for micro in range({config.accumulation}):  # micro-batches per optimizer step",
+        "        loss = model(input_ids=input_ids[micro], labels=labels[micro]).loss",
+        "        loss.backward()"
+        if config.accumulation == 1
+        else f"        (loss / {config.accumulation}).backward()",
+    ]
     if config.clipping:
-        lines.append(f"    torch.nn.utils.clip_grad_norm_(model.parameters(), {float(config.clipping)!r})")
-    lines += ["    optimizer.step()",
-              "    optimizer.zero_grad()",
-              "    return loss.detach()",
-              "",
-              "",
-              'if __name__ == "__main__":',
-              "    # A stand-in batch of random tokens, the same every step, so that the loss falls if training",
-              "    # works: replace it with your data loader (each rank its own "
-              + (f"{config.accumulation} micro-batches" if config.accumulation > 1 else "micro-batch")
-              + f" of {config.micro_batch} × {config.seq} tokens).",
-              "    torch.manual_seed(dist.get_rank())",
-              f"    tokens = torch.randint(0, model.config.vocab_size, ({config.accumulation}, {config.micro_batch}, "
-              f"{config.seq}), device=device)",
-              "    for step in range(10):",
-              "        loss = train_step(tokens, tokens)",
-              "        if dist.get_rank() == 0:",
-              '            print(f"step {step}: loss {loss.item():.4f}", flush=True)',
-              "    dist.destroy_process_group()"]
+        lines.append(
+            f"    torch.nn.utils.clip_grad_norm_(model.parameters(), {float(config.clipping)!r})"
+        )
+    lines += [
+        "    optimizer.step()",
+        "    optimizer.zero_grad()",
+        "    return loss.detach()",
+        "",
+        "",
+        'if __name__ == "__main__":',
+        "    # A stand-in batch of random tokens, the same every step, so that the loss falls if "
+        "training",
+        "    # works: replace it with your data loader (each rank its own "
+        + (f"{config.accumulation} micro-batches" if config.accumulation > 1 else "micro-batch")
+        + f" of {config.micro_batch} × {config.seq} tokens).",
+        "    torch.manual_seed(dist.get_rank())",
+        f"    tokens = torch.randint(0, model.config.vocab_size, ({config.accumulation}, "
+        f"{config.micro_batch}, {config.seq}), device=device)",
+        "    for step in range(10):",
+        "        loss = train_step(tokens, tokens)",
+        "        if dist.get_rank() == 0:",
+        '            print(f"step {step}: loss {loss.item():.4f}", flush=True)',
+        "    dist.destroy_process_group()",
+    ]
     return "\n".join(lines)

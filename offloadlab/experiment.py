@@ -26,8 +26,19 @@ from . import devices, overlap
 from .link import Link
 from .units import check_integer, parse_size
 
-__all__ = ["MatmulWork", "OverlapResult", "measure_overlap", "CrossoverResult", "measure_crossover",
-           "WINDOW", "GPU_SHAPE", "overlap_work", "planned_count", "transfer_bytes", "matmul_device_bytes"]
+__all__ = [
+    "MatmulWork",
+    "OverlapResult",
+    "measure_overlap",
+    "CrossoverResult",
+    "measure_crossover",
+    "WINDOW",
+    "GPU_SHAPE",
+    "overlap_work",
+    "planned_count",
+    "transfer_bytes",
+    "matmul_device_bytes",
+]
 
 WINDOW = 0.04  # seconds of compute the overlap experiments hide transfers behind, on a GPU
 GPU_SHAPE = (2048, 4096)  # rows × hidden of each product on a GPU (fp32: 69 GFLOP, 1–4 ms)
@@ -54,7 +65,13 @@ class MatmulWork:
     def with_count(self, count: int) -> "MatmulWork":
         """The same products (same tensors), ``count`` of them."""
         work = MatmulWork.__new__(MatmulWork)
-        work.x, work.w, work.rows, work.hidden, work.count = self.x, self.w, self.rows, self.hidden, count
+        work.x, work.w, work.rows, work.hidden, work.count = (
+            self.x,
+            self.w,
+            self.rows,
+            self.hidden,
+            count,
+        )
         work.flops = 2.0 * self.rows * self.hidden * self.hidden * count
         return work
 
@@ -86,14 +103,23 @@ class OverlapResult:
 
     @property
     def ratio(self) -> float:
-        """Measured step over predicted step, max(t_compute, t_transfer): 1.0 is a perfect prediction."""
+        """Measured step over predicted step, max(t_compute, t_transfer): 1.0 is a perfect
+        prediction."""
         return self.t_both / self.predicted.step
 
     def to_dict(self) -> dict:
-        return {"nbytes": self.nbytes, "t_compute_s": self.t_compute, "t_transfer_s": self.t_transfer,
-                "t_both_s": self.t_both, "predicted_step_s": self.predicted.step,
-                "predicted_stall_s": self.predicted.stall, "measured_stall_s": self.measured_stall,
-                "ratio": self.ratio, "regime": self.predicted.regime, "source": self.source}
+        return {
+            "nbytes": self.nbytes,
+            "t_compute_s": self.t_compute,
+            "t_transfer_s": self.t_transfer,
+            "t_both_s": self.t_both,
+            "predicted_step_s": self.predicted.step,
+            "predicted_stall_s": self.predicted.stall,
+            "measured_stall_s": self.measured_stall,
+            "ratio": self.ratio,
+            "regime": self.predicted.regime,
+            "source": self.source,
+        }
 
 
 def matmul_device_bytes(rows: int, hidden: int) -> int:
@@ -106,7 +132,9 @@ def planned_count(profile: devices.DeviceProfile, shape=GPU_SHAPE, window: float
     """Products of ``shape`` that fill ``window`` seconds on ``profile`` at its datasheet fp32
     rate (TF32 as torch is set now), at least one."""
     rows, hidden = shape
-    return max(1, round(window * profile.matmul_flops(torch.float32) / (2.0 * rows * hidden * hidden)))
+    return max(
+        1, round(window * profile.matmul_flops(torch.float32) / (2.0 * rows * hidden * hidden))
+    )
 
 
 def transfer_bytes(profile: devices.DeviceProfile, factor: float, window: float = WINDOW) -> int:
@@ -148,7 +176,8 @@ def _buffers(link: Link, nbytes):
     numel = max(1, size // 4)
     host, device = _BUFFERS.get(link, (None, None))
     if host is None or host.numel() < numel:
-        host = device = _BUFFERS.pop(link, None)  # the smaller pair goes before the larger one is made
+        # the smaller pair goes before the larger one is made
+        host = device = _BUFFERS.pop(link, None)
         _BUFFERS[link] = host, device = link.host_buffer(numel), link.device_buffer(numel)
     return host[:numel], device[:numel], numel * 4
 
@@ -178,16 +207,23 @@ def measure_overlap(link: Link, nbytes, work: MatmulWork, repeats: int = 3) -> O
             samples[mode].append(transfer.elapsed if mode == "transfer" else end.time - begin.time)
     begin, compute_end, transfer, end = _run_once(link, work, host, device, "both")
     origin = begin.time
-    timeline = {"compute": [(0.0, compute_end.time - origin, "matmuls")],
-                "H2D": [(transfer.start - origin, transfer.end - origin, "transfer")]}
+    timeline = {
+        "compute": [(0.0, compute_end.time - origin, "matmuls")],
+        "H2D": [(transfer.start - origin, transfer.end - origin, "transfer")],
+    }
     link.synchronize()
-    return OverlapResult(size, *(statistics.median(samples[m]) for m in ("compute", "transfer", "both")),
-                         source="emulated" if link.emulated else "measured", timeline=timeline)
+    return OverlapResult(
+        size,
+        *(statistics.median(samples[m]) for m in ("compute", "transfer", "both")),
+        source="emulated" if link.emulated else "measured",
+        timeline=timeline,
+    )
 
 
 @dataclass
 class CrossoverResult:
-    """The batch below which a fixed transfer stops hiding behind compute, predicted and measured."""
+    """The batch below which a fixed transfer stops hiding behind compute, predicted and
+    measured."""
 
     nbytes: int
     batches: list[int]
@@ -197,7 +233,9 @@ class CrossoverResult:
 
     @property
     def predicted_batch(self) -> int:
-        return overlap.crossover_batch(self.nbytes, self.nbytes / self.t_transfer, self.seconds_per_sample)
+        return overlap.crossover_batch(
+            self.nbytes, self.nbytes / self.t_transfer, self.seconds_per_sample
+        )
 
     @property
     def t_transfer(self) -> float:
@@ -210,8 +248,15 @@ class CrossoverResult:
         return min(hidden) if hidden else None
 
 
-def measure_crossover(link: Link, batches=(1, 2, 4, 8, 16, 32), rows_per_sample: int = 64, hidden: int = 512,
-                      count: int = 4, nbytes=None, repeats: int = 3) -> CrossoverResult:
+def measure_crossover(
+    link: Link,
+    batches=(1, 2, 4, 8, 16, 32),
+    rows_per_sample: int = 64,
+    hidden: int = 512,
+    count: int = 4,
+    nbytes=None,
+    repeats: int = 3,
+) -> CrossoverResult:
     """Overlap a fixed transfer with compute that grows with the batch, for each batch size.
 
     Compute per sample is ``count`` products of a (``rows_per_sample`` × ``hidden``) block. When
@@ -229,7 +274,11 @@ def measure_crossover(link: Link, batches=(1, 2, 4, 8, 16, 32), rows_per_sample:
         middle = chosen[len(chosen) // 2]
         bandwidth = timing.nbytes / timing.t_transfer
         nbytes = int(middle * 0.75 * per_sample * bandwidth)
-    results = [measure_overlap(link, nbytes, MatmulWork(rows_per_sample * b, hidden, count, device), repeats)
-               for b in chosen]
+    results = [
+        measure_overlap(
+            link, nbytes, MatmulWork(rows_per_sample * b, hidden, count, device), repeats
+        )
+        for b in chosen
+    ]
     slope = statistics.median(r.t_compute / b for b, r in zip(chosen, results))
     return CrossoverResult(results[0].nbytes, chosen, results, slope, results[0].source)

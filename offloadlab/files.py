@@ -1,4 +1,5 @@
-"""Writing result files safely: checked before a long run, never half-written, never replaced by surprise.
+"""Writing result files safely: checked before a long run, never half-written, never replaced by
+surprise.
 
 :func:`check_target` says, before a measurement starts, whether a file can be written at a path
 later; :func:`write_atomically` writes it: into a new temporary file beside the target, flushed to
@@ -25,14 +26,16 @@ __all__ = ["check_target", "write_atomically"]
 _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
 
 
-def check_target(path, replace: bool = False, name: str = "path", how_to_replace: str = "replace=True") -> Path:
+def check_target(
+    path, replace: bool = False, name: str = "path", how_to_replace: str = "replace=True"
+) -> Path:
     """``path`` as a Path if a file can be written there later.
 
     ValueError (naming ``name``) for what the caller asked wrongly: an empty name, a folder, a
     missing parent folder, an existing file without ``replace`` (the message suggests
-    ``how_to_replace``). OSError when the folder exists but
-    refuses a new file (read-only file system, no permission, no free inodes): found by creating
-    and removing a temporary file in it, which also works for root, whom permission bits do not stop.
+    ``how_to_replace``). OSError when the folder exists but refuses a new file (read-only file
+    system, no permission, no free inodes): found by creating and removing a temporary file in it,
+    which also works for root, whom permission bits do not stop.
     """
     if not str(path):
         raise ValueError(f"{name}: expected a file name; got ''")
@@ -46,7 +49,10 @@ def check_target(path, replace: bool = False, name: str = "path", how_to_replace
     if not target.parent.is_dir():
         raise ValueError(f"{name}: folder {str(target.parent)!r} does not exist")
     if (target.exists() or target.is_symlink()) and not replace:
-        raise ValueError(f"{name}: {str(path)!r} exists; choose another name or pass {how_to_replace} to replace it")
+        raise ValueError(
+            f"{name}: {str(path)!r} exists; choose another name or pass {how_to_replace} to "
+            "replace it"
+        )
     fd, scratch = _create_scratch(target)
     os.close(fd)
     os.unlink(scratch)
@@ -70,23 +76,30 @@ _NAME_MAX = 255  # bytes in one file name on Linux file systems
 
 
 def _create_scratch(target: Path) -> tuple[int, Path]:
-    """A new, empty, uniquely named file beside ``target`` (mode 0o666 less the umask, as open() makes)."""
-    # A name near the limit still gets a scratch name: "." + stem + ".12345678.tmp" fits in 255 bytes.
-    stem = os.fsdecode(os.fsencode(target.name)[:_NAME_MAX - len(".12345678.tmp") - 1])
+    """A new, empty, uniquely named file beside ``target`` (mode 0o666 less the umask, as open()
+    makes)."""
+    # A name near the limit still gets a scratch name: "." + stem + ".12345678.tmp" fits in 255
+    # bytes.
+    stem = os.fsdecode(os.fsencode(target.name)[: _NAME_MAX - len(".12345678.tmp") - 1])
     for _ in range(16):
         scratch = target.with_name(f".{stem}.{secrets.token_hex(4)}.tmp")
         try:
-            fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+            fd = os.open(
+                scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666
+            )
         except FileExistsError:
             continue
         except OSError as error:
-            raise OSError(error.errno, f"cannot create a file in {str(target.parent)!r}: {error.strerror}") from None
+            raise OSError(
+                error.errno, f"cannot create a file in {str(target.parent)!r}: {error.strerror}"
+            ) from None
         return fd, scratch
     raise FileExistsError(errno.EEXIST, f"no free temporary name beside {str(target)!r}")
 
 
 def _sync_folder(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (where the platform lets a folder be opened and synced)."""
+    """Make a rename in ``folder`` durable (where the platform lets a folder be opened and
+    synced)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -119,8 +132,9 @@ def write_atomically(path, data: bytes | str, replace: bool = False, follow: boo
         try:
             view = memoryview(payload)
             while view:
-                view = view[os.write(fd, view):]
-            if replace and target.exists() and not target.is_symlink():  # keep the permissions the user gave it
+                view = view[os.write(fd, view) :]
+            # keep the permissions the user gave it
+            if replace and target.exists() and not target.is_symlink():
                 os.fchmod(fd, stat.S_IMODE(target.stat().st_mode))
             os.fsync(fd)
         finally:
@@ -137,16 +151,21 @@ def write_atomically(path, data: bytes | str, replace: bool = False, follow: boo
 
 
 def _link_new(scratch: Path, target: Path) -> None:
-    """Give ``scratch`` the name ``target`` only if no file has it (os.link refuses an existing name)."""
+    """Give ``scratch`` the name ``target`` only if no file has it (os.link refuses an existing
+    name)."""
     try:
         os.link(scratch, target)
     except FileExistsError:
-        raise FileExistsError(errno.EEXIST, f"{str(target)!r} appeared meanwhile; it was left as it is") from None
+        raise FileExistsError(
+            errno.EEXIST, f"{str(target)!r} appeared meanwhile; it was left as it is"
+        ) from None
     except OSError as error:
         if error.errno not in _NO_HARD_LINKS:
             raise
         if target.exists() or target.is_symlink():  # no hard links here: check, then rename
-            raise FileExistsError(errno.EEXIST, f"{str(target)!r} appeared meanwhile; it was left as it is") from None
+            raise FileExistsError(
+                errno.EEXIST, f"{str(target)!r} appeared meanwhile; it was left as it is"
+            ) from None
         os.replace(scratch, target)
         return
     os.unlink(scratch)

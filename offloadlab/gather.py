@@ -35,12 +35,16 @@ class GradientGather:
     buffers of the largest group of several tensors are allocated once.
     """
 
-    def __init__(self, link: Link, layouts: list[Layout], sink: GradientSink, names=None, buffers: int = 2):
+    def __init__(
+        self, link: Link, layouts: list[Layout], sink: GradientSink, names=None, buffers: int = 2
+    ):
         self.link, self.layouts, self.sink = link, list(layouts), sink
         self._names = names or (lambda group: f"group {group}")
         self._buffers = [link.device_buffer(self.buffer_bytes, torch.uint8) for _ in range(buffers)]
-        self._sent: list[list] = [[] for _ in range(buffers)]  # per buffer: the copies still reading it
-        self._gathering: dict[int, tuple[int, set]] = {}       # group → (buffer, positions gathered there)
+        # per buffer: the copies still reading it
+        self._sent: list[list] = [[] for _ in range(buffers)]
+        # group → (buffer, positions gathered there)
+        self._gathering: dict[int, tuple[int, set]] = {}
 
     @property
     def buffer_bytes(self) -> int:
@@ -52,12 +56,15 @@ class GradientGather:
         return len(self._buffers) * self.buffer_bytes
 
     def extend(self, layouts: list[Layout]) -> None:
-        """Add groups (their indices follow the existing ones); grows the buffers if a new group is larger."""
+        """Add groups (their indices follow the existing ones); grows the buffers if a new group
+        is larger."""
         self.flush()
         self.link.synchronize()
         self.layouts += layouts
         if self._buffers[0].numel() < self.buffer_bytes:
-            self._buffers = [self.link.device_buffer(self.buffer_bytes, torch.uint8) for _ in self._buffers]
+            self._buffers = [
+                self.link.device_buffer(self.buffer_bytes, torch.uint8) for _ in self._buffers
+            ]
             self._sent = [[] for _ in self._buffers]
 
     def add(self, group: int, position: int, grad: torch.Tensor) -> None:
@@ -71,8 +78,12 @@ class GradientGather:
         if len(layout) == 1:  # nothing to gather: the gradient goes down as it is
             destination = self.sink.gradient_destination(group, [position])
             start, end = layout.byte_range(0)
-            transfer = self.link.to_host(destination[start:end], grad.reshape(-1).view(torch.uint8), after="compute",
-                                         label=f"grad {self._names(group)}")
+            transfer = self.link.to_host(
+                destination[start:end],
+                grad.reshape(-1).view(torch.uint8),
+                after="compute",
+                label=f"grad {self._names(group)}",
+            )
             self.sink.gradients_sent(group, [transfer], [position])
             return
         if group not in self._gathering:
@@ -110,7 +121,14 @@ class GradientGather:
             ranges = [(0, layout.nbytes)]
         else:
             ranges = [layout.byte_range(k) for k in positions]
-        transfers = [self.link.to_host(destination[a:b], self._buffers[buffer][a:b], after="compute",
-                                       label=f"grad {self._names(group)}") for a, b in ranges]
+        transfers = [
+            self.link.to_host(
+                destination[a:b],
+                self._buffers[buffer][a:b],
+                after="compute",
+                label=f"grad {self._names(group)}",
+            )
+            for a, b in ranges
+        ]
         self._sent[buffer] = transfers
         self.sink.gradients_sent(group, transfers, positions)

@@ -1,4 +1,5 @@
-"""What the labs' graded checks expect, and how the grader tells a computed answer from a copied one.
+"""What the labs' graded checks expect, and how the grader tells a computed answer from a copied
+one.
 
 The expected values a check compares with are computed here, from the lab's own measurements,
 so that no check cell shows the formula the exercise asks for (a student reads the cell; the
@@ -21,9 +22,22 @@ import math
 
 from .units import is_number
 
-__all__ = ["recomputed", "exchange_seconds", "one_buffer_pass_seconds", "disk_step_seconds",
-           "ADAM_STATE_BYTES", "Outcome", "lab01_challenge", "lab04_challenge", "lab06_challenge", "lab02_challenge", "lab03_challenge", "lab05_challenge",
-           "lab07_challenge", "lab08_challenge"]
+__all__ = [
+    "recomputed",
+    "exchange_seconds",
+    "one_buffer_pass_seconds",
+    "disk_step_seconds",
+    "ADAM_STATE_BYTES",
+    "Outcome",
+    "lab01_challenge",
+    "lab04_challenge",
+    "lab06_challenge",
+    "lab02_challenge",
+    "lab03_challenge",
+    "lab05_challenge",
+    "lab07_challenge",
+    "lab08_challenge",
+]
 
 # Bytes per parameter that one AdamW step reads from disk and writes back: fp32 master weights
 # and both moments (lab 7, chapter 8).
@@ -60,12 +74,15 @@ class Outcome:
         return self.passed
 
 
-def lab01_challenge(trainer, config, device, budget: float = 6, steps: int = 5, rel_tol: float = 0.01) -> Outcome:
+def lab01_challenge(
+    trainer, config, device, budget: float = 6, steps: int = 5, rel_tol: float = 0.01
+) -> Outcome:
     """Lab 1's challenge, measured: train a bf16 TinyGPT of ``config`` with ``trainer(model) ->
-    (step, optimizers)`` and fp32 AdamW from the same weights on the same tokens; the set-up passes
-    when every step's loss is within ``rel_tol`` of AdamW's, every parameter has AdamW's two moments,
-    and the persistent state after the last step is at most ``budget`` bytes a parameter (weights,
-    gradients and optimizer state, each storage counted once; step counters left out)."""
+    (step, optimizers)`` and fp32 AdamW from the same weights on the same tokens; the set-up
+    passes when every step's loss is within ``rel_tol`` of AdamW's, every parameter has AdamW's
+    two moments, and the persistent state after the last step is at most ``budget`` bytes a
+    parameter (weights, gradients and optimizer state, each storage counted once; step counters
+    left out)."""
     import torch
 
     from .models import TinyGPT
@@ -112,18 +129,35 @@ def lab01_challenge(trainer, config, device, budget: float = 6, steps: int = 5, 
                     count(value)
     per_param = held / sum(p.numel() for p in params)
     if len(moments) < len(params):
-        return Outcome(False, f"✗ challenge: {len(params) - len(moments)} of {len(params)} parameters have no AdamW "
-                              "moments in the optimizers you returned")
+        return Outcome(
+            False,
+            f"✗ challenge: {len(params) - len(moments)} of {len(params)} parameters have no AdamW "
+            "moments in the optimizers you returned",
+        )
     if worst > rel_tol:
-        return Outcome(False, f"✗ challenge: the loss left fp32 AdamW's by up to {worst:.1%} (at most {rel_tol:.0%} "
-                              "allowed): is it AdamW with lr=1e-3?")
+        return Outcome(
+            False,
+            f"✗ challenge: the loss left fp32 AdamW's by up to {worst:.1%} (at most {rel_tol:.0%} "
+            "allowed): is it AdamW with lr=1e-3?",
+        )
     verdict = "✓" if per_param <= budget else "✗"
-    return Outcome(per_param <= budget, f"{verdict} challenge: {per_param:.2f} bytes of state a parameter after a step "
-                                        f"(measured; at most {budget:g}), loss within {worst:.2%} of fp32 AdamW")
+    return Outcome(
+        per_param <= budget,
+        f"{verdict} challenge: {per_param:.2f} bytes of state a parameter after a step "
+        f"(measured; at most {budget:g}), loss within {worst:.2%} of fp32 AdamW",
+    )
 
 
-def lab04_challenge(offload, config, device, dtype=None, budget: float = 0.4, copies: int = 16, steps: int = 4,
-                    rel_tol: float = 0.01) -> Outcome:
+def lab04_challenge(
+    offload,
+    config,
+    device,
+    dtype=None,
+    budget: float = 0.4,
+    copies: int = 16,
+    steps: int = 4,
+    rel_tol: float = 0.01,
+) -> Outcome:
     """Lab 4's challenge, measured: ``offload(model, link)`` builds the optimizer of a TinyGPT of
     ``config`` (weights in ``dtype``, fp32 by default) on ``link``; the grader trains it and fp32
     torch.optim.AdamW (lr 1e-3) from the same weights on the same tokens for ``steps`` steps. It
@@ -150,7 +184,9 @@ def lab04_challenge(offload, config, device, dtype=None, budget: float = 0.4, co
         optimizer = offload(model, watched)
         try:
             for _ in range(steps):
-                tokens = torch.randint(0, config.vocab, (2, config.seq), generator=generator).to(device)
+                tokens = torch.randint(0, config.vocab, (2, config.seq), generator=generator).to(
+                    device
+                )
                 expected = reference(tokens[:, :-1], tokens[:, 1:])
                 expected.backward()
                 adamw.step()
@@ -161,23 +197,34 @@ def lab04_challenge(offload, config, device, dtype=None, budget: float = 0.4, co
                     optimizer.step()
                     optimizer.zero_grad()
                     link.synchronize()
-                most_copies = max(most_copies, sum(t.direction == "d2h" for t in recording.transfers))
+                most_copies = max(
+                    most_copies, sum(t.direction == "d2h" for t in recording.transfers)
+                )
                 worst = max(worst, abs(loss.item() - expected.item()) / expected.item())
         finally:
             close = getattr(optimizer, "close", None)
             if close is not None:
                 close()
     if most_copies == 0:
-        return Outcome(False, "✗ challenge: no gradient went down the link: build the optimizer on the link you "
-                              "are given")
+        return Outcome(
+            False,
+            "✗ challenge: no gradient went down the link: build the optimizer on the link you "
+            "are given",
+        )
     if worst > rel_tol:
-        return Outcome(False, f"✗ challenge: the loss left fp32 AdamW's by up to {worst:.1%} (at most {rel_tol:.0%} "
-                              "allowed): is it AdamW with lr=1e-3?")
+        return Outcome(
+            False,
+            f"✗ challenge: the loss left fp32 AdamW's by up to {worst:.1%} (at most {rel_tol:.0%} "
+            "allowed): is it AdamW with lr=1e-3?",
+        )
     share = watched.device_bytes / gradient_bytes
     passed = share <= budget and most_copies <= copies
-    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: device buffers of {share:.0%} of the gradients' "
-                           f"bytes (counted; at most {budget:.0%}), {most_copies} device→host copies a step "
-                           f"(counted by the link; at most {copies}), loss within {worst:.2%} of fp32 AdamW")
+    return Outcome(
+        passed,
+        f"{'✓' if passed else '✗'} challenge: device buffers of {share:.0%} of the gradients' "
+        f"bytes (counted; at most {budget:.0%}), {most_copies} device→host copies a step "
+        f"(counted by the link; at most {copies}), loss within {worst:.2%} of fp32 AdamW",
+    )
 
 
 def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: float) -> Outcome:
@@ -192,11 +239,13 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
     when every answer is right."""
     from .sharding import ring_bytes
 
-    sent = ring_bytes("all-gather", tensor_bytes, ranks)  # a rank's share; reduce-scatter's is the same
+    # a rank's share; reduce-scatter's is the same
+    sent = ring_bytes("all-gather", tensor_bytes, ranks)
     link_bytes = {"full": max(down, up), "half": down + up}
     nodes = []
     for interconnect in (25e9, 200e9):
-        crossover = interconnect * link_bytes["full"] / sent  # the host link at which full duplex ties
+        # the host link at which full duplex ties
+        crossover = interconnect * link_bytes["full"] / sent
         for factor in (0.6, 1.5, 2.5):
             for duplex in ("full", "half"):
                 nodes.append((interconnect, factor * crossover, duplex))
@@ -205,24 +254,35 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
         expected = "shard" if sent / interconnect <= link_bytes[duplex] / host_link else "offload"
         answer = choose(tensor_bytes, ranks, down, up, interconnect, host_link, duplex)
         if answer not in ("shard", "offload"):
-            return Outcome(False, f"✗ challenge: the choice for a node was {answer!r}; expected 'shard' or 'offload'")
+            return Outcome(
+                False,
+                f"✗ challenge: the choice for a node was {answer!r}; expected 'shard' or 'offload'",
+            )
         if answer != expected:
-            wrong.append(f"{interconnect / 1e9:g} GB/s between ranks, {host_link / 1e9:.3g} GB/s {duplex} duplex "
-                         "to the host")
+            wrong.append(
+                f"{interconnect / 1e9:g} GB/s between ranks, {host_link / 1e9:.3g} GB/s {duplex} "
+                f"duplex to the host"
+            )
     if wrong:
-        return Outcome(False, f"✗ challenge: {len(wrong)} of {len(nodes)} nodes chosen wrong, e.g. {wrong[0]}: "
-                              "compare the seconds each configuration's bytes take on its own wire")
-    return Outcome(True, f"✓ challenge: all {len(nodes)} nodes chosen right, from the bytes your runs counted "
-                         f"({tensor_bytes / 2**20:.2f} MiB of tensors on {ranks} ranks, {down / 2**20:.2f} MiB down "
-                         f"and {up / 2**20:.2f} MiB up the host link, per step)")
+        return Outcome(
+            False,
+            f"✗ challenge: {len(wrong)} of {len(nodes)} nodes chosen wrong, e.g. {wrong[0]}: "
+            "compare the seconds each configuration's bytes take on its own wire",
+        )
+    return Outcome(
+        True,
+        f"✓ challenge: all {len(nodes)} nodes chosen right, from the bytes your runs counted "
+        f"({tensor_bytes / 2**20:.2f} MiB of tensors on {ranks} ranks, {down / 2**20:.2f} MiB down "
+        f"and {up / 2**20:.2f} MiB up the host link, per step)",
+    )
 
 
 def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
-    """Lab 6's challenge, counted by the link: ``stream(model, link, budget)`` streams the blocks of a
-    TinyGPT of ``config`` (weights in ``dtype`` on ``device``) with a StreamedModel on ``link``;
-    the grader trains it with CPUOffloadAdam for a warm-up step and a recorded one. It passes
-    when the device buffers the streaming asked ``link`` for hold at most ``budget`` bytes and
-    the recorded step's host→device copies carry no more bytes than those of a StreamedModel
+    """Lab 6's challenge, counted by the link: ``stream(model, link, budget)`` streams the blocks
+    of a TinyGPT of ``config`` (weights in ``dtype`` on ``device``) with a StreamedModel on
+    ``link``; the grader trains it with CPUOffloadAdam for a warm-up step and a recorded one. It
+    passes when the device buffers the streaming asked ``link`` for hold at most ``budget`` bytes
+    and the recorded step's host→device copies carry no more bytes than those of a StreamedModel
     with as many weight buffers as ``budget`` holds, run by the grader the same way."""
     import torch
 
@@ -235,7 +295,9 @@ def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
         """(the streaming, device bytes it asked for, bytes up in the recorded step)."""
         torch.manual_seed(0)
         model = TinyGPT(config).to(device, dtype)
-        tokens = torch.randint(0, config.vocab, (2, config.seq), generator=torch.Generator().manual_seed(1))
+        tokens = torch.randint(
+            0, config.vocab, (2, config.seq), generator=torch.Generator().manual_seed(1)
+        )
         tokens = tokens.to(device)
         with open_link() as link:
             watched = _WatchedLink(link)
@@ -253,31 +315,50 @@ def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
             finally:
                 optimizer.close()
                 streaming.remove()
-        return streaming, watched.device_bytes, sum(t.nbytes for t in recording.transfers if t.direction == "h2d")
+        return (
+            streaming,
+            watched.device_bytes,
+            sum(t.nbytes for t in recording.transfers if t.direction == "h2d"),
+        )
 
     yours, held, up = run(stream)
     if held is None:
-        return Outcome(False, f"✗ challenge: my_stream returned {type(yours).__name__}; expected a StreamedModel")
+        return Outcome(
+            False,
+            f"✗ challenge: my_stream returned {type(yours).__name__}; expected a StreamedModel",
+        )
     smallest = yours.device_budget - (yours.buffers - 2) * yours.block_bytes  # two weight buffers
     if budget < smallest:
-        raise ValueError(f"budget: expected at least {smallest} bytes, what two weight buffers need")
+        raise ValueError(
+            f"budget: expected at least {smallest} bytes, what two weight buffers need"
+        )
     most = 2 + int((budget - smallest) // yours.block_bytes)
     _, _, best = run(lambda model, link, _: StreamedModel(model, link, buffers=most))
     passed = held <= budget and up <= best
-    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: {held / 2**20:.2f} MiB of device buffers "
-                           f"(counted; at most {budget / 2**20:.2f} MiB), {up / 2**20:.2f} MiB up in a step "
-                           f"(counted by the link; {best / 2**20:.2f} MiB with the most buffers that fit)")
+    return Outcome(
+        passed,
+        f"{'✓' if passed else '✗'} challenge: {held / 2**20:.2f} MiB of device buffers "
+        f"(counted; at most {budget / 2**20:.2f} MiB), {up / 2**20:.2f} MiB up in a step "
+        f"(counted by the link; {best / 2**20:.2f} MiB with the most buffers that fit)",
+    )
 
 
-def lab07_challenge(folder, block_bytes: int, queue_depth: int, reference_rate: float, share: float = 0.5,
-                    params: int = 8 * 2**20, repeats: int = 5) -> Outcome:
-    """Lab 7's challenge, measured: a FileTier of ``params`` fp32 values in ``folder`` with the given
-    request size and queue depth, and beside it a reference tier of the package's defaults (1 MiB
-    requests, depth 8) holding the same values. Each is read whole ``repeats`` times, taking turns,
-    and each keeps its fastest read; it passes when the student's tier reads at ``share`` or more of
-    the reference's rate. Both are measured in this call, side by side, so a disk slowed by other
-    work slows both: a rate taken earlier (``reference_rate``, bytes/s: the lab's step 1) is only
-    shown beside them."""
+def lab07_challenge(
+    folder,
+    block_bytes: int,
+    queue_depth: int,
+    reference_rate: float,
+    share: float = 0.5,
+    params: int = 8 * 2**20,
+    repeats: int = 5,
+) -> Outcome:
+    """Lab 7's challenge, measured: a FileTier of ``params`` fp32 values in ``folder`` with the
+    given request size and queue depth, and beside it a reference tier of the package's defaults
+    (1 MiB requests, depth 8) holding the same values. Each is read whole ``repeats`` times,
+    taking turns, and each keeps its fastest read; it passes when the student's tier reads at
+    ``share`` or more of the reference's rate. Both are measured in this call, side by side, so a
+    disk slowed by other work slows both: a rate taken earlier (``reference_rate``, bytes/s: the
+    lab's step 1) is only shown beside them."""
     import tempfile
     import time
     from pathlib import Path
@@ -288,8 +369,13 @@ def lab07_challenge(folder, block_bytes: int, queue_depth: int, reference_rate: 
 
     values = torch.randn(params)
     with tempfile.TemporaryDirectory(dir=folder, prefix="lab07-challenge-") as scratch:
-        yours = FileTier(Path(scratch) / "yours.bin", params, init=values, block_bytes=block_bytes,
-                         queue_depth=queue_depth)
+        yours = FileTier(
+            Path(scratch) / "yours.bin",
+            params,
+            init=values,
+            block_bytes=block_bytes,
+            queue_depth=queue_depth,
+        )
         reference = FileTier(Path(scratch) / "reference.bin", params, init=values)
         try:
             fastest = {yours: math.inf, reference: math.inf}
@@ -303,13 +389,18 @@ def lab07_challenge(folder, block_bytes: int, queue_depth: int, reference_rate: 
             reference.close()
     rate, reference_now = 4 * params / fastest[yours], 4 * params / fastest[reference]
     passed = rate >= share * reference_now
-    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: your tier read at {rate / 1e9:.3g} GB/s, "
-                           f"{rate / reference_now:.0%} of a 1 MiB, depth-8 tier read beside it (measured, fastest "
-                           f"of {repeats} each; at least {share:.0%} needed); step 1 measured "
-                           f"{reference_rate / 1e9:.3g} GB/s")
+    return Outcome(
+        passed,
+        f"{'✓' if passed else '✗'} challenge: your tier read at {rate / 1e9:.3g} GB/s, "
+        f"{rate / reference_now:.0%} of a 1 MiB, depth-8 tier read beside it (measured, fastest "
+        f"of {repeats} each; at least {share:.0%} needed); step 1 measured "
+        f"{reference_rate / 1e9:.3g} GB/s",
+    )
 
 
-def lab02_challenge(probe, link, reference: float, budget: int = 32 * 2**20, rel_tol: float = 0.15) -> Outcome:
+def lab02_challenge(
+    probe, link, reference: float, budget: int = 32 * 2**20, rel_tol: float = 0.15
+) -> Outcome:
     """Lab 2's challenge, measured: run ``probe(link)``, which returns the link's host→device
     bandwidth β in bytes/s, while the link records every copy; it passes when the copies moved
     ``budget`` bytes or fewer (both directions, warm-ups included) and β is within ``rel_tol``
@@ -318,23 +409,37 @@ def lab02_challenge(probe, link, reference: float, budget: int = 32 * 2**20, rel
         beta = probe(link)
     moved = sum(t.nbytes for t in recording.transfers)
     if not is_number(beta) or beta <= 0:
-        return Outcome(False, f"✗ challenge: the probe returned {beta!r}; expected a bandwidth in bytes/s")
+        return Outcome(
+            False, f"✗ challenge: the probe returned {beta!r}; expected a bandwidth in bytes/s"
+        )
     if moved > budget:
-        return Outcome(False, f"✗ challenge: the probe moved {moved / 2**20:.1f} MiB (measured by the link); "
-                              f"at most {budget / 2**20:g} MiB allowed")
+        return Outcome(
+            False,
+            f"✗ challenge: the probe moved {moved / 2**20:.1f} MiB (measured by the link); "
+            f"at most {budget / 2**20:g} MiB allowed",
+        )
     error = beta / reference - 1
     passed = abs(error) <= rel_tol
-    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: your probe's β is {abs(error):.1%} "
-                           f"{'above' if error > 0 else 'below'} the reference (at most {rel_tol:.0%} allowed), "
-                           f"from {moved / 2**20:.1f} MiB of copies (at most {budget / 2**20:g} MiB)")
+    return Outcome(
+        passed,
+        f"{'✓' if passed else '✗'} challenge: your probe's β is {abs(error):.1%} "
+        f"{'above' if error > 0 else 'below'} the reference (at most {rel_tol:.0%} allowed), "
+        f"from {moved / 2**20:.1f} MiB of copies (at most {budget / 2**20:g} MiB)",
+    )
 
 
-def lab03_challenge(step, link, copy_share: float = 1.25, share: float = 0.8, steps: int = 8,
-                    work_seconds: float | None = None) -> Outcome:
-    """Lab 3's challenge, measured: ``steps`` training steps, each ``step(link, work, host, device)``,
-    which must launch the step's compute ``work`` once and bring ``host`` into ``device`` so that
-    the check the grader launches next, on the compute stream, reads the new bytes. The copy lasts
-    ``copy_share`` times the work. It passes when every check read its own step's bytes and at
+def lab03_challenge(
+    step,
+    link,
+    copy_share: float = 1.25,
+    share: float = 0.8,
+    steps: int = 8,
+    work_seconds: float | None = None,
+) -> Outcome:
+    """Lab 3's challenge, measured: ``steps`` training steps, each ``step(link, work, host,
+    device)``, which must launch the step's compute ``work`` once and bring ``host`` into ``device``
+    so that the check the grader launches next, on the compute stream, reads the new bytes. The copy
+    lasts ``copy_share`` times the work. It passes when every check read its own step's bytes and at
     least ``share`` of the time that could overlap (each step's shorter side) did: copies against
     the work's own intervals on the link's timeline, not a wall clock.
 
@@ -358,8 +463,18 @@ def lab03_challenge(step, link, copy_share: float = 1.25, share: float = 0.8, st
                 time.sleep(seconds)
                 intervals.append((begin, own.now()))
 
-            return _lab03_steps(step, own, waited, lambda: list(intervals), intervals.clear, seconds,
-                                own.bandwidth, copy_share, share, steps)
+            return _lab03_steps(
+                step,
+                own,
+                waited,
+                lambda: list(intervals),
+                intervals.clear,
+                seconds,
+                own.bandwidth,
+                copy_share,
+                share,
+                steps,
+            )
     products = experiment.overlap_work(link, 0.004 if work_seconds is None else work_seconds)
     timed = []
     for _ in range(3):
@@ -376,18 +491,39 @@ def lab03_challenge(step, link, copy_share: float = 1.25, share: float = 0.8, st
         products()
         marks.append((begin, link.mark()))
 
-    return _lab03_steps(step, link, marked, lambda: [(begin.time, end.time) for begin, end in marks],
-                        marks.clear, sorted(timed)[1], rate, copy_share, share, steps)
+    return _lab03_steps(
+        step,
+        link,
+        marked,
+        lambda: [(begin.time, end.time) for begin, end in marks],
+        marks.clear,
+        sorted(timed)[1],
+        rate,
+        copy_share,
+        share,
+        steps,
+    )
 
 
-def _lab03_steps(step, link, work, work_intervals, forget_work, seconds: float, rate: float,
-                 copy_share: float, share: float, steps: int) -> Outcome:
+def _lab03_steps(
+    step,
+    link,
+    work,
+    work_intervals,
+    forget_work,
+    seconds: float,
+    rate: float,
+    copy_share: float,
+    share: float,
+    steps: int,
+) -> Outcome:
     """One pass of the steps after a warm-up; ``work_intervals()`` reads the work's (start, end)
     seconds on the link's clock once the pass is done, ``forget_work()`` starts a pass afresh."""
     import torch
 
     elements = max(1024, int(copy_share * seconds * rate) // 4096 * 1024)  # fp32, whole 4 KiB pages
-    sources = [link.host_buffer(elements).fill_(float(value)) for value in (1, 2)]  # steps alternate
+    # steps alternate
+    sources = [link.host_buffer(elements).fill_(float(value)) for value in (1, 2)]
     device = link.device_buffer(elements)
     stride = 1024
     wrong = torch.zeros(steps, dtype=torch.int64, device=link.device)
@@ -409,19 +545,30 @@ def _lab03_steps(step, link, work, work_intervals, forget_work, seconds: float, 
     copies = run()
     computes = work_intervals()
     if len(computes) != steps:
-        return Outcome(False, f"✗ challenge: the work ran {len(computes)} times in {steps} steps; launch it once a step")
+        return Outcome(
+            False,
+            f"✗ challenge: the work ran {len(computes)} times in {steps} steps; launch it once a "
+            "step",
+        )
     bad = wrong.cpu().nonzero()
     if len(bad):
-        return Outcome(False, f"✗ challenge: step {int(bad[0])}'s check read the bytes of another step: was the "
-                              "copy ordered after the last use of the buffer, and the compute after the copy?")
+        return Outcome(
+            False,
+            f"✗ challenge: step {int(bad[0])}'s check read the bytes of another step: was the "
+            "copy ordered after the last use of the buffer, and the compute after the copy?",
+        )
     copy_total = sum(end - start for start, end in copies)
     behind = hidden_share(copies, computes) * copy_total
-    could = sum(min(end - start, copy_total / steps) for start, end in computes)  # each step's shorter side
+    # each step's shorter side
+    could = sum(min(end - start, copy_total / steps) for start, end in computes)
     achieved = behind / could if could > 0 else 0.0
     passed = achieved >= share
-    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: {achieved:.0%} of the time that could overlap did "
-                           f"({'emulated' if link.emulated else 'measured'}, from the steps' timeline: copies "
-                           f"against the work; at least {share:.0%} needed)")
+    return Outcome(
+        passed,
+        f"{'✓' if passed else '✗'} challenge: {achieved:.0%} of the time that could overlap did "
+        f"({'emulated' if link.emulated else 'measured'}, from the steps' timeline: copies "
+        f"against the work; at least {share:.0%} needed)",
+    )
 
 
 def hidden_share(copies, computes) -> float:
@@ -429,13 +576,17 @@ def hidden_share(copies, computes) -> float:
     ``[(start, end), ...]`` on one clock (seconds; compute intervals from one in-order stream, so
     they do not overlap one another). 1.0 when there were no copies."""
     total = sum(end - start for start, end in copies)
-    behind = sum(max(0.0, min(end, c_end) - max(start, c_start))
-                 for start, end in copies for c_start, c_end in computes)
+    behind = sum(
+        max(0.0, min(end, c_end) - max(start, c_start))
+        for start, end in copies
+        for c_start, c_end in computes
+    )
     return behind / total if total > 0 else 1.0
 
 
 class _WatchedLink:
-    """A link that notes the device buffers a student's code asks for; everything else is the link's."""
+    """A link that notes the device buffers a student's code asks for; everything else is the
+    link's."""
 
     def __init__(self, link):
         self._link, self.device_bytes, self.storages = link, 0, set()
@@ -450,8 +601,14 @@ class _WatchedLink:
         return getattr(self._link, name)
 
 
-def lab05_challenge(prefetch, link, budget: int = 3, share: float = 0.85, items: int = 12,
-                    work_seconds: float | None = None) -> Outcome:
+def lab05_challenge(
+    prefetch,
+    link,
+    budget: int = 3,
+    share: float = 0.85,
+    items: int = 12,
+    work_seconds: float | None = None,
+) -> Outcome:
     """Lab 5's challenge, measured: a pass of ``prefetch(items, link)`` over uneven items, every
     fourth eight times the size of the others, with a consumer whose work on each item lasts four
     times a small item's copy and half a large one's.
@@ -473,8 +630,16 @@ def lab05_challenge(prefetch, link, budget: int = 3, share: float = 0.85, items:
     if link.emulated:
         seconds = 0.025 if work_seconds is None else work_seconds
         with EmulatedLink(bandwidth=0.5e9, latency=20e-6) as own:
-            return _lab05_pass(prefetch, own, lambda: time.sleep(seconds), seconds, own.bandwidth, budget, share,
-                               items)
+            return _lab05_pass(
+                prefetch,
+                own,
+                lambda: time.sleep(seconds),
+                seconds,
+                own.bandwidth,
+                budget,
+                share,
+                items,
+            )
     work = experiment.overlap_work(link, 0.004 if work_seconds is None else work_seconds)
     timed = []
     for _ in range(3):
@@ -487,7 +652,9 @@ def lab05_challenge(prefetch, link, budget: int = 3, share: float = 0.85, items:
     return _lab05_pass(prefetch, link, work, sorted(timed)[1], rate, budget, share, items)
 
 
-def _lab05_pass(prefetch, link, work, seconds: float, rate: float, budget: int, share: float, items: int) -> Outcome:
+def _lab05_pass(
+    prefetch, link, work, seconds: float, rate: float, budget: int, share: float, items: int
+) -> Outcome:
     import torch
 
     small = max(1024, int(0.25 * seconds * rate) // 4096 * 1024)  # fp32 elements, whole 4 KiB pages
@@ -496,7 +663,8 @@ def _lab05_pass(prefetch, link, work, seconds: float, rate: float, budget: int, 
     stride = 1024
     wrong = torch.zeros(items, 2, dtype=torch.int64, device=link.device)
 
-    def consume(i, tensor):  # on the compute stream: check, work, check again, poison what was checked
+    # on the compute stream: check, work, check again, poison what was checked
+    def consume(i, tensor):
         wrong[i, 0] = (tensor[::stride] != float(i + 1)).sum()
         work()
         wrong[i, 1] = (tensor[::stride] != float(i + 1)).sum()
@@ -508,8 +676,11 @@ def _lab05_pass(prefetch, link, work, seconds: float, rate: float, budget: int, 
         with link.record() as recording:
             for i, tensor in enumerate(prefetch(sources, watched)):
                 if i >= items or tensor.numel() != sizes[i]:
-                    return Outcome(False, f"✗ challenge: item {i} came with {tensor.numel()} elements; expected "
-                                          f"{sizes[i] if i < items else 'no more items'}"), None
+                    return Outcome(
+                        False,
+                        f"✗ challenge: item {i} came with {tensor.numel()} elements; expected "
+                        f"{sizes[i] if i < items else 'no more items'}",
+                    ), None
                 foreign += tensor.untyped_storage().data_ptr() not in watched.storages
                 begin = link.mark()
                 link.launch(consume, i, tensor)
@@ -517,9 +688,13 @@ def _lab05_pass(prefetch, link, work, seconds: float, rate: float, budget: int, 
                 delivered.append(i)
             link.synchronize()
         if delivered != list(range(items)):
-            return Outcome(False, f"✗ challenge: the items delivered were {delivered}, not 0 to {items - 1}"), None
+            return Outcome(
+                False, f"✗ challenge: the items delivered were {delivered}, not 0 to {items - 1}"
+            ), None
         if foreign:
-            return Outcome(False, f"✗ challenge: {foreign} items were not in buffers from link.device_buffer"), None
+            return Outcome(
+                False, f"✗ challenge: {foreign} items were not in buffers from link.device_buffer"
+            ), None
         bad = wrong.cpu()
         if bad.any():
             i = int(bad.sum(dim=1).nonzero()[0])
@@ -527,9 +702,14 @@ def _lab05_pass(prefetch, link, work, seconds: float, rate: float, budget: int, 
             return Outcome(False, f"✗ challenge: item {i} was delivered {when}"), None
         moved = sum(t.nbytes for t in recording.transfers if t.direction == "h2d")
         if moved < 4 * sum(sizes):
-            return Outcome(False, f"✗ challenge: the copies moved {moved} bytes, less than the items hold"), None
-        return None, (watched.device_bytes, [(t.start, t.end) for t in recording.transfers],
-                      [(begin.time, end.time) for begin, end in computes])
+            return Outcome(
+                False, f"✗ challenge: the copies moved {moved} bytes, less than the items hold"
+            ), None
+        return None, (
+            watched.device_bytes,
+            [(t.start, t.end) for t in recording.transfers],
+            [(begin.time, end.time) for begin, end in computes],
+        )
 
     failed, _ = one_pass()  # a warm-up: the first pass allocates
     if failed is None:
@@ -541,10 +721,13 @@ def _lab05_pass(prefetch, link, work, seconds: float, rate: float, budget: int, 
     span = computes[-1][1] - min(start for start, _ in copies)
     busier = max(sum(e - s for s, e in copies), sum(e - s for s, e in computes))
     passed = achieved >= share and device_bytes <= budget * largest
-    return Outcome(passed, f"{'✓' if passed else '✗'} challenge: {achieved:.0%} of the copy time ran behind the "
-                           f"work ({'emulated' if link.emulated else 'measured'}, from the pass's timeline; at least "
-                           f"{share:.0%} needed), in {device_bytes / largest:.2g} largest items' worth of device "
-                           f"buffers (at most {budget}); the pass took {span / busier:.2f}× its busier side's time")
+    return Outcome(
+        passed,
+        f"{'✓' if passed else '✗'} challenge: {achieved:.0%} of the copy time ran behind the "
+        f"work ({'emulated' if link.emulated else 'measured'}, from the pass's timeline; at least "
+        f"{share:.0%} needed), in {device_bytes / largest:.2g} largest items' worth of device "
+        f"buffers (at most {budget}); the pass took {span / busier:.2f}× its busier side's time",
+    )
 
 
 def recomputed(name: str, **inputs):
@@ -559,7 +742,9 @@ def recomputed(name: str, **inputs):
 
     shell = get_ipython()
     if shell is None:
-        raise RuntimeError("recomputed: runs in a notebook's kernel (IPython), where the answer cells ran")
+        raise RuntimeError(
+            "recomputed: runs in a notebook's kernel (IPython), where the answer cells ran"
+        )
     for source in reversed(_CELLS):
         code = shell.transform_cell(source)
         tree = _parse(code)
@@ -567,8 +752,13 @@ def recomputed(name: str, **inputs):
             break
     else:
         raise AssertionError(f"{name}: no cell assigns it")
-    asked = {node.value.id for node in ast.walk(tree) if isinstance(node, ast.Attribute)
-             and isinstance(node.value, ast.Name) and node.value.id in ("grading", "check")}
+    asked = {
+        node.value.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in ("grading", "check")
+    }
     assert not asked, f"{name}: the answer asks {', '.join(sorted(asked))} instead of computing it"
     namespace = {**shell.user_ns, **inputs}
     exec(compile(tree, f"<the cell that assigns {name}>", "exec"), namespace)

@@ -30,8 +30,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Variant", "BuildError", "variants_for", "source_digest", "compiler_command", "compiler_identity",
-           "build", "LIBRARY_NAME"]
+__all__ = [
+    "Variant",
+    "BuildError",
+    "variants_for",
+    "source_digest",
+    "compiler_command",
+    "compiler_identity",
+    "build",
+    "LIBRARY_NAME",
+]
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("kernel.h", "cpu_adam.c", "dispatch.c")
@@ -41,8 +49,16 @@ LIBRARY_NAME = "_cpu_adam.so"  # loaded with ctypes, not imported: no Python ABI
 # floating-point exception flags may be raised. No -ffast-math and no implicit contraction of
 # a*b+c: every operation rounds as torch's kernels round it (the source asks for the fused
 # multiply-adds it needs).
-COMPILE_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-fno-math-errno",
-                 "-fno-trapping-math", "-ffp-contract=off")
+COMPILE_FLAGS = (
+    "-O3",
+    "-std=gnu11",
+    "-fPIC",
+    "-fvisibility=hidden",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-ffp-contract=off",
+)
 LINK_FLAGS = ("-shared", "-fopenmp")
 LIBRARIES = ("-lm",)
 # A compiler that has not finished in this long is stuck (a full build takes seconds).
@@ -61,7 +77,10 @@ class Variant:
 # flags enable, and csrc/cpu_adam.c that the flags enable what the code uses.
 _VARIANTS = {
     "x86_64": (
-        Variant("avx512", ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma", "-mf16c")),
+        Variant(
+            "avx512",
+            ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
+        ),
         Variant("avx2", ("-mavx2", "-mfma", "-mf16c")),
         Variant("baseline"),
     ),
@@ -117,7 +136,9 @@ def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
         raise BuildError(f"{shlex.join(command)}\ndid not finish in {TIMEOUT_S} s") from None
     if result.returncode != 0:
         output = (result.stdout + result.stderr).strip()
-        raise BuildError(f"{shlex.join(command)}\nfailed with exit status {result.returncode}:\n{output}")
+        raise BuildError(
+            f"{shlex.join(command)}\nfailed with exit status {result.returncode}:\n{output}"
+        )
     return result
 
 
@@ -146,13 +167,33 @@ def build(target: Path, compiler: list[str] | None = None, machine: str | None =
         objects = []
         for variant in variants:
             objects.append(f"cpu_adam_{variant.name}.o")
-            commands.append([*compiler, *COMPILE_FLAGS, *variant.flags, f"-DOFFLOADLAB_VARIANT={variant.name}",
-                             f"-DOFFLOADLAB_VARIANT_{variant.name.upper()}", "-c", "cpu_adam.c", "-o", objects[-1]])
+            commands.append(
+                [
+                    *compiler,
+                    *COMPILE_FLAGS,
+                    *variant.flags,
+                    f"-DOFFLOADLAB_VARIANT={variant.name}",
+                    f"-DOFFLOADLAB_VARIANT_{variant.name.upper()}",
+                    "-c",
+                    "cpu_adam.c",
+                    "-o",
+                    objects[-1],
+                ]
+            )
         table = "".join(f"X({variant.name})" for variant in variants)
         objects.append("dispatch.o")
-        commands.append([*compiler, *COMPILE_FLAGS, f"-DOFFLOADLAB_VARIANTS={table}",
-                         f'-DOFFLOADLAB_SOURCE_DIGEST="{source_digest(variants)}"', "-c", "dispatch.c",
-                         "-o", objects[-1]])
+        commands.append(
+            [
+                *compiler,
+                *COMPILE_FLAGS,
+                f"-DOFFLOADLAB_VARIANTS={table}",
+                f'-DOFFLOADLAB_SOURCE_DIGEST="{source_digest(variants)}"',
+                "-c",
+                "dispatch.c",
+                "-o",
+                objects[-1],
+            ]
+        )
         commands.append([*compiler, *LINK_FLAGS, *objects, "-o", LIBRARY_NAME, *LIBRARIES])
         for command in commands:
             _run(command, scratch)

@@ -27,12 +27,16 @@ def python_language_info() -> dict:
 
 
 class BookContentsManager(AsyncTextFileContentsManager):
-    """Jupytext's contents manager; a Python notebook without ``language_info`` gets this kernel's."""
+    """Jupytext's contents manager; a Python notebook without ``language_info`` gets this
+    kernel's."""
 
     async def get(self, path, content=True, type=None, format=None, **kwargs):
         model = await super().get(path, content=content, type=type, format=format, **kwargs)
         if content and model.get("type") == "notebook" and model.get("content") is not None:
             metadata = model["content"]["metadata"]
-            if "language_info" not in metadata and metadata.get("kernelspec", {}).get("language") == "python":
+            if (
+                "language_info" not in metadata
+                and metadata.get("kernelspec", {}).get("language") == "python"
+            ):
                 metadata["language_info"] = python_language_info()
         return model

@@ -14,7 +14,8 @@ import torch
 
 __all__ = ["Layout", "ALIGN"]
 
-ALIGN = 64  # bytes: every tensor in a flat buffer starts on a 64-byte boundary (vector loads, cuBLAS)
+# bytes: every tensor in a flat buffer starts on a 64-byte boundary (vector loads, cuBLAS)
+ALIGN = 64
 
 
 class Layout:

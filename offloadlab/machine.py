@@ -36,8 +36,14 @@ __all__ = [
 ]
 
 # Per-lane signalling rate (GT/s) and line-code efficiency of each PCIe generation.
-_PCIE_LANE = {1: (2.5, 8 / 10), 2: (5.0, 8 / 10), 3: (8.0, 128 / 130), 4: (16.0, 128 / 130),
-              5: (32.0, 128 / 130), 6: (64.0, 242 / 256)}
+_PCIE_LANE = {
+    1: (2.5, 8 / 10),
+    2: (5.0, 8 / 10),
+    3: (8.0, 128 / 130),
+    4: (16.0, 128 / 130),
+    5: (32.0, 128 / 130),
+    6: (64.0, 242 / 256),
+}
 
 
 def pcie_bandwidth(generation: int, width: int) -> float:
@@ -45,7 +51,9 @@ def pcie_bandwidth(generation: int, width: int) -> float:
     if generation not in _PCIE_LANE:
         raise ValueError(f"generation: expected a PCIe generation 1–6; got {generation!r}")
     if not is_integer(width) or width not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"width: expected a link width of 1, 2, 4, 8, 16 or 32 lanes; got {width!r}")
+        raise ValueError(
+            f"width: expected a link width of 1, 2, 4, 8, 16 or 32 lanes; got {width!r}"
+        )
     rate, efficiency = _PCIE_LANE[generation]
     return rate * 1e9 * efficiency / 8 * width
 
@@ -164,7 +172,7 @@ def last_level_cache_bytes(root: str | os.PathLike = "/") -> int | None:
             size = (index / "size").read_text().strip()
         except (OSError, ValueError):
             continue
-        number, unit = size.rstrip("KMG"), size[len(size.rstrip("KMG")):]
+        number, unit = size.rstrip("KMG"), size[len(size.rstrip("KMG")) :]
         if kind == "Instruction" or not number.isdigit() or len(unit) > 1:
             continue
         caches[level, shared] = int(number) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[unit]

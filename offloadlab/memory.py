@@ -29,7 +29,14 @@ __all__ = [
 ]
 
 # Kinds of persistent training state, in the order tables list them.
-KINDS = ("weights", "gradients", "master_weights", "first_moment", "second_moment", "quantization_scales")
+KINDS = (
+    "weights",
+    "gradients",
+    "master_weights",
+    "first_moment",
+    "second_moment",
+    "quantization_scales",
+)
 # The kinds only the optimizer's update reads and writes: what optimizer offload moves off the GPU.
 OPTIMIZER_KINDS = ("master_weights", "first_moment", "second_moment", "quantization_scales")
 
@@ -70,14 +77,27 @@ RECIPES: dict[str, Recipe] = {
     for r in (
         Recipe(
             "mixed-adam",
-            "mixed-precision Adam: fp16/bf16 weights and gradients, fp32 master weights and moments",
-            {"weights": 2, "gradients": 2, "master_weights": 4, "first_moment": 4, "second_moment": 4},
+            "mixed-precision Adam: fp16/bf16 weights and gradients, fp32 master weights and "
+            "moments",
+            {
+                "weights": 2,
+                "gradients": 2,
+                "master_weights": 4,
+                "first_moment": 4,
+                "second_moment": 4,
+            },
         ),
         Recipe(
             "mixed-adam-fp32-grads",
-            "mixed precision with fp32 gradients (DeepSpeed's gradient partition, fp32 accumulation): "
-            "16-bit weights, fp32 gradients, master weights and moments",
-            {"weights": 2, "gradients": 4, "master_weights": 4, "first_moment": 4, "second_moment": 4},
+            "mixed precision with fp32 gradients (DeepSpeed's gradient partition, fp32 "
+            "accumulation): 16-bit weights, fp32 gradients, master weights and moments",
+            {
+                "weights": 2,
+                "gradients": 4,
+                "master_weights": 4,
+                "first_moment": 4,
+                "second_moment": 4,
+            },
         ),
         Recipe(
             "fp32-adam",
@@ -116,10 +136,10 @@ _MiB = 2**20
 # HBM, of which the driver keeps some back: it reports about 79.2 GiB, 85.0e9 bytes. Figures are
 # from the cards named, with ECC on; drivers move them by a few hundred MiB.
 GPU_SIZES = {
-    "24 GB": 24_563 * _MiB,        # GeForce RTX 4090: 23.99 GiB
-    "40 GB": 42_298_834_944,       # A100-SXM4-40GB: 39.39 GiB
-    "80 GB": 81_049 * _MiB,        # A100 80GB PCIe: 79.15 GiB (H100 80GB HBM3: 81,090 MiB)
-    "141 GB": 143_156 * _MiB,      # H200: 139.8 GiB
+    "24 GB": 24_563 * _MiB,  # GeForce RTX 4090: 23.99 GiB
+    "40 GB": 42_298_834_944,  # A100-SXM4-40GB: 39.39 GiB
+    "80 GB": 81_049 * _MiB,  # A100 80GB PCIe: 79.15 GiB (H100 80GB HBM3: 81,090 MiB)
+    "141 GB": 143_156 * _MiB,  # H200: 139.8 GiB
 }
 
 
@@ -145,7 +165,8 @@ class StateBreakdown:
 
     def to_dict(self) -> dict:
         return {
-            "params": int(self.params) if float(self.params).is_integer() else self.params,  # a count, not 7e9.0
+            # a count, not 7e9.0
+            "params": int(self.params) if float(self.params).is_integer() else self.params,
             "recipe": self.recipe,
             "bytes_per_param": get_recipe(self.recipe).bytes_per_param,
             "by_kind_bytes": self.by_kind,
@@ -159,7 +180,9 @@ def state_bytes(params, recipe: str = DEFAULT_RECIPE) -> StateBreakdown:
     """The persistent training state of a ``params``-parameter model, by kind, in bytes."""
     count = parse_count(params, "params")
     chosen = get_recipe(recipe)
-    return StateBreakdown(count, chosen.name, {k: b * count for k, b in chosen.bytes_per_param.items()})
+    return StateBreakdown(
+        count, chosen.name, {k: b * count for k, b in chosen.bytes_per_param.items()}
+    )
 
 
 def fitting_gpus(total_bytes: float) -> list[str]:
@@ -190,7 +213,10 @@ def transformer_params(
     check_non_negative(positions, "positions")
     ratio = float(mlp_ratio)
     if not ratio > 0 or ratio * hidden != int(ratio * hidden):
-        raise ValueError(f"mlp_ratio: expected a positive number with mlp_ratio × hidden whole; got {mlp_ratio!r}")
+        raise ValueError(
+            "mlp_ratio: expected a positive number with mlp_ratio × hidden whole; got "
+            f"{mlp_ratio!r}"
+        )
     width = int(ratio * hidden)
     attention = 4 * hidden * hidden + (4 * hidden if bias else 0)
     mlp = 2 * width * hidden + ((width + hidden) if bias else 0)
@@ -258,7 +284,12 @@ def measure_state(model, optimizer=None) -> dict[str, int]:
     def add(kind: str, tensor) -> None:
         if tensor is None:
             return
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel())
+        key = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tensor.numel(),
+        )
         if key in seen:
             return
         seen.add(key)

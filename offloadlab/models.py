@@ -41,8 +41,12 @@ class GPTConfig:
     def params(self) -> int:
         """Parameter count from the formula in :mod:`offloadlab.memory`."""
         return transformer_params(
-            self.layers, self.hidden, self.vocab, mlp_ratio=self.mlp_ratio,
-            positions=self.seq, tied_embeddings=self.tied_embeddings,
+            self.layers,
+            self.hidden,
+            self.vocab,
+            mlp_ratio=self.mlp_ratio,
+            positions=self.seq,
+            tied_embeddings=self.tied_embeddings,
         )
 
 
@@ -93,7 +97,8 @@ class TinyGPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits for token ids ``idx`` (batch × seq); with ``targets``, the mean cross-entropy loss."""
+        """Logits for token ids ``idx`` (batch × seq); with ``targets``, the mean cross-entropy
+        loss."""
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.tokens(idx) + self.positions(positions)
         for block in self.blocks:
@@ -113,7 +118,9 @@ def markov_corpus(vocab: int, tokens: int, successors: int = 4, seed: int = 0) -
     if successors > vocab:
         raise ValueError(f"successors: expected at most vocab={vocab}; got {successors}")
     generator = torch.Generator().manual_seed(seed)
-    table = torch.stack([torch.randperm(vocab, generator=generator)[:successors] for _ in range(vocab)])
+    table = torch.stack(
+        [torch.randperm(vocab, generator=generator)[:successors] for _ in range(vocab)]
+    )
     choices = torch.randint(0, successors, (tokens,), generator=generator)
     stream = torch.empty(tokens, dtype=torch.long)
     token = 0
@@ -126,18 +133,23 @@ def markov_corpus(vocab: int, tokens: int, successors: int = 4, seed: int = 0) -
 def batches(corpus: torch.Tensor, batch: int, seq: int, seed: int = 0):
     """Endless (inputs, targets) pairs of shape batch × seq drawn from ``corpus``."""
     if corpus.numel() <= seq + 1:
-        raise ValueError(f"seq: expected fewer than {corpus.numel() - 1} tokens for this corpus; got {seq}")
+        raise ValueError(
+            f"seq: expected fewer than {corpus.numel() - 1} tokens for this corpus; got {seq}"
+        )
     generator = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, corpus.numel() - seq - 1, (batch,), generator=generator)
-        window = torch.stack([corpus[s:s + seq + 1] for s in starts.tolist()])
+        window = torch.stack([corpus[s : s + seq + 1] for s in starts.tolist()])
         yield window[:, :-1], window[:, 1:]
 
 
-def train(model: nn.Module, optimizer, data, steps: int, device, accumulation: int = 1, scale_loss=None) -> list[float]:
+def train(
+    model: nn.Module, optimizer, data, steps: int, device, accumulation: int = 1, scale_loss=None
+) -> list[float]:
     """Train for ``steps`` optimizer steps of ``accumulation`` micro-batches; returns the losses.
 
-    ``scale_loss`` (for fp16, e.g. ``CPUOffloadAdam.scale_loss``) multiplies each loss before backward.
+    ``scale_loss`` (for fp16, e.g. ``CPUOffloadAdam.scale_loss``) multiplies each loss before
+    backward.
     """
     losses = []
     for _ in range(steps):

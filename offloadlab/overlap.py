@@ -13,11 +13,25 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from .units import (check_integer, check_non_negative, check_positive, parse_bandwidth,
-                    parse_duration, parse_size)
+from .units import (
+    check_integer,
+    check_non_negative,
+    check_positive,
+    parse_bandwidth,
+    parse_duration,
+    parse_size,
+)
 
-__all__ = ["Stage", "stage", "PipelineStep", "pipeline", "crossover_batch", "crossover_tokens", "OffloadStep",
-           "offload_step"]
+__all__ = [
+    "Stage",
+    "stage",
+    "PipelineStep",
+    "pipeline",
+    "crossover_batch",
+    "crossover_tokens",
+    "OffloadStep",
+    "offload_step",
+]
 
 
 @dataclass(frozen=True)
@@ -48,7 +62,8 @@ class Stage:
 
 
 def stage(nbytes, bandwidth, t_compute, latency=0.0) -> Stage:
-    """The overlap condition for moving ``nbytes`` over ``bandwidth`` during ``t_compute`` seconds."""
+    """The overlap condition for moving ``nbytes`` over ``bandwidth`` during ``t_compute``
+    seconds."""
     size = parse_size(nbytes, "nbytes", allow_zero=True)
     rate = parse_bandwidth(bandwidth, "bandwidth")
     compute = parse_duration(t_compute, "t_compute", allow_zero=True)
@@ -84,7 +99,10 @@ def pipeline(transfer_seconds, compute_seconds, depth: int = 1) -> PipelineStep:
     transfers = [check_non_negative(t, "transfer_seconds") for t in transfer_seconds]
     computes = [check_non_negative(c, "compute_seconds") for c in compute_seconds]
     if len(transfers) != len(computes):
-        raise ValueError(f"compute_seconds: expected {len(transfers)} values, one per transfer; got {len(computes)}")
+        raise ValueError(
+            f"compute_seconds: expected {len(transfers)} values, one per transfer; got "
+            f"{len(computes)}"
+        )
     check_integer(depth, "depth", 0)
     fetched, computed = [], []
     for i, (t, c) in enumerate(zip(transfers, computes)):
@@ -164,7 +182,9 @@ class _Schedule:
         self.tasks: list[tuple[str, float, str | None, str]] = []  # resource, seconds, lane, label
         self.deps: list[list[int]] = []
 
-    def add(self, resource: str, seconds: float, deps=(), lane: str | None = None, label: str = "") -> int:
+    def add(
+        self, resource: str, seconds: float, deps=(), lane: str | None = None, label: str = ""
+    ) -> int:
         self.tasks.append((resource, seconds, lane, label))
         self.deps.append(sorted(set(deps)))
         return len(self.tasks) - 1
@@ -195,7 +215,8 @@ class _Schedule:
             if not running:
                 raise RuntimeError("the schedule has a dependency cycle")
             now = running[0][0]
-            while running and running[0][0] == now:  # everything ending now, before anything new starts
+            # everything ending now, before anything new starts
+            while running and running[0][0] == now:
                 _, task = heapq.heappop(running)
                 busy.discard(self.tasks[task][0])
                 finished += 1
@@ -206,8 +227,19 @@ class _Schedule:
         return start, end
 
 
-def offload_step(layers: int, forward, backward, *, gradient=0.0, update=0.0, upload=0.0, fetch=0.0,
-                 duplex: str = "full", delayed: bool = False, after_backward: bool = False) -> OffloadStep:
+def offload_step(
+    layers: int,
+    forward,
+    backward,
+    *,
+    gradient=0.0,
+    update=0.0,
+    upload=0.0,
+    fetch=0.0,
+    duplex: str = "full",
+    delayed: bool = False,
+    after_backward: bool = False,
+) -> OffloadStep:
     """Simulate a training step whose optimizer (and perhaps parameters) live in host memory.
 
     Per layer, in seconds: ``forward`` and ``backward`` compute; ``gradient``, the copy of its
@@ -238,19 +270,30 @@ def offload_step(layers: int, forward, backward, *, gradient=0.0, update=0.0, up
       previous update has read the one before it, which can hold up backward.
     """
     check_integer(layers, "layers")
-    seconds = {name: check_non_negative(value, name) for name, value in
-               (("forward", forward), ("backward", backward), ("gradient", gradient), ("update", update),
-                ("upload", upload), ("fetch", fetch))}
+    seconds = {
+        name: check_non_negative(value, name)
+        for name, value in (
+            ("forward", forward),
+            ("backward", backward),
+            ("gradient", gradient),
+            ("update", update),
+            ("upload", upload),
+            ("fetch", fetch),
+        )
+    }
     if duplex not in ("full", "half"):
         raise ValueError(f"duplex: expected 'full' or 'half'; got {duplex!r}")
     if delayed and seconds["fetch"]:
-        raise ValueError("delayed: expected False with fetched parameters (the update would rewrite weights "
-                         "the next step is fetching); got True")
+        raise ValueError(
+            "delayed: expected False with fetched parameters (the update would rewrite weights "
+            "the next step is fetching); got True"
+        )
     down, up = ("link", "link") if duplex == "half" else ("D2H", "H2D")
     s = _Schedule()
-    steps = 5 if delayed else 1  # a delayed update settles into its steady rhythm after a step or two
-    gate: list[int] = []          # what the next step's first compute waits for
-    first: list[int] = []         # each step's first compute
+    # a delayed update settles into its steady rhythm after a step or two
+    steps = 5 if delayed else 1
+    gate: list[int] = []  # what the next step's first compute waits for
+    first: list[int] = []  # each step's first compute
     previous_updates: list[int] = []
     for _ in range(steps):
         order = [("F", j) for j in range(layers)] + [("B", j) for j in reversed(range(layers))]
@@ -260,7 +303,13 @@ def offload_step(layers: int, forward, backward, *, gradient=0.0, update=0.0, up
             if seconds["fetch"]:
                 buffer_free = [computes[i - 2]] if i >= 2 else gate
                 deps.append(s.add(up, seconds["fetch"], buffer_free, "H2D", f"w{j}"))
-            last = s.add("compute", seconds["forward" if kind == "F" else "backward"], deps, "compute", f"{kind}{j}")
+            last = s.add(
+                "compute",
+                seconds["forward" if kind == "F" else "backward"],
+                deps,
+                "compute",
+                f"{kind}{j}",
+            )
             computes.append(last)
             if kind == "B":
                 # The gradient hook runs on the compute thread; a delayed update still reading this
@@ -271,25 +320,50 @@ def offload_step(layers: int, forward, backward, *, gradient=0.0, update=0.0, up
         first.append(computes[0])
         end_of_backward = last
         if delayed:
-            uploads = [s.add(up, seconds["upload"], [end_of_backward] + previous_updates, "H2D", f"w{j}")
-                       for j in reversed(range(layers))] if previous_updates else []
-            updates = [s.add("CPU", seconds["update"], [downs[j], end_of_backward] + uploads, "CPU", f"u{j}")
-                       for j in reversed(range(layers))]
+            uploads = (
+                [
+                    s.add(
+                        up, seconds["upload"], [end_of_backward] + previous_updates, "H2D", f"w{j}"
+                    )
+                    for j in reversed(range(layers))
+                ]
+                if previous_updates
+                else []
+            )
+            updates = [
+                s.add(
+                    "CPU", seconds["update"], [downs[j], end_of_backward] + uploads, "CPU", f"u{j}"
+                )
+                for j in reversed(range(layers))
+            ]
             gate = uploads or [end_of_backward]
             previous_updates = updates
         else:
             wait = [end_of_backward] + list(downs.values()) if after_backward else []
-            updates = [s.add("CPU", seconds["update"], [downs[j]] + wait, "CPU", f"u{j}")
-                       for j in reversed(range(layers))]
-            uploads = [s.add(up, seconds["upload"], [u], "H2D", f"w{j}")
-                       for u, j in zip(updates, reversed(range(layers)))] if seconds["upload"] else []
+            updates = [
+                s.add("CPU", seconds["update"], [downs[j]] + wait, "CPU", f"u{j}")
+                for j in reversed(range(layers))
+            ]
+            uploads = (
+                [
+                    s.add(up, seconds["upload"], [u], "H2D", f"w{j}")
+                    for u, j in zip(updates, reversed(range(layers)))
+                ]
+                if seconds["upload"]
+                else []
+            )
             gate = [end_of_backward] + updates + uploads
     starts, ends = s.run()
     if delayed:
         begin, finish = starts[first[-2]], starts[first[-1]]
     else:
         begin, finish = 0.0, max(ends[t] for t in gate)
-    lanes: dict[str, list[tuple[float, float, str]]] = {"compute": [], "D2H": [], "CPU": [], "H2D": []}
+    lanes: dict[str, list[tuple[float, float, str]]] = {
+        "compute": [],
+        "D2H": [],
+        "CPU": [],
+        "H2D": [],
+    }
     for task, (_, duration, lane, label) in enumerate(s.tasks):
         if lane is None or duration == 0:
             continue

@@ -29,18 +29,20 @@ class GradientSink(Protocol):
 
     def gradient_destination(self, group: int, positions: list[int]) -> torch.Tensor:
         """The flat pinned host tensor (uint8, laid out as the group's packed layout) that the
-        gradients of the group's tensors at ``positions`` are about to be copied into; called just
-        before the copies are issued, so the sink can first make room (wait, or fold what is there)."""
+        gradients of the group's tensors at ``positions`` are about to be copied into; called
+        just before the copies are issued, so the sink can first make room (wait, or fold what is
+        there)."""
 
     def gradients_sent(self, group: int, transfers: list, positions: list[int]) -> None:
-        """The copies bringing those gradients down have been issued (they may still be in flight)."""
+        """The copies bringing those gradients down have been issued (they may still be in
+        flight)."""
 
 
 class Streamer(Protocol):
     """What a StreamedModel offers an optimizer over the parameters it streams."""
 
-    link: object        # the Link its copies go over
-    names: list[str]    # each block's name in the model
+    link: object  # the Link its copies go over
+    names: list[str]  # each block's name in the model
 
     def block_of(self, param: torch.Tensor) -> int:
         """The index of the streamed block ``param`` belongs to."""
@@ -68,7 +70,8 @@ class _Holders:
         self.streamer = self.optimizer = None
 
 
-_HOLDERS = _torch_compat.WeakIdKeyDictionary()  # parameter → its _Holders (tensors compare elementwise: keyed by identity)
+# parameter → its _Holders (tensors compare elementwise: keyed by identity)
+_HOLDERS = _torch_compat.WeakIdKeyDictionary()
 
 
 def streamer_of(param: torch.Tensor) -> Streamer | None:
@@ -84,7 +87,8 @@ def optimizer_of(param: torch.Tensor):
 
 
 def hold(param: torch.Tensor, *, streamer=None, optimizer=None) -> None:
-    """Enter ``streamer`` and/or ``optimizer`` as ``param``'s (replacing an earlier one of that role)."""
+    """Enter ``streamer`` and/or ``optimizer`` as ``param``'s (replacing an earlier one of that
+    role)."""
     holders = _HOLDERS.get(param)
     if holders is None:
         holders = _HOLDERS[param] = _Holders()

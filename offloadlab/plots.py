@@ -12,16 +12,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-# Imported with the module, not at the first figure: a notebook imports this in its first cell, and an
-# interrupt that lands in a half-done import of matplotlib leaves the kernel unable to draw again.
+# Imported with the module, not at the first figure: a notebook imports this in its first cell, and
+# an interrupt that lands in a half-done import of matplotlib leaves the kernel unable to draw
+# again.
 import matplotlib.pyplot as plt
 import numpy as np
 
 from . import memory, sharding
 from .units import check_integer, format_count, parse_count
 
-__all__ = ["STYLE", "book_style", "log_scale", "state_vs_model_size", "state_breakdown", "who_holds_what",
-           "held_per_param", "ladder", "timeline"]
+__all__ = [
+    "STYLE",
+    "book_style",
+    "log_scale",
+    "state_vs_model_size",
+    "state_breakdown",
+    "who_holds_what",
+    "held_per_param",
+    "ladder",
+    "timeline",
+]
 
 # The smallest text any figure of the book carries, in points, and the width it is drawn at.
 SMALLEST_TEXT_PT = 11.0
@@ -100,7 +110,8 @@ def log_scale(ax, axis: str = "y", base: int = 10, label=None) -> None:
     getattr(ax, f"set_{axis}scale")("log", base=base)
     target = ax.xaxis if axis == "x" else ax.yaxis
     text = label or _plain_number
-    target.set_major_locator(LogLocator(base=base, numticks=5 if label else "auto"))  # long labels: fewer
+    # long labels: fewer
+    target.set_major_locator(LogLocator(base=base, numticks=5 if label else "auto"))
     target.set_major_formatter(FuncFormatter(lambda value, _pos: text(value)))
     if base == 2:
         target.set_minor_locator(NullLocator())
@@ -126,17 +137,28 @@ def state_vs_model_size(recipes=("mixed-adam", "bf16-adam", "adam-8bit"), params
     """Training state (GB) against parameter count (log–log), with common card sizes across it."""
     low, high = (parse_count(p, "params_range") for p in params_range)
     if low >= high:
-        raise ValueError(f"params_range: expected (low, high) with low < high; got {params_range!r}")
+        raise ValueError(
+            f"params_range: expected (low, high) with low < high; got {params_range!r}"
+        )
     params = np.logspace(np.log10(low), np.log10(high), 200)
     with book_style():
         fig, ax = plt.subplots(figsize=(FIGURE_WIDTH_IN, 3.9))
         for name in recipes:
             per_param = memory.get_recipe(name).total
-            ax.plot(params, params * per_param / 1e9, label=f"{name} ({_per_param_text(per_param)})")
+            ax.plot(
+                params, params * per_param / 1e9, label=f"{name} ({_per_param_text(per_param)})"
+            )
         for label, size in memory.GPU_SIZES.items():
             ax.axhline(size / 1e9, color="0.45", lw=0.8, ls="--")
-            ax.text(high / 1.15, size / 1e9 * 1.08, f"{label} card", color="0.3", ha="right", va="bottom",
-                    fontsize=SMALLEST_TEXT_PT)
+            ax.text(
+                high / 1.15,
+                size / 1e9 * 1.08,
+                f"{label} card",
+                color="0.3",
+                ha="right",
+                va="bottom",
+                fontsize=SMALLEST_TEXT_PT,
+            )
         ax.set_xscale("log")
         log_scale(ax, "y")
         ax.set_xlabel("parameters")
@@ -148,7 +170,11 @@ def state_vs_model_size(recipes=("mixed-adam", "bf16-adam", "adam-8bit"), params
     return fig
 
 
-_SOURCE_STYLE = {"measured": ("o", "tab:blue"), "emulated": ("s", "tab:orange"), "nominal": ("D", "tab:grey")}
+_SOURCE_STYLE = {
+    "measured": ("o", "tab:blue"),
+    "emulated": ("s", "tab:orange"),
+    "nominal": ("D", "tab:grey"),
+}
 
 
 def ladder(mine: dict, reference: dict | None = None, title: str = "The memory-tier ladder"):
@@ -171,22 +197,55 @@ def ladder(mine: dict, reference: dict | None = None, title: str = "The memory-t
                     continue
                 marker, colour = _SOURCE_STYLE.get(tier["source"], ("x", "black"))
                 key = f"{which}, {tier['source']}"
-                ax.scatter(capacity / 1e9, rate / 1e9, marker=marker, color=colour, s=60, zorder=3,
-                           facecolors="none" if which == "reference" else colour,
-                           label=None if key in labelled else key)
+                ax.scatter(
+                    capacity / 1e9,
+                    rate / 1e9,
+                    marker=marker,
+                    color=colour,
+                    s=60,
+                    zorder=3,
+                    facecolors="none" if which == "reference" else colour,
+                    label=None if key in labelled else key,
+                )
                 labelled.add(key)
-                names.append(ax.annotate(tier["name"], (capacity / 1e9, rate / 1e9), textcoords="offset points",
-                                         xytext=(0, -9), ha="center", va="top", fontsize=SMALLEST_TEXT_PT,
-                                         bbox={"boxstyle": "square,pad=0.1", "facecolor": "white",
-                                               "edgecolor": "none", "alpha": 0.85}))
+                names.append(
+                    ax.annotate(
+                        tier["name"],
+                        (capacity / 1e9, rate / 1e9),
+                        textcoords="offset points",
+                        xytext=(0, -9),
+                        ha="center",
+                        va="top",
+                        fontsize=SMALLEST_TEXT_PT,
+                        bbox={
+                            "boxstyle": "square,pad=0.1",
+                            "facecolor": "white",
+                            "edgecolor": "none",
+                            "alpha": 0.85,
+                        },
+                    )
+                )
         # The links as horizontal lines: the bandwidth cliff is the gap between HBM and these.
-        lines = [(link["bandwidth_bytes_per_s"], f"{link['name']} ({link['source']})", which == "reference")
-                 for which, data in (("this machine", mine), ("reference", reference)) if data
-                 for link in data["links"]
-                 if link.get("bandwidth_bytes_per_s") and "disk" not in link["name"] and "GPU → host" not in link["name"]]
+        lines = [
+            (
+                link["bandwidth_bytes_per_s"],
+                f"{link['name']} ({link['source']})",
+                which == "reference",
+            )
+            for which, data in (("this machine", mine), ("reference", reference))
+            if data
+            for link in data["links"]
+            if link.get("bandwidth_bytes_per_s")
+            and "disk" not in link["name"]
+            and "GPU → host" not in link["name"]
+        ]
         for rate, _, is_reference in lines:
-            ax.axhline(rate / 1e9, color="grey" if is_reference else "tab:orange", ls=":" if is_reference else "--",
-                       lw=0.9)
+            ax.axhline(
+                rate / 1e9,
+                color="grey" if is_reference else "tab:orange",
+                ls=":" if is_reference else "--",
+                lw=0.9,
+            )
         log_scale(ax, "x")
         log_scale(ax, "y")
         ax.margins(x=0.25, y=0.2)
@@ -194,8 +253,16 @@ def ladder(mine: dict, reference: dict | None = None, title: str = "The memory-t
         ax.set_ylabel("bandwidth (GB/s)")
         ax.set_title(title)
         handles, labels = ax.get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower left", ncol=2, bbox_to_anchor=(0.0, 0.0), borderaxespad=0.2,
-                   columnspacing=1.2, handletextpad=0.3)  # under the plot, where it hides no tier
+        fig.legend(
+            handles,
+            labels,
+            loc="lower left",
+            ncol=2,
+            bbox_to_anchor=(0.0, 0.0),
+            borderaxespad=0.2,
+            columnspacing=1.2,
+            handletextpad=0.3,
+        )  # under the plot, where it hides no tier
         fig.tight_layout(rect=(0, 0.08, 0.64, 1))  # the right third holds the links' names
         ax.autoscale_view()
         for name in names:  # a tier's name stays inside the axes: near an edge it runs inwards
@@ -214,7 +281,8 @@ def _wrapped(text: str, width: int = 20) -> str:
 
 
 def _label_lines_at_the_right(fig, ax, lines, fontsize: float = SMALLEST_TEXT_PT):
-    """Name horizontal lines (y, text) beside the axes, right of the plot, moved apart so no two overlap.
+    """Name horizontal lines (y, text) beside the axes, right of the plot, moved apart so no two
+    overlap.
 
     Links of similar bandwidth (PCIe gen 4 and 5, InfiniBand) lie close together on a log scale;
     their names go in the margin, wrapped to a narrow column, each placed at its line or, when
@@ -230,9 +298,19 @@ def _label_lines_at_the_right(fig, ax, lines, fontsize: float = SMALLEST_TEXT_PT
     transform = ax.get_yaxis_transform()
     names = []
     for y, text in sorted(lines):
-        name = ax.annotate(_wrapped(text), xy=(1.0, y), xycoords=transform, xytext=(1.04, y), textcoords=transform,
-                           va="center", ha="left", fontsize=fontsize, color="0.25", annotation_clip=False,
-                           arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "grey", "shrinkA": 0, "shrinkB": 0})
+        name = ax.annotate(
+            _wrapped(text),
+            xy=(1.0, y),
+            xycoords=transform,
+            xytext=(1.04, y),
+            textcoords=transform,
+            va="center",
+            ha="left",
+            fontsize=fontsize,
+            color="0.25",
+            annotation_clip=False,
+            arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "grey", "shrinkA": 0, "shrinkB": 0},
+        )
         names.append((y, name, name.get_window_extent(renderer).height))
     gap = 0.5 * fontsize * fig.dpi / 72  # between two names, in pixels
     top = ax.get_window_extent().y1
@@ -241,19 +319,26 @@ def _label_lines_at_the_right(fig, ax, lines, fontsize: float = SMALLEST_TEXT_PT
         centre = max(to_pixels.transform((1, y))[1], previous_top + gap + height / 2)
         centres.append(centre)
         previous_top = centre + height / 2
-    overflow = previous_top - top  # names pushed above the top come back down, keeping their spacing
+    # names pushed above the top come back down, keeping their spacing
+    overflow = previous_top - top
     if overflow > 0:
         centres = [c - overflow for c in centres]
     for (_, name, _), centre in zip(names, centres):
         name.set_position((1.04, to_data.transform((0, centre))[1]))
 
 
-_LANE_COLOURS = {"compute": "tab:blue", "H2D": "tab:orange", "D2H": "tab:green", "CPU": "tab:purple"}
+_LANE_COLOURS = {
+    "compute": "tab:blue",
+    "H2D": "tab:orange",
+    "D2H": "tab:green",
+    "CPU": "tab:purple",
+}
 _MIN_BAR_PIXELS = 2.0  # an interval shorter than this still shows as a sliver, not as an empty lane
 
 
 def lane_colour(name: str) -> str:
-    """The colour of a lane: by its stream (compute, H2D, D2H, CPU), matched at the start of the name."""
+    """The colour of a lane: by its stream (compute, H2D, D2H, CPU), matched at the start of the
+    name."""
     for stream, colour in _LANE_COLOURS.items():
         if name.split(",")[0].split(" (")[0].strip() == stream:
             return colour
@@ -261,10 +346,13 @@ def lane_colour(name: str) -> str:
 
 
 def _variants(lanes) -> dict:
-    """``lanes`` as {variant: {lane: intervals}}; a single variant's lanes come back under the name ""."""
+    """``lanes`` as {variant: {lane: intervals}}; a single variant's lanes come back under the
+    name ""."""
     if not isinstance(lanes, Mapping) or not lanes:
-        raise ValueError(f"lanes: expected a non-empty mapping of lane names to (start, end, label) intervals, "
-                         f"or of variant names to such mappings; got {lanes!r}")
+        raise ValueError(
+            f"lanes: expected a non-empty mapping of lane names to (start, end, label) intervals, "
+            f"or of variant names to such mappings; got {lanes!r}"
+        )
     nested = [isinstance(value, Mapping) for value in lanes.values()]
     if all(nested):
         variants = {str(name): dict(value) for name, value in lanes.items()}
@@ -280,21 +368,24 @@ def _variants(lanes) -> dict:
             intervals = variant_lanes[name] = list(intervals)
             for start, end, label in intervals:
                 if end < start:
-                    raise ValueError(f"lanes: interval {label!r} in {name!r}{where} ends before it starts")
+                    raise ValueError(
+                        f"lanes: interval {label!r} in {name!r}{where} ends before it starts"
+                    )
     return variants
 
 
 def timeline(lanes: Mapping, title: str = "Timeline", source: str = "measured"):
     """Recorded or predicted intervals, one horizontal lane per stream, one time axis per variant.
 
-    ``lanes`` is either one variant, a mapping of lane name (compute, H2D, D2H, CPU; a suffix such
-    as ``"H2D, one buffer"`` keeps the colour) to a list of ``(start, end, label)`` in seconds, or
-    several: a mapping of variant name to such a mapping. Variants are drawn as small multiples,
-    one axis each, each starting at its own first event (time 0), all on the same scale, so the
-    lengths of their steps compare by eye. Times are shown in ms. An interval too short to see at
-    that scale is drawn 2 pixels wide, so a lane with work in it never looks empty; intervals that
-follow each other without a gap are parted by a thin white edge. The title says
-    whether the times were measured, emulated or modelled (``source``).
+        ``lanes`` is either one variant, a mapping of lane name (compute, H2D, D2H, CPU; a suffix
+        such as ``"H2D, one buffer"`` keeps the colour) to a list of ``(start, end, label)`` in
+        seconds, or several: a mapping of variant name to such a mapping. Variants are drawn as
+        small multiples, one axis each, each starting at its own first event (time 0), all on the
+        same scale, so the lengths of their steps compare by eye. Times are shown in ms. An interval
+        too short to see at that scale is drawn 2 pixels wide, so a lane with work in it never looks
+        empty; intervals that
+    follow each other without a gap are parted by a thin white edge. The title says
+        whether the times were measured, emulated or modelled (``source``).
     """
     variants = _variants(lanes)
     spans = {}
@@ -307,8 +398,14 @@ follow each other without a gap are parted by a thin white edge. The title says
 
     with book_style():
         heights = [0.45 + 0.34 * len(variant_lanes) for variant_lanes in variants.values()]
-        fig, axes = plt.subplots(len(variants), 1, figsize=(FIGURE_WIDTH_IN, 0.75 + sum(heights)), sharex=True,
-                                 gridspec_kw={"height_ratios": heights}, squeeze=False)
+        fig, axes = plt.subplots(
+            len(variants),
+            1,
+            figsize=(FIGURE_WIDTH_IN, 0.75 + sum(heights)),
+            sharex=True,
+            gridspec_kw={"height_ratios": heights},
+            squeeze=False,
+        )
         fig.canvas.draw()  # the axes' pixel widths, for the shortest visible bar
         renderer = fig.canvas.get_renderer()
         for ax, (variant, variant_lanes) in zip(axes[:, 0], variants.items()):
@@ -320,16 +417,34 @@ follow each other without a gap are parted by a thin white edge. The title says
                 colour = lane_colour(name)
                 for start, end, label in variant_lanes[name]:
                     left, width = (start - zero) * 1e3, (end - start) * 1e3
-                    # A thin white edge parts back-to-back intervals; a bar at the minimum width keeps its fill.
+                    # A thin white edge parts back-to-back intervals; a bar at the minimum width
+                    # keeps its fill.
                     edge = 0.5 if width > 3 * min_width_ms else 0
-                    ax.barh(row, max(width, min_width_ms), left=left, height=0.7, color=colour, edgecolor="white",
-                            linewidth=edge)
+                    ax.barh(
+                        row,
+                        max(width, min_width_ms),
+                        left=left,
+                        height=0.7,
+                        color=colour,
+                        edgecolor="white",
+                        linewidth=edge,
+                    )
                     if label:  # named inside its bar when the name fits there, else left unnamed
-                        text = ax.text(left + width / 2, row, label, ha="center", va="center",
-                                       fontsize=SMALLEST_TEXT_PT, color="white")
+                        text = ax.text(
+                            left + width / 2,
+                            row,
+                            label,
+                            ha="center",
+                            va="center",
+                            fontsize=SMALLEST_TEXT_PT,
+                            color="white",
+                        )
                         if text.get_window_extent(renderer).width > width * pixels_per_ms - 4:
                             text.remove()
-            ax.set_yticks(range(len(names)), [name.split(",")[0].split(" (")[0] if variant else name for name in names])
+            ax.set_yticks(
+                range(len(names)),
+                [name.split(",")[0].split(" (")[0] if variant else name for name in names],
+            )
             ax.set_ylim(len(names) - 0.5, -0.5)
             if variant:
                 step_ms = (spans[variant][1] - zero) * 1e3
@@ -338,22 +453,38 @@ follow each other without a gap are parted by a thin white edge. The title says
             ax.grid(axis="x", color="0.88", lw=0.6)
             ax.tick_params(axis="y", length=0)
         axes[0, 0].set_xlim(0, longest_ms * 1.02)
-        axes[-1, 0].set_xlabel("time from the variant's first event (ms)" if len(variants) > 1 else "time (ms)")
+        axes[-1, 0].set_xlabel(
+            "time from the variant's first event (ms)" if len(variants) > 1 else "time (ms)"
+        )
         fig.suptitle(f"{title} ({source})", x=0.02, ha="left")
         fig.tight_layout()
     return fig
 
 
 # One colour per kind of state: the two the passes use in blues, the optimizer's own in oranges.
-_KIND_COLOURS = {"weights": "#2166ac", "gradients": "#67a9cf", "master_weights": "#b35806",
-                 "first_moment": "#f1a340", "second_moment": "#fdb863", "quantization_scales": "#7f3b08",
-                 "fp32 gradient shard": "#4d9221"}
-_KIND_LABELS = {"weights": "weights", "gradients": "gradients", "master_weights": "fp32 master weights",
-                "first_moment": "first moment", "second_moment": "second moment",
-                "quantization_scales": "8-bit scales", "fp32 gradient shard": "fp32 gradient shard"}
+_KIND_COLOURS = {
+    "weights": "#2166ac",
+    "gradients": "#67a9cf",
+    "master_weights": "#b35806",
+    "first_moment": "#f1a340",
+    "second_moment": "#fdb863",
+    "quantization_scales": "#7f3b08",
+    "fp32 gradient shard": "#4d9221",
+}
+_KIND_LABELS = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "master_weights": "fp32 master weights",
+    "first_moment": "first moment",
+    "second_moment": "second moment",
+    "quantization_scales": "8-bit scales",
+    "fp32 gradient shard": "fp32 gradient shard",
+}
 
 
-def state_breakdown(recipes=("mixed-adam", "mixed-adam-fp32-grads", "fp32-adam", "bf16-adam", "adam-8bit")):
+def state_breakdown(
+    recipes=("mixed-adam", "mixed-adam-fp32-grads", "fp32-adam", "bf16-adam", "adam-8bit"),
+):
     """Bytes per parameter of each recipe as one stacked bar, segment by kind of state.
 
     The kinds only the optimizer's update touches are drawn in oranges, the weights and gradients
@@ -376,11 +507,21 @@ def state_breakdown(recipes=("mixed-adam", "mixed-adam-fp32-grads", "fp32-adam",
                 if not size:
                     continue
                 label = _KIND_LABELS[kind]
-                ax.barh(row, size, left=left, height=0.62, color=_KIND_COLOURS[kind], edgecolor="white", linewidth=1,
-                        label=None if label in seen else label)
+                ax.barh(
+                    row,
+                    size,
+                    left=left,
+                    height=0.62,
+                    color=_KIND_COLOURS[kind],
+                    edgecolor="white",
+                    linewidth=1,
+                    label=None if label in seen else label,
+                )
                 seen.add(label)
                 if size >= 1:
-                    ax.text(left + size / 2, row, f"{size:g}", ha="center", va="center", color="white")
+                    ax.text(
+                        left + size / 2, row, f"{size:g}", ha="center", va="center", color="white"
+                    )
                 left += size
             ax.text(left + 0.2, row, f"{recipe.total:.3g} B", va="center")
         ax.set_yticks(range(len(chosen)), names)
@@ -390,13 +531,26 @@ def state_breakdown(recipes=("mixed-adam", "mixed-adam-fp32-grads", "fp32-adam",
         ax.grid(False)
         ax.tick_params(axis="y", length=0)
         ax.set_title("Where the bytes per parameter go")
-        fig.legend(*ax.get_legend_handles_labels(), ncol=3, loc="lower center", columnspacing=1.0,
-                   handlelength=1.2, handletextpad=0.4)
+        fig.legend(
+            *ax.get_legend_handles_labels(),
+            ncol=3,
+            loc="lower center",
+            columnspacing=1.0,
+            handlelength=1.2,
+            handletextpad=0.4,
+        )
         fig.tight_layout(rect=(0, 0.15, 1, 1))
         # A segment's number stays only where it fits inside the segment.
         for text in [t for t in ax.texts if t.get_color() == "white"]:
-            segment = next(p for p in ax.patches if p.contains_point(ax.transData.transform(text.get_position())))
-            if text.get_window_extent(renderer).width > segment.get_window_extent(renderer).width - 2:
+            segment = next(
+                p
+                for p in ax.patches
+                if p.contains_point(ax.transData.transform(text.get_position()))
+            )
+            if (
+                text.get_window_extent(renderer).width
+                > segment.get_window_extent(renderer).width - 2
+            ):
                 text.remove()
     return fig
 
@@ -409,31 +563,47 @@ def held_per_param(strategy: str, gpus: int, recipe: str = memory.DEFAULT_RECIPE
     :func:`offloadlab.sharding.layout`'s ``gpu_bytes`` per parameter for a model without them.
     """
     if strategy not in sharding.STRATEGIES:
-        raise ValueError(f"strategy: expected one of {', '.join(sharding.STRATEGIES)}; got {strategy!r}")
+        raise ValueError(
+            f"strategy: expected one of {', '.join(sharding.STRATEGIES)}; got {strategy!r}"
+        )
     check_integer(gpus, "gpus")
     kinds = memory.get_recipe(recipe).bytes_per_param
     w = kinds["weights"]
-    optimizer = {k: kinds[k] for k in ("master_weights", "first_moment", "second_moment") if k in kinds}
+    optimizer = {
+        k: kinds[k] for k in ("master_weights", "first_moment", "second_moment") if k in kinds
+    }
     share, fp32 = 1 / gpus, sharding.DEEPSPEED_FP32_GRADIENT
-    if strategy == "fsdp2":  # the sharded fp32 parameters are the master copy; gradients take their dtype
+    # the sharded fp32 parameters are the master copy; gradients take their dtype
+    if strategy == "fsdp2":
         master = kinds.get("master_weights", 0) or w
         moments = {k: v * share for k, v in optimizer.items() if k != "master_weights"}
-        return {"master_weights": (master * share, True), "gradients": (master * share, True),
-                **{k: (v, True) for k, v in moments.items()}}
-    whole = {"ddp": ("weights", "gradients"), "zero1": ("weights", "gradients"), "zero2": ("weights",),
-             "zero3": ()}[strategy]
+        return {
+            "master_weights": (master * share, True),
+            "gradients": (master * share, True),
+            **{k: (v, True) for k, v in moments.items()},
+        }
+    whole = {
+        "ddp": ("weights", "gradients"),
+        "zero1": ("weights", "gradients"),
+        "zero2": ("weights",),
+        "zero3": (),
+    }[strategy]
     split = {"ddp": (), "zero1": (), "zero2": ("gradients",), "zero3": ("weights",)}[strategy]
     held = {kind: (kinds[kind], False) for kind in whole}
     held.update({kind: (kinds[kind] * share, True) for kind in split})
-    if strategy != "ddp":  # DeepSpeed's fp32 copy of the rank's gradient partition, read by its optimizer
+    # DeepSpeed's fp32 copy of the rank's gradient partition, read by its optimizer
+    if strategy != "ddp":
         held["fp32 gradient shard"] = (fp32 * share, True)
     for kind, size in optimizer.items():
         held[kind] = (size, False) if strategy == "ddp" else (size * share, True)
     return held
 
 
-def who_holds_what(gpus: int = 4, strategies=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
-                   recipe: str = memory.DEFAULT_RECIPE):
+def who_holds_what(
+    gpus: int = 4,
+    strategies=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
+    recipe: str = memory.DEFAULT_RECIPE,
+):
     """For each strategy, the bytes per parameter each of ``gpus`` GPUs holds, stacked by kind.
 
     A kind every GPU holds whole is drawn solid; a sharded kind is hatched and labelled with the
@@ -443,26 +613,54 @@ def who_holds_what(gpus: int = 4, strategies=("ddp", "zero1", "zero2", "zero3", 
     """
     names = list(strategies)
     if not names:
-        raise ValueError("strategies: expected one or more of " + ", ".join(sharding.STRATEGIES) + "; got none")
-    labels = {"ddp": "data parallel", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp2": "FSDP2"}
+        raise ValueError(
+            "strategies: expected one or more of " + ", ".join(sharding.STRATEGIES) + "; got none"
+        )
+    labels = {
+        "ddp": "data parallel",
+        "zero1": "ZeRO-1",
+        "zero2": "ZeRO-2",
+        "zero3": "ZeRO-3",
+        "fsdp2": "FSDP2",
+    }
     columns = min(3, len(names))
     rows = -(-len(names) // columns)
     spare = rows * columns - len(names)  # empty places, where the legend goes
     with book_style():
-        fig, axes = plt.subplots(rows + (spare == 0), columns, figsize=(FIGURE_WIDTH_IN, 2.6 * rows + 1.4 * (spare == 0)),
-                                 sharey=True, squeeze=False)
+        fig, axes = plt.subplots(
+            rows + (spare == 0),
+            columns,
+            figsize=(FIGURE_WIDTH_IN, 2.6 * rows + 1.4 * (spare == 0)),
+            sharey=True,
+            squeeze=False,
+        )
         seen, panels = set(), list(axes.flat)
         for ax, strategy in zip(panels, names):
             held = held_per_param(strategy, gpus, recipe)
             for gpu in range(gpus):
                 bottom = 0.0
                 for kind, (size, sharded) in held.items():
-                    fp32 = strategy == "fsdp2" and kind == "gradients"  # FSDP2's gradients take the fp32 shard's dtype
-                    label = "fp32 gradients" if fp32 else f"16-bit {kind}" if kind in ("weights", "gradients") \
+                    # FSDP2's gradients take the fp32 shard's dtype
+                    fp32 = strategy == "fsdp2" and kind == "gradients"
+                    label = (
+                        "fp32 gradients"
+                        if fp32
+                        else f"16-bit {kind}"
+                        if kind in ("weights", "gradients")
                         else _KIND_LABELS[kind]
+                    )
                     colour = _KIND_COLOURS["fp32 gradient shard" if fp32 else kind]
-                    ax.bar(gpu, size, bottom=bottom, width=0.78, color=colour, edgecolor="white", linewidth=0.6,
-                           hatch="///" if sharded else None, label=None if label in seen else label)
+                    ax.bar(
+                        gpu,
+                        size,
+                        bottom=bottom,
+                        width=0.78,
+                        color=colour,
+                        edgecolor="white",
+                        linewidth=0.6,
+                        hatch="///" if sharded else None,
+                        label=None if label in seen else label,
+                    )
                     seen.add(label)
                     bottom += size
                 if gpu == 0 or gpus <= 2:  # the totals are the same on every GPU: said once
@@ -472,13 +670,13 @@ def who_holds_what(gpus: int = 4, strategies=("ddp", "zero1", "zero2", "zero3", 
             ax.tick_params(axis="x", length=0)
             ax.grid(False)
             ax.grid(axis="y", color="0.9", lw=0.6)
-        for ax in panels[len(names):]:
+        for ax in panels[len(names) :]:
             fig.delaxes(ax)
         for ax in axes[:, 0]:
             if ax in fig.axes:
                 ax.set_ylabel("B per parameter")
         handles, texts = [], []
-        for ax in panels[:len(names)]:
+        for ax in panels[: len(names)]:
             h, t = ax.get_legend_handles_labels()
             handles, texts = handles + h, texts + t
         fig.supxlabel("GPU (its shard)", fontsize=SMALLEST_TEXT_PT)
@@ -486,8 +684,18 @@ def who_holds_what(gpus: int = 4, strategies=("ddp", "zero1", "zero2", "zero3", 
         fig.tight_layout()
         if spare:  # in the first empty place: right of the last panel of the last row
             last = panels[len(names) - 1].get_position()
-            fig.legend(handles, texts, loc="center left", bbox_to_anchor=(last.x1 + 0.01, (last.y0 + last.y1) / 2),
-                       handlelength=0.9, handletextpad=0.3, borderaxespad=0, borderpad=0)
+            fig.legend(
+                handles,
+                texts,
+                loc="center left",
+                bbox_to_anchor=(last.x1 + 0.01, (last.y0 + last.y1) / 2),
+                handlelength=0.9,
+                handletextpad=0.3,
+                borderaxespad=0,
+                borderpad=0,
+            )
         else:
-            fig.legend(handles, texts, loc="lower center", ncol=2, handlelength=1.2, handletextpad=0.4)
+            fig.legend(
+                handles, texts, loc="lower center", ncol=2, handlelength=1.2, handletextpad=0.4
+            )
     return fig

@@ -51,18 +51,31 @@ class Prefetcher:
     buffer's earlier views have their version counters bumped, so that autograd refuses a
     backward that saved one (its in-place check) instead of reading the new item's data.
 
-    Iterating again starts a new pass over the same buffers, once the last pass is over: run to
-    its end, or left with a ``break`` (its iterator dropped). Two passes at once would share the
-    buffers, and are refused. On a GPU the last copies of a pass may still be reading pinned
-    sources after it: ``link.synchronize()`` before rewriting them. After a pass,
-    :meth:`timeline` gives the recorded copies and consumer intervals in seconds on the link's clock.
+    Iterating again starts a new pass over the same buffers, once the last pass is over: run to its
+    end, or left with a ``break`` (its iterator dropped). Two passes at once would share the
+    buffers, and are refused. On a GPU the last copies of a pass may still be reading pinned sources
+    after it: ``link.synchronize()`` before rewriting them. After a pass, :meth:`timeline` gives the
+    recorded copies and consumer intervals in seconds on the link's clock.
     """
 
-    def __init__(self, items, link: Link, buffers: int = 2, depth: int | None = None,
-                 synchronous: bool = False, pinned: bool = True):
+    def __init__(
+        self,
+        items,
+        link: Link,
+        buffers: int = 2,
+        depth: int | None = None,
+        synchronous: bool = False,
+        pinned: bool = True,
+    ):
         check_integer(buffers, "buffers")
         depth = buffers - 1 if depth is None else depth
-        check_integer(depth, "depth", 0, buffers - 1, expected=f"an integer in [0, buffers - 1] = [0, {buffers - 1}]")
+        check_integer(
+            depth,
+            "depth",
+            0,
+            buffers - 1,
+            expected=f"an integer in [0, buffers - 1] = [0, {buffers - 1}]",
+        )
         self.link, self.buffers, self.depth = link, buffers, 0 if synchronous else depth
         self.synchronous, self.pinned = bool(synchronous), bool(pinned)
         items = list(items)
@@ -72,16 +85,26 @@ class Prefetcher:
         self.sources = []
         for i, (item, single) in enumerate(zip(items, self._single)):
             group = (item,) if single else tuple(item) if isinstance(item, (tuple, list)) else None
-            if not group or not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
-                                    for t in group):
-                raise ValueError(f"items: expected contiguous host (cpu) tensors or tuples of them; item {i} is not")
+            if not group or not all(
+                isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
+                for t in group
+            ):
+                raise ValueError(
+                    f"items: expected contiguous host (cpu) tensors or tuples of them; item {i} is "
+                    "not"
+                )
             self.sources.append(group)
         self.layouts = [Layout(group) for group in self.sources]
         self.slot_bytes = max(layout.nbytes for layout in self.layouts)
         self._slots = [link.device_buffer(self.slot_bytes, torch.uint8) for _ in range(buffers)]
         staged = pinned and not all(link.is_pinned(t) for group in self.sources for t in group)
-        self._staging = [link.host_buffer(self.slot_bytes, torch.uint8) for _ in range(buffers)] if staged else None
-        self._staging_reads: list = [[] for _ in range(buffers)]  # the copies still reading each staging buffer
+        self._staging = (
+            [link.host_buffer(self.slot_bytes, torch.uint8) for _ in range(buffers)]
+            if staged
+            else None
+        )
+        # the copies still reading each staging buffer
+        self._staging_reads: list = [[] for _ in range(buffers)]
         # Per buffer: the consumer's last release marker, kept across passes. It starts at a marker
         # recorded now, after the buffers were allocated: on a GPU their memory may be what kernels
         # still queued on the compute stream were using, and the first copy into them must wait.
@@ -97,7 +120,8 @@ class Prefetcher:
 
     @property
     def host_staging_bytes(self) -> int:
-        """Pinned host memory of this prefetcher's own staging buffers (0 when every source is pinned)."""
+        """Pinned host memory of this prefetcher's own staging buffers (0 when every source is
+        pinned)."""
         return 0 if self._staging is None else self.buffers * self.slot_bytes
 
     def __len__(self) -> int:
@@ -106,10 +130,13 @@ class Prefetcher:
     def __iter__(self):
         running = self._pass() if self._pass is not None else None
         if running is not None and running.gi_frame is not None:
-            raise RuntimeError("Prefetcher: a pass over its buffers is still in progress; finish it (or leave it "
-                               "with break) before starting another")
+            raise RuntimeError(
+                "Prefetcher: a pass over its buffers is still in progress; finish it (or leave it "
+                "with break) before starting another"
+            )
         generator = self._run()
-        self._pass = weakref.ref(generator)  # a pass left with break is dropped, and closes (its finally) at once
+        # a pass left with break is dropped, and closes (its finally) at once
+        self._pass = weakref.ref(generator)
         return generator
 
     def _issue(self, index: int):
@@ -121,21 +148,31 @@ class Prefetcher:
         if self.pinned and not all(self.link.is_pinned(t) for t in group):
             staging = self._staging[slot]
             for transfer in self._staging_reads[slot]:
-                transfer.synchronize()  # the last copy out of this staging buffer must be done before we refill it
+                # the last copy out of this staging buffer must be done before we refill it
+                transfer.synchronize()
             layout.pack(group, staging)
-            transfers = [self.link.to_device(self._slots[slot][:layout.nbytes], staging[:layout.nbytes],
-                                             after=after, label=label)]
+            transfers = [
+                self.link.to_device(
+                    self._slots[slot][: layout.nbytes],
+                    staging[: layout.nbytes],
+                    after=after,
+                    label=label,
+                )
+            ]
             self._staging_reads[slot] = transfers
         else:
-            transfers = [self.link.to_device(d, s, after=after, label=label)
-                         for d, s in zip(layout.views(self._slots[slot]), group)]
+            transfers = [
+                self.link.to_device(d, s, after=after, label=label)
+                for d, s in zip(layout.views(self._slots[slot]), group)
+            ]
         return slot, transfers
 
     def _run(self):
         count = len(self.sources)
         self._records = records = []
         pending = {}
-        served, stale = {}, []  # weak refs to the views of items delivered, and of those since overwritten
+        # weak refs to the views of items delivered, and of those since overwritten
+        served, stale = {}, []
         try:
             for index in range(min(self.depth + 1, count)):
                 pending[index] = self._issue(index)
@@ -153,7 +190,8 @@ class Prefetcher:
                 begin = self.link.mark()
                 self._in_use = slot
                 yield views[0] if self._single[index] else views
-                # The consumer has issued its work on this item: the buffer is free once that work is done.
+                # The consumer has issued its work on this item: the buffer is free once that work
+                # is done.
                 self._released[slot] = end = self.link.mark()
                 self._in_use = None
                 records.append((index, transfers, begin, end))
@@ -161,7 +199,8 @@ class Prefetcher:
                 if self.depth and ahead < count:
                     pending[ahead] = self._issue(ahead)
         finally:
-            if self._in_use is not None:  # closed mid-item (break, or a new pass): release what it held
+            # closed mid-item (break, or a new pass): release what it held
+            if self._in_use is not None:
                 self._released[self._in_use] = self.link.mark()
                 self._in_use = None
 
@@ -176,10 +215,12 @@ class Prefetcher:
             held = [v for v in (r() for r in refs) if v is not None]
             if held and earlier < index - 1:
                 torch.autograd.graph.increment_version(held)
-                raise RuntimeError(f"Prefetcher: item {earlier} is still referenced, but its device buffer has held "
-                                   f"item {refill} since; an item is valid only until the item {self.buffers} places "
-                                   f"after it is delivered: use it before asking for the next, or .clone() it to "
-                                   f"keep it (list(prefetcher) keeps every item)")
+                raise RuntimeError(
+                    f"Prefetcher: item {earlier} is still referenced, but its device buffer has "
+                    f"held item {refill} since; an item is valid only until the item "
+                    f"{self.buffers} places after it is delivered: use it before asking for the "
+                    f"next, or .clone() it to keep it (list(prefetcher) keeps every item)"
+                )
             if held:
                 left.append((earlier, refill, refs))
         return left
@@ -188,6 +229,8 @@ class Prefetcher:
         """{'H2D': [...], 'compute': [...]} of the last pass: (start, end, label) in seconds."""
         lanes = {"H2D": [], "compute": []}
         for index, transfers, begin, end in self._records:
-            lanes["H2D"].append((min(t.start for t in transfers), max(t.end for t in transfers), str(index)))
+            lanes["H2D"].append(
+                (min(t.start for t in transfers), max(t.end for t in transfers), str(index))
+            )
             lanes["compute"].append((begin.time, end.time, str(index)))
         return lanes

@@ -71,7 +71,9 @@ class Measurement:
         """The value formatted with its unit and source, e.g. '24.1 GB/s (measured)'."""
         if self.value is None:
             return f"not measured ({self.note})" if self.note else "not measured"
-        text = format_bandwidth(self.value) if self.unit == "B/s" else f"{self.value:.3g} {self.unit}"
+        text = (
+            format_bandwidth(self.value) if self.unit == "B/s" else f"{self.value:.3g} {self.unit}"
+        )
         return f"{text} ({self.source})"
 
 
@@ -81,12 +83,23 @@ def _summary(samples: list[float]) -> tuple[float, tuple[float, float]]:
 
 def _bandwidth_record(quantity, nbytes, seconds, source, method, params, note="") -> Measurement:
     if not all(s > 0 for s in seconds):
-        raise ValueError(f"seconds: a {quantity} sample of {nbytes} bytes took no measurable time "
-                         f"({min(seconds):.3g} s); measure larger sizes")
+        raise ValueError(
+            f"seconds: a {quantity} sample of {nbytes} bytes took no measurable time "
+            f"({min(seconds):.3g} s); measure larger sizes"
+        )
     rates = [nbytes / s for s in seconds]
     value, spread = _summary(rates)
-    return Measurement(quantity, value, "B/s", source, method, len(seconds), spread,
-                       {**params, "bytes_per_repeat": nbytes, "median_seconds": statistics.median(seconds)}, note)
+    return Measurement(
+        quantity,
+        value,
+        "B/s",
+        source,
+        method,
+        len(seconds),
+        spread,
+        {**params, "bytes_per_repeat": nbytes, "median_seconds": statistics.median(seconds)},
+        note,
+    )
 
 
 def _host_seconds(fn, repeats: int, warmup: int = 1) -> list[float]:
@@ -117,22 +130,44 @@ def host_memory_bandwidth(nbytes="256 MiB", threads=None, repeats: int = 5) -> l
             torch.set_num_threads(n)
             copy = _host_seconds(lambda: a.copy_(b), repeats)
             update = _host_seconds(lambda: a.add_(b), repeats)
-            records.append(_bandwidth_record("host copy bandwidth", 2 * numel * 4, copy, "measured",
-                                             "torch copy_ of fp32 tensors, wall clock", {"threads": n}))
-            records.append(_bandwidth_record("host update bandwidth", 3 * numel * 4, update, "measured",
-                                             "torch add_ in place (read a, read b, write a), wall clock",
-                                             {"threads": n}))
+            records.append(
+                _bandwidth_record(
+                    "host copy bandwidth",
+                    2 * numel * 4,
+                    copy,
+                    "measured",
+                    "torch copy_ of fp32 tensors, wall clock",
+                    {"threads": n},
+                )
+            )
+            records.append(
+                _bandwidth_record(
+                    "host update bandwidth",
+                    3 * numel * 4,
+                    update,
+                    "measured",
+                    "torch add_ in place (read a, read b, write a), wall clock",
+                    {"threads": n},
+                )
+            )
     finally:
         torch.set_num_threads(previous)
     return records
 
 
 def device_memory_bandwidth(nbytes="1 GiB", repeats: int = 10) -> Measurement:
-    """GPU memory bandwidth of a device-to-device copy (2 × nbytes moved), timed with CUDA events."""
+    """GPU memory bandwidth of a device-to-device copy (2 × nbytes moved), timed with CUDA
+    events."""
     size = int(parse_size(nbytes, "nbytes"))
     if not torch.cuda.is_available():
-        return Measurement("device memory bandwidth", None, "B/s", "not measured", "device copy",
-                           note="no GPU on this machine")
+        return Measurement(
+            "device memory bandwidth",
+            None,
+            "B/s",
+            "not measured",
+            "device copy",
+            note="no GPU on this machine",
+        )
     src = torch.empty(size // 4, device="cuda")
     dst = torch.empty_like(src)
     seconds = []
@@ -144,8 +179,14 @@ def device_memory_bandwidth(nbytes="1 GiB", repeats: int = 10) -> Measurement:
         end.synchronize()
         if i >= 2:  # two warm-up copies
             seconds.append(begin.elapsed_time(end) / 1e3)
-    return _bandwidth_record("device memory bandwidth", 2 * src.numel() * 4, seconds, "measured",
-                             "device-to-device copy_, CUDA event timing", {})
+    return _bandwidth_record(
+        "device memory bandwidth",
+        2 * src.numel() * 4,
+        seconds,
+        "measured",
+        "device-to-device copy_, CUDA event timing",
+        {},
+    )
 
 
 def default_sizes(link: Link, quick: bool = False) -> list[int]:
@@ -192,8 +233,14 @@ def _timed_transfers(link: Link, direction: str, host, device, repeats: int, fil
     return seconds
 
 
-def link_sweep(link: Link, sizes=None, directions=("h2d", "d2h"), pinned=(True, False),
-               repeats: int = 5, quick: bool = False) -> list[Measurement]:
+def link_sweep(
+    link: Link,
+    sizes=None,
+    directions=("h2d", "d2h"),
+    pinned=(True, False),
+    repeats: int = 5,
+    quick: bool = False,
+) -> list[Measurement]:
     """Bandwidth of single transfers over ``link`` for every size, direction and memory kind.
 
     Each transfer is timed on the link's own clock (CUDA events, or the emulated copy
@@ -217,8 +264,10 @@ def link_sweep(link: Link, sizes=None, directions=("h2d", "d2h"), pinned=(True, 
     clock = "emulated copy-thread timestamps" if link.emulated else "CUDA events on the copy stream"
     largest = max(chosen) // 4
     device = link.device_buffer(largest)
-    hosts = {True: link.host_buffer(largest) if True in pinned else None,
-             False: torch.zeros(largest) if False in pinned else None}  # ordinary, pageable memory
+    hosts = {
+        True: link.host_buffer(largest) if True in pinned else None,
+        False: torch.zeros(largest) if False in pinned else None,
+    }  # ordinary, pageable memory
     filler_bytes = busy_filler_bytes(link.emulated)
     filler = (link.host_buffer(filler_bytes // 4), link.device_buffer(filler_bytes // 4))
     pinning = {True: link.pinning_of(hosts[True]) if True in pinned else None, False: "pageable"}
@@ -226,13 +275,26 @@ def link_sweep(link: Link, sizes=None, directions=("h2d", "d2h"), pinned=(True, 
     records = []
     for direction, is_pinned, size in tqdm(cases, desc="link sweep", disable=None, leave=False):
         numel = size // 4
-        seconds = _timed_transfers(link, direction, hosts[is_pinned][:numel], device[:numel], repeats, filler)
+        seconds = _timed_transfers(
+            link, direction, hosts[is_pinned][:numel], device[:numel], repeats, filler
+        )
         memory = "pinned" if is_pinned else "pageable"
-        records.append(_bandwidth_record(
-            f"{direction} bandwidth", size, seconds, source,
-            f"single {memory} transfer issued behind a {filler_bytes >> 20} MiB copy (no host dispatch in "
-            f"its time), {clock}",
-            {"direction": direction, "pinned": is_pinned, "size": size, "pinning": pinning[is_pinned]}))
+        records.append(
+            _bandwidth_record(
+                f"{direction} bandwidth",
+                size,
+                seconds,
+                source,
+                f"single {memory} transfer issued behind a {filler_bytes >> 20} MiB copy (no host "
+                f"dispatch in its time), {clock}",
+                {
+                    "direction": direction,
+                    "pinned": is_pinned,
+                    "size": size,
+                    "pinning": pinning[is_pinned],
+                },
+            )
+        )
     return records
 
 
@@ -251,11 +313,23 @@ def bidirectional(link: Link, nbytes="64 MiB", repeats: int = 5) -> list[Measure
         if i:  # the first round is a warm-up
             samples["h2d"].append(h2d.elapsed)
             samples["d2h"].append(d2h.elapsed)
-    return [_bandwidth_record(f"{d} bandwidth, both directions at once", size, s, _link_source(link),
-                              "pinned transfers in both directions issued together",
-                              {"direction": d, "pinned": True, "size": size, "duplex": True,
-                               "pinning": link.pinning_of(up_host)})
-            for d, s in samples.items()]
+    return [
+        _bandwidth_record(
+            f"{d} bandwidth, both directions at once",
+            size,
+            s,
+            _link_source(link),
+            "pinned transfers in both directions issued together",
+            {
+                "direction": d,
+                "pinned": True,
+                "size": size,
+                "duplex": True,
+                "pinning": link.pinning_of(up_host),
+            },
+        )
+        for d, s in samples.items()
+    ]
 
 
 @dataclass(frozen=True)
@@ -296,11 +370,20 @@ def fit_alpha_beta(sizes, seconds) -> AlphaBeta:
 
 def fit_sweep(records: list[Measurement], direction: str = "h2d", pinned: bool = True) -> AlphaBeta:
     """The α–β fit of one direction and memory kind of a :func:`link_sweep`."""
-    chosen = [r for r in records if r.params.get("direction") == direction
-              and r.params.get("pinned") == pinned and not r.params.get("duplex")]
+    chosen = [
+        r
+        for r in records
+        if r.params.get("direction") == direction
+        and r.params.get("pinned") == pinned
+        and not r.params.get("duplex")
+    ]
     if not chosen:
-        raise ValueError(f"records: no {direction} {'pinned' if pinned else 'pageable'} transfers in the sweep")
-    return fit_alpha_beta([r.params["size"] for r in chosen], [r.params["median_seconds"] for r in chosen])
+        raise ValueError(
+            f"records: no {direction} {'pinned' if pinned else 'pageable'} transfers in the sweep"
+        )
+    return fit_alpha_beta(
+        [r.params["size"] for r in chosen], [r.params["median_seconds"] for r in chosen]
+    )
 
 
 def _drop_cached_pages(fd: int) -> bool:
@@ -325,8 +408,11 @@ def check_disk_folder(folder=".", nbytes="256 MiB") -> None:
     size = int(parse_size(nbytes, "nbytes"))
     os.rmdir(_scratch_folder(disk.path))
     if disk.free_bytes < size:
-        raise OSError(errno.ENOSPC, f"the disk holding {disk.path} has {format_size(disk.free_bytes)} free; "
-                                    f"the disk probe writes {format_size(size)}")
+        raise OSError(
+            errno.ENOSPC,
+            f"the disk holding {disk.path} has {format_size(disk.free_bytes)} free; "
+            f"the disk probe writes {format_size(size)}",
+        )
 
 
 def _scratch_folder(where: str) -> str:
@@ -334,7 +420,9 @@ def _scratch_folder(where: str) -> str:
     try:
         return tempfile.mkdtemp(prefix=_SCRATCH_PREFIX, dir=where)
     except OSError as error:
-        raise OSError(error.errno, f"cannot create a scratch file in {where}: {error.strerror}") from None
+        raise OSError(
+            error.errno, f"cannot create a scratch file in {where}: {error.strerror}"
+        ) from None
 
 
 def _open_direct(path: str, flags: int) -> tuple[int, bool]:
@@ -357,7 +445,8 @@ def _at_depth(count: int, depth: int, one) -> float:
             one(i)
     else:
         with ThreadPoolExecutor(depth) as pool:
-            for _ in pool.map(one, range(count)):  # raises the first error; the pool waits for the rest
+            # raises the first error; the pool waits for the rest
+            for _ in pool.map(one, range(count)):
                 pass
     return time.perf_counter() - start
 
@@ -384,7 +473,8 @@ def _timed_read(fd: int, chunk: int, count: int, depth: int) -> float:
     def one(i):
         if not hasattr(buffers, "one"):
             buffers.one = mmap.mmap(-1, chunk)
-        if os.preadv(fd, [buffers.one], i * chunk) < chunk:  # never loop on a file that came up short
+        # never loop on a file that came up short
+        if os.preadv(fd, [buffers.one], i * chunk) < chunk:
             raise OSError(errno.EIO, "the scratch file came back shorter than it was written")
 
     return _at_depth(count, depth, one)
@@ -407,7 +497,9 @@ def _read_all(path: str, chunk: int, count: int, depth: int) -> tuple[float, boo
         os.close(fd)
 
 
-def disk_bandwidth(folder=".", nbytes="256 MiB", block="4 MiB", queue_depth: int = 1) -> list[Measurement]:
+def disk_bandwidth(
+    folder=".", nbytes="256 MiB", block="4 MiB", queue_depth: int = 1
+) -> list[Measurement]:
     """Write and read of a scratch file in ``folder``, page cache kept out: the disk's raw rate.
 
     Blocks of ``block`` bytes go in file order, ``queue_depth`` of them in flight (threads issuing
@@ -429,13 +521,18 @@ def disk_bandwidth(folder=".", nbytes="256 MiB", block="4 MiB", queue_depth: int
     check_integer(queue_depth, "queue_depth", 1, 1024)
     count = size // chunk
     if count == 0:
-        raise ValueError(f"nbytes: expected at least one block ({format_size(chunk, binary=True)}); got {nbytes!r}")
+        raise ValueError(
+            f"nbytes: expected at least one block ({format_size(chunk, binary=True)}); got "
+            f"{nbytes!r}"
+        )
     buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT requires
     buffer.write(os.urandom(chunk))
     scratch = _scratch_folder(where)
     path = os.path.join(scratch, "probe.bin")
     try:
-        fd, direct = _open_direct(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd, direct = _open_direct(
+            path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0)
+        )
         try:
             _timed_write(fd, buffer, count, queue_depth)  # allocates the file: untimed
             write_seconds = _timed_write(fd, buffer, count, queue_depth)
@@ -450,12 +547,19 @@ def disk_bandwidth(folder=".", nbytes="256 MiB", block="4 MiB", queue_depth: int
         buffer.close()
     order = "sequential" if queue_depth == 1 else f"in file order, {queue_depth} blocks in flight"
     write_method = f"{order} write" + (", O_DIRECT" if direct else "") + ", timed through fsync"
-    read_method = f"{order} read" + (", O_DIRECT" if read_direct else "") + \
-        (", cached pages dropped first" if dropped else ", page cache may serve the read")
+    read_method = (
+        f"{order} read"
+        + (", O_DIRECT" if read_direct else "")
+        + (", cached pages dropped first" if dropped else ", page cache may serve the read")
+    )
     params = {"folder": where, "block": chunk, "queue_depth": queue_depth}
     return [
-        _bandwidth_record("disk write bandwidth", count * chunk, [write_seconds], "measured", write_method, params),
-        _bandwidth_record("disk read bandwidth", count * chunk, [read_seconds], "measured", read_method, params),
+        _bandwidth_record(
+            "disk write bandwidth", count * chunk, [write_seconds], "measured", write_method, params
+        ),
+        _bandwidth_record(
+            "disk read bandwidth", count * chunk, [read_seconds], "measured", read_method, params
+        ),
     ]
 
 
@@ -474,8 +578,16 @@ def cpu_adam_throughput(params=16e6, repeats: int = 5, threads: int | None = Non
         torch.set_num_threads(previous)
     rates = [count / s for s in seconds]
     value, spread = _summary(rates)
-    return Measurement("cpu adam throughput", value, "params/s", "measured", "torch AdamW(fused=True) step, wall clock",
-                       repeats, spread, {"params": count, "threads": threads or previous})
+    return Measurement(
+        "cpu adam throughput",
+        value,
+        "params/s",
+        "measured",
+        "torch AdamW(fused=True) step, wall clock",
+        repeats,
+        spread,
+        {"params": count, "threads": threads or previous},
+    )
 
 
 def matmul_rate(device=None, size: int | None = None, repeats: int = 5) -> Measurement:
@@ -495,5 +607,13 @@ def matmul_rate(device=None, size: int | None = None, repeats: int = 5) -> Measu
     seconds = _host_seconds(product, repeats, warmup=2)
     rates = [2 * n**3 / s for s in seconds]
     value, spread = _summary(rates)
-    return Measurement("matmul rate", value, "FLOP/s", "measured", f"{n}×{n} {str(dtype).split('.')[-1]} matmul",
-                       repeats, spread, {"device": str(device), "size": n})
+    return Measurement(
+        "matmul rate",
+        value,
+        "FLOP/s",
+        "measured",
+        f"{n}×{n} {str(dtype).split('.')[-1]} matmul",
+        repeats,
+        spread,
+        {"device": str(device), "size": n},
+    )

@@ -64,13 +64,27 @@ from dataclasses import dataclass
 from . import memory
 from .units import check_integer
 
-__all__ = ["STRATEGIES", "OFFLOADS", "Layout", "layout", "nvme_layout", "valid", "ring_bytes", "deepspeed_estimate",
-           "fsdp2_pinned_bytes", "nvme_buffer_elements", "NVME_BUFFER_COUNT", "NVME_DEFAULT_BUFFER"]
+__all__ = [
+    "STRATEGIES",
+    "OFFLOADS",
+    "Layout",
+    "layout",
+    "nvme_layout",
+    "valid",
+    "ring_bytes",
+    "deepspeed_estimate",
+    "fsdp2_pinned_bytes",
+    "nvme_buffer_elements",
+    "NVME_BUFFER_COUNT",
+    "NVME_DEFAULT_BUFFER",
+]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 OFFLOADS = ("none", "optimizer", "optimizer+parameters")
-DEEPSPEED_FP32_GRADIENT = 4   # bytes per parameter: DeepSpeed keeps its gradient partition in fp32 too
-DEEPSPEED_BUFFER_FACTOR = 1.5  # DeepSpeed's estimators' allowance for host buffers ("additional_buffer_factor")
+# bytes per parameter: DeepSpeed keeps its gradient partition in fp32 too
+DEEPSPEED_FP32_GRADIENT = 4
+# DeepSpeed's estimators' allowance for host buffers ("additional_buffer_factor")
+DEEPSPEED_BUFFER_FACTOR = 1.5
 
 
 def valid(strategy: str, offload: str) -> bool:
@@ -85,9 +99,12 @@ def valid(strategy: str, offload: str) -> bool:
 
 
 def ring_bytes(collective: str, tensor_bytes: float, gpus: int) -> float:
-    """Bytes each GPU sends (and receives) in a ring collective over ``tensor_bytes`` on ``gpus`` GPUs."""
+    """Bytes each GPU sends (and receives) in a ring collective over ``tensor_bytes`` on ``gpus``
+    GPUs."""
     share = (gpus - 1) / gpus
-    return {"all-gather": share, "reduce-scatter": share, "all-reduce": 2 * share}[collective] * tensor_bytes
+    return {"all-gather": share, "reduce-scatter": share, "all-reduce": 2 * share}[
+        collective
+    ] * tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -125,8 +142,13 @@ class Layout:
 
     @property
     def name(self) -> str:
-        label = {"ddp": "data parallel", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
-                 "fsdp2": "FSDP2"}[self.strategy]
+        label = {
+            "ddp": "data parallel",
+            "zero1": "ZeRO-1",
+            "zero2": "ZeRO-2",
+            "zero3": "ZeRO-3",
+            "fsdp2": "FSDP2",
+        }[self.strategy]
         where = " to NVMe" if self.nvme_bytes else ""
         return label if self.offload == "none" else f"{label} + offload {self.offload}{where}"
 
@@ -134,9 +156,18 @@ class Layout:
         return {**self.__dict__, "name": self.name, "interconnect_bytes": self.interconnect_bytes}
 
 
-def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_module: float = 0.0,
-           block_params: float = 0.0, root_params: float = 0.0, recipe: str = memory.DEFAULT_RECIPE,
-           shapes=None) -> Layout:
+def layout(
+    strategy: str,
+    offload: str,
+    params: float,
+    gpus: int,
+    *,
+    largest_module: float = 0.0,
+    block_params: float = 0.0,
+    root_params: float = 0.0,
+    recipe: str = memory.DEFAULT_RECIPE,
+    shapes=None,
+) -> Layout:
     """Bytes per GPU of ``strategy`` with ``offload`` for ``params`` parameters on ``gpus`` GPUs.
 
     ``largest_module`` (ZeRO-3), ``block_params`` and ``root_params`` (FSDP2: one transformer block;
@@ -161,7 +192,8 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
     after = 0.0
     if strategy == "ddp":
         gathered, overlapped = 0.0, ring_bytes("all-reduce", g * p, n)
-        if offload == "optimizer":  # a whole copy per GPU: state, gradient landing buffer, 16-bit weights
+        # a whole copy per GPU: state, gradient landing buffer, 16-bit weights
+        if offload == "optimizer":
             gpu, host = (w + g) * p, (optimizer + g + w) * p
             d2h, h2d, cpu = g * p, w * p, p
             upload = h2d
@@ -172,7 +204,8 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
         sharded = DEEPSPEED_FP32_GRADIENT + optimizer + (0 if strategy == "zero1" else g)
         gathered, overlapped, after = 0.0, reduce_grads, gather_weights
         if offload == "optimizer":  # the fp32 partition and its update move to the host; ZeRO-2's
-            gpu = replicated * p      # reduced gradient buckets go straight down, leaving no shard behind
+            # reduced gradient buckets go straight down, leaving no shard behind
+            gpu = replicated * p
             host = (DEEPSPEED_FP32_GRADIENT + optimizer) * shard
             d2h, h2d, cpu = DEEPSPEED_FP32_GRADIENT * shard, w * shard, shard
             upload = h2d
@@ -184,7 +217,8 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
         state = w + DEEPSPEED_FP32_GRADIENT + optimizer
         if offload == "none":
             gpu = state * shard + gathered
-        elif offload == "optimizer":  # the gradient's host round trip, then fp32 down; new weights up
+        # the gradient's host round trip, then fp32 down; new weights up
+        elif offload == "optimizer":
             gpu = w * shard + gathered
             host = (DEEPSPEED_FP32_GRADIENT + optimizer) * shard
             d2h, h2d, cpu = (g + DEEPSPEED_FP32_GRADIENT) * shard, (g + w) * shard, shard
@@ -201,12 +235,27 @@ def layout(strategy: str, offload: str, params: float, gpus: int, *, largest_mod
         state = master + master + moments  # sharded gradients take the sharded parameters' dtype
         if offload == "none":
             gpu = state * shard + gathered
-        else:  # CPUOffloadPolicy: the fp32 shard comes up before each gather; its gradient goes down
+        # CPUOffloadPolicy: the fp32 shard comes up before each gather; its gradient goes down
+        else:
             gpu = gathered
             pinned = fsdp2_pinned_bytes(shapes, n, master) if shapes else 2 * master * shard
-            host = pinned + moments * shard  # the moments are the optimizer's own, pageable, unrounded
+            # the moments are the optimizer's own, pageable, unrounded
+            host = pinned + moments * shard
             h2d, d2h, cpu = 2 * master * shard, master * shard, shard
-    return Layout(strategy, offload, n, gpu, gathered, host, overlapped, after, h2d, d2h, cpu, upload_after=upload)
+    return Layout(
+        strategy,
+        offload,
+        n,
+        gpu,
+        gathered,
+        host,
+        overlapped,
+        after,
+        h2d,
+        d2h,
+        cpu,
+        upload_after=upload,
+    )
 
 
 def fsdp2_pinned_bytes(shapes, gpus: int, element: float = 4) -> float:
@@ -251,8 +300,14 @@ def nvme_buffer_elements(largest_weight: float, gpus: int) -> int:
     return max(NVME_DEFAULT_BUFFER, -(-shard // 2**20) * 2**20)  # rounded up to a whole Mi-element
 
 
-def nvme_layout(params: float, gpus: int, *, largest_module: float = 0.0, largest_weight: float = 0.0,
-                recipe: str = memory.DEFAULT_RECIPE) -> Layout:
+def nvme_layout(
+    params: float,
+    gpus: int,
+    *,
+    largest_module: float = 0.0,
+    largest_weight: float = 0.0,
+    recipe: str = memory.DEFAULT_RECIPE,
+) -> Layout:
     """ZeRO-Infinity with NVMe: ZeRO-3 whose shards (16-bit weights, fp32 optimizer state and
     gradients) live on the drive; the host keeps only pinned staging buffers (``buffer_count``
     buffers of :func:`nvme_buffer_elements` 16-bit values, and the optimizer swapper's).
@@ -261,21 +316,45 @@ def nvme_layout(params: float, gpus: int, *, largest_module: float = 0.0, larges
     passes run, then reads its fp32 state, updates it on the CPU and writes the state and the new
     16-bit shard back (DeepSpeed's default: reading, updating and writing one after another).
     """
-    cpu = layout("zero3", "optimizer+parameters", params, gpus, largest_module=largest_module, recipe=recipe)
+    cpu = layout(
+        "zero3", "optimizer+parameters", params, gpus, largest_module=largest_module, recipe=recipe
+    )
     kinds = memory.get_recipe(recipe).bytes_per_param
     w = kinds["weights"]
     state = cpu.host_bytes - w * params / gpus  # fp32 optimizer state and gradient partition
     shard = params / gpus
-    staging = NVME_BUFFER_COUNT * nvme_buffer_elements(largest_weight, gpus) * 2 + _OPTIMIZER_SWAP_BYTES
-    return Layout(cpu.strategy, cpu.offload, gpus, cpu.gpu_bytes, cpu.gathered_bytes, staging,
-                  cpu.interconnect_overlapped, cpu.interconnect_after, cpu.h2d_bytes, cpu.d2h_bytes, cpu.cpu_params,
-                  nvme_bytes=cpu.host_bytes, nvme_during_passes=2 * w * shard, nvme_after=2 * state + w * shard)
+    staging = (
+        NVME_BUFFER_COUNT * nvme_buffer_elements(largest_weight, gpus) * 2 + _OPTIMIZER_SWAP_BYTES
+    )
+    return Layout(
+        cpu.strategy,
+        cpu.offload,
+        gpus,
+        cpu.gpu_bytes,
+        cpu.gathered_bytes,
+        staging,
+        cpu.interconnect_overlapped,
+        cpu.interconnect_after,
+        cpu.h2d_bytes,
+        cpu.d2h_bytes,
+        cpu.cpu_params,
+        nvme_bytes=cpu.host_bytes,
+        nvme_during_passes=2 * w * shard,
+        nvme_after=2 * state + w * shard,
+    )
 
 
-def deepspeed_estimate(stage: int, offload: str, params: float, largest_module: float, gpus: int,
-                       zero_init: bool = True) -> dict:
-    """DeepSpeed's estimate of model-state memory (its ``estimate_zero{2,3}_model_states_mem_needs``),
-    rebuilt from :func:`layout` plus the three terms where the two differ, each named.
+def deepspeed_estimate(
+    stage: int,
+    offload: str,
+    params: float,
+    largest_module: float,
+    gpus: int,
+    zero_init: bool = True,
+) -> dict:
+    """DeepSpeed's estimate of model-state memory (its
+    ``estimate_zero{2,3}_model_states_mem_needs``), rebuilt from :func:`layout` plus the three terms
+    where the two differ, each named.
 
     1. DeepSpeed multiplies host memory by ``additional_buffer_factor`` = 1.5 (pinned buffers,
        allocator slack); :func:`layout` counts the state itself.
@@ -303,12 +382,17 @@ def deepspeed_estimate(stage: int, offload: str, params: float, largest_module: 
         terms.append("host: the model-loading peak (fp32 model per process), not training state")
     elif stage == 2:
         if load_peak > host_node:
-            terms.append(f"host: the loading peak (fp32 model in each of {gpus} processes) exceeds the offloaded "
-                         f"state")
+            terms.append(
+                f"host: the loading peak (fp32 model in each of {gpus} processes) exceeds the "
+                f"offloaded state"
+            )
         host_node = max(host_node, load_peak)
     elif not zero_init and load_peak > host_node:
         terms.append("host: the loading peak without zero_init exceeds the offloaded state")
         host_node = load_peak
     terms.append(f"host × {DEEPSPEED_BUFFER_FACTOR} buffer factor")
-    return {"gpu_bytes": parts.gpu_bytes, "host_bytes_per_node": host_node * DEEPSPEED_BUFFER_FACTOR,
-            "terms": terms}
+    return {
+        "gpu_bytes": parts.gpu_bytes,
+        "host_bytes_per_node": host_node * DEEPSPEED_BUFFER_FACTOR,
+        "terms": terms,
+    }

@@ -20,16 +20,16 @@ holds ``buffers`` block-sized weight buffers and two gradient buffers, allocated
   stall it), and are put in ``.grad`` (host tensors) once the buffer is needed again or at the
   end of backward.
 
-Blocks may run in any order — skipped (LayerDrop), recomputed (activation checkpointing, whose
-own saved-tensor hooks keep handling the activations), or twice in one forward (their gradients
-add up) — and always get their own weights; a block that needs a buffer when every buffer is held
-raises an error naming it, and so does a block whose parameters were replaced after streaming
-began (e.g. by ``load_state_dict(assign=True)``: load with the default, copying
-``load_state_dict`` instead), or changed between a forward and its backward. The host weights
-are what the copies to the device read: ``load_state_dict`` and an optimizer wait for those
-copies before writing them; code that writes them in place itself (``p.mul_(…)`` under
-``no_grad``) calls ``link.synchronize()`` first, as for any pinned buffer a copy may still read. Under autocast,
-backward keeps where to find a trainable weight's cast copy instead of the copy.
+Blocks may run in any order — skipped (LayerDrop), recomputed (activation checkpointing, whose own
+saved-tensor hooks keep handling the activations), or twice in one forward (their gradients add up)
+— and always get their own weights; a block that needs a buffer when every buffer is held raises an
+error naming it, and so does a block whose parameters were replaced after streaming began (e.g. by
+``load_state_dict(assign=True)``: load with the default, copying ``load_state_dict`` instead), or
+changed between a forward and its backward. The host weights are what the copies to the device read:
+``load_state_dict`` and an optimizer wait for those copies before writing them; code that writes
+them in place itself (``p.mul_(…)`` under ``no_grad``) calls ``link.synchronize()`` first, as for
+any pinned buffer a copy may still read. Under autocast, backward keeps where to find a trainable
+weight's cast copy instead of the copy.
 
 What it does not do: streamed parameters' gradients reach ``.grad`` (or the optimizer) through
 ``backward()`` only — ``torch.autograd.grad`` with streamed parameters as inputs finds no path to
@@ -62,14 +62,16 @@ def streamed_model_of(param: torch.Tensor) -> "StreamedModel | None":
 
 
 class _Buffer:
-    """A device weight buffer: which block it holds, the copy filling it, who holds it, when released."""
+    """A device weight buffer: which block it holds, the copy filling it, who holds it, when
+    released."""
 
     def __init__(self, memory: torch.Tensor):
         self.memory = memory
         self.block: int | None = None
-        self.versions: tuple = ()       # the block's parameters' version counters when it was filled
-        self.fill: list = []            # the transfer(s) bringing self.block's weights in
-        self.holds = 0                  # users (a running forward, a backward in progress)
+        # the block's parameters' version counters when it was filled
+        self.versions: tuple = ()
+        self.fill: list = []  # the transfer(s) bringing self.block's weights in
+        self.holds = 0  # users (a running forward, a backward in progress)
         self.released: Marker | None = None  # compute-stream point after its last user's work
         self.last_use = 0
 
@@ -81,7 +83,13 @@ class _SavedWeight:
     __slots__ = ("block", "which", "size", "stride", "offset", "version", "cast")
 
     def __init__(self, block, which, size, stride, offset, version, cast=None):
-        self.block, self.which, self.size, self.stride, self.offset = block, which, size, stride, offset
+        self.block, self.which, self.size, self.stride, self.offset = (
+            block,
+            which,
+            size,
+            stride,
+            offset,
+        )
         self.version = version  # the host weight's version counter when forward saved it
         self.cast = cast
 
@@ -101,7 +109,8 @@ class _Fetch(torch.autograd.Function):
 
 
 class StreamedModel:
-    """Stream ``blocks`` (default ``model.blocks``) of ``model`` from pinned host memory over ``link``.
+    """Stream ``blocks`` (default ``model.blocks``) of ``model`` from pinned host memory over
+    ``link``.
 
     ``buffers`` (≥ 2) device weight buffers, each the size of the largest block: one block
     computing while the next arrives. See the module docstring for what happens when.
@@ -113,7 +122,9 @@ class StreamedModel:
             raise ValueError("blocks: expected the modules to stream (the model has no .blocks)")
         if len({id(b) for b in chosen}) != len(chosen):
             raise ValueError("blocks: expected each block once")
-        check_integer(buffers, "buffers", 2, expected="an integer ≥ 2 (one block computing, one arriving)")
+        check_integer(
+            buffers, "buffers", 2, expected="an integer ≥ 2 (one block computing, one arriving)"
+        )
         names = {id(m): n for n, m in model.named_modules()}
         self.model, self.link, self.blocks, self.buffers = model, link, chosen, buffers
         self.names = [names.get(id(b), f"block {i}") for i, b in enumerate(chosen)]
@@ -121,16 +132,25 @@ class StreamedModel:
         for index, named in enumerate(self._params):
             meta = [name for name, p in named if p.is_meta]
             if meta:
-                raise ValueError(f"blocks: {self.names[index]!r} has parameters on the meta device ({meta[0]!r}"
-                                 f"{' and more' if len(meta) > 1 else ''}): shapes without values; materialise the "
-                                 f"model first (model.to_empty(device='cpu') and initialise it, or load its weights)")
+                raise ValueError(
+                    f"blocks: {self.names[index]!r} has parameters on the meta device ({meta[0]!r}"
+                    f"{' and more' if len(meta) > 1 else ''}): shapes without values; materialise "
+                    f"the model first (model.to_empty(device='cpu') and initialise it, or load its "
+                    "weights)"
+                )
         self._check_ownership()
 
         self.layouts = [Layout([p for _, p in named]) for named in self._params]
-        self._trainable = [[k for k, (_, p) in enumerate(named) if p.requires_grad] for named in self._params]
-        self._gradient_position = [{k: position for position, k in enumerate(ks)} for ks in self._trainable]
-        self.gradient_layouts = [Layout([named[k][1] for k in ks], packed=True)
-                                 for named, ks in zip(self._params, self._trainable)]
+        self._trainable = [
+            [k for k, (_, p) in enumerate(named) if p.requires_grad] for named in self._params
+        ]
+        self._gradient_position = [
+            {k: position for position, k in enumerate(ks)} for ks in self._trainable
+        ]
+        self.gradient_layouts = [
+            Layout([named[k][1] for k in ks], packed=True)
+            for named, ks in zip(self._params, self._trainable)
+        ]
         self._host = []
         with torch.no_grad():
             for named, layout in zip(self._params, self.layouts):
@@ -140,22 +160,33 @@ class StreamedModel:
                     p.data = view
                 self._host.append(flat)
         self._addresses = [[p.data_ptr() for _, p in named] for named in self._params]
-        self._block_of = {id(p): index for index, named in enumerate(self._params) for _, p in named}
+        self._block_of = {
+            id(p): index for index, named in enumerate(self._params) for _, p in named
+        }
         for named in self._params:
             for _, p in named:
                 ownership.hold(p, streamer=self)
 
         self.block_bytes = max(layout.nbytes for layout in self.layouts)
-        self._weights = [_Buffer(link.device_buffer(self.block_bytes, torch.uint8)) for _ in range(buffers)]
-        allocated = link.mark()  # the first fill of each buffer waits for what used its memory before
+        self._weights = [
+            _Buffer(link.device_buffer(self.block_bytes, torch.uint8)) for _ in range(buffers)
+        ]
+        # the first fill of each buffer waits for what used its memory before
+        allocated = link.mark()
         for buffer in self._weights:
             buffer.released = allocated
-        self._gather = GradientGather(link, self.gradient_layouts, sink=self,
-                                      names=lambda index: f"block {self.names[index]!r}")
+        self._gather = GradientGather(
+            link,
+            self.gradient_layouts,
+            sink=self,
+            names=lambda index: f"block {self.names[index]!r}",
+        )
         self._landing_bytes = max(layout.nbytes for layout in self.gradient_layouts)
-        self._landing_buffers: list[torch.Tensor] = []  # pinned, for blocks whose gradients go to .grad
+        # pinned, for blocks whose gradients go to .grad
+        self._landing_buffers: list[torch.Tensor] = []
         self._allocate_landing()
-        self._sinks: dict[int, tuple[GradientSink, int]] = {}  # block → the sink attached to it, and its group there
+        # block → the sink attached to it, and its group there
+        self._sinks: dict[int, tuple[GradientSink, int]] = {}
         self._backward = _torch_compat.EndOfBackward(self._end_backward)
         self._reading: dict[int, list] = {}  # block → copies that may still read its host weights
         self._uses = itertools.count(1)
@@ -163,18 +194,25 @@ class StreamedModel:
         self._load_hooks = []
         for index, block in enumerate(chosen):
             block.forward = functools.partial(self._forward, index)  # shadows the class's forward
-            # load_state_dict copies into the host weights in place: not while a copy still reads them
-            self._load_hooks.append(block.register_load_state_dict_pre_hook(
-                lambda *_, index=index: self._quiesce(index)))
+            # load_state_dict copies into the host weights in place: not while a copy still reads
+            # them
+            self._load_hooks.append(
+                block.register_load_state_dict_pre_hook(
+                    lambda *_, index=index: self._quiesce(index)
+                )
+            )
         # model.zero_grad() after a backward that raised: that pass's gradients land first, to be
         # cleared with the rest, as autograd's would be (this model's zero_grad only, not torch's)
-        self._outer_zero_grad = model.__dict__.get("zero_grad")  # (another StreamedModel's, on the same model)
+        # (another StreamedModel's, on the same model)
+        self._outer_zero_grad = model.__dict__.get("zero_grad")
         model.zero_grad = self._zero_grad
 
     def __reduce_ex__(self, protocol):
-        raise TypeError("a streamed model cannot be copied or pickled (its blocks' weights live in this process's "
-                        "pinned memory and stream over its link): remove() the streaming, copy the model, and "
-                        "stream the copy with a StreamedModel of its own")
+        raise TypeError(
+            "a streamed model cannot be copied or pickled (its blocks' weights live in this "
+            "process's pinned memory and stream over its link): remove() the streaming, copy the "
+            "model, and stream the copy with a StreamedModel of its own"
+        )
 
     def __repr__(self) -> str:
         return f"StreamedModel({len(self.blocks)} blocks, {self.buffers} buffers, {self.link!r})"
@@ -197,8 +235,10 @@ class StreamedModel:
         blocks' gradients would land in ``.grad``, where that optimizer never looks.
         """
         if self._sinks:
-            raise RuntimeError(f"StreamedModel.remove: an optimizer still takes the gradients of "
-                               f"{len(self._sinks)} streamed blocks; close() it first")
+            raise RuntimeError(
+                f"StreamedModel.remove: an optimizer still takes the gradients of "
+                f"{len(self._sinks)} streamed blocks; close() it first"
+            )
         self.link.synchronize()
         for block in self.blocks:
             block.__dict__.pop("forward", None)
@@ -213,15 +253,18 @@ class StreamedModel:
             for _, p in named:
                 ownership.release(p, self)
 
-    # ------------------------------------------------------------------ optimizers (the ownership.Streamer protocol)
+    # ------------------------------------------------- optimizers (the ownership.Streamer protocol)
 
     def block_of(self, param: torch.Tensor) -> int:
         """The index of the streamed block ``param`` belongs to."""
         return self._block_of[id(param)]
 
     def gradient_layout(self, block: int) -> tuple[list[torch.Tensor], Layout]:
-        """Block ``block``'s trainable parameters and where their gradients sit in its gradient buffer."""
-        return [self._params[block][k][1] for k in self._trainable[block]], self.gradient_layouts[block]
+        """Block ``block``'s trainable parameters and where their gradients sit in its gradient
+        buffer."""
+        return [self._params[block][k][1] for k in self._trainable[block]], self.gradient_layouts[
+            block
+        ]
 
     def write_host_weights(self, block: int, values) -> None:
         """Copy new values into block ``block``'s trainable parameters (its :meth:`gradient_layout`
@@ -238,8 +281,9 @@ class StreamedModel:
             transfer.synchronize()
 
     def attach_sink(self, block: int, sink: GradientSink, group: int) -> None:
-        """Send block ``block``'s gradients to ``sink`` (a :class:`~offloadlab.ownership.GradientSink`),
-        as its group ``group``, instead of ``.grad``; they are laid out as :meth:`gradient_layout`.
+        """Send block ``block``'s gradients to ``sink`` (a
+        :class:`~offloadlab.ownership.GradientSink`), as its group ``group``, instead of ``.grad``;
+        they are laid out as :meth:`gradient_layout`.
 
         Gradients already landed here go to ``.grad`` (where the sink's owner finds them), and once
         every block has a sink the landing buffers are freed.
@@ -248,7 +292,8 @@ class StreamedModel:
             self._land(block)  # (waits for their copies)
         self._sinks[block] = (sink, group)
         if all(self._sinks.get(i) is not None for i, ks in enumerate(self._trainable) if ks):
-            self._landing_buffers = []  # every gradient goes to a sink: the landing buffers are not needed
+            # every gradient goes to a sink: the landing buffers are not needed
+            self._landing_buffers = []
 
     def detach_sink(self, block: int, sink: GradientSink) -> None:
         """Put block ``block``'s gradients in ``.grad`` again (``sink`` is closing)."""
@@ -257,9 +302,12 @@ class StreamedModel:
             self._allocate_landing()  # (outside backward: an optimizer is being closed)
 
     def _allocate_landing(self) -> None:
-        """The two pinned landing buffers, if they are not there (a model with nothing to train needs none)."""
+        """The two pinned landing buffers, if they are not there (a model with nothing to train
+        needs none)."""
         if not self._landing_buffers and any(self._trainable):
-            self._landing_buffers = [self.link.host_buffer(self._landing_bytes, torch.uint8) for _ in range(2)]
+            self._landing_buffers = [
+                self.link.host_buffer(self._landing_bytes, torch.uint8) for _ in range(2)
+            ]
 
     # ------------------------------------------------------------------ forward
 
@@ -271,19 +319,36 @@ class StreamedModel:
         try:
             views = self.layouts[index].views(buffer.memory)
             track = torch.is_grad_enabled()
-            fetched = {name: _Fetch.apply(p, view, self, index, k) if track and p.requires_grad else view
-                       for k, ((name, p), view) in enumerate(zip(self._params[index], views))}
+            fetched = {
+                name: _Fetch.apply(p, view, self, index, k) if track and p.requires_grad else view
+                for k, ((name, p), view) in enumerate(zip(self._params[index], views))
+            }
             # autocast's copy of a trainable weight is recognised by the node it was cast from
-            nodes = {id(t.grad_fn): k for k, t in enumerate(fetched.values()) if t.grad_fn is not None}
-            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad),
-                         None) if track else None
-            if first is not None:  # its gradient is the block's last in backward: the buffer may go then
+            nodes = {
+                id(t.grad_fn): k for k, t in enumerate(fetched.values()) if t.grad_fn is not None
+            }
+            first = (
+                next(
+                    (
+                        a
+                        for a in (*args, *kwargs.values())
+                        if isinstance(a, torch.Tensor) and a.requires_grad
+                    ),
+                    None,
+                )
+                if track
+                else None
+            )
+            # its gradient is the block's last in backward: the buffer may go then
+            if first is not None:
                 first.register_hook(functools.partial(self._input_gradient_done, index))
             # Hooks already in force (activation checkpointing's) keep handling everything but the
             # streamed weights: ours would otherwise hide the block's activations from them.
             outer = _torch_compat.saved_tensors_default_hooks()
-            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, index, buffer, nodes, outer),
-                                                          functools.partial(self._unpack, outer)):
+            with torch.autograd.graph.saved_tensors_hooks(
+                functools.partial(self._pack, index, buffer, nodes, outer),
+                functools.partial(self._unpack, outer),
+            ):
                 with _torch_compat.reparametrize_module(block, fetched):
                     return type(block).forward(block, *args, **kwargs)
         finally:
@@ -298,10 +363,11 @@ class StreamedModel:
                 current = None
             if current is not p or p.data_ptr() != address:
                 raise RuntimeError(
-                    f"StreamedModel: the parameter {name!r} of block {self.names[index]!r} was replaced after "
-                    f"streaming began (load_state_dict(assign=True), `.data = …` or .to()); load weights with "
-                    f"the default load_state_dict(), which copies into the streamed host memory, or build a "
-                    f"new StreamedModel")
+                    f"StreamedModel: the parameter {name!r} of block {self.names[index]!r} was "
+                    "replaced after streaming began (load_state_dict(assign=True), `.data = …` or "
+                    ".to()); load weights with the default load_state_dict(), which copies into "
+                    f"the streamed host memory, or build a new StreamedModel"
+                )
 
     # ------------------------------------------------------------------ device buffers
 
@@ -312,8 +378,10 @@ class StreamedModel:
             buffer = self._free_buffer(avoid=set())
             if buffer is None:
                 held = ", ".join(repr(self.names[b.block]) for b in self._weights if b.holds)
-                raise RuntimeError(f"StreamedModel: block {self.names[index]!r} needs a device buffer but all "
-                                   f"{self.buffers} hold blocks still in use ({held}); pass more buffers")
+                raise RuntimeError(
+                    f"StreamedModel: block {self.names[index]!r} needs a device buffer but all "
+                    f"{self.buffers} hold blocks still in use ({held}); pass more buffers"
+                )
             self._fill(buffer, index)
         buffer.holds += 1
         buffer.last_use = next(self._uses)
@@ -336,12 +404,14 @@ class StreamedModel:
         return tuple(_torch_compat.version(p) for _, p in self._params[index])
 
     def _free_buffer(self, avoid: set) -> _Buffer | None:
-        """An unheld buffer to fill, preferring empty ones, then ones not holding a block in ``avoid``, then the LRU."""
+        """An unheld buffer to fill, preferring empty ones, then ones not holding a block in
+        ``avoid``, then the LRU."""
         free = [b for b in self._weights if b.holds == 0]
         if not free:
             return None
 
-        def keep(b: _Buffer) -> tuple:  # lowest first: empty or stale, then not needed soon, then least recent
+        # lowest first: empty or stale, then not needed soon, then least recent
+        def keep(b: _Buffer) -> tuple:
             current = b.block is not None and b.versions == self._versions(b.block)
             return current, current and b.block in avoid, b.last_use
 
@@ -352,8 +422,14 @@ class StreamedModel:
         buffer.block, buffer.versions = index, self._versions(index)
         reading = self._reading.setdefault(index, [])
         reading[:] = [t for t in reading if not t.done()]
-        buffer.fill = [self.link.to_device(buffer.memory[:nbytes], self._host[index], after=buffer.released,
-                                           label=f"{self.names[index]}")]
+        buffer.fill = [
+            self.link.to_device(
+                buffer.memory[:nbytes],
+                self._host[index],
+                after=buffer.released,
+                label=f"{self.names[index]}",
+            )
+        ]
         reading += buffer.fill
 
     def _prefetch(self, index: int, direction: int) -> None:
@@ -372,22 +448,31 @@ class StreamedModel:
 
     def _reset_backward(self) -> None:
         self._backward_holds: dict[int, _Buffer] = {}
-        self._landing: dict[int, list] = {}  # block → [(transfers, positions)] sent to a landing buffer
+        # block → [(transfers, positions)] sent to a landing buffer
+        self._landing: dict[int, list] = {}
         self._landing_slot: dict[int, int] = {}  # block → the landing buffer its gradients are in
 
     def _pack(self, index: int, buffer: _Buffer, nodes: dict, outer, t: torch.Tensor):
         cast = self._cast_of_weight(index, nodes, t)
         if cast is not None:
             return cast
-        if t.device.type != self.link.device.type or \
-                t.untyped_storage().data_ptr() != buffer.memory.untyped_storage().data_ptr():
+        if (
+            t.device.type != self.link.device.type
+            or t.untyped_storage().data_ptr() != buffer.memory.untyped_storage().data_ptr()
+        ):
             return t if outer is None else outer[0](t)
         layout = self.layouts[index]
         which = layout.which_holds(t.storage_offset() * t.element_size())
         if which is not None and layout.specs[which][1] == t.dtype:
             offset = layout.specs[which][2]
-            return _SavedWeight(index, which, t.size(), t.stride(), t.storage_offset() - offset // t.element_size(),
-                                _torch_compat.version(self._params[index][which][1]))
+            return _SavedWeight(
+                index,
+                which,
+                t.size(),
+                t.stride(),
+                t.storage_offset() - offset // t.element_size(),
+                _torch_compat.version(self._params[index][which][1]),
+            )
         return t if outer is None else outer[0](t)
 
     def _cast_of_weight(self, index: int, nodes: dict, t: torch.Tensor) -> _SavedWeight | None:
@@ -400,10 +485,21 @@ class StreamedModel:
         if fn is None or not _torch_compat.is_cast_node(fn) or not fn.next_functions:
             return None
         which = nodes.get(id(fn.next_functions[0][0]))
-        if which is None or source.shape != self._params[index][which][1].shape or not source.is_contiguous():
+        if (
+            which is None
+            or source.shape != self._params[index][which][1].shape
+            or not source.is_contiguous()
+        ):
             return None
-        return _SavedWeight(index, which, t.size(), t.stride(), t.storage_offset() - source.storage_offset(),
-                            _torch_compat.version(self._params[index][which][1]), cast=source.dtype)
+        return _SavedWeight(
+            index,
+            which,
+            t.size(),
+            t.stride(),
+            t.storage_offset() - source.storage_offset(),
+            _torch_compat.version(self._params[index][which][1]),
+            cast=source.dtype,
+        )
 
     def _unpack(self, outer, saved):
         if not isinstance(saved, _SavedWeight):
@@ -411,10 +507,13 @@ class StreamedModel:
         self._backward.arm()
         index = saved.block
         name, param = self._params[index][saved.which]
-        if _torch_compat.version(param) != saved.version:  # what autograd checks for a saved tensor modified in place
-            raise RuntimeError(f"StreamedModel: {name!r} of block {self.names[index]!r} was modified after forward "
-                               f"saved it for backward (an update between forward and backward, or — with an eager "
-                               f"optimizer — backward reading a weight after its gradient was complete)")
+        # what autograd checks for a saved tensor modified in place
+        if _torch_compat.version(param) != saved.version:
+            raise RuntimeError(
+                f"StreamedModel: {name!r} of block {self.names[index]!r} was modified after "
+                "forward saved it for backward (an update between forward and backward, or — with "
+                f"an eager optimizer — backward reading a weight after its gradient was complete)"
+            )
         buffer = self._backward_holds.get(index)
         if buffer is None:
             buffer = self._backward_holds[index] = self._acquire(index, -1)
@@ -437,19 +536,24 @@ class StreamedModel:
     # The GradientSink its gather delivers to: the block's attached sink, or a landing buffer.
 
     def gradient_destination(self, index: int, positions: list) -> torch.Tensor:
-        """Where block ``index``'s gradients at ``positions`` go (see :class:`~offloadlab.ownership.GradientSink`)."""
+        """Where block ``index``'s gradients at ``positions`` go (see
+        :class:`~offloadlab.ownership.GradientSink`)."""
         attached = self._sinks.get(index)
         if attached is not None:
             sink, group = attached
             return sink.gradient_destination(group, positions)
         if any(p in sent for _, sent in self._landing.get(index, []) for p in positions):
-            self._land(index)  # a block run twice: take in the first gradients before the next land on them
+            # a block run twice: take in the first gradients before the next land on them
+            self._land(index)
         if index not in self._landing_slot:
             taken = set(self._landing_slot.values())
-            if len(taken) == len(self._landing_buffers):  # both hold gradients: put the older ones in .grad
+            # both hold gradients: put the older ones in .grad
+            if len(taken) == len(self._landing_buffers):
                 self._land(next(iter(self._landing_slot)))
                 taken = set(self._landing_slot.values())
-            self._landing_slot[index] = next(i for i in range(len(self._landing_buffers)) if i not in taken)
+            self._landing_slot[index] = next(
+                i for i in range(len(self._landing_buffers)) if i not in taken
+            )
         return self._landing_buffers[self._landing_slot[index]]
 
     def gradients_sent(self, index: int, transfers: list, positions: list) -> None:
@@ -463,12 +567,15 @@ class StreamedModel:
 
     @torch.no_grad()
     def _land(self, index: int) -> None:
-        """Put block ``index``'s landed gradients in the parameters' ``.grad`` (no sink attached)."""
+        """Put block ``index``'s landed gradients in the parameters' ``.grad`` (no sink
+        attached)."""
         parts = self._landing.pop(index, [])
         for transfers, _ in parts:
             for transfer in transfers:
                 transfer.synchronize()
-        landed = self.gradient_layouts[index].views(self._landing_buffers[self._landing_slot.pop(index)])
+        landed = self.gradient_layouts[index].views(
+            self._landing_buffers[self._landing_slot.pop(index)]
+        )
         for position in sorted(p for _, positions in parts for p in positions):
             p = self._params[index][self._trainable[index][position]][1]
             if p.grad is None:
@@ -477,7 +584,8 @@ class StreamedModel:
                 p.grad.add_(landed[position])
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
-        """The model's zero_grad, once a backward pass that raised has put its gradients in place."""
+        """The model's zero_grad, once a backward pass that raised has put its gradients in
+        place."""
         self.settle()
         if self._outer_zero_grad is not None:
             self._outer_zero_grad(set_to_none)
@@ -490,7 +598,8 @@ class StreamedModel:
         self._backward.settle()
 
     def _end_backward(self) -> None:
-        """Send what partly used blocks gathered, release every buffer, put landed gradients in .grad."""
+        """Send what partly used blocks gathered, release every buffer, put landed gradients in
+        .grad."""
         try:
             self._gather.flush()
             for buffer in self._backward_holds.values():
@@ -505,18 +614,31 @@ class StreamedModel:
         for index, named in enumerate(self._params):
             for name, p in named:
                 if owner.setdefault(id(p), index) != index:
-                    raise ValueError(f"blocks: parameter {name!r} is shared by blocks {self.names[owner[id(p)]]!r} "
-                                     f"and {self.names[index]!r}; a streamed parameter belongs to one block")
+                    raise ValueError(
+                        f"blocks: parameter {name!r} is shared by blocks "
+                        f"{self.names[owner[id(p)]]!r} and {self.names[index]!r}; a streamed "
+                        "parameter belongs to one block"
+                    )
                 if streamed_model_of(p) is not None:
                     raise ValueError(f"blocks: {self.names[index]!r} is already streamed")
-        # (counted with repeats: a weight tied between two layers of one block is used twice inside it)
-        inside = collections.Counter(id(p) for block in self.blocks for _, p in block.named_parameters(
-            remove_duplicate=False))
-        everywhere = collections.Counter(id(p) for _, p in self.model.named_parameters(remove_duplicate=False))
+        # (counted with repeats: a weight tied between two layers of one block is used twice inside
+        # it)
+        inside = collections.Counter(
+            id(p)
+            for block in self.blocks
+            for _, p in block.named_parameters(remove_duplicate=False)
+        )
+        everywhere = collections.Counter(
+            id(p) for _, p in self.model.named_parameters(remove_duplicate=False)
+        )
         for name, p in self.model.named_parameters(remove_duplicate=False):
             if id(p) in inside and everywhere[id(p)] > inside[id(p)]:
-                raise ValueError(f"blocks: parameter {name!r} is also used outside the streamed blocks (tied "
-                                 f"weights); stream blocks whose parameters are their own")
+                raise ValueError(
+                    f"blocks: parameter {name!r} is also used outside the streamed blocks (tied "
+                    f"weights); stream blocks whose parameters are their own"
+                )
         if any(ownership.optimizer_of(p) is not None for named in self._params for _, p in named):
-            raise ValueError("model: its parameters already belong to a CPUOffloadAdam; build the StreamedModel "
-                             "first, then the optimizer")
+            raise ValueError(
+                "model: its parameters already belong to a CPUOffloadAdam; build the StreamedModel "
+                "first, then the optimizer"
+            )

@@ -51,14 +51,31 @@ from . import files
 from .check import STUDENT_VARIABLE
 from .units import is_number
 
-__all__ = ["BEGIN", "END", "BEGIN_HIDDEN", "END_HIDDEN", "STUB", "SWITCH", "assignment_name", "find_labs",
-           "strip_solutions", "strip_hidden_tests", "source_notebook", "released_lab",
-           "unfold", "release_notebook", "write_release", "write_sources", "points"]
+__all__ = [
+    "BEGIN",
+    "END",
+    "BEGIN_HIDDEN",
+    "END_HIDDEN",
+    "STUB",
+    "SWITCH",
+    "assignment_name",
+    "find_labs",
+    "strip_solutions",
+    "strip_hidden_tests",
+    "source_notebook",
+    "released_lab",
+    "unfold",
+    "release_notebook",
+    "write_release",
+    "write_sources",
+    "points",
+]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 # nbgrader's markers for checks that only the grader runs (graded cells only; gone from releases).
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
-# nbgrader's default ClearSolutions.code_stub for Python and text_stub, so both releases are the same text.
+# nbgrader's default ClearSolutions.code_stub for Python and text_stub, so both releases are the
+# same text.
 STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
 TEXT_STUB = "YOUR ANSWER HERE"
 BOOK_URL_VARIABLE = "OFFLOADLAB_BOOK_URL"
@@ -70,9 +87,11 @@ HEADING_LINK = re.compile(r"\[([^\]`<>]+)\]\([^()\s#]+\.md#([^()\s]+)\)")
 CITATION_LINK = re.compile(r"\[(\([^\]]*\))\]\(cite:[^()\s]+\)")
 TARGET = re.compile(r"^\(([^()\s]+)\)=$", re.M)
 # The first code cell of every student notebook: checks stop showing expected values.
-SWITCH = ("# Student release: the answer checks say which way an answer is off, not what it should be.\n"
-          "import os\n"
-          f'os.environ["{STUDENT_VARIABLE}"] = "1"')
+SWITCH = (
+    "# Student release: the answer checks say which way an answer is off, not what it should be.\n"
+    "import os\n"
+    f'os.environ["{STUDENT_VARIABLE}"] = "1"'
+)
 NBGRADER_SCHEMA = 3
 
 
@@ -99,13 +118,16 @@ def strip_solutions(source: str) -> str:
 
 
 def strip_hidden_tests(source: str) -> str:
-    """``source`` without its hidden-test regions, markers included, as nbgrader's release removes them."""
+    """``source`` without its hidden-test regions, markers included, as nbgrader's release
+    removes them."""
     out, inside = [], False
     for lineno, line in enumerate(source.splitlines(), 1):
         marker = line.strip()
         if marker == BEGIN_HIDDEN:
             if inside:
-                raise ValueError(f"source: line {lineno}: {BEGIN_HIDDEN} inside another hidden region")
+                raise ValueError(
+                    f"source: line {lineno}: {BEGIN_HIDDEN} inside another hidden region"
+                )
             inside = True
         elif marker == END_HIDDEN:
             if not inside:
@@ -119,7 +141,8 @@ def strip_hidden_tests(source: str) -> str:
 
 
 def assignment_name(path: Path) -> str:
-    """The nbgrader assignment a lab becomes: its number, ``lab03`` for ``lab03_hide_a_transfer.md``."""
+    """The nbgrader assignment a lab becomes: its number, ``lab03`` for
+    ``lab03_hide_a_transfer.md``."""
     return Path(path).stem.split("_", 1)[0]
 
 
@@ -140,36 +163,49 @@ def source_notebook(path: Path):
         if cell.cell_type == "markdown" and points_given is not None:
             _check_points(points_given, where)
             cell.source = reflection_answer(cell.source)
-            cell.metadata["nbgrader"] = _nbgrader(f"reflection-{index}", solution=True, grade=True,
-                                                  points=points_given)
+            cell.metadata["nbgrader"] = _nbgrader(
+                f"reflection-{index}", solution=True, grade=True, points=points_given
+            )
             continue
         is_answer = cell.cell_type == "code" and BEGIN in cell.source
         if BEGIN_HIDDEN in cell.source or END_HIDDEN in cell.source:
             if points_given is None:
-                raise ValueError(f"{where}: hidden tests are allowed only in a graded cell (`:points:`)")
+                raise ValueError(
+                    f"{where}: hidden tests are allowed only in a graded cell (`:points:`)"
+                )
             strip_hidden_tests(cell.source)  # raises on unbalanced markers
         if is_answer:
             strip_solutions(cell.source)  # raises on unbalanced markers
             if waiting_for_check is not None:
-                raise ValueError(f"{path.name}: cell {waiting_for_check}: an answer cell with no graded cell "
-                                 "(`:points:`) after it")
+                raise ValueError(
+                    f"{path.name}: cell {waiting_for_check}: an answer cell with no graded cell "
+                    "(`:points:`) after it"
+                )
             answers += 1
             waiting_for_check = index
             unfold(cell)
             cell.metadata["nbgrader"] = _nbgrader(f"answer-{answers}", solution=True)
         if points_given is not None:
             if is_answer:
-                raise ValueError(f"{where}: points: expected on a code cell that checks an answer, "
-                                 "not on an answer cell")
+                raise ValueError(
+                    f"{where}: points: expected on a code cell that checks an answer, "
+                    "not on an answer cell"
+                )
             _check_points(points_given, where)
             checks += 1
             waiting_for_check = None
-            cell.metadata["nbgrader"] = _nbgrader(f"check-{checks}", grade=True, points=points_given)
+            cell.metadata["nbgrader"] = _nbgrader(
+                f"check-{checks}", grade=True, points=points_given
+            )
     if waiting_for_check is not None:
-        raise ValueError(f"{path.name}: cell {waiting_for_check}: an answer cell with no graded cell "
-                         "(`:points:`) after it")
+        raise ValueError(
+            f"{path.name}: cell {waiting_for_check}: an answer cell with no graded cell "
+            "(`:points:`) after it"
+        )
     if not checks:
-        raise ValueError(f"{path.name}: expected at least one graded cell (`:points:` in its options)")
+        raise ValueError(
+            f"{path.name}: expected at least one graded cell (`:points:` in its options)"
+        )
     first_code = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code")
     switch = nbformat.v4.new_code_cell(SWITCH)
     switch.metadata["nbgrader"] = _nbgrader("student-release", locked=True)
@@ -222,8 +258,11 @@ def release_notebook(source):
 
 def points(notebook) -> float:
     """Total points of a source notebook's graded cells."""
-    return sum(c.metadata.get("nbgrader", {}).get("points", 0) for c in notebook.cells
-               if c.metadata.get("nbgrader", {}).get("grade"))
+    return sum(
+        c.metadata.get("nbgrader", {}).get("points", 0)
+        for c in notebook.cells
+        if c.metadata.get("nbgrader", {}).get("grade")
+    )
 
 
 def find_labs(source_dir: Path) -> list[Path]:
@@ -231,35 +270,62 @@ def find_labs(source_dir: Path) -> list[Path]:
     source_dir = Path(source_dir)
     if not source_dir.is_dir():
         raise ValueError(f"source_dir: expected a folder of labs; got {str(source_dir)!r}")
-    found = [p for p in sorted(source_dir.glob("lab*.md"))
-             if "jupytext:" in p.read_text(encoding="utf-8")[:2000]]
+    found = [
+        p
+        for p in sorted(source_dir.glob("lab*.md"))
+        if "jupytext:" in p.read_text(encoding="utf-8")[:2000]
+    ]
     if not found:
-        raise ValueError(f"source_dir: expected Jupytext labs (lab*.md) in {str(source_dir)!r}; found none")
+        raise ValueError(
+            f"source_dir: expected Jupytext labs (lab*.md) in {str(source_dir)!r}; found none"
+        )
     return found
 
 
-def write_release(source_dir: Path, target_dir: Path, overwrite: bool = False, keep: bool = False,
-                  book_url: str | None = None) -> list[Path]:
+def write_release(
+    source_dir: Path,
+    target_dir: Path,
+    overwrite: bool = False,
+    keep: bool = False,
+    book_url: str | None = None,
+) -> list[Path]:
     """Write the student notebook of every lab in ``source_dir`` as ``target_dir/<lab>.ipynb``."""
-    notebooks = {Path(target_dir) / path.with_suffix(".ipynb").name: released_lab(path, target_dir, book_url)
-                 for path in find_labs(source_dir)}
+    notebooks = {
+        Path(target_dir) / path.with_suffix(".ipynb").name: released_lab(path, target_dir, book_url)
+        for path in find_labs(source_dir)
+    }
     return _write(notebooks, overwrite, keep)
 
 
 def released_lab(path: Path, target_dir: Path, book_url: str | None = None):
     """The student notebook of the lab at ``path`` as :func:`write_release` writes it into
     ``target_dir``: :func:`release_notebook`, with the book's references made links."""
-    links = _Links(Path(path).parent, Path(target_dir), book_url, lambda label_path: label_path.stem + ".ipynb")
+    links = _Links(
+        Path(path).parent, Path(target_dir), book_url, lambda label_path: label_path.stem + ".ipynb"
+    )
     return links.apply(release_notebook(source_notebook(path)))
 
 
-def write_sources(source_dir: Path, target_dir: Path, overwrite: bool = False, keep: bool = False,
-                  book_url: str | None = None) -> list[Path]:
+def write_sources(
+    source_dir: Path,
+    target_dir: Path,
+    overwrite: bool = False,
+    keep: bool = False,
+    book_url: str | None = None,
+) -> list[Path]:
     """Write every lab's nbgrader source notebook as ``target_dir/<assignment>/<lab>.ipynb``."""
-    links = _Links(Path(source_dir), Path(target_dir), book_url,
-                   lambda label_path: f"../{assignment_name(label_path)}/{label_path.stem}.ipynb")
-    notebooks = {Path(target_dir) / assignment_name(path) / path.with_suffix(".ipynb").name:
-                 links.apply(source_notebook(path)) for path in find_labs(source_dir)}
+    links = _Links(
+        Path(source_dir),
+        Path(target_dir),
+        book_url,
+        lambda label_path: f"../{assignment_name(label_path)}/{label_path.stem}.ipynb",
+    )
+    notebooks = {
+        Path(target_dir) / assignment_name(path) / path.with_suffix(".ipynb").name: links.apply(
+            source_notebook(path)
+        )
+        for path in find_labs(source_dir)
+    }
     return _write(notebooks, overwrite, keep)
 
 
@@ -269,7 +335,9 @@ class _Links:
 
     def __init__(self, labs_dir: Path, target_dir: Path, book_url: str | None, sibling):
         self.labs_dir, self.target_dir, self.sibling = labs_dir.resolve(), target_dir, sibling
-        self.book_url = (book_url if book_url is not None else os.environ.get(BOOK_URL_VARIABLE, "")).rstrip("/")
+        self.book_url = (
+            book_url if book_url is not None else os.environ.get(BOOK_URL_VARIABLE, "")
+        ).rstrip("/")
         self.pages = {}  # label -> (folder on the site, the .md file that defines it)
         for folder, site_folder in ((self.labs_dir.parent / "book", ""), (self.labs_dir, "labs/")):
             for page in sorted(folder.glob("*.md")):
@@ -315,50 +383,86 @@ def _write(notebooks: dict, overwrite: bool, keep: bool = False) -> list[Path]:
     if keep:
         notebooks = {out: notebook for out, notebook in notebooks.items() if out not in existing}
     elif existing and not overwrite:
-        raise ValueError(f"target_dir: {existing[0]} exists; remove it or pass overwrite=True (--force)")
+        raise ValueError(
+            f"target_dir: {existing[0]} exists; remove it or pass overwrite=True (--force)"
+        )
     for out, notebook in notebooks.items():
         out.parent.mkdir(parents=True, exist_ok=True)
         files.write_atomically(out, nbformat.writes(notebook) + "\n", replace=True, follow=False)
     return list(notebooks)
 
 
-def _nbgrader(grade_id: str, solution: bool = False, grade: bool = False, points: float = 0,
-              locked: bool = False) -> dict:
-    """nbgrader's cell metadata (schema 3). Graded cells are locked: nbgrader restores them before grading."""
-    metadata = {"grade": grade, "grade_id": grade_id, "locked": locked or (grade and not solution), "schema_version": NBGRADER_SCHEMA,
-                "solution": solution, "task": False}
+def _nbgrader(
+    grade_id: str,
+    solution: bool = False,
+    grade: bool = False,
+    points: float = 0,
+    locked: bool = False,
+) -> dict:
+    """nbgrader's cell metadata (schema 3). Graded cells are locked: nbgrader restores them
+    before grading."""
+    metadata = {
+        "grade": grade,
+        "grade_id": grade_id,
+        "locked": locked or (grade and not solution),
+        "schema_version": NBGRADER_SCHEMA,
+        "solution": solution,
+        "task": False,
+    }
     if grade:
         metadata["points"] = points
     return metadata
 
 
 def _refuse_stray_markers(cell, where: str) -> None:
-    """nbgrader treats any line *containing* a marker as one, even in prose: allow only marker lines in code."""
+    """nbgrader treats any line *containing* a marker as one, even in prose: allow only marker
+    lines in code."""
     for lineno, line in enumerate(cell.source.splitlines(), 1):
         for marker in (BEGIN, END):
             bare = marker.removeprefix("### ")
             if bare in line and not (cell.cell_type == "code" and line.strip() == marker):
-                raise ValueError(f"{where}: line {lineno}: {bare!r} outside a marker line of a code cell "
-                                 "(nbgrader would cut the cell there)")
+                raise ValueError(
+                    f"{where}: line {lineno}: {bare!r} outside a marker line of a code cell "
+                    "(nbgrader would cut the cell there)"
+                )
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m offloadlab.student",
-                                     description="Write the labs as student notebooks or as nbgrader source notebooks.")
+    parser = argparse.ArgumentParser(
+        prog="python -m offloadlab.student",
+        description="Write the labs as student notebooks or as nbgrader source notebooks.",
+    )
     parser.add_argument("labs_dir", type=Path, help="the folder of Jupytext labs (labs/)")
     parser.add_argument("target_dir", type=Path, help="where the notebooks go")
-    parser.add_argument("--nbgrader", action="store_true",
-                        help="write nbgrader source notebooks (solutions kept) as TARGET_DIR/<assignment>/<lab>.ipynb")
+    parser.add_argument(
+        "--nbgrader",
+        action="store_true",
+        help="write nbgrader source notebooks (solutions kept) as "
+        "TARGET_DIR/<assignment>/<lab>.ipynb",
+    )
     replacing = parser.add_mutually_exclusive_group()
-    replacing.add_argument("--force", action="store_true", help="replace notebooks that already exist")
-    replacing.add_argument("--keep", action="store_true", help="write only the notebooks that do not exist yet")
-    parser.add_argument("--book-url", default=None,
-                        help=f"the published book's address, for links to its chapters (default: ${BOOK_URL_VARIABLE})")
+    replacing.add_argument(
+        "--force", action="store_true", help="replace notebooks that already exist"
+    )
+    replacing.add_argument(
+        "--keep", action="store_true", help="write only the notebooks that do not exist yet"
+    )
+    parser.add_argument(
+        "--book-url",
+        default=None,
+        help="the published book's address, for links to its chapters (default: "
+        f"${BOOK_URL_VARIABLE})",
+    )
     options = parser.parse_args(argv)
     try:
         write = write_sources if options.nbgrader else write_release
-        for path in write(options.labs_dir, options.target_dir, overwrite=options.force, keep=options.keep,
-                          book_url=options.book_url):
+        for path in write(
+            options.labs_dir,
+            options.target_dir,
+            overwrite=options.force,
+            keep=options.keep,
+            book_url=options.book_url,
+        ):
             print(f"wrote {path}")
     except (ValueError, OSError) as error:
         print(f"offloadlab.student: error: {error}", file=sys.stderr)

@@ -20,17 +20,41 @@ __all__ = ["chrome_trace", "write_chrome_trace"]
 def chrome_trace(lanes: dict, process: str = "offloadlab") -> dict:
     """The Chrome trace of ``lanes`` ({lane: [(start_s, end_s, label)]}) as a JSON-ready dict."""
     if not isinstance(lanes, dict):
-        raise ValueError(f"lanes: expected a dict of lane name -> [(start, end, label)]; got {type(lanes).__name__}")
+        raise ValueError(
+            "lanes: expected a dict of lane name -> [(start, end, label)]; got "
+            f"{type(lanes).__name__}"
+        )
     events = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": process}}]
     for track, (lane, intervals) in enumerate(lanes.items()):
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": track, "args": {"name": str(lane)}})
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": track, "args": {"sort_index": track}})
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": track, "args": {"name": str(lane)}}
+        )
+        events.append(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "pid": 0,
+                "tid": track,
+                "args": {"sort_index": track},
+            }
+        )
         for interval in intervals:
             start, end, label = interval
             if not end >= start:
-                raise ValueError(f"lanes: expected end ≥ start in lane {lane!r}; got ({start}, {end})")
-            events.append({"name": str(label) or str(lane), "cat": str(lane), "ph": "X", "pid": 0, "tid": track,
-                           "ts": start * 1e6, "dur": (end - start) * 1e6})
+                raise ValueError(
+                    f"lanes: expected end ≥ start in lane {lane!r}; got ({start}, {end})"
+                )
+            events.append(
+                {
+                    "name": str(label) or str(lane),
+                    "cat": str(lane),
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": track,
+                    "ts": start * 1e6,
+                    "dur": (end - start) * 1e6,
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

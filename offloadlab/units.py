@@ -38,7 +38,9 @@ __all__ = [
 _DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
 _BINARY = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}
 # A size's unit, read without regard to case: an SI or binary prefix, then bytes or bits.
-_SIZE_UNIT = re.compile(r"^(?P<prefix>[kmgtp]?)(?P<binary>i?)(?P<base>bytes?|bits?|b)$", re.IGNORECASE)
+_SIZE_UNIT = re.compile(
+    r"^(?P<prefix>[kmgtp]?)(?P<binary>i?)(?P<base>bytes?|bits?|b)$", re.IGNORECASE
+)
 _TIME_UNITS = {
     "ns": 1e-9,
     "us": 1e-6,
@@ -64,7 +66,8 @@ def _fail(name: str, value, forms: str, why: str = "") -> ValueError:
 
 
 def _split(value, name: str, forms: str) -> tuple[float, str | None]:
-    """Split a number-with-unit into (number, unit); a Python number has unit None, a bare string ''."""
+    """Split a number-with-unit into (number, unit); a Python number has unit None, a bare string
+    ''."""
     if isinstance(value, bool):
         raise _fail(name, value, forms)
     if isinstance(value, (int, float)):
@@ -88,15 +91,21 @@ def _checked(number: float, name: str, value, forms: str, allow_zero: bool) -> f
 
 
 def _size_factor(unit: str, name: str, value, forms: str) -> float:
-    """Bytes per ``unit`` ('GB', 'gb', 'GiB', 'Gbit'); 'Gb' is refused: by convention it means gigabits."""
+    """Bytes per ``unit`` ('GB', 'gb', 'GiB', 'Gbit'); 'Gb' is refused: by convention it means
+    gigabits."""
     match = _SIZE_UNIT.match(unit)
     if not match or (match["binary"] and not match["prefix"]):
         raise _fail(name, value, forms, f"unknown unit {unit!r}")
     prefix, base = match["prefix"], match["base"]
     if base == "b" and prefix.isupper():  # 'Gb', 'Mb': the networking convention for bits
         names = _BINARY_NAMES if match["binary"] else _PREFIX_NAMES
-        raise _fail(name, value, forms, f"{unit!r} means {names[prefix.lower()]}bits; write '{prefix}{match['binary']}B' for bytes, or "
-                                        f"'{prefix}{match['binary']}bit' for bits")
+        raise _fail(
+            name,
+            value,
+            forms,
+            f"{unit!r} means {names[prefix.lower()]}bits; write '{prefix}{match['binary']}B' for "
+            f"bytes, or '{prefix}{match['binary']}bit' for bits",
+        )
     factor = (_BINARY if match["binary"] else _DECIMAL)[prefix.lower()]
     return factor / 8 if base.lower().startswith("bit") else factor
 
@@ -111,11 +120,14 @@ def _bare(number: float, name: str, value, kind: str, unit: str) -> ValueError:
         guess = f"{number:.0f} {unit.removeprefix('G')}"
     else:
         guess = f"{number:g} {unit}"
-    return ValueError(f"{name}: expected {kind} with its unit; got {value!r}: did you mean {guess!r}?")
+    return ValueError(
+        f"{name}: expected {kind} with its unit; got {value!r}: did you mean {guess!r}?"
+    )
 
 
 def _parse(value, name: str, forms: str, allow_zero: bool, factor_of, guess_unit: str) -> float:
-    """A number with a unit (``factor_of(unit)`` gives its scale), checked; a Python number is in base units."""
+    """A number with a unit (``factor_of(unit)`` gives its scale), checked; a Python number is in
+    base units."""
     number, unit = _split(value, name, forms)
     if unit == "":
         raise _bare(number, name, value, forms.split(" with ")[0], guess_unit)
@@ -135,26 +147,36 @@ def _plain(value, name: str, forms: str, allow_zero: bool) -> float:
 def parse_size(value, name: str = "size", allow_zero: bool = False) -> float:
     """Bytes from a string like '80 GB' / '512 MiB' (any case; 'Gb' is gigabits and refused), or a
     Python number of bytes. A string without a unit is refused: '80' names no size."""
-    return _parse(value, name, SIZE_FORMS, allow_zero, lambda unit: _size_factor(unit, name, value, SIZE_FORMS),
-                  "GB")
+    return _parse(
+        value,
+        name,
+        SIZE_FORMS,
+        allow_zero,
+        lambda unit: _size_factor(unit, name, value, SIZE_FORMS),
+        "GB",
+    )
 
 
 def parse_bandwidth(value, name: str = "bandwidth") -> float:
     """Bytes per second from a string like '32 GB/s' or '400 Gbit/s', or a Python number of B/s."""
+
     def factor(unit: str) -> float:
         if not unit.lower().endswith("/s") or unit.count("/") != 1:
             raise _fail(name, value, BANDWIDTH_FORMS, f"unknown unit {unit!r}")
         return _size_factor(unit[:-2], name, value, BANDWIDTH_FORMS)
+
     return _parse(value, name, BANDWIDTH_FORMS, False, factor, "GB/s")
 
 
 def parse_duration(value, name: str = "duration", allow_zero: bool = False) -> float:
     """Seconds from a string like '250 ms' (any case), or a Python number of seconds."""
+
     def factor(unit: str) -> float:
         key = unit if unit in _TIME_UNITS else unit.lower()
         if key not in _TIME_UNITS:
             raise _fail(name, value, DURATION_FORMS, f"unknown unit {unit!r}")
         return _TIME_UNITS[key]
+
     return _parse(value, name, DURATION_FORMS, allow_zero, factor, "s")
 
 
@@ -177,7 +199,8 @@ def check_non_negative(value, name: str) -> float:
 
 
 def is_integer(value) -> bool:
-    """True for a Python int that is not a bool (``True`` is an int to Python, never a count here)."""
+    """True for a Python int that is not a bool (``True`` is an int to Python, never a count
+    here)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -186,7 +209,9 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_integer(value, name: str, low: int = 1, high: int | None = None, expected: str | None = None) -> int:
+def check_integer(
+    value, name: str, low: int = 1, high: int | None = None, expected: str | None = None
+) -> int:
     """``value`` if it is an integer from ``low`` to ``high`` (inclusive; unbounded when None), else
     ValueError: "{name}: expected {expected}; got {value!r}". ``expected`` defaults to 'a positive
     integer' (low 1, no high), 'an integer ≥ {low}' or 'an integer from {low} to {high}'."""
@@ -211,7 +236,14 @@ def _scaled(number: float, steps: list[tuple[float, str]], digits: int) -> str:
 def format_size(num_bytes: float, binary: bool = False, digits: int = 3) -> str:
     """'160 GB' for 160e9; binary=True gives '149 GiB' instead."""
     if binary:
-        steps = [(2**50, "PiB"), (2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B")]
+        steps = [
+            (2**50, "PiB"),
+            (2**40, "TiB"),
+            (2**30, "GiB"),
+            (2**20, "MiB"),
+            (2**10, "KiB"),
+            (1, "B"),
+        ]
     else:
         steps = [(1e15, "PB"), (1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B")]
     return _scaled(num_bytes, steps, digits)

@@ -14,7 +14,9 @@ import torch
 # beta1 below 0.5 (its other branch), without weight decay and with a gradient scale.
 CASES = {
     "usual": dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8, grad_scale=1.0),
-    "low beta1, scaled": dict(lr=3e-3, weight_decay=0.0, betas=(0.3, 0.95), eps=1e-6, grad_scale=0.25),
+    "low beta1, scaled": dict(
+        lr=3e-3, weight_decay=0.0, betas=(0.3, 0.95), eps=1e-6, grad_scale=0.25
+    ),
 }
 SIZE, STEPS = 20_011, 8  # not a multiple of any vector width or tile
 
@@ -37,7 +39,9 @@ def correctly_rounded_sqrt(t: torch.Tensor) -> torch.Tensor:
     return t.double().sqrt().float()
 
 
-def reference(start, grads, *, lr, weight_decay, betas, eps, grad_scale, sqrt=correctly_rounded_sqrt):
+def reference(
+    start, grads, *, lr, weight_decay, betas, eps, grad_scale, sqrt=correctly_rounded_sqrt
+):
     """(weights, exp_avg, exp_avg_sq) after the steps, with _single_tensor_adam's operations.
 
     ``sqrt=torch.sqrt`` reproduces torch.optim.AdamW exactly; the default rounds the square
@@ -82,15 +86,55 @@ def floats_where_rounding_is_decided(dtype) -> torch.Tensor:
     assert torch.equal(midpoints.double(), (finite[:-1].double() + finite[1:].double()) / 2)
     largest, below = finite[-1].item(), finite[-2].item()
     overflow = largest + (largest - below) / 2  # exact in float; rounds to infinity from here up
-    edges = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), overflow, -overflow, 2.0**-14, 2.0**-24,
-                          2.0**-25, 3 * 2.0**-25, 2.0**-126, 3.4e38, 65504.0, 65520.0, 65536.0, 1e-30])
+    edges = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            overflow,
+            -overflow,
+            2.0**-14,
+            2.0**-24,
+            2.0**-25,
+            3 * 2.0**-25,
+            2.0**-126,
+            3.4e38,
+            65504.0,
+            65520.0,
+            65536.0,
+            1e-30,
+        ]
+    )
     assert edges[4].item() == overflow
     near = torch.cat([midpoints, edges])
     up, down = torch.full_like(near, float("inf")), torch.full_like(near, float("-inf"))
-    patterns = torch.tensor([0x7FC00000, 0x7F800001, 0xFFC00001, 0x7FBFFFFF, 0x7FE00000, 0x7F802000, 0x00000001,
-                             0x007FFFFF, 0x80000001, 0x7F7FFFFF], dtype=torch.int64).to(torch.int32).view(torch.float32)
-    random = torch.randint(-(2**31), 2**31, (2**20,), generator=torch.Generator().manual_seed(0),
-                           dtype=torch.int64).to(torch.int32).view(torch.float32)
+    patterns = (
+        torch.tensor(
+            [
+                0x7FC00000,
+                0x7F800001,
+                0xFFC00001,
+                0x7FBFFFFF,
+                0x7FE00000,
+                0x7F802000,
+                0x00000001,
+                0x007FFFFF,
+                0x80000001,
+                0x7F7FFFFF,
+            ],
+            dtype=torch.int64,
+        )
+        .to(torch.int32)
+        .view(torch.float32)
+    )
+    random = (
+        torch.randint(
+            -(2**31), 2**31, (2**20,), generator=torch.Generator().manual_seed(0), dtype=torch.int64
+        )
+        .to(torch.int32)
+        .view(torch.float32)
+    )
     return torch.cat([values, near, near.nextafter(up), near.nextafter(down), patterns, random])
 
 
@@ -100,9 +144,11 @@ def main(capability: str, inputs_file: str, out: str) -> None:
     results = {"capability": torch.backends.cpu.get_cpu_capability().lower()}
     for dtype, (start, grads) in torch.load(inputs_file).items():
         for name, hyper in CASES.items():
-            results[name, dtype] = {"adamw": adamw(start, grads, **hyper),
-                                    "torch sqrt": reference(start, grads, **hyper, sqrt=torch.sqrt),
-                                    "exact sqrt": reference(start, grads, **hyper)}
+            results[name, dtype] = {
+                "adamw": adamw(start, grads, **hyper),
+                "torch sqrt": reference(start, grads, **hyper, sqrt=torch.sqrt),
+                "exact sqrt": reference(start, grads, **hyper),
+            }
     torch.save(results, out)
 
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: the repository root, the built static site, small disks and the optimizer's links."""
+"""Shared fixtures: the repository root, the built static site, small disks and the optimizer's
+links."""
 
 import shutil
 import subprocess
@@ -14,9 +15,22 @@ SITE = ROOT / "book" / "_build" / "html"
 @pytest.fixture(scope="session")
 def built_site() -> Path:
     """Build the static site as `make book` does (warnings are errors) and return its folder."""
-    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-b", "html", "book", str(SITE)]
+    command = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-n",
+        "-b",
+        "html",
+        "book",
+        str(SITE),
+    ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0, f"site build failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+    assert result.returncode == 0, (
+        f"site build failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+    )
     return SITE
 
 
@@ -48,10 +62,16 @@ def small_disk(tmp_path):
         options = f"size={size}" + (",ro" if read_only else "")
         if shutil.which("mount") is None:
             pytest.skip("cannot mount a small tmpfs here: no mount command")
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+            capture_output=True,
+            text=True,
+        )
         if result.returncode != 0:
-            pytest.skip(f"cannot mount a small tmpfs here (needs root): {result.stderr.strip() or result.returncode}")
+            pytest.skip(
+                "cannot mount a small tmpfs here (needs root): "
+                f"{result.stderr.strip() or result.returncode}"
+            )
         mounted.append(folder)
         return folder
 
@@ -64,7 +84,8 @@ def small_disk(tmp_path):
 def link(request):
     """The optimizer's tests (test_offload*.py) run on the emulated link, and on the same under
     CUDA's ordering rules with training on a stream of its own (tests/cuda_semantics.py): any
-    violation fails the test when it ends. (A module with a ``link`` fixture of its own uses that.)"""
+    violation fails the test when it ends. (A module with a ``link`` fixture of its own uses
+    that.)"""
     from offloadlab.link import EmulatedLink
     from tests.cuda_semantics import CudaOrderLink
 
@@ -72,6 +93,9 @@ def link(request):
         with EmulatedLink(bandwidth="8 GB/s", latency=0) as emulated:
             yield emulated
         return
-    with CudaOrderLink(bandwidth="8 GB/s", latency=0) as checker, checker.compute_stream("training"):
+    with (
+        CudaOrderLink(bandwidth="8 GB/s", latency=0) as checker,
+        checker.compute_stream("training"),
+    ):
         yield checker
         checker.check()

@@ -2,11 +2,12 @@
 
 On a GPU, ``Transfer.wait()`` orders the calling thread's *compute stream* after a copy and tells
 the host nothing; only ``synchronize()`` orders the host. The host knows a copy has finished only
-after ``synchronize()`` (the copy's, or the link's), a ``done()`` that said True, or a compute-stream
-point it synchronised with (a :class:`~offloadlab.link.Marker`'s ``time``, or ``reached()`` saying
-True) — of that copy, of a later copy on the same engine (engines run in order), or of a copy or
-point ordered after compute that had waited for it on the same stream. The plain emulation makes
-``wait()`` block the host, so host code that relies on ``wait()`` can never fail there.
+after ``synchronize()`` (the copy's, or the link's), a ``done()`` that said True, or a
+compute-stream point it synchronised with (a :class:`~offloadlab.link.Marker`'s ``time``, or
+``reached()`` saying True) — of that copy, of a later copy on the same engine (engines run in
+order), or of a copy or point ordered after compute that had waited for it on the same stream. The
+plain emulation makes ``wait()`` block the host, so host code that relies on ``wait()`` can never
+fail there.
 
 :class:`CudaOrderLink` keeps the ledger of what the host knows under those rules and makes the
 emulation behave accordingly:
@@ -111,9 +112,12 @@ class CudaOrderLink(EmulatedLink):
     # ------------------------------------------------------------------ memory
 
     def _allocate_pinned(self, shape, dtype):
-        if torch._C._current_graph_task_id() != -1:  # on a GPU: cudaHostRegister on the autograd thread
-            self.violations.append(f"pinned memory ({tuple(shape) if not isinstance(shape, int) else shape}, "
-                                   f"{dtype}) was allocated inside a backward pass")
+        # on a GPU: cudaHostRegister on the autograd thread
+        if torch._C._current_graph_task_id() != -1:
+            self.violations.append(
+                f"pinned memory ({tuple(shape) if not isinstance(shape, int) else shape}, "
+                f"{dtype}) was allocated inside a backward pass"
+            )
         return super()._allocate_pinned(shape, dtype)
 
     # ------------------------------------------------------------------ copies
@@ -122,7 +126,10 @@ class CudaOrderLink(EmulatedLink):
         if after == "compute":
             stream, position = self._stream(), None
         elif isinstance(after, Marker):
-            stream, position = getattr(after, "_stream_name", "default"), getattr(after, "_position", -1)
+            stream, position = (
+                getattr(after, "_stream_name", "default"),
+                getattr(after, "_position", -1),
+            )
         else:
             stream, position = None, -1
         with self._ledger_lock:
@@ -132,12 +139,19 @@ class CudaOrderLink(EmulatedLink):
             host_range = (host.data_ptr(), host.data_ptr() + host.numel() * host.element_size())
             if direction == "d2h":
                 for other in self.unknown_writes_into(host):
-                    self.violations.append(f"copy {label!r} down into memory that the earlier copy {other.label!r} "
-                                           f"may still be writing")
-            target = torch.empty_like(dst) if direction == "d2h" else dst  # where the engine really writes
+                    self.violations.append(
+                        f"copy {label!r} down into memory that the earlier copy {other.label!r} "
+                        f"may still be writing"
+                    )
+            # where the engine really writes
+            target = torch.empty_like(dst) if direction == "d2h" else dst
         transfer = super()._issue(direction, target, src, nbytes, pinned, after, label, scatter)
         with self._ledger_lock:
-            transfer._host_range, transfer._known, transfer._order = host_range, False, next(self._issued)
+            transfer._host_range, transfer._known, transfer._order = (
+                host_range,
+                False,
+                next(self._issued),
+            )
             transfer._used = transfer._torn = False
             if direction == "d2h":
                 transfer._shadow, transfer._destination = target, dst
@@ -183,7 +197,8 @@ class CudaOrderLink(EmulatedLink):
     # ------------------------------------------------------------------ what the host knows
 
     def _learn_point(self, stream: str, position: int) -> None:
-        """The host has synchronised with a point of ``stream``: the copies it waited for before are done."""
+        """The host has synchronised with a point of ``stream``: the copies it waited for before
+        are done."""
         with self._ledger_lock:
             waited = [t for s, p, t in self._waits if s == stream and p < position]
         self._learn(waited)
@@ -203,8 +218,10 @@ class CudaOrderLink(EmulatedLink):
                 if t.direction == "d2h":
                     destination, shadow = t._destination, t._shadow
                     if not _holds_poison(destination):
-                        self.violations.append(f"the host wrote into the destination of copy {t.label!r} "
-                                               f"before it knew the copy was done")
+                        self.violations.append(
+                            f"the host wrote into the destination of copy {t.label!r} "
+                            f"before it knew the copy was done"
+                        )
                     t._landed.wait()  # (the emulated engine has written the shadow by now)
                     destination.copy_(shadow)
                     t._destination = t._shadow = None
@@ -213,30 +230,42 @@ class CudaOrderLink(EmulatedLink):
                     t._source = t._snapshot = None
 
     def unknown_reads_of(self, tensor) -> list:
-        """Copies to the device that read ``tensor``'s memory and the host cannot know have finished."""
+        """Copies to the device that read ``tensor``'s memory and the host cannot know have
+        finished."""
         return self._unknown(tensor, "h2d")
 
     def unknown_writes_into(self, tensor) -> list:
-        """Copies to the host that write ``tensor``'s memory and the host cannot know have finished."""
+        """Copies to the host that write ``tensor``'s memory and the host cannot know have
+        finished."""
         return self._unknown(tensor, "d2h")
 
     def _unknown(self, tensor, direction: str) -> list:
         start = tensor.data_ptr()
         end = start + tensor.numel() * tensor.element_size()
         with self._ledger_lock:
-            return [t for t in self.transfers if t.direction == direction and not t._known
-                    and t._host_range[0] < end and start < t._host_range[1]]
+            return [
+                t
+                for t in self.transfers
+                if t.direction == direction
+                and not t._known
+                and t._host_range[0] < end
+                and start < t._host_range[1]
+            ]
 
     def check(self) -> None:
         """Raise an AssertionError listing every violation of CUDA's ordering rules seen so far."""
         self.synchronize()  # (what the host learns at the end is checked too)
         violations = self.violations + [
-            f"the host wrote the source of copy {t.label!r} before it knew the copy was done, and the copy's "
-            f"bytes were used (on a GPU the copy may still have been reading it)"
-            for t in self.transfers if t._torn and t._used]
+            f"the host wrote the source of copy {t.label!r} before it knew the copy was done, and "
+            f"the copy's bytes were used (on a GPU the copy may still have been reading it)"
+            for t in self.transfers
+            if t._torn and t._used
+        ]
         if violations:
             listed = "\n  ".join(dict.fromkeys(violations))
-            raise AssertionError(f"{len(violations)} violations of CUDA's ordering rules:\n  {listed}")
+            raise AssertionError(
+                f"{len(violations)} violations of CUDA's ordering rules:\n  {listed}"
+            )
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -24,22 +24,31 @@ def read(config: dict) -> dict:
         return {"error": f"{type(error).__name__}: {error}"}
     zero = parsed.zero_config
     offload_param = zero.offload_param
-    return {"world_size": parsed.world_size, "train_batch_size": parsed.train_batch_size,
-            "stage": parsed.zero_optimization_stage, "optimizer": parsed.optimizer_name,
-            "bf16": parsed.bfloat16_config.enabled, "fp16": parsed.float16_config.enabled,
-            "gradient_clipping": parsed.gradient_clipping,
-            "offload_optimizer": None if zero.offload_optimizer is None else _name(zero.offload_optimizer.device),
-            "offload_param": None if offload_param is None else _name(offload_param.device),
-            "buffer_size": None if offload_param is None else offload_param.buffer_size,
-            "nvme_path": None if offload_param is None or offload_param.nvme_path is None
-            else str(offload_param.nvme_path),
-            "zenflow_update_interval": None if zero.zenflow is None else zero.zenflow.update_interval,
-            "aio_queue_depth": parsed.aio_config["queue_depth"]}
+    return {
+        "world_size": parsed.world_size,
+        "train_batch_size": parsed.train_batch_size,
+        "stage": parsed.zero_optimization_stage,
+        "optimizer": parsed.optimizer_name,
+        "bf16": parsed.bfloat16_config.enabled,
+        "fp16": parsed.float16_config.enabled,
+        "gradient_clipping": parsed.gradient_clipping,
+        "offload_optimizer": None
+        if zero.offload_optimizer is None
+        else _name(zero.offload_optimizer.device),
+        "offload_param": None if offload_param is None else _name(offload_param.device),
+        "buffer_size": None if offload_param is None else offload_param.buffer_size,
+        "nvme_path": None
+        if offload_param is None or offload_param.nvme_path is None
+        else str(offload_param.nvme_path),
+        "zenflow_update_interval": None if zero.zenflow is None else zero.zenflow.update_interval,
+        "aio_queue_depth": parsed.aio_config["queue_depth"],
+    }
 
 
 def main(configs_path: str, out_path: str) -> None:
-    # On a CPU-only machine DeepSpeed would first compile its shared-memory collectives (minutes on two
-    # cores), which play no part in reading a config: mark them unavailable, and it uses gloo alone.
+    # On a CPU-only machine DeepSpeed would first compile its shared-memory collectives (minutes on
+    # two cores), which play no part in reading a config: mark them unavailable, and it uses gloo
+    # alone.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     configs = json.loads(open(configs_path, encoding="utf-8").read())

@@ -7,16 +7,22 @@ from tests.conftest import ROOT
 
 
 def notebooks():
-    return sorted(p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p))
+    return sorted(
+        p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p)
+    )
 
 
 def test_every_notebook_is_rendered_and_in_the_navigation(built_site):
     index = (built_site / "index.html").read_text(encoding="utf-8")
     for path in notebooks():
         relative = path.relative_to(ROOT).with_suffix(".html")
-        page = built_site / (relative.relative_to("book") if relative.parts[0] == "book" else relative)
+        page = built_site / (
+            relative.relative_to("book") if relative.parts[0] == "book" else relative
+        )
         assert page.exists(), f"{path.name} was not rendered"
-        assert f'href="{page.relative_to(built_site).as_posix()}"' in index, f"{path.name} missing from navigation"
+        assert f'href="{page.relative_to(built_site).as_posix()}"' in index, (
+            f"{path.name} missing from navigation"
+        )
 
 
 def test_chapter_one_shows_executed_outputs_and_numbered_figure(built_site):

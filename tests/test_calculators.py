@@ -31,13 +31,20 @@ from tests.test_site import BROWSER_ARGS, CHROMIUM, SCREENSHOTS
 sys.path.insert(0, str(ROOT / "book" / "_ext"))
 import calculators  # noqa: E402  (the book's extension, from book/_ext)
 
-CHAPTERS = {"01_memory_wall": "state", "03_overlap_condition": "overlap", "04_bandwidth_budget": "budget",
-            "05_what_to_offload": "plan", "09_wrong_tool": "plan"}
+CHAPTERS = {
+    "01_memory_wall": "state",
+    "03_overlap_condition": "overlap",
+    "04_bandwidth_budget": "budget",
+    "05_what_to_offload": "plan",
+    "09_wrong_tool": "plan",
+}
 SITE_BUDGET_BYTES = 15e6  # what the calculators may add to the site: 15 MB (decimal)
 
 
 def offloadlab(*argv, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "offloadlab", *argv], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "offloadlab", *argv], capture_output=True, text=True, cwd=cwd
+    )
 
 
 def as_the_browser(argv: list[str]) -> list[str]:
@@ -47,10 +54,14 @@ def as_the_browser(argv: list[str]) -> list[str]:
     return argv + ["--count", "formula"] if argv[0] == "plan" else argv
 
 
-# --- T* and the overlap command ----------------------------------------------------------------------
+# --- T* and the overlap command
+# ----------------------------------------------------------------------
+
 
 def test_crossover_tokens_is_r_over_3b_and_the_model_size_cancels():
-    assert overlap.crossover_tokens(200e12, "25 GB/s") == pytest.approx(200e12 / (3 * 25e9), rel=1e-15)
+    assert overlap.crossover_tokens(200e12, "25 GB/s") == pytest.approx(
+        200e12 / (3 * 25e9), rel=1e-15
+    )
     assert overlap.crossover_tokens(200e12, 25e9, flops_per_param_token=4) == 4000
     # Against the condition itself, for models of any size: 2 B per parameter each way, a window of
     # T tokens × 6P/R. From ⌈T*⌉ tokens the copy hides; one token fewer, it stalls.
@@ -66,41 +77,86 @@ def test_crossover_tokens_is_r_over_3b_and_the_model_size_cancels():
 
 
 def test_the_overlap_command_states_the_condition_and_the_crossover():
-    done = offloadlab("overlap", "--link", "25 GB/s", "--compute", "200e12", "--bytes", "20 GB", "--window", "250 ms",
-                      "--json")
+    done = offloadlab(
+        "overlap",
+        "--link",
+        "25 GB/s",
+        "--compute",
+        "200e12",
+        "--bytes",
+        "20 GB",
+        "--window",
+        "250 ms",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert round(result["crossover_tokens"]) == 2667 and result["crossover_tokens_backward_only"] == 4000
-    assert (result["transfer_s"], result["hidden"], result["stall_s"]) == (0.8, False, pytest.approx(0.55))
-    text = offloadlab("overlap", "--link", "32 GB/s", "--compute", "200e12", "--bytes", "8 GB", "--window", "250 ms")
-    assert "compute-bound (transfer hidden)" in text.stdout and "from 2,084 tokens" in text.stdout  # ⌈2083.3⌉
-    alone = json.loads(offloadlab("overlap", "--link", "25 GB/s", "--compute", "200e12", "--json").stdout)
+    assert (
+        round(result["crossover_tokens"]) == 2667
+        and result["crossover_tokens_backward_only"] == 4000
+    )
+    assert (result["transfer_s"], result["hidden"], result["stall_s"]) == (
+        0.8,
+        False,
+        pytest.approx(0.55),
+    )
+    text = offloadlab(
+        "overlap",
+        "--link",
+        "32 GB/s",
+        "--compute",
+        "200e12",
+        "--bytes",
+        "8 GB",
+        "--window",
+        "250 ms",
+    )
+    # ⌈2083.3⌉
+    assert "compute-bound (transfer hidden)" in text.stdout and "from 2,084 tokens" in text.stdout
+    alone = json.loads(
+        offloadlab("overlap", "--link", "25 GB/s", "--compute", "200e12", "--json").stdout
+    )
     assert alone["hidden"] is None and alone["bytes"] is None
     refused = offloadlab("overlap", "--link", "25 GB/s", "--compute", "200e12", "--bytes", "8 GB")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "--bytes and --window together" in refused.stderr
 
 
-# --- The estimates layer stays portable --------------------------------------------------------------
+# --- The estimates layer stays portable
+# --------------------------------------------------------------
+
 
 def test_the_estimates_layer_imports_only_the_standard_library_and_itself():
     assert calculators.portability_problems() == []
     shipped = calculators.layer_files()
-    for module in calculators.ESTIMATES_LAYER + calculators.FACE:  # each walked, whether a module or a package
-        assert any(name == f"offloadlab/{module}.py" or name.startswith(f"offloadlab/{module}/") for name in shipped)
+    # each walked, whether a module or a package
+    for module in calculators.ESTIMATES_LAYER + calculators.FACE:
+        assert any(
+            name == f"offloadlab/{module}.py" or name.startswith(f"offloadlab/{module}/")
+            for name in shipped
+        )
     assert any(name.startswith("offloadlab/model_configs/") for name in shipped)
-    assert not any(name.startswith(("offloadlab/link", "offloadlab/probe", "offloadlab/offload/")) for name in shipped)
+    assert not any(
+        name.startswith(("offloadlab/link", "offloadlab/probe", "offloadlab/offload/"))
+        for name in shipped
+    )
 
 
 def test_the_shipped_layer_is_the_reading_pages_estimates_and_base():
-    """Two lists name the layer (the extension's, and the "Reading the package" page's): they agree."""
+    """Two lists name the layer (the extension's, and the "Reading the package" page's): they
+    agree."""
     from tests.test_reading_the_package import PAGE_NAMESPACE
 
-    page = [module for layer, members in PAGE_NAMESPACE["LAYERS"].items()
-            if layer.startswith(("estimates:", "base:")) for module in members]
+    page = [
+        module
+        for layer, members in PAGE_NAMESPACE["LAYERS"].items()
+        if layer.startswith(("estimates:", "base:"))
+        for module in members
+    ]
     assert sorted(page) == sorted(calculators.ESTIMATES_LAYER)
-    assert calculators.FACE == ("cli",) and "cli" in next(m for layer, m in PAGE_NAMESPACE["LAYERS"].items()
-                                                        if layer.startswith("face:"))
+    assert calculators.FACE == ("cli",) and "cli" in next(
+        m for layer, m in PAGE_NAMESPACE["LAYERS"].items() if layer.startswith("face:")
+    )
 
 
 @pytest.fixture
@@ -114,21 +170,30 @@ def package_copy(tmp_path):
     return copy
 
 
-@pytest.mark.parametrize("line, found", [
-    ("import numpy", "imports numpy at module level"),
-    ("from .link import open_link", "imports offloadlab.link at module level"),
-    ("from . import probe", "imports offloadlab.probe at module level"),
-    ("import torch", "imports torch at module level"),
-    ("import sqlite3", "Pyodide's core leaves it out"),
-    ("def exact():\n    import numpy", "imports numpy inside a function"),
-    ("def exact():\n    import importlib\n    return importlib.import_module('numpy')",
-     "imports numpy inside a function"),
-])
+@pytest.mark.parametrize(
+    "line, found",
+    [
+        ("import numpy", "imports numpy at module level"),
+        ("from .link import open_link", "imports offloadlab.link at module level"),
+        ("from . import probe", "imports offloadlab.probe at module level"),
+        ("import torch", "imports torch at module level"),
+        ("import sqlite3", "Pyodide's core leaves it out"),
+        ("def exact():\n    import numpy", "imports numpy inside a function"),
+        (
+            "def exact():\n    import importlib\n    return importlib.import_module('numpy')",
+            "imports numpy inside a function",
+        ),
+    ],
+)
 def test_a_module_that_stops_being_portable_is_named(package_copy, line, found):
     budget = package_copy / "budget.py"
     budget.write_text(budget.read_text(encoding="utf-8") + "\n" + line + "\n", encoding="utf-8")
     problems = calculators.portability_problems(package_copy)
-    assert len(problems) == 1 and problems[0].startswith("offloadlab/budget.py:") and found in problems[0], problems
+    assert (
+        len(problems) == 1
+        and problems[0].startswith("offloadlab/budget.py:")
+        and found in problems[0]
+    ), problems
 
 
 def test_optional_imports_inside_functions_and_sub_packages(package_copy):
@@ -139,15 +204,18 @@ def test_optional_imports_inside_functions_and_sub_packages(package_copy):
     (planner / "meta.py").write_text(
         "from typing import TYPE_CHECKING\nfrom .. import architectures\nfrom . import fit\n"
         "if TYPE_CHECKING:\n    import torch\n\n"
-        "def count(config):\n    try:\n        import transformers\n    except ImportError:\n        return None\n",
-        encoding="utf-8")
+        "def count(config):\n    try:\n        import transformers\n    except ImportError:\n      "
+        "  return None\n",
+        encoding="utf-8",
+    )
     (planner / "fit.py").write_text("from ..units import parse_size\n", encoding="utf-8")
     assert calculators.portability_problems(package_copy) == []
     assert "offloadlab/planner/meta.py" in calculators.layer_files(package_copy)
     (planner / "fit.py").write_text("import numpy\n", encoding="utf-8")
     assert calculators.portability_problems(package_copy) == [
-        "offloadlab/planner/fit.py:1: imports numpy at module level, which is neither the standard library nor the "
-        "estimates layer"]
+        "offloadlab/planner/fit.py:1: imports numpy at module level, which is neither the standard "
+        "library nor the estimates layer"
+    ]
 
 
 def small_book(folder: Path, package: Path | None = None, note: str | None = None) -> Path:
@@ -157,17 +225,28 @@ def small_book(folder: Path, package: Path | None = None, note: str | None = Non
         f"import sys\nsys.path.insert(0, {str(ROOT / 'book' / '_ext')!r})\n"
         f"extensions = ['myst_parser', 'calculators']\nmyst_enable_extensions = ['colon_fence']\n"
         f"html_static_path = [{str(ROOT / 'book' / '_static')!r}]\n"
-        + (f"calculators_package = {str(package)!r}\n" if package else ""), encoding="utf-8")
+        + (f"calculators_package = {str(package)!r}\n" if package else ""),
+        encoding="utf-8",
+    )
     (folder / "index.md").write_text(
         "# A page\n\n:::{admonition} Try it with your numbers\n:class: calculator\n\n"
-        + (note or 'The cell above computes it; `offloadlab budget --link "32 GB/s" --window "250 ms"` prints it.')
-        + "\n:::\n", encoding="utf-8")
+        + (
+            note
+            or 'The cell above computes it; `offloadlab budget --link "32 GB/s" --window "250 ms"` '
+            "prints it."
+        )
+        + "\n:::\n",
+        encoding="utf-8",
+    )
     return folder
 
 
 def sphinx(source: Path, builder: str, target: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sphinx", "-W", "-q", "-b", builder, str(source), str(target)],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "-q", "-b", builder, str(source), str(target)],
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_the_site_build_fails_when_the_layer_stops_being_portable(tmp_path, package_copy):
@@ -181,7 +260,11 @@ def test_the_site_build_fails_when_the_layer_stops_being_portable(tmp_path, pack
 def test_a_note_whose_command_the_cli_refuses_fails_the_build(tmp_path):
     note = 'Run `offloadlab budget --link "32 GB" --window "250 ms"`.'
     built = sphinx(small_book(tmp_path / "book", note=note), "html", tmp_path / "html")
-    assert built.returncode != 0 and "--link: expected a rate with its unit" in built.stderr and "index.md" in built.stderr
+    assert (
+        built.returncode != 0
+        and "--link: expected a rate with its unit" in built.stderr
+        and "index.md" in built.stderr
+    )
 
 
 def test_the_pdf_and_other_builds_keep_the_note_without_a_form(tmp_path):
@@ -190,7 +273,10 @@ def test_the_pdf_and_other_builds_keep_the_note_without_a_form(tmp_path):
     assert built.returncode == 0, built.stderr
     page = (tmp_path / "single" / "index.html").read_text(encoding="utf-8")
     words = " ".join(re.sub(r"<[^>]+>", "", page).split())
-    assert "Try it with your numbers" in words and "offloadlab budget --link &quot;32 GB/s&quot;" in words
+    assert (
+        "Try it with your numbers" in words
+        and "offloadlab budget --link &quot;32 GB/s&quot;" in words
+    )
     assert "calculator-form" not in page and "calculators.js" not in page
     text = sphinx(source, "text", tmp_path / "text")
     assert text.returncode == 0, text.stderr
@@ -202,13 +288,32 @@ def test_the_shipped_files_run_with_nothing_but_the_standard_library():
     """The archive the site serves, unpacked and run by a Python without site-packages (so without
     torch, numpy or transformers), answers as the installed command does; the build runs each
     note's example this way."""
-    examples = [("state", {"--params": "10e9", "--recipe": "mixed-adam"}),
-                ("budget", {"--link": "32 GB/s", "--window": "250 ms", "--params": "10e9", "--offload": "optimizer",
-                            "--duplex": "half"}),
-                ("overlap", {"--link": "25 GB/s", "--compute": "200e12"}),
-                ("plan", {"--model": "llama-3.1-70b", "--gpu-memory": "80 GB", "--link": "25 GB/s",
-                          "--gpus-per-node": "8"})]
-    for (command, values), answer in zip(examples, calculators.run_alone(calculators.module_archive(), examples)):
+    examples = [
+        ("state", {"--params": "10e9", "--recipe": "mixed-adam"}),
+        (
+            "budget",
+            {
+                "--link": "32 GB/s",
+                "--window": "250 ms",
+                "--params": "10e9",
+                "--offload": "optimizer",
+                "--duplex": "half",
+            },
+        ),
+        ("overlap", {"--link": "25 GB/s", "--compute": "200e12"}),
+        (
+            "plan",
+            {
+                "--model": "llama-3.1-70b",
+                "--gpu-memory": "80 GB",
+                "--link": "25 GB/s",
+                "--gpus-per-node": "8",
+            },
+        ),
+    ]
+    for (command, values), answer in zip(
+        examples, calculators.run_alone(calculators.module_archive(), examples)
+    ):
         argv = as_the_browser([command] + [word for pair in values.items() for word in pair])
         assert answer["status"] == 0, answer
         assert json.loads(answer["json"]) == json.loads(offloadlab(*argv, "--json").stdout)
@@ -217,31 +322,48 @@ def test_the_shipped_files_run_with_nothing_but_the_standard_library():
 
 def test_a_module_the_archive_lacks_fails_the_build():
     """A module outside the archive that the command imports on a calculator's path (here: the
-    planner, left out) fails the build before any page is written, as it would fail in the browser."""
+    planner, left out) fails the build before any page is written, as it would fail in the
+    browser."""
     archive = zipfile.ZipFile(io.BytesIO(calculators.module_archive()))
-    kept = {name: archive.read(name) for name in archive.namelist() if not name.startswith("offloadlab/planner/")}
+    kept = {
+        name: archive.read(name)
+        for name in archive.namelist()
+        if not name.startswith("offloadlab/planner/")
+    }
     stripped = io.BytesIO()
     with zipfile.ZipFile(stripped, "w") as target:
         for name, data in kept.items():
             target.writestr(name, data)
     with pytest.raises(calculators.ExtensionError, match="fail on their own"):
-        calculators.run_alone(stripped.getvalue(), [("plan", {"--params": "10e9", "--gpu-memory": "80 GB",
-                                                              "--link": "25 GB/s"})])
-    assert calculators.run_alone(stripped.getvalue(), [("state", {"--params": "10e9"})])[0]["status"] == 0
+        calculators.run_alone(
+            stripped.getvalue(),
+            [("plan", {"--params": "10e9", "--gpu-memory": "80 GB", "--link": "25 GB/s"})],
+        )
+    assert (
+        calculators.run_alone(stripped.getvalue(), [("state", {"--params": "10e9"})])[0]["status"]
+        == 0
+    )
 
 
 def test_each_calculator_chapter_has_one_note_lab_can_read():
-    """One note per chapter, an admonition JupyterLab's MyST renders, naming a command the CLI accepts."""
+    """One note per chapter, an admonition JupyterLab's MyST renders, naming a command the CLI
+    accepts."""
     for chapter, command in CHAPTERS.items():
         text = (ROOT / "book" / f"{chapter}.md").read_text(encoding="utf-8")
         assert text.count(":class: calculator") == 1, chapter
         note = text.split(":class: calculator", 1)[1].split(":::", 1)[0]
-        assert text.split(":class: calculator", 1)[0].rstrip().endswith(":::{admonition} Try it with your numbers")
+        assert (
+            text.split(":class: calculator", 1)[0]
+            .rstrip()
+            .endswith(":::{admonition} Try it with your numbers")
+        )
         literal = next(part for part in note.split("`")[1::2] if part.startswith("offloadlab "))
         assert calculators.parse_command(literal)[0] == command
 
 
-# --- In the browser ----------------------------------------------------------------------------------
+# --- In the browser
+# ----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def served_site(built_site):
@@ -249,7 +371,9 @@ def served_site(built_site):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(built_site)))
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(built_site))
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
@@ -260,7 +384,9 @@ def launch(playwright, *extra_args):
         if os.environ.get("CI"):
             pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package")
         pytest.skip("chromium is not installed (apt-get install chromium)")
-    return playwright.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS + list(extra_args))
+    return playwright.chromium.launch(
+        executable_path=CHROMIUM, args=BROWSER_ARGS + list(extra_args)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +410,8 @@ class Calculator:
         self.page, self.form = page, form
 
     def fill(self, **values):
-        """``link="32 GB/s"``, ``model_config=text``; ``source="--model"`` picks the model's source."""
+        """``link="32 GB/s"``, ``model_config=text``; ``source="--model"`` picks the model's
+        source."""
         if "source" in values:
             self.form.locator(".calculator-source").select_option(values.pop("source"))
         for name, value in values.items():
@@ -297,8 +424,11 @@ class Calculator:
     def ask(self, timeout=120_000):
         runs = int(self.form.get_attribute("data-runs") or 0)
         self.form.locator(".calculator-go").click()
-        self.page.wait_for_function("([form, runs]) => Number(form.dataset.runs || 0) > runs",
-                                    arg=[self.form.element_handle(), runs], timeout=timeout)
+        self.page.wait_for_function(
+            "([form, runs]) => Number(form.dataset.runs || 0) > runs",
+            arg=[self.form.element_handle(), runs],
+            timeout=timeout,
+        )
         return self
 
     @property
@@ -307,16 +437,20 @@ class Calculator:
 
     @property
     def answer(self) -> dict:
-        return {"text": self.form.locator(".calculator-answer").text_content(),
-                "json": json.loads(self.form.locator(".calculator-json").text_content()),
-                "command": self.form.locator(".calculator-command").text_content()}
+        return {
+            "text": self.form.locator(".calculator-answer").text_content(),
+            "json": json.loads(self.form.locator(".calculator-json").text_content()),
+            "command": self.form.locator(".calculator-command").text_content(),
+        }
 
     def errors(self) -> dict[str, str]:
         """{field's flag or "form": message} for every message shown."""
         shown = {}
         for message in self.form.locator(".calculator-error:not([hidden])").all():
             box = message.locator("xpath=ancestor::div[@data-field][1]")
-            shown[box.get_attribute("data-field") if box.count() else "form"] = message.text_content()
+            shown[box.get_attribute("data-field") if box.count() else "form"] = (
+                message.text_content()
+            )
         return shown
 
     def argv(self) -> list[str]:
@@ -330,7 +464,12 @@ def open_calculator(browser, served_site, chapter, **context):
     page = browser.new_page(viewport={"width": 1280, "height": 900}, **context)
     requests = []
     page.on("request", lambda r: requests.append(r.url))
-    page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(served_site) else route.abort())
+    page.route(
+        "**/*",
+        lambda route: (
+            route.continue_() if route.request.url.startswith(served_site) else route.abort()
+        ),
+    )
     page.goto(f"{served_site}/{chapter}.html", wait_until="networkidle")
     forms = page.locator("form.calculator-form")
     assert forms.count() == 1, chapter
@@ -344,7 +483,7 @@ def same_as_the_command(calculator, case, tmp_path):
     for name, value in case.items():  # the page ran what was filled in
         flag = f"--{name.replace('_', '-')}"
         if name not in ("source", "model_config") and value.strip():
-            assert [flag, value] in [argv[i:i + 2] for i in range(len(argv))], (flag, value, argv)
+            assert [flag, value] in [argv[i : i + 2] for i in range(len(argv))], (flag, value, argv)
         if name != "source" and not value.strip():
             assert flag not in argv or flag in ("--link", "--window", "--params", "--compute")
     if "model_config" in case:
@@ -372,38 +511,58 @@ CONFIG_GPT2 = (ROOT / "offloadlab" / "model_configs" / "gpt2.json").read_text(en
 
 CASES = {
     "01_memory_wall": [
-        {},                                                       # the running example: 10 B, mixed-adam
-        {"params": "1", "recipe": "adam-8bit"},                   # one parameter: a fraction of a byte of scales
-        {"params": "1e15", "recipe": "fp32-adam"},                # the largest count the command takes
-        {"params": "10 B"}, {"params": "1.5"}, {"params": ""},    # refused
+        # the running example: 10 B, mixed-adam
+        {},
+        # one parameter: a fraction of a byte of scales
+        {"params": "1", "recipe": "adam-8bit"},
+        # the largest count the command takes
+        {"params": "1e15", "recipe": "fp32-adam"},
+        {"params": "10 B"},
+        {"params": "1.5"},
+        {"params": ""},  # refused
     ],
     "03_overlap_condition": [
-        {},                                                       # the running example
+        {},  # the running example
         {"link": "32 GB/s", "bytes": "8 GB", "window": "250 ms"},  # exactly at the edge: hidden
-        {"bytes": "", "window": ""},                              # T* alone
-        {"compute": "200 TFLOP/s"}, {"bytes": "8 GB", "window": ""},  # refused
+        {"bytes": "", "window": ""},  # T* alone
+        {"compute": "200 TFLOP/s"},
+        {"bytes": "8 GB", "window": ""},  # refused
     ],
     "04_bandwidth_budget": [
-        {},                                                       # the running example: 25 GB/s, 2,048 tokens
+        # the running example: 25 GB/s, 2,048 tokens
+        {},
         {"link": "32 GB/s", "window": "250 ms", "duplex": "half"},  # the sources' reading: 5× over
-        {"duplex": "half"}, {"duplex": "20 GB/s"},
-        {"params": "", "offload": ""},                            # the budget alone
+        {"duplex": "half"},
+        {"duplex": "20 GB/s"},
+        {"params": "", "offload": ""},  # the budget alone
         {"offload": "optimizer,gradients,parameters", "recipe": "fp32-adam", "window": "4.9152 s"},
-        {"duplex": "40 GB/s"}, {"offload": "optimizer,optimizer"}, {"params": ""}, {"window": "250"},  # refused
+        # refused
+        {"duplex": "40 GB/s"},
+        {"offload": "optimizer,optimizer"},
+        {"params": ""},
+        {"window": "250"},
     ],
     "05_what_to_offload": [
-        {},                                                       # the running example: 10 B on 80 GB, 2 TB
-        {"params": "400e9"},                                      # nothing fits
+        # the running example: 10 B on 80 GB, 2 TB
+        {},
+        {"params": "400e9"},  # nothing fits
         {"source": "--model", "model": "llama-3-8b", "gpu_memory": "24 GB", "seq": "4096"},
-        {"source": "--model-config", "model_config": CONFIG_GPT2, "gpu_memory": "8 GB", "batch": "8"},
+        {
+            "source": "--model-config",
+            "model_config": CONFIG_GPT2,
+            "gpu_memory": "8 GB",
+            "batch": "8",
+        },
         {"source": "--model-config", "model_config": "{not json"},  # refused, as for that file
-        {"gpu_memory": "80 GB/s"}, {"interconnect": "450 GB/s"}, {"source": "--model", "model": "llama-9"},
+        {"gpu_memory": "80 GB/s"},
+        {"interconnect": "450 GB/s"},
+        {"source": "--model", "model": "llama-9"},
     ],
     "09_wrong_tool": [
-        {},                                                       # Llama 3.1 70B on 8 × 80 GB
+        {},  # Llama 3.1 70B on 8 × 80 GB
         {"host_memory": "1 TB"},
         {"gpus_per_node": "1", "interconnect": ""},
-        {"gpus_per_node": "0"},                                   # refused
+        {"gpus_per_node": "0"},  # refused
     ],
 }
 
@@ -429,13 +588,16 @@ def test_chapter_4_gives_the_running_example_and_the_sources_5x(browser, served_
     1.25 s, 5× over."""
     page, calculator, requests = open_calculator(browser, served_site, "04_bandwidth_budget")
     try:
-        assert not [url for url in requests if "/pyodide/" in url or "offloadlab.zip" in url]  # not before asked
+        # not before asked
+        assert not [url for url in requests if "/pyodide/" in url or "offloadlab.zip" in url]
         started = time.monotonic()
         calculator.ask()
         loaded = time.monotonic() - started
         shown = calculator.answer
-        assert shown["command"] == ("offloadlab budget --link '25 GB/s' --window '614.4 ms' --params 10e9 "
-                                    "--offload optimizer --duplex full --recipe mixed-adam")
+        assert shown["command"] == (
+            "offloadlab budget --link '25 GB/s' --window '614.4 ms' --params 10e9 "
+            "--offload optimizer --duplex full --recipe mixed-adam"
+        )
         assert "20 GB up, 20 GB down → 800 ms on the link" in shown["text"]
         assert shown["json"]["transfer_s"] == 0.8 and round(shown["json"]["ratio"], 2) == 1.3
         calculator.fill(link="32 GB/s", window="250 ms", duplex="half")
@@ -449,13 +611,17 @@ def test_chapter_4_gives_the_running_example_and_the_sources_5x(browser, served_
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         calculator.form.screenshot(path=str(SCREENSHOTS / "04_calculator.png"))
         # A measurement for the closing note, not a bound: the first answer's wait in this browser.
-        marks = page.evaluate("() => Object.fromEntries(performance.getEntriesByType('mark')"
-                              ".filter(m => m.name.startsWith('calculators:')).map(m => [m.name, m.startTime]))")
+        marks = page.evaluate(
+            "() => Object.fromEntries(performance.getEntriesByType('mark')"
+            ".filter(m => m.name.startsWith('calculators:')).map(m => [m.name, m.startTime]))"
+        )
         python = marks["calculators:python-ready"] - marks["calculators:asked"]
         package = marks["calculators:package-ready"] - marks["calculators:python-ready"]
         (SCREENSHOTS / "calculator-first-load.txt").write_text(
-            f"first answer {loaded:.2f} s after the click (Pyodide started in {python / 1e3:.2f} s, the package "
-            f"unpacked and imported in {package / 1e3:.2f} s)\n", encoding="utf-8")
+            f"first answer {loaded:.2f} s after the click (Pyodide started in {python / 1e3:.2f} "
+            f"s, the package unpacked and imported in {package / 1e3:.2f} s)\n",
+            encoding="utf-8",
+        )
     finally:
         page.close()
 
@@ -485,7 +651,9 @@ def test_a_page_without_a_calculator_loads_none_of_it(browser, served_site):
     page.on("request", lambda r: requests.append(r.url))
     try:
         page.goto(f"{served_site}/02_memory_tier_ladder.html", wait_until="networkidle")
-        assert requests and not [url for url in requests if "/calculators/" in url or "/pyodide/" in url]
+        assert requests and not [
+            url for url in requests if "/calculators/" in url or "/pyodide/" in url
+        ]
     finally:
         page.close()
 
@@ -510,19 +678,28 @@ def test_the_calculators_add_at_most_15_mb_to_the_site(built_site):
     static = built_site / "_static"
     for name in calculators.PYODIDE_FILES:
         assert (static / "pyodide" / name).is_file(), name  # served from the site itself
-    added = sum(p.stat().st_size for folder in ("pyodide", "calculators") for p in (static / folder).rglob("*")
-                if p.is_file())
+    added = sum(
+        p.stat().st_size
+        for folder in ("pyodide", "calculators")
+        for p in (static / folder).rglob("*")
+        if p.is_file()
+    )
     for chapter in CHAPTERS:
-        form = re.search(r'<form class="calculator-form".*?</form>', (built_site / f"{chapter}.html").read_text(
-            encoding="utf-8"), re.S)
+        form = re.search(
+            r'<form class="calculator-form".*?</form>',
+            (built_site / f"{chapter}.html").read_text(encoding="utf-8"),
+            re.S,
+        )
         assert form, chapter
         added += len(form.group(0).encode())
     assert added <= SITE_BUDGET_BYTES, f"{added / 1e6:.2f} MB"
 
 
-# --- In JupyterLab -----------------------------------------------------------------------------------
+# --- In JupyterLab
+# -----------------------------------------------------------------------------------
 
-from tests.test_lab_server import lab_server, open_in_lab, scroll_to  # noqa: E402,F401  (lab_server: a fixture)
+# (lab_server: a fixture)
+from tests.test_lab_server import lab_server, open_in_lab, scroll_to  # noqa: E402,F401
 
 
 def test_lab_hides_the_calculators_code(lab_server):  # noqa: F811
@@ -531,7 +708,8 @@ def test_lab_hides_the_calculators_code(lab_server):  # noqa: F811
 
 
 def test_lab_shows_the_note_as_readable_text(lab_server, browser):  # noqa: F811
-    """jupyterlab-myst draws the note as an admonition with its command, not as an unknown directive."""
+    """jupyterlab-myst draws the note as an admonition with its command, not as an unknown
+    directive."""
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     try:
         open_in_lab(page, lab_server.base, "04_bandwidth_budget.md")

@@ -24,7 +24,9 @@ def test_cgroup_v2_quota_in_whole_cores(tmp_path):
 
 
 def test_cgroup_v2_the_tightest_ancestor_counts_and_max_is_no_limit(tmp_path):
-    root = tree(tmp_path, "0::/a/b\n", {"a/cpu.max": "250000 100000\n", "a/b/cpu.max": "max 100000\n"})
+    root = tree(
+        tmp_path, "0::/a/b\n", {"a/cpu.max": "250000 100000\n", "a/b/cpu.max": "max 100000\n"}
+    )
     assert cores.cgroup_cpu_limit(root) == 2  # 2.5 cores: two threads, never more than the quota
 
 
@@ -34,16 +36,29 @@ def test_cgroup_v2_inside_a_container_sees_its_own_root(tmp_path):
 
 
 def test_cgroup_v1_cfs_quota(tmp_path):
-    root = tree(tmp_path, "4:cpu,cpuacct:/docker/abc\n2:memory:/docker/abc\n",
-                {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000\n",
-                 "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"})
+    root = tree(
+        tmp_path,
+        "4:cpu,cpuacct:/docker/abc\n2:memory:/docker/abc\n",
+        {
+            "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000\n",
+            "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+        },
+    )
     assert cores.cgroup_cpu_limit(root) == 3
 
 
 def test_cgroup_v1_no_quota_and_a_fraction_of_a_core(tmp_path):
-    unlimited = tree(tmp_path / "a", "1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"})
+    unlimited = tree(
+        tmp_path / "a",
+        "1:cpu:/\n",
+        {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"},
+    )
     assert cores.cgroup_cpu_limit(unlimited) is None
-    half = tree(tmp_path / "b", "1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"})
+    half = tree(
+        tmp_path / "b",
+        "1:cpu:/\n",
+        {"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"},
+    )
     assert cores.cgroup_cpu_limit(half) == 1
 
 

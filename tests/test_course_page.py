@@ -14,7 +14,9 @@ HUB_CONFIG = (ROOT / "course" / "jupyterhub_config.py").read_text(encoding="utf-
 
 
 def test_the_readme_gives_the_same_commands_as_the_course_page():
-    section = README.split("**In a course on a GPU server.**", 1)[1].split("\n**As a static site.**", 1)[0]
+    section = README.split("**In a course on a GPU server.**", 1)[1].split(
+        "\n**As a static site.**", 1
+    )[0]
     readme_blocks = re.findall(r"```bash\n(.*?)```", section, re.DOTALL)
     assert readme_blocks == [commands for _, commands in page_blocks()]
 
@@ -28,9 +30,14 @@ def test_the_hub_configuration_needs_no_docker_and_sets_student_mode_for_student
 
 
 def test_the_students_lab_settings_hide_nbgraders_instructor_tools():
-    disabled = json.loads((ROOT / "course" / "students" / "labconfig" / "page_config.json").read_text())
-    assert set(disabled["disabledExtensions"]) == {"@jupyter/nbgrader:formgrader", "@jupyter/nbgrader:create-assignment",
-                                                   "@jupyter/nbgrader:course-list"}
+    disabled = json.loads(
+        (ROOT / "course" / "students" / "labconfig" / "page_config.json").read_text()
+    )
+    assert set(disabled["disabledExtensions"]) == {
+        "@jupyter/nbgrader:formgrader",
+        "@jupyter/nbgrader:create-assignment",
+        "@jupyter/nbgrader:course-list",
+    }
 
 
 def test_the_gpu_table_on_the_page_is_json():
@@ -42,8 +49,13 @@ def test_the_nbgrader_commands_name_assignments_that_make_student_writes():
     from offloadlab.student import assignment_name, find_labs
 
     assignments = {assignment_name(p) for p in find_labs(ROOT / "labs")}
-    named = set(re.findall(r"nbgrader (?:generate_assignment|release_assignment|collect|autograde|generate_feedback|"
-                           r"release_feedback) (\w+)", PAGE))
+    named = set(
+        re.findall(
+            r"nbgrader (?:generate_assignment|release_assignment|collect|autograde|"
+            r"generate_feedback|release_feedback) (\w+)",
+            PAGE,
+        )
+    )
     assert named and named <= assignments
 
 

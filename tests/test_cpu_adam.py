@@ -22,7 +22,8 @@ X86 = kernel_build.variants_for()[0].name == "avx512"
 # Variants whose lerp_ and addcmul_ round the multiply-add twice, as torch's DEFAULT kernels for
 # x86-64 without FMA do; every other variant fuses it, as torch's AVX2, AVX512 and Arm kernels do.
 UNFUSED = {"baseline"}
-COMPILERS = ("package", "gcc-11", "gcc", "clang")  # "package": the library the package itself loaded
+# "package": the library the package itself loaded
+COMPILERS = ("package", "gcc-11", "gcc", "clang")
 VARIANTS = ("avx512", "avx2", "baseline", "neon", "portable")
 LOW = (torch.bfloat16, torch.float16)
 
@@ -33,8 +34,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     differ = (bits(actual) != bits(expected)).nonzero().flatten()
-    assert len(differ) == 0, (f"{what}: {len(differ)} of {actual.numel()} differ, first at {differ[0].item()}: "
-                              f"{actual[differ[0]].item()!r} instead of {expected[differ[0]].item()!r}")
+    assert len(differ) == 0, (
+        f"{what}: {len(differ)} of {actual.numel()} differ, first at {differ[0].item()}: "
+        f"{actual[differ[0]].item()!r} instead of {expected[differ[0]].item()!r}"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -50,8 +53,19 @@ def torch_references(tmp_path_factory):
         if capability is None:
             continue
         out = folder / f"{capability}.pt"
-        subprocess.run([sys.executable, "-m", "tests.adamw_reference", capability, str(folder / "inputs.pt"), str(out)],
-                       cwd=ROOT, check=True, env={**os.environ, "ATEN_CPU_CAPABILITY": capability})
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.adamw_reference",
+                capability,
+                str(folder / "inputs.pt"),
+                str(out),
+            ],
+            cwd=ROOT,
+            check=True,
+            env={**os.environ, "ATEN_CPU_CAPABILITY": capability},
+        )
         computed = torch.load(out)
         if computed["capability"] == capability:  # else this CPU cannot run torch's kernels for it
             results[rounding] = computed
@@ -73,7 +87,9 @@ def libraries(tmp_path_factory):
             target = tmp_path_factory.mktemp(compiler) / kernel_build.LIBRARY_NAME
             kernel_build.build(target, [compiler])
             problems = []
-            built[compiler] = cpu_adam._try_open(target, f"built by {compiler} for the tests", problems)
+            built[compiler] = cpu_adam._try_open(
+                target, f"built by {compiler} for the tests", problems
+            )
             assert built[compiler], problems
         library = built[compiler]
         if library.handle is None:
@@ -92,12 +108,27 @@ def library(request, libraries, monkeypatch):
     return chosen
 
 
-def run_kernel(variant, start, grads, out_dtype=None, *, lr, weight_decay, betas, eps, grad_scale, threads=2):
+def run_kernel(
+    variant, start, grads, out_dtype=None, *, lr, weight_decay, betas, eps, grad_scale, threads=2
+):
     p, m, v = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
     out = None if out_dtype is None else torch.empty(p.numel(), dtype=out_dtype)
     for step, grad in enumerate(grads, 1):
-        cpu_adam.adamw_step(p, m, v, grad, out, step=step, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                            grad_scale=grad_scale, threads=threads, variant=variant)
+        cpu_adam.adamw_step(
+            p,
+            m,
+            v,
+            grad,
+            out,
+            step=step,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            eps=eps,
+            grad_scale=grad_scale,
+            threads=threads,
+            variant=variant,
+        )
     return p, m, v, out
 
 
@@ -131,10 +162,14 @@ def test_every_variant_matches_torch_adamw_bit_for_bit(library, variant, case, t
             p, m, v, out = run_kernel(variant, start, grads, out_dtype, **hyper)
             what = f"{variant}, {dtype} gradients, {out_dtype} copy"
             exact = references[case, dtype]["exact sqrt"]
-            for name, actual, expected in zip(("weights", "exp_avg", "exp_avg_sq"), (p, m, v), exact):
+            for name, actual, expected in zip(
+                ("weights", "exp_avg", "exp_avg_sq"), (p, m, v), exact
+            ):
                 assert_same_bits(actual, expected, f"{what}: {name}")
             if out is not None:
-                assert_same_bits(out, p.to(out_dtype), f"{what}: the copy (torch's cast of the weights)")
+                assert_same_bits(
+                    out, p.to(out_dtype), f"{what}: the copy (torch's cast of the weights)"
+                )
             adamw = references[case, dtype]["adamw"]
             assert_same_bits(m, adamw[1], f"{what}: exp_avg against AdamW")
             assert_same_bits(v, adamw[2], f"{what}: exp_avg_sq against AdamW")
@@ -153,7 +188,9 @@ def test_gradient_conversion_of_every_16_bit_value(library, dtype):
     seen = {}
     for variant in library.runnable:
         p, m, v = torch.zeros(grad.numel()), torch.zeros(grad.numel()), torch.zeros(grad.numel())
-        cpu_adam.adamw_step(p, m, v, grad, step=1, lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, variant=variant)
+        cpu_adam.adamw_step(
+            p, m, v, grad, step=1, lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, variant=variant
+        )
         assert_same_bits(m[finite], expected[finite], f"{variant}: {dtype} → float32")
         em, ev = torch.zeros_like(expected), torch.zeros_like(expected)
         em.lerp_(expected, 1.0)
@@ -162,7 +199,9 @@ def test_gradient_conversion_of_every_16_bit_value(library, dtype):
         assert torch.equal(v[~finite & ~expected.isnan()], ev[~finite & ~expected.isnan()]), variant
         seen[variant] = (m, v)
     for variant, (m, v) in seen.items():  # the same bits in every variant, NaN payloads included
-        assert_same_bits(m, seen[library.runnable[0]][0], f"{variant} against {library.runnable[0]}")
+        assert_same_bits(
+            m, seen[library.runnable[0]][0], f"{variant} against {library.runnable[0]}"
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW])
@@ -170,22 +209,37 @@ def test_weight_conversion_at_every_rounding_decision(library, dtype):
     """With lr = 0 and a zero gradient the weights do not move, so the copy is the conversion
     alone: round to nearest even, subnormals, overflow to infinity, as torch casts; a NaN stays
     a quiet NaN with its sign and leading payload bits, the same in every variant."""
-    master = adamw_reference.floats_where_rounding_is_decided(torch.bfloat16 if dtype == torch.float32 else dtype)
+    master = adamw_reference.floats_where_rounding_is_decided(
+        torch.bfloat16 if dtype == torch.float32 else dtype
+    )
     nan = master.isnan()
     expected = master.to(dtype)
     quiet = (bits(master[nan]).to(torch.int64) & 0xFFFFFFFF) | 0x00400000  # arithmetic quiets a NaN
-    nan_bits = {torch.float32: quiet, torch.bfloat16: quiet >> 16,
-                torch.float16: (quiet >> 16 & 0x8000) | 0x7C00 | (quiet >> 13 & 0x3FF)}[dtype]
+    nan_bits = {
+        torch.float32: quiet,
+        torch.bfloat16: quiet >> 16,
+        torch.float16: (quiet >> 16 & 0x8000) | 0x7C00 | (quiet >> 13 & 0x3FF),
+    }[dtype]
     seen = {}
     for variant in library.runnable:
         p, zeros = master.clone(), torch.zeros(master.numel())
         out = torch.empty(master.numel(), dtype=dtype)
-        cpu_adam.adamw_step(p, zeros.clone(), zeros.clone(), zeros, out, step=1, lr=0.0, weight_decay=0.0,
-                            variant=variant)
+        cpu_adam.adamw_step(
+            p,
+            zeros.clone(),
+            zeros.clone(),
+            zeros,
+            out,
+            step=1,
+            lr=0.0,
+            weight_decay=0.0,
+            variant=variant,
+        )
         assert_same_bits(out[~nan], expected[~nan], f"{variant}: float32 → {dtype}")
         mask = 0xFFFFFFFF if dtype == torch.float32 else 0xFFFF
-        assert torch.equal(bits(out[nan]).to(torch.int64) & mask, nan_bits), \
+        assert torch.equal(bits(out[nan]).to(torch.int64) & mask, nan_bits), (
             f"{variant}: a NaN becomes a quiet NaN with its sign and leading payload bits"
+        )
         seen[variant] = out
     for variant, out in seen.items():
         assert_same_bits(out, seen[library.runnable[0]], f"{variant} against {library.runnable[0]}")
@@ -201,15 +255,22 @@ def test_sum_of_squares_is_exact_here_and_the_same_for_any_threads_and_variant(l
     for variant in library.runnable:
         for dtype in (torch.float32, *LOW):
             assert cpu_adam.grad_sum_of_squares(ints.to(dtype), variant=variant) == exact
-        results = {cpu_adam.grad_sum_of_squares(grad, threads, variant=variant) for threads in (1, 2, 3, 8)}
+        results = {
+            cpu_adam.grad_sum_of_squares(grad, threads, variant=variant) for threads in (1, 2, 3, 8)
+        }
         assert len(results) == 1, f"{variant}: the sum depends on the thread count: {results}"
         sums[variant] = results.pop()
         assert sums[variant] == sums[library.runnable[0]], f"{variant} adds in another order"
         assert sums[variant] == pytest.approx(float(grad.double().square().sum()), rel=1e-12)
-        assert cpu_adam.grad_sum_of_squares(torch.tensor([1.0, float("inf")]), variant=variant) == float("inf")
+        assert cpu_adam.grad_sum_of_squares(
+            torch.tensor([1.0, float("inf")]), variant=variant
+        ) == float("inf")
         for dtype in (torch.float32, *LOW):
-            assert math.isnan(cpu_adam.grad_sum_of_squares(torch.tensor([1.0, float("nan")]).to(dtype),
-                                                           variant=variant))
+            assert math.isnan(
+                cpu_adam.grad_sum_of_squares(
+                    torch.tensor([1.0, float("nan")]).to(dtype), variant=variant
+                )
+            )
         assert cpu_adam.grad_sum_of_squares(torch.zeros(0), variant=variant) == 0.0
 
 
@@ -228,7 +289,11 @@ def test_the_floor_touches_every_element_the_step_does_in_every_variant_and_pair
                 for k, array in enumerate(arrays, 1):
                     assert torch.equal(array, k + grad.float()), (variant, grad_dtype, out_dtype)
                 if out is not None:
-                    assert torch.equal(out, arrays[0].to(out_dtype)), (variant, grad_dtype, out_dtype)
+                    assert torch.equal(out, arrays[0].to(out_dtype)), (
+                        variant,
+                        grad_dtype,
+                        out_dtype,
+                    )
 
 
 def test_the_floor_needs_the_compiled_kernel_and_checks_its_arguments(library):
@@ -246,7 +311,9 @@ def test_the_torch_step_is_torch_adamw_exactly():
     for dtype in (torch.float32, *LOW):
         start, grads = adamw_reference.inputs(dtype)
         p, m, v, out = run_kernel(cpu_adam.TORCH, start, grads, torch.bfloat16, **hyper)
-        for name, actual, expected in zip("pmv", (p, m, v), adamw_reference.adamw(start, grads, **hyper)):
+        for name, actual, expected in zip(
+            "pmv", (p, m, v), adamw_reference.adamw(start, grads, **hyper)
+        ):
             assert_same_bits(actual, expected, f"torch step, {dtype}: {name}")
         assert_same_bits(out, p.bfloat16(), "torch step: the copy")
 
@@ -266,13 +333,19 @@ def test_backend_names_the_variant_and_where_it_came_from_without_paths(monkeypa
     text = cpu_adam.backend()
     if not kernel.compiled:
         pytest.skip(f"no compiled kernel here: {text}")
-    assert text.startswith(f"compiled C kernel, {kernel.library.runnable[0]} variant (the best of "), text
+    assert text.startswith(
+        f"compiled C kernel, {kernel.library.runnable[0]} variant (the best of "
+    ), text
     assert "built at install time" in text or "compiled at first use into " in text, text
-    assert not re.search(r"(^|[\s(=:])/", text) and str(ROOT) not in text, f"a path of this machine: {text}"
+    assert not re.search(r"(^|[\s(=:])/", text) and str(ROOT) not in text, (
+        f"a path of this machine: {text}"
+    )
     for grad_dtype in (torch.float32, *LOW):  # the C code has a loop for every pair
         for out_dtype in (None, torch.float32, *LOW):
             assert cpu_adam.backend(grad_dtype, out_dtype) == text
-    with pytest.raises(ValueError, match=r"^grad_dtype: expected dtype torch.float32 or .*; got torch.int32$"):
+    with pytest.raises(
+        ValueError, match=r"^grad_dtype: expected dtype torch.float32 or .*; got torch.int32$"
+    ):
         cpu_adam.backend(torch.int32)
 
 
@@ -282,23 +355,40 @@ def test_the_variant_can_be_chosen_and_a_wrong_choice_is_an_error(monkeypatch):
         pytest.skip(f"no compiled kernel here: {cpu_adam.backend()}")
     last = kernel.library.runnable[-1]
     monkeypatch.setenv(cpu_adam.VARIANT_ENV, last)
-    assert cpu_adam.backend().startswith(f"compiled C kernel, {last} variant (chosen by {cpu_adam.VARIANT_ENV}; ")
+    assert cpu_adam.backend().startswith(
+        f"compiled C kernel, {last} variant (chosen by {cpu_adam.VARIANT_ENV}; "
+    )
     monkeypatch.setenv(cpu_adam.VARIANT_ENV, cpu_adam.TORCH)
     assert cpu_adam.backend() == f"torch fallback (chosen by {cpu_adam.VARIANT_ENV})"
     monkeypatch.setenv(cpu_adam.VARIANT_ENV, "sse9")
-    with pytest.raises(ValueError, match=rf"^{cpu_adam.VARIANT_ENV}: expected one of .*, torch; got 'sse9'$"):
+    with pytest.raises(
+        ValueError, match=rf"^{cpu_adam.VARIANT_ENV}: expected one of .*, torch; got 'sse9'$"
+    ):
         cpu_adam.backend()
     monkeypatch.delenv(cpu_adam.VARIANT_ENV)
     with pytest.raises(ValueError, match=r"^variant: expected one of"):
-        cpu_adam.adamw_step(torch.zeros(2), torch.zeros(2), torch.zeros(2), torch.zeros(2), step=1, lr=0.1,
-                            variant="sse9")
+        cpu_adam.adamw_step(
+            torch.zeros(2),
+            torch.zeros(2),
+            torch.zeros(2),
+            torch.zeros(2),
+            step=1,
+            lr=0.1,
+            variant="sse9",
+        )
     # As on a CPU without the best variant's instructions:
     best, *others = kernel.library.runnable
-    monkeypatch.setattr(cpu_adam, "_opened", dataclasses.replace(kernel.library, runnable=tuple(others)))
-    with pytest.raises(ValueError, match=rf"^variant: expected a variant this CPU runs .*; got '{best}', whose"):
+    monkeypatch.setattr(
+        cpu_adam, "_opened", dataclasses.replace(kernel.library, runnable=tuple(others))
+    )
+    with pytest.raises(
+        ValueError, match=rf"^variant: expected a variant this CPU runs .*; got '{best}', whose"
+    ):
         cpu_adam.load(best)
     monkeypatch.setenv(cpu_adam.VARIANT_ENV, best)
-    with pytest.raises(ValueError, match=rf"^{cpu_adam.VARIANT_ENV}: expected a variant this CPU runs"):
+    with pytest.raises(
+        ValueError, match=rf"^{cpu_adam.VARIANT_ENV}: expected a variant this CPU runs"
+    ):
         cpu_adam.backend()
 
 
@@ -307,13 +397,21 @@ def test_the_library_refuses_a_variant_it_does_not_hold():
     if not kernel.compiled:
         pytest.skip(f"no compiled kernel here: {cpu_adam.backend()}")
     total = cpu_adam.ctypes.c_double()
-    status = kernel.library.handle.offloadlab_sumsq(len(kernel.library.variants), torch.zeros(1).data_ptr(), 1, 1, 1,
-                                             cpu_adam.ctypes.byref(total))
+    status = kernel.library.handle.offloadlab_sumsq(
+        len(kernel.library.variants),
+        torch.zeros(1).data_ptr(),
+        1,
+        1,
+        1,
+        cpu_adam.ctypes.byref(total),
+    )
     assert status == 2  # STATUS_BAD_VARIANT in csrc/kernel.h
 
 
 @pytest.mark.skipif(not X86, reason="the guard is on x86-64's baseline variant")
-def test_a_compiler_error_falls_back_with_one_warning_holding_the_whole_error(monkeypatch, tmp_path):
+def test_a_compiler_error_falls_back_with_one_warning_holding_the_whole_error(
+    monkeypatch, tmp_path
+):
     """CC with -mavx2 would let AVX2 into the baseline copy, which any x86-64 CPU may run: the
     source refuses to compile, and the whole error reaches the user, once."""
     monkeypatch.setattr(cpu_adam, "_opened", None)
@@ -332,9 +430,15 @@ def test_a_compiler_error_falls_back_with_one_warning_holding_the_whole_error(mo
     message = str(caught[0].message)
     assert "no library was built at install time" in message
     assert "gcc -mavx2 -O3" in message and "failed with exit status 1" in message
-    assert re.search(r"cpu_adam\.c:\d+:\d+: error: #error \"the baseline variant is for any x86-64 CPU", message)
-    assert text.startswith("torch fallback (no library was built at install time; compiling it at first use failed")
-    for name, actual, expected in zip("pmv", (p, m, v), adamw_reference.adamw(start, grads, **hyper)):
+    assert re.search(
+        r"cpu_adam\.c:\d+:\d+: error: #error \"the baseline variant is for any x86-64 CPU", message
+    )
+    assert text.startswith(
+        "torch fallback (no library was built at install time; compiling it at first use failed"
+    )
+    for name, actual, expected in zip(
+        "pmv", (p, m, v), adamw_reference.adamw(start, grads, **hyper)
+    ):
         assert_same_bits(actual, expected, f"fallback: {name}")
     assert list((tmp_path / "cache").iterdir()) == [], "a failed build leaves nothing behind"
 
@@ -347,8 +451,11 @@ def test_first_use_builds_into_the_cache_once_and_reuses_it(monkeypatch, tmp_pat
     monkeypatch.setattr(cpu_adam, "_opened", None)
     kernel = cpu_adam.load()
     assert kernel.compiled, kernel
-    assert kernel.library.origin == "compiled at first use into $OFFLOADLAB_CACHE, because no library was built at " \
-                                    "install time"
+    assert (
+        kernel.library.origin
+        == "compiled at first use into $OFFLOADLAB_CACHE, because no library was built at "
+        "install time"
+    )
     built = list((tmp_path / "cache").iterdir())
     assert len(built) == 1 and built[0].name.startswith("cpu_adam-"), built
     stamp = built[0].stat().st_mtime_ns
@@ -362,7 +469,8 @@ def test_first_use_builds_for_other_machines_or_compilers_have_other_names(monke
     assert name == cpu_adam._first_use_name(["gcc"]) != cpu_adam._first_use_name(["gcc", "-O0"])
     if shutil.which("clang"):
         assert cpu_adam._first_use_name(["clang"]) != name
-    monkeypatch.setattr(cpu_adam.platform, "machine", lambda: "aarch64")  # same compiler text, other machine
+    # same compiler text, other machine
+    monkeypatch.setattr(cpu_adam.platform, "machine", lambda: "aarch64")
     assert cpu_adam._first_use_name(["gcc"]) != name
 
 
@@ -371,19 +479,28 @@ def test_an_installed_library_from_other_sources_is_not_used(monkeypatch, tmp_pa
     kernel_build.build(target)
     problems = []
     assert cpu_adam._try_open(target, "built at install time", problems)
-    monkeypatch.setattr(kernel_build, "source_digest", lambda variants=None: "0" * 16)  # the C files changed
+    # the C files changed
+    monkeypatch.setattr(kernel_build, "source_digest", lambda variants=None: "0" * 16)
     assert cpu_adam._try_open(target, "built at install time", problems) is None
-    assert problems == ["the library built at install time is out of date (built from other sources)"]
+    assert problems == [
+        "the library built at install time is out of date (built from other sources)"
+    ]
 
 
 def test_compiler_command_is_split_like_a_shell_would():
     assert kernel_build.compiler_command({"CC": "gcc -O0"}) == ["gcc", "-O0"]
-    assert kernel_build.compiler_command({"CC": "'/opt/my cc/bin/gcc' -m64"}) == ["/opt/my cc/bin/gcc", "-m64"]
+    assert kernel_build.compiler_command({"CC": "'/opt/my cc/bin/gcc' -m64"}) == [
+        "/opt/my cc/bin/gcc",
+        "-m64",
+    ]
     assert kernel_build.compiler_command({"CC": "  "}) == kernel_build.compiler_command({})
 
 
 def test_a_missing_compiler_is_one_clear_error(tmp_path):
-    with pytest.raises(kernel_build.BuildError, match=r"^no C compiler: '/no/such/cc' was not found \(set CC to one\)"):
+    with pytest.raises(
+        kernel_build.BuildError,
+        match=r"^no C compiler: '/no/such/cc' was not found \(set CC to one\)",
+    ):
         kernel_build.build(tmp_path / "lib.so", ["/no/such/cc"])
     assert list(tmp_path.iterdir()) == []
 
@@ -395,21 +512,31 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="^master: expected dtype torch.float32"):
         cpu_adam.adamw_step(x.half(), x, x, x, step=1, lr=0.1)
     with pytest.raises(ValueError, match="^grad: expected dtype"):
-        cpu_adam.adamw_step(x, x.clone(), x.clone(), torch.zeros(4, dtype=torch.int32), step=1, lr=0.1)
+        cpu_adam.adamw_step(
+            x, x.clone(), x.clone(), torch.zeros(4, dtype=torch.int32), step=1, lr=0.1
+        )
     with pytest.raises(ValueError, match="^step: "):
         cpu_adam.adamw_step(x, x.clone(), x.clone(), x.clone(), step=0, lr=0.1)
     with pytest.raises(ValueError, match="^betas: "):
         cpu_adam.adamw_step(x, x.clone(), x.clone(), x.clone(), step=1, lr=0.1, betas=(1.0, 0.9))
     with pytest.raises(ValueError, match="^grad: expected a contiguous host"):
         cpu_adam.adamw_step(x, x.clone(), x.clone(), torch.zeros(8)[::2], step=1, lr=0.1)
-    with pytest.raises(ValueError, match=r"^out: expected memory of its own; got memory shared with master$"):
+    with pytest.raises(
+        ValueError, match=r"^out: expected memory of its own; got memory shared with master$"
+    ):
         cpu_adam.adamw_step(x, x.clone(), x.clone(), x.clone(), x, step=1, lr=0.1)
     buffer = torch.zeros(8)
-    with pytest.raises(ValueError, match=r"^grad: expected memory of its own; got memory shared with exp_avg$"):
+    with pytest.raises(
+        ValueError, match=r"^grad: expected memory of its own; got memory shared with exp_avg$"
+    ):
         cpu_adam.adamw_step(x, buffer[:4], x.clone(), buffer[2:6], step=1, lr=0.1)
-    with pytest.raises(ValueError, match=r"^threads: expected a positive number of threads; got 0$"):
+    with pytest.raises(
+        ValueError, match=r"^threads: expected a positive number of threads; got 0$"
+    ):
         cpu_adam.adamw_step(x, x.clone(), x.clone(), x.clone(), step=1, lr=0.1, threads=0)
-    with pytest.raises(ValueError, match=r"^threads: expected a positive number of threads; got 2.0$"):
+    with pytest.raises(
+        ValueError, match=r"^threads: expected a positive number of threads; got 2.0$"
+    ):
         cpu_adam.grad_sum_of_squares(x, 2.0)
 
 

@@ -35,7 +35,9 @@ pytestmark = pytest.mark.skipif(not X86, reason="emulates other CPUs from an x86
 def require(*tools: str) -> None:
     missing = [tool for tool in tools if not shutil.which(tool)]
     if missing:
-        message = f"{', '.join(missing)} not installed (apt-get install gcc-aarch64-linux-gnu qemu-user)"
+        message = (
+            f"{', '.join(missing)} not installed (apt-get install gcc-aarch64-linux-gnu qemu-user)"
+        )
         if os.environ.get("CI"):
             pytest.fail(message + ": CI must test the library on emulated CPUs")
         pytest.skip(message)
@@ -43,14 +45,17 @@ def require(*tools: str) -> None:
 
 @pytest.fixture(scope="module")
 def arm(tmp_path_factory):
-    """A runner of the AArch64 library, and this machine's fused-rounding variant to compare with."""
+    """A runner of the AArch64 library, and this machine's fused-rounding variant to compare
+    with."""
     require(CROSS_COMPILER, QEMU_ARM)
     fused = [variant for variant in cpu_adam.load().library.runnable if variant not in UNFUSED]
     if not fused:
         pytest.skip("this CPU runs no fused-rounding variant to compare with")
     folder = tmp_path_factory.mktemp("arm")
     kernel_build.build(folder / "lib.so", [CROSS_COMPILER], machine="aarch64")
-    subprocess.run([CROSS_COMPILER, "-O2", str(DRIVER), "-o", str(folder / "driver"), "-ldl"], check=True)
+    subprocess.run(
+        [CROSS_COMPILER, "-O2", str(DRIVER), "-o", str(folder / "driver"), "-ldl"], check=True
+    )
     return Emulated([QEMU_ARM, "-L", SYSROOT], folder), fused[0]
 
 
@@ -60,8 +65,17 @@ def x86(tmp_path_factory):
     require(QEMU_X86)
     folder = tmp_path_factory.mktemp("x86")
     kernel_build.build(folder / "lib.so")
-    subprocess.run([*kernel_build.compiler_command(), "-O2", str(DRIVER), "-o", str(folder / "driver"), "-ldl"],
-                   check=True)
+    subprocess.run(
+        [
+            *kernel_build.compiler_command(),
+            "-O2",
+            str(DRIVER),
+            "-o",
+            str(folder / "driver"),
+            "-ldl",
+        ],
+        check=True,
+    )
     return lambda model: Emulated([QEMU_X86, "-cpu", model], folder)
 
 
@@ -73,31 +87,60 @@ class Emulated:
 
     def variants(self) -> dict[str, bool]:
         result = subprocess.run(self.command, capture_output=True, text=True, check=True)
-        return {name: runs == "1" for name, runs in (line.split() for line in result.stdout.splitlines())}
+        return {
+            name: runs == "1"
+            for name, runs in (line.split() for line in result.stdout.splitlines())
+        }
 
     def run(self, variant, start, grads, out_dtype, hyper):
         """(weights, exp_avg, exp_avg_sq, copy) after the steps, or the driver's exit status."""
         n = start.numel()
         with open(self.folder / "in.bin", "wb") as f:
-            f.write(np.array([n, len(grads), KIND[grads[0].dtype], KIND[out_dtype]], dtype=np.int64).tobytes())
+            f.write(
+                np.array(
+                    [n, len(grads), KIND[grads[0].dtype], KIND[out_dtype]], dtype=np.int64
+                ).tobytes()
+            )
             f.write(raw(start) + raw(torch.zeros(n)) + raw(torch.zeros(n)))
             for step, grad in enumerate(grads, 1):
                 f.write(coefficients(step, **hyper) + raw(grad))
         number = list(self.variants()).index(variant)
-        result = subprocess.run([*self.command, str(number), str(self.folder / "in.bin"), str(self.folder / "out.bin")],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [*self.command, str(number), str(self.folder / "in.bin"), str(self.folder / "out.bin")],
+            capture_output=True,
+            text=True,
+        )
         if result.returncode:
             return result.returncode
         data = bytearray((self.folder / "out.bin").read_bytes())
-        p, m, v = (torch.frombuffer(data[i * 4 * n:(i + 1) * 4 * n], dtype=torch.float32) for i in range(3))
-        return p, m, v, None if out_dtype is None else torch.frombuffer(data[12 * n:], dtype=out_dtype)
+        p, m, v = (
+            torch.frombuffer(data[i * 4 * n : (i + 1) * 4 * n], dtype=torch.float32)
+            for i in range(3)
+        )
+        return (
+            p,
+            m,
+            v,
+            None if out_dtype is None else torch.frombuffer(data[12 * n :], dtype=out_dtype),
+        )
 
 
 def coefficients(step, *, lr, weight_decay, betas, eps, grad_scale) -> bytes:
     """struct adamw_coefficients, computed as cpu_adam.adamw_step computes it."""
     beta1, beta2 = betas
-    return np.array([1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, eps, (1 - beta2**step) ** 0.5,
-                     -(lr / (1 - beta1**step)), grad_scale], dtype=np.float32).tobytes()
+    return np.array(
+        [
+            1 - lr * weight_decay,
+            1 - beta1,
+            beta2,
+            1 - beta2,
+            eps,
+            (1 - beta2**step) ** 0.5,
+            -(lr / (1 - beta1**step)),
+            grad_scale,
+        ],
+        dtype=np.float32,
+    ).tobytes()
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -128,7 +171,9 @@ def test_arm_steps_match_bit_for_bit(arm, case):
             ours = run_here(arm[1], start, grads, out_dtype, hyper)
             for name, a, b in zip(("weights", "exp_avg", "exp_avg_sq", "copy"), theirs, ours):
                 if b is not None:
-                    assert_same_bits(a, b, f"neon against {arm[1]}, {dtype} gradients, {out_dtype} copy: {name}")
+                    assert_same_bits(
+                        a, b, f"neon against {arm[1]}, {dtype} gradients, {out_dtype} copy: {name}"
+                    )
 
 
 def test_arm_conversions_match_bit_for_bit(arm):
@@ -138,18 +183,27 @@ def test_arm_conversions_match_bit_for_bit(arm):
         grad = adamw_reference.every_16_bit_value(dtype)
         hyper = dict(lr=0.0, weight_decay=0.0, betas=(0.0, 0.0), eps=1e-8, grad_scale=1.0)
         zeros = torch.zeros(grad.numel())
-        theirs, ours = arm[0].run("neon", zeros, [grad], None, hyper), run_here(arm[1], zeros, [grad], None, hyper)
+        theirs, ours = (
+            arm[0].run("neon", zeros, [grad], None, hyper),
+            run_here(arm[1], zeros, [grad], None, hyper),
+        )
         for name, a, b in zip(("weights", "exp_avg", "exp_avg_sq"), theirs, ours):
             assert_same_apart_from_nan_payloads(a, b, f"{dtype} gradients: {name}")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        master = adamw_reference.floats_where_rounding_is_decided(torch.bfloat16 if dtype == torch.float32 else dtype)
+        master = adamw_reference.floats_where_rounding_is_decided(
+            torch.bfloat16 if dtype == torch.float32 else dtype
+        )
         hyper = dict(lr=0.0, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, grad_scale=1.0)
         zeros = torch.zeros(master.numel())
         theirs = arm[0].run("neon", master, [zeros], dtype, hyper)[3]
-        assert_same_bits(theirs, run_here(arm[1], master, [zeros], dtype, hyper)[3], f"float32 → {dtype} copy")
+        assert_same_bits(
+            theirs, run_here(arm[1], master, [zeros], dtype, hyper)[3], f"float32 → {dtype} copy"
+        )
 
 
-@pytest.mark.parametrize("model, offered", [("Haswell", ["avx2", "baseline"]), ("Nehalem", ["baseline"])])
+@pytest.mark.parametrize(
+    "model, offered", [("Haswell", ["avx2", "baseline"]), ("Nehalem", ["baseline"])]
+)
 def test_x86_cpus_without_some_instruction_sets(x86, model, offered):
     emulated = x86(model)
     variants = emulated.variants()
@@ -162,6 +216,9 @@ def test_x86_cpus_without_some_instruction_sets(x86, model, offered):
         if variant not in offered:
             assert result == REFUSED, f"{model}: the {variant} copy was entered: {result}"
         elif variant in here:
-            for name, a, b in zip(("weights", "exp_avg", "exp_avg_sq", "copy"), result,
-                                  run_here(variant, start, grads[:2], torch.bfloat16, hyper)):
+            for name, a, b in zip(
+                ("weights", "exp_avg", "exp_avg_sq", "copy"),
+                result,
+                run_here(variant, start, grads[:2], torch.bfloat16, hyper),
+            ):
                 assert_same_bits(a, b, f"{variant} on an emulated {model} against this CPU: {name}")

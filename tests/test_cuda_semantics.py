@@ -101,8 +101,11 @@ def test_a_wait_on_one_stream_tells_nothing_about_a_copy_ordered_after_another(l
     worker = {}
 
     def on_a_worker():
-        worker["other stream"] = link.to_device(target, source, after="compute")  # the worker's own stream
-        worker["training stream"] = link.to_device(target, source, after=link.mark_on(training_point))
+        # the worker's own stream
+        worker["other stream"] = link.to_device(target, source, after="compute")
+        worker["training stream"] = link.to_device(
+            target, source, after=link.mark_on(training_point)
+        )
 
     thread = threading.Thread(target=on_a_worker)
     thread.start()
@@ -110,7 +113,8 @@ def test_a_wait_on_one_stream_tells_nothing_about_a_copy_ordered_after_another(l
     worker["other stream"].synchronize()
     assert torch.isnan(host).all()  # the worker's stream never waited for the copy down
     worker["training stream"].synchronize()
-    assert torch.equal(host, device)  # ordered after the training stream's wait: the copy down is done
+    # ordered after the training stream's wait: the copy down is done
+    assert torch.equal(host, device)
 
 
 def test_pageable_copies_are_known_at_once(link):

@@ -1,4 +1,5 @@
-"""The set-up files agree with each other: pyproject, environment.yml, the Makefile, the Lab settings."""
+"""The set-up files agree with each other: pyproject, environment.yml, the Makefile, the Lab
+settings."""
 
 import json
 import re
@@ -38,7 +39,9 @@ def test_environment_yml_installs_the_project_with_every_extra():
     minimum = PYPROJECT["project"]["requires-python"].removeprefix(">=")
     assert tuple(map(int, python.split("=")[-1].split("."))) >= tuple(map(int, minimum.split(".")))
     pip_lines = next(d["pip"] for d in deps if isinstance(d, dict))
-    assert len(pip_lines) == 1, "environment.yml lists packages of its own: keep them in pyproject.toml"
+    assert len(pip_lines) == 1, (
+        "environment.yml lists packages of its own: keep them in pyproject.toml"
+    )
     assert extras_in(pip_lines[0]) == ENVIRONMENT_EXTRAS
     assert ENVIRONMENT_EXTRAS <= set(PYPROJECT["project"]["optional-dependencies"])
 
@@ -54,7 +57,9 @@ def test_lab_opens_markdown_as_notebooks_by_default():
     viewers = overrides["@jupyterlab/docmanager-extension:plugin"]["defaultViewers"]
     assert viewers["markdown"] == viewers["myst"] == "Jupytext Notebook"
     in_environment = Path(sys.prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
-    assert in_environment.exists(), "run `make env`: the environment lacks the Lab settings override"
+    assert in_environment.exists(), (
+        "run `make env`: the environment lacks the Lab settings override"
+    )
     assert json.loads(in_environment.read_text()) == overrides
 
 
@@ -67,9 +72,16 @@ def test_make_student_and_lab_use_the_environment_as_it_is():
     """An instructor who cannot write to a shared environment can still release the labs."""
     import subprocess
 
-    result = subprocess.run(["make", "-n", "student", f"VENV={Path(sys.prefix)}"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        ["make", "-n", "student", f"VENV={Path(sys.prefix)}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0 and "offloadlab.student" in result.stdout, result.stderr
-    assert "pip install" not in result.stdout and "venv" not in result.stdout.replace(str(Path(sys.prefix)), "")
+    assert "pip install" not in result.stdout and "venv" not in result.stdout.replace(
+        str(Path(sys.prefix)), ""
+    )
 
 
 def test_make_course_refuses_what_the_students_could_not_read(tmp_path):
@@ -78,18 +90,29 @@ def test_make_course_refuses_what_the_students_could_not_read(tmp_path):
     private = tmp_path / "private"
     (private / "checkout").mkdir(parents=True)
     private.chmod(0o700)
-    result = subprocess.run([sys.executable, str(ROOT / "course" / "check_shared.py"), str(private / "checkout")],
-                            capture_output=True, text=True)
-    assert result.returncode == 2 and "other users cannot read" in result.stderr and "Traceback" not in result.stderr
-    assert str(private) in result.stderr or "PYTHON" in result.stderr  # the first folder in the way is named
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "course" / "check_shared.py"), str(private / "checkout")],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        result.returncode == 2
+        and "other users cannot read" in result.stderr
+        and "Traceback" not in result.stderr
+    )
+    # the first folder in the way is named
+    assert str(private) in result.stderr or "PYTHON" in result.stderr
 
 
 def test_jupyterlab_myst_loads_in_the_jupyterlab_it_ships_with():
     """`jupyter labextension list` says whether each extension fits the installed JupyterLab."""
     import subprocess
 
-    result = subprocess.run([str(Path(sys.prefix) / "bin" / "jupyter"), "labextension", "list"], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [str(Path(sys.prefix) / "bin" / "jupyter"), "labextension", "list"],
+        capture_output=True,
+        text=True,
+    )
     listing = result.stdout + result.stderr
     myst = next(line for line in listing.splitlines() if "jupyterlab-myst" in line)
     assert "OK" in myst and "not compatible" not in listing, listing

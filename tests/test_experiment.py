@@ -21,14 +21,15 @@ def test_small_transfer_hides_and_large_one_stalls(link):
     assert large.t_transfer > small.t_transfer
     assert large.measured_stall > small.measured_stall
     assert small.source == "emulated" and set(small.timeline) == {"compute", "H2D"}
-    (t_start, t_end, _), = large.timeline["H2D"]
-    (c_start, c_end, _), = large.timeline["compute"]
+    ((t_start, t_end, _),) = large.timeline["H2D"]
+    ((c_start, c_end, _),) = large.timeline["compute"]
     assert t_start < c_end and c_start < t_end  # the transfer ran during the compute
 
 
 def test_crossover_orders_batches(link):
-    result = experiment.measure_crossover(link, batches=(1, 2, 4, 8, 16), rows_per_sample=16, hidden=256,
-                                          count=4, repeats=2)
+    result = experiment.measure_crossover(
+        link, batches=(1, 2, 4, 8, 16), rows_per_sample=16, hidden=256, count=4, repeats=2
+    )
     computes = [r.t_compute for r in result.results]
     assert computes[-1] > computes[0]
     assert result.predicted_batch >= 1 and result.seconds_per_sample > 0
@@ -50,7 +51,9 @@ def test_bad_arguments(link):
 def test_overlap_timeline_is_a_chrome_trace(link, tmp_path):
     from offloadlab import trace
 
-    result = experiment.measure_overlap(link, "1 MiB", experiment.MatmulWork(64, 128, 2, "cpu"), repeats=1)
+    result = experiment.measure_overlap(
+        link, "1 MiB", experiment.MatmulWork(64, 128, 2, "cpu"), repeats=1
+    )
     events = trace.chrome_trace(result.timeline)["traceEvents"]
     assert {e["cat"] for e in events if e["ph"] == "X"} == {"compute", "H2D"}
     assert trace.write_chrome_trace(result.timeline, tmp_path / "overlap.json").stat().st_size > 0

@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import ROOT
 
 FIGURES = ROOT / "book" / "figures"
-COLUMN_PX = 672   # the text column of a chapter page at a 1280 px window
+COLUMN_PX = 672  # the text column of a chapter page at a 1280 px window
 SMALLEST_PX = 11  # the smallest text a reader should have to read
 CHECKED = ["nvme_path.svg", "two_slot_commit.svg"]  # diagrams drawn to this rule
 

@@ -75,7 +75,8 @@ def test_pipes_are_written_through_and_links_followed(tmp_path):
     files.check_target(fifo)  # a stream: nothing there to replace
     files.write_atomically(fifo, '{"ok": 1}')
     reader.join(30)
-    assert got == ['{"ok": 1}'] and fifo.is_fifo()  # the reader got the data; the pipe is still a pipe
+    # the reader got the data; the pipe is still a pipe
+    assert got == ['{"ok": 1}'] and fifo.is_fifo()
     real, link = tmp_path / "real.json", tmp_path / "link.json"
     real.write_text("old")
     link.symlink_to(real)

@@ -25,7 +25,9 @@ def capped():
     if cap > 0.8 * profile.memory_bytes:
         pytest.skip(f"lab 4's cap of {cap} bytes does not fit this GPU's {profile.memory_bytes}")
     torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
+    torch.cuda.set_per_process_memory_fraction(
+        cap / torch.cuda.get_device_properties(0).total_memory
+    )
     yield cap
     torch.cuda.set_per_process_memory_fraction(1.0)
     torch.cuda.empty_cache()
@@ -62,14 +64,20 @@ def test_parameter_streaming_keeps_device_memory_within_its_budget():
         x = torch.randint(0, 1024, (batch, 128), device="cuda")
         model(x, x).backward()
         torch.cuda.synchronize()
-        streamed_total = sum(p.numel() * p.element_size() for block in handle.blocks for p in block.parameters())
+        streamed_total = sum(
+            p.numel() * p.element_size() for block in handle.blocks for p in block.parameters()
+        )
         peak_over_resident = torch.cuda.max_memory_allocated() - resident
         # All of the streaming's device memory, allocated up front (it is in `resident`): two weight
         # buffers and two gradient buffers of one block each, 4 of the 16 blocks' worth.
-        assert handle.device_budget == 2 * handle.block_bytes + 2 * handle.gradient_layouts[0].nbytes
+        assert (
+            handle.device_budget == 2 * handle.block_bytes + 2 * handle.gradient_layouts[0].nbytes
+        )
         assert handle.device_budget <= streamed_total * 4 / config.layers
         # Above that the peak holds the saved activations (counted on the meta device, which keeps
         # more than a GPU's fused attention) and a few blocks' worth of transient gradients —
         # never every block's weights.
-        bound = capacity.saved_activation_bytes(config, batch, torch.float32) + 4 * handle.block_bytes
+        bound = (
+            capacity.saved_activation_bytes(config, batch, torch.float32) + 4 * handle.block_bytes
+        )
         assert peak_over_resident <= bound < streamed_total

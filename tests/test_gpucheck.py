@@ -17,8 +17,12 @@ from offloadlab.offload import capacity
 from tests.conftest import ROOT
 
 GiB = 2**30
-PARTS = ["GPU-marked tests", "chapters and labs (nbval, quick mode)", "link probe (reference data)",
-         *(f"bench {name}" for name in ("link", "overlap", "adam", "offload", "prefetch", "nvme"))]
+PARTS = [
+    "GPU-marked tests",
+    "chapters and labs (nbval, quick mode)",
+    "link probe (reference data)",
+    *(f"bench {name}" for name in ("link", "overlap", "adam", "offload", "prefetch", "nvme")),
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,9 @@ def test_done_when_figures(plans):
     h100, l4 = plans["h100-sxm"], plans["l4"]
     for planned, device_limit in ((h100, 64e9), (l4, 24e9)):
         # the most any part holds, and (for a reader who adds them up) all parts together
-        assert planned["pinned_bytes"] <= sum(p["pinned_bytes"] for p in planned["parts"]) <= 32 * GiB
+        assert (
+            planned["pinned_bytes"] <= sum(p["pinned_bytes"] for p in planned["parts"]) <= 32 * GiB
+        )
         assert planned["device_bytes"] <= device_limit
     assert sum(p["device_bytes"] for p in h100["parts"]) <= 64e9
 
@@ -73,12 +79,25 @@ def test_the_overlap_cases_are_a_quarter_one_and_four_windows_on_every_profile()
                     window = bench._overlap_window(quick)
                     count = experiment.planned_count(profile, window=window)
                     rows, hidden = experiment.GPU_SHAPE
-                    compute = count * 2 * rows * hidden * hidden / profile.matmul_flops(torch.float32)
+                    compute = (
+                        count * 2 * rows * hidden * hidden / profile.matmul_flops(torch.float32)
+                    )
                     for _, factor in bench.OVERLAP_CASES:
-                        transfer = experiment.transfer_bytes(profile, factor, window) / profile.link_bytes_per_s
-                        assert abs(transfer / compute / factor - 1) <= 0.10, (name, tf32, quick, factor)
+                        transfer = (
+                            experiment.transfer_bytes(profile, factor, window)
+                            / profile.link_bytes_per_s
+                        )
+                        assert abs(transfer / compute / factor - 1) <= 0.10, (
+                            name,
+                            tf32,
+                            quick,
+                            factor,
+                        )
                 plan = bench.overlap_plan(profile)
-                assert plan.pinned_bytes <= 16 * GiB and plan.device_bytes <= 0.8 * profile.memory_bytes
+                assert (
+                    plan.pinned_bytes <= 16 * GiB
+                    and plan.device_bytes <= 0.8 * profile.memory_bytes
+                )
 
 
 class _tf32:
@@ -126,7 +145,8 @@ def test_saved_activations_are_counted_like_a_real_backward():
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     real = sum(n for ptr, n in saved.items() if ptr not in weights)
     counted = capacity.saved_activation_bytes(config, 4, torch.float32)
-    assert real <= counted <= 1.25 * real  # (the meta device takes the unfused attention path: a little more)
+    # (the meta device takes the unfused attention path: a little more)
+    assert real <= counted <= 1.25 * real
 
 
 def test_dry_run_json_has_the_shape_the_instructions_give(tmp_path, capsys):
@@ -134,17 +154,22 @@ def test_dry_run_json_has_the_shape_the_instructions_give(tmp_path, capsys):
     assert main(["gpu-check", "--dry-run", "--profile", "h100-sxm", "--json", str(out)]) == 0
     planned = json.loads(out.read_text())
     assert {"pinned_bytes", "device_bytes", "seconds", "parts"} <= set(planned)
-    assert all({"name", "pinned_bytes", "device_bytes", "seconds"} <= set(p) for p in planned["parts"])
+    assert all(
+        {"name", "pinned_bytes", "device_bytes", "seconds"} <= set(p) for p in planned["parts"]
+    )
     assert planned["pinned_bytes"] <= 32 * GiB and planned["device_bytes"] <= 64e9
     text = capsys.readouterr().out
     assert "bench nvme" in text and "fits" in text and f"wrote the plan to {out}" in text
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--dry-run", "--profile", "h100"], "--profile: expected one of h100-sxm"),
-    (["--json", "plan.json"], "--json: only with --dry-run"),
-    (["--profile", "l4"], "--profile: only with --dry-run"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--dry-run", "--profile", "h100"], "--profile: expected one of h100-sxm"),
+        (["--json", "plan.json"], "--json: only with --dry-run"),
+        (["--profile", "l4"], "--profile: only with --dry-run"),
+    ],
+)
 def test_bad_arguments_are_one_line_and_exit_2(args, fragment, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["gpu-check", *args]) == 2
@@ -162,7 +187,11 @@ def test_a_gpu_torch_cannot_use_is_a_failure_not_a_pass(tmp_path, monkeypatch, c
     """A CPU wheel of torch, or a CUDA build newer than the driver, on a GPU machine: gpu-check used
     to run the CPU parts and exit 0."""
     monkeypatch.setattr(gpucheck, "_has_gpu", lambda: False)
-    monkeypatch.setattr(gpucheck.shutil, "which", lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None)
+    monkeypatch.setattr(
+        gpucheck.shutil,
+        "which",
+        lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None,
+    )
     ran = []
     monkeypatch.setattr(gpucheck, "_pytest", lambda *a, **k: ran.append(a))
     assert gpucheck.run(tmp_path) == 1
@@ -176,16 +205,34 @@ def test_a_failed_part_is_marked_failed_and_never_written_as_reference_data(tmp_
     monkeypatch.setattr(gpucheck, "profile_for", lambda name: devices.get("h200"))
     real = machine.provenance()
     monkeypatch.setattr(gpucheck.machine, "provenance", lambda: {**real, "gpu": "NVIDIA H200"})
-    monkeypatch.setattr(gpucheck, "_pytest", lambda title, *a, **k: {"step": title, "ok": True, "seconds": 0.0,
-                                                                      "summary": "", "log": ""})
-    monkeypatch.setattr(gpucheck.reference, "save", lambda name, *a, **k: saved.append(name) or tmp_path / name)
+    monkeypatch.setattr(
+        gpucheck,
+        "_pytest",
+        lambda title, *a, **k: {
+            "step": title,
+            "ok": True,
+            "seconds": 0.0,
+            "summary": "",
+            "log": "",
+        },
+    )
+    monkeypatch.setattr(
+        gpucheck.reference, "save", lambda name, *a, **k: saved.append(name) or tmp_path / name
+    )
 
     class Measured:
         def to_dict(self):
             return {}
 
-    monkeypatch.setattr(gpucheck.ladder, "measure", lambda **k: {"machine": Measured(), "records": [],
-                                                                   "faults": ["disk probe: No space left on device"]})
+    monkeypatch.setattr(
+        gpucheck.ladder,
+        "measure",
+        lambda **k: {
+            "machine": Measured(),
+            "records": [],
+            "faults": ["disk probe: No space left on device"],
+        },
+    )
     monkeypatch.setattr(gpucheck.ladder, "of_machine", lambda measured: {})
 
     def fine(quick=False, **kwargs):
@@ -200,8 +247,12 @@ def test_a_failed_part_is_marked_failed_and_never_written_as_reference_data(tmp_
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     failed = {s["step"] for s in summary["steps"] if not s["ok"]}
     assert failed == {"link probe (reference data)", "bench prefetch"}
-    assert not any("prefetch" in name for name in saved) and not any(name.startswith("gpu-") for name in saved)
-    assert sorted(saved) == sorted(f"bench-{n}-nvidia-h200" for n in gpucheck.BENCHMARKS if n != "prefetch")
+    assert not any("prefetch" in name for name in saved) and not any(
+        name.startswith("gpu-") for name in saved
+    )
+    assert sorted(saved) == sorted(
+        f"bench-{n}-nvidia-h200" for n in gpucheck.BENCHMARKS if n != "prefetch"
+    )
     assert (tmp_path / "out" / "plan.json").is_file()
 
 
@@ -212,10 +263,17 @@ def test_make_gpu_check_installs_nothing():
     assert recipe_line.strip() == "" and "pip" not in target and "env" not in recipe_line
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, gpu-check is the real thing: run make gpu-check")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on a GPU, gpu-check is the real thing: run make gpu-check"
+)
 def test_gpu_check_runs_the_cpu_parts_and_exits_0(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "offloadlab.gpucheck", "--out", str(tmp_path), "--quick"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    result = subprocess.run(
+        [sys.executable, "-m", "offloadlab.gpucheck", "--out", str(tmp_path), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.splitlines()[0].startswith("no CUDA GPU on this machine")
     summary = json.loads((tmp_path / "summary.json").read_text())

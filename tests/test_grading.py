@@ -48,16 +48,23 @@ def test_lab02_a_number_known_in_advance_fails_on_another_link(capsys):
 
 def test_lab02_the_link_counts_the_bytes_a_probe_moves(capsys):
     with open_link(emulated=True, bandwidth=1.2e9, latency=60e-6) as link:
-        outcome = grading.lab02_challenge(lambda link: two_size_probe(link, repeats=5), link,
-                                          reference=link.bandwidth)
-    assert not outcome and "the probe moved 52.0 MiB (measured by the link); at most 32 MiB" in outcome.line
+        outcome = grading.lab02_challenge(
+            lambda link: two_size_probe(link, repeats=5), link, reference=link.bandwidth
+        )
+    assert (
+        not outcome
+        and "the probe moved 52.0 MiB (measured by the link); at most 32 MiB" in outcome.line
+    )
 
 
 @pytest.mark.parametrize("returned", [None, "1e9", float("nan"), -1.0, True])
 def test_lab02_a_probe_that_returns_no_bandwidth_gets_one_line(returned, capsys):
     with open_link(emulated=True, bandwidth=1.2e9, latency=60e-6) as link:
         outcome = grading.lab02_challenge(lambda link: returned, link, reference=link.bandwidth)
-    assert not outcome and f"the probe returned {returned!r}; expected a bandwidth in bytes/s" in outcome.line
+    assert (
+        not outcome
+        and f"the probe returned {returned!r}; expected a bandwidth in bytes/s" in outcome.line
+    )
 
 
 def overlapped_step(link, work, host, device):
@@ -100,8 +107,11 @@ def test_lab03_a_copy_before_the_work_is_too_slow(capsys):
 
 # Each mistake where it cannot go unseen: a copy issued early lands inside the last step's work
 # when the work is the longer; an unwaited copy is still moving when the check runs when it is.
-@pytest.mark.parametrize("step, copy_share", [(unordered_step, 0.6), (unwaited_step, 1.25)],
-                         ids=["not after the last use", "not waited for"])
+@pytest.mark.parametrize(
+    "step, copy_share",
+    [(unordered_step, 0.6), (unwaited_step, 1.25)],
+    ids=["not after the last use", "not waited for"],
+)
 def test_lab03_a_copy_out_of_order_reads_another_steps_bytes(step, copy_share, capsys):
     with open_link(emulated=True) as link:
         outcome = grading.lab03_challenge(step, link, copy_share=copy_share)
@@ -111,7 +121,9 @@ def test_lab03_a_copy_out_of_order_reads_another_steps_bytes(step, copy_share, c
 # Lab 7: the bar is a reference tier read in the same call, taking turns with the student's, so
 # a disk slower now than when the lab measured it (another process reading, a cache gone cold)
 # moves both rates together. The rate the lab passes in is only shown.
-def test_lab07_large_requests_pass_though_the_disk_was_faster_when_the_lab_measured_it(tmp_path, capsys):
+def test_lab07_large_requests_pass_though_the_disk_was_faster_when_the_lab_measured_it(
+    tmp_path, capsys
+):
     idle_rate = 1e12  # far above any disk: the old bar, share × this, failed every tier
     outcome = grading.lab07_challenge(tmp_path, 2**20, 8, idle_rate, params=2 * 2**20)
     assert outcome, outcome.line
@@ -125,20 +137,27 @@ def test_lab07_small_requests_one_at_a_time_fail_beside_the_reference(tmp_path, 
 
 
 # Lab 4: the optimizer's device buffers and its copies, counted by the link it was built on.
-LAB04_MODELS = [GPTConfig(layers=2, hidden=128, heads=4, vocab=512, seq=64),
-                GPTConfig(layers=3, hidden=192, heads=4, vocab=768, seq=64)]
+LAB04_MODELS = [
+    GPTConfig(layers=2, hidden=128, heads=4, vocab=512, seq=64),
+    GPTConfig(layers=3, hidden=192, heads=4, vocab=768, seq=64),
+]
 
 
 def offload_with(bucket_bytes, lr=1e-3):
     def offload(model, link):
         size = bucket_bytes(sum(p.numel() * p.element_size() for p in model.parameters()))
-        return CPUOffloadAdam(model.parameters(), lr=lr, link=link, bucket_bytes=size, accumulation_steps=1)
+        return CPUOffloadAdam(
+            model.parameters(), lr=lr, link=link, bucket_bytes=size, accumulation_steps=1
+        )
+
     return offload
 
 
 @pytest.mark.parametrize("config", LAB04_MODELS, ids=["lab", "hidden"])
 def test_lab04_a_bucket_a_third_of_the_budget_passes_on_either_model(config, capsys):
-    outcome = grading.lab04_challenge(offload_with(lambda gradient_bytes: int(0.4 * gradient_bytes / 3)), config, "cpu")
+    outcome = grading.lab04_challenge(
+        offload_with(lambda gradient_bytes: int(0.4 * gradient_bytes / 3)), config, "cpu"
+    )
     assert outcome, outcome.line
 
 
@@ -146,22 +165,32 @@ def test_lab04_a_bucket_tuned_to_one_model_sends_too_many_copies_on_the_other(ca
     tuned = offload_with(lambda gradient_bytes: 248 * 2**10)  # passes on the lab's model
     assert grading.lab04_challenge(tuned, LAB04_MODELS[0], "cpu")
     outcome = grading.lab04_challenge(tuned, LAB04_MODELS[1], "cpu")
-    assert not outcome and "20 device→host copies a step (counted by the link; at most 16)" in outcome.line
+    assert (
+        not outcome
+        and "20 device→host copies a step (counted by the link; at most 16)" in outcome.line
+    )
 
 
 def test_lab04_the_default_bucket_holds_the_whole_model_three_times(capsys):
-    outcome = grading.lab04_challenge(lambda model, link: CPUOffloadAdam(model.parameters(), link=link),
-                                      LAB04_MODELS[0], "cpu")
-    assert not outcome and "device buffers of 300% of the gradients' bytes" in outcome.line, outcome.line
+    outcome = grading.lab04_challenge(
+        lambda model, link: CPUOffloadAdam(model.parameters(), link=link), LAB04_MODELS[0], "cpu"
+    )
+    assert not outcome and "device buffers of 300% of the gradients' bytes" in outcome.line, (
+        outcome.line
+    )
 
 
 def test_lab04_an_optimizer_not_on_the_given_link_gets_one_line(capsys):
-    outcome = grading.lab04_challenge(lambda model, link: CPUOffloadAdam(model.parameters()), LAB04_MODELS[0], "cpu")
+    outcome = grading.lab04_challenge(
+        lambda model, link: CPUOffloadAdam(model.parameters()), LAB04_MODELS[0], "cpu"
+    )
     assert not outcome and "no gradient went down the link" in outcome.line
 
 
 def test_lab04_another_learning_rate_leaves_adamw(capsys):
-    outcome = grading.lab04_challenge(offload_with(lambda gradient_bytes: 2**20, lr=1e-2), LAB04_MODELS[0], "cpu")
+    outcome = grading.lab04_challenge(
+        offload_with(lambda gradient_bytes: 2**20, lr=1e-2), LAB04_MODELS[0], "cpu"
+    )
     assert not outcome and "the loss left fp32 AdamW's" in outcome.line, outcome.line
 
 
@@ -181,17 +210,22 @@ def test_lab08_the_shorter_traffic_time_is_right_on_every_node(ranks, down, up, 
 def test_lab08_a_ring_size_typed_in_fails_on_another_ring(capsys):
     def two_ranks(tensor_bytes, ranks, down, up, interconnect, host_link, duplex):
         return lab08_right(tensor_bytes, 2, down, up, interconnect, host_link, duplex)
+
     assert grading.lab08_challenge(two_ranks, 6e6, 2, 4e6, 4e6)
     outcome = grading.lab08_challenge(two_ranks, 6e6, 8, 2e6, 2e6)
     assert not outcome and "nodes chosen wrong" in outcome.line
 
 
 def test_lab08_the_duplex_decides_between_its_two_crossovers(capsys):
-    # Half duplex doubles the host link's time: the nodes at 1.5 times the full-duplex crossover flip.
+    # Half duplex doubles the host link's time: the nodes at 1.5 times the full-duplex crossover
+    # flip.
     def full_always(tensor_bytes, ranks, down, up, interconnect, host_link, duplex):
         return lab08_right(tensor_bytes, ranks, down, up, interconnect, host_link, "full")
+
     outcome = grading.lab08_challenge(full_always, 6e6, 2, 4e6, 4e6)
-    assert not outcome and outcome.line.startswith("✗ challenge: 2 of 12 nodes chosen wrong"), outcome.line
+    assert not outcome and outcome.line.startswith("✗ challenge: 2 of 12 nodes chosen wrong"), (
+        outcome.line
+    )
 
 
 def test_lab08_an_answer_that_is_not_a_choice_gets_one_line(capsys):
@@ -210,19 +244,26 @@ def streamed_with(buffers):
 
 @pytest.mark.parametrize("blocks, buffers", [(5, 3), (6.5, 4)])
 def test_lab06_the_most_buffers_that_fit_pass(blocks, buffers, capsys):
-    outcome = grading.lab06_challenge(streamed_with(buffers), LAB06_MODEL, "cpu", torch.float32,
-                                      int(blocks * LAB06_BLOCK))
+    outcome = grading.lab06_challenge(
+        streamed_with(buffers), LAB06_MODEL, "cpu", torch.float32, int(blocks * LAB06_BLOCK)
+    )
     assert outcome, outcome.line
 
 
-@pytest.mark.parametrize("blocks, buffers, why", [(5, 4, "at most 15.06 MiB"), (6.5, 3, "16.12 MiB with the most")],
-                         ids=["over the budget", "a buffer short"])
+@pytest.mark.parametrize(
+    "blocks, buffers, why",
+    [(5, 4, "at most 15.06 MiB"), (6.5, 3, "16.12 MiB with the most")],
+    ids=["over the budget", "a buffer short"],
+)
 def test_lab06_one_buffer_off_fails(blocks, buffers, why, capsys):
-    outcome = grading.lab06_challenge(streamed_with(buffers), LAB06_MODEL, "cpu", torch.float32,
-                                      int(blocks * LAB06_BLOCK))
+    outcome = grading.lab06_challenge(
+        streamed_with(buffers), LAB06_MODEL, "cpu", torch.float32, int(blocks * LAB06_BLOCK)
+    )
     assert not outcome and why in outcome.line, outcome.line
 
 
 def test_lab06_something_else_than_a_streamed_model_gets_one_line(capsys):
-    outcome = grading.lab06_challenge(lambda model, link, budget: None, LAB06_MODEL, "cpu", torch.float32, 5 * LAB06_BLOCK)
+    outcome = grading.lab06_challenge(
+        lambda model, link, budget: None, LAB06_MODEL, "cpu", torch.float32, 5 * LAB06_BLOCK
+    )
     assert not outcome and "returned NoneType; expected a StreamedModel" in outcome.line

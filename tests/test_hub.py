@@ -42,25 +42,35 @@ PAGE = ROOT / "book" / "course.md"
 LAB = next(p for p in find_labs(ROOT / "labs") if p.stem.startswith("lab01"))
 ASSIGNMENT, COURSE_ID = "lab01", "offload-course"
 SOLVED, UNSOLVED, INSTRUCTOR = "olab-ada", "olab-grace", "olab-teacher"
-FAKE_SLICE = "MIG-00000000-test-0000-0000-000000000000"  # no GPU here: CUDA_VISIBLE_DEVICES is only passed on
+# no GPU here: CUDA_VISIBLE_DEVICES is only passed on
+FAKE_SLICE = "MIG-00000000-test-0000-0000-000000000000"
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: local accounts and a hub that spawns as them")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root: local accounts and a hub that spawns as them"
+)
 
 
 def page_blocks() -> list[tuple[str, str]]:
     """(who, commands) for each shell block of the recipe, in order: who is the bold lead-in's
     "As root" or "As the instructor"."""
-    recipe = PAGE.read_text(encoding="utf-8").split("## The hub, step by step", 1)[1].split("\n## ", 1)[0]
+    recipe = (
+        PAGE.read_text(encoding="utf-8")
+        .split("## The hub, step by step", 1)[1]
+        .split("\n## ", 1)[0]
+    )
     blocks = []
-    for lead, body in re.findall(r"\*\*\d+\. (As [^:,.]+)[^*]*\*\*.*?```bash\n(.*?)```", recipe, re.DOTALL):
+    for lead, body in re.findall(
+        r"\*\*\d+\. (As [^:,.]+)[^*]*\*\*.*?```bash\n(.*?)```", recipe, re.DOTALL
+    ):
         blocks.append(("root" if lead == "As root" else "instructor", body))
     return blocks
 
 
 def runnable(commands: str) -> str:
     """The block without the two lines the test does itself: Debian's packages and the clone."""
-    return "\n".join(line for line in commands.splitlines()
-                     if not line.startswith(("apt-get ", "git clone ")))
+    return "\n".join(
+        line for line in commands.splitlines() if not line.startswith(("apt-get ", "git clone "))
+    )
 
 
 class Stages:
@@ -108,8 +118,12 @@ class Hub:
         elif body is not None:
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
-        request = urllib.request.Request(self.url + path, data=data, headers=headers,
-                                         method=method or ("POST" if data is not None else "GET"))
+        request = urllib.request.Request(
+            self.url + path,
+            data=data,
+            headers=headers,
+            method=method or ("POST" if data is not None else "GET"),
+        )
         with urllib.request.urlopen(request, timeout=timeout) as response:
             text = response.read().decode()
         try:
@@ -126,14 +140,18 @@ class Hub:
 
     def spawn(self, user: str) -> None:
         """Start the user's server as an admin script would (the recipe's token service)."""
-        if self.status(f"/hub/api/users/{user}", None) == 404:  # not logged in yet: the admin adds them
+        # not logged in yet: the admin adds them
+        if self.status(f"/hub/api/users/{user}", None) == 404:
             self.call(f"/hub/api/users/{user}", {}, method="POST")
         try:
             self.call(f"/hub/api/users/{user}/server", {}, method="POST")
         except urllib.error.HTTPError as error:
-            assert error.code in (201, 202), f"spawning {user}: HTTP {error.code}: {error.read().decode()[:500]}"
-        self.user_tokens[user] = self.call(f"/hub/api/users/{user}/tokens", {"note": "hub test", "expires_in": 3600},
-                                           method="POST")["token"]
+            assert error.code in (201, 202), (
+                f"spawning {user}: HTTP {error.code}: {error.read().decode()[:500]}"
+            )
+        self.user_tokens[user] = self.call(
+            f"/hub/api/users/{user}/tokens", {"note": "hub test", "expires_in": 3600}, method="POST"
+        )["token"]
 
     def wait_ready(self, user: str, seconds: float = 180) -> None:
         deadline = time.monotonic() + seconds
@@ -148,8 +166,14 @@ class Hub:
         pytest.fail(f"{user}'s server did not start:\n" + self.log.read_text()[-3000:])
 
     def user(self, user: str, path: str, body=None, method=None, form=False, timeout=300):
-        return self.call(f"/user/{user}{path}", body, method=method, token=self.user_tokens[user], form=form,
-                         timeout=timeout)
+        return self.call(
+            f"/user/{user}{path}",
+            body,
+            method=method,
+            token=self.user_tokens[user],
+            form=form,
+            timeout=timeout,
+        )
 
 
 def run_cells(hub: Hub, user: str, path: str, cells: list[str]) -> list[dict]:
@@ -158,23 +182,49 @@ def run_cells(hub: Hub, user: str, path: str, cells: list[str]) -> list[dict]:
     from tornado.httpclient import HTTPRequest
     from tornado.websocket import websocket_connect
 
-    session = hub.user(user, "/api/sessions", {"path": path, "type": "notebook", "name": Path(path).name,
-                                                "kernel": {"name": "python3"}}, method="POST")
+    session = hub.user(
+        user,
+        "/api/sessions",
+        {"path": path, "type": "notebook", "name": Path(path).name, "kernel": {"name": "python3"}},
+        method="POST",
+    )
     kernel = session["kernel"]["id"]
     url = hub.url.replace("http", "ws", 1) + f"/user/{user}/api/kernels/{kernel}/channels"
 
     async def talk():
-        request = HTTPRequest(url, headers={"Authorization": f"token {hub.user_tokens[user]}"}, connect_timeout=60)
+        request = HTTPRequest(
+            url, headers={"Authorization": f"token {hub.user_tokens[user]}"}, connect_timeout=60
+        )
         socket_ = await websocket_connect(request)
         results = []
         for code in cells:
             msg_id = secrets.token_hex(8)
-            socket_.write_message(json.dumps({
-                "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": user,
-                           "session": secrets.token_hex(8), "version": "5.3", "date": ""},
-                "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
-                "content": {"code": code, "silent": False, "store_history": True, "user_expressions": {},
-                            "allow_stdin": False, "stop_on_error": False}}))
+            socket_.write_message(
+                json.dumps(
+                    {
+                        "header": {
+                            "msg_id": msg_id,
+                            "msg_type": "execute_request",
+                            "username": user,
+                            "session": secrets.token_hex(8),
+                            "version": "5.3",
+                            "date": "",
+                        },
+                        "parent_header": {},
+                        "metadata": {},
+                        "channel": "shell",
+                        "buffers": [],
+                        "content": {
+                            "code": code,
+                            "silent": False,
+                            "store_history": True,
+                            "user_expressions": {},
+                            "allow_stdin": False,
+                            "stop_on_error": False,
+                        },
+                    }
+                )
+            )
             outputs, reply, idle = [], None, False
             while reply is None or not idle:
                 message = json.loads(await asyncio.wait_for(socket_.read_message(), 600))
@@ -202,35 +252,53 @@ def as_jupyter_output(output: dict):
     if kind == "stream":
         return nbformat.v4.new_output("stream", name=output["name"], text=output["text"])
     if kind == "error":
-        return nbformat.v4.new_output("error", ename=output["ename"], evalue=output["evalue"],
-                                      traceback=output["traceback"])
-    return nbformat.v4.new_output(kind, data=output.get("data", {}), metadata=output.get("metadata", {}),
-                                  **({"execution_count": output.get("execution_count")} if kind == "execute_result" else {}))
+        return nbformat.v4.new_output(
+            "error", ename=output["ename"], evalue=output["evalue"], traceback=output["traceback"]
+        )
+    return nbformat.v4.new_output(
+        kind,
+        data=output.get("data", {}),
+        metadata=output.get("metadata", {}),
+        **({"execution_count": output.get("execution_count")} if kind == "execute_result" else {}),
+    )
 
 
 def work_on(hub: Hub, user: str, solve: bool) -> dict:
     """What a student does in Lab: open the fetched lab, fill in the answers (or not), run every
     cell, save. Returns the environment the student's kernel saw."""
     path = f"{COURSE_ID}/{ASSIGNMENT}/{LAB.stem}.ipynb"
-    notebook = nbformat.from_dict(hub.user(user, f"/api/contents/{path}?type=notebook&content=1")["content"])
+    notebook = nbformat.from_dict(
+        hub.user(user, f"/api/contents/{path}?type=notebook&content=1")["content"]
+    )
     if solve:  # the worked answers, cell by cell, where the release has stubs
-        answers = {c.metadata["nbgrader"]["grade_id"]: c.source for c in source_notebook(LAB).cells
-                   if c.metadata.get("nbgrader", {}).get("solution")}
+        answers = {
+            c.metadata["nbgrader"]["grade_id"]: c.source
+            for c in source_notebook(LAB).cells
+            if c.metadata.get("nbgrader", {}).get("solution")
+        }
         for cell in notebook.cells:
             grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
             if grade_id in answers and cell.metadata["nbgrader"].get("solution"):
                 cell.source = answers[grade_id]
     code = [c for c in notebook.cells if c.cell_type == "code"]
-    probe = ("import json, os, sys\nprint(json.dumps({'python': sys.executable, "
-             "'student': os.environ.get('OFFLOADLAB_STUDENT'), 'gpu': os.environ.get('CUDA_VISIBLE_DEVICES'), "
-             "'note': os.environ.get('OFFLOADLAB_GPU_NOTE', '')}))")
+    probe = (
+        "import json, os, sys\nprint(json.dumps({'python': sys.executable, "
+        "'student': os.environ.get('OFFLOADLAB_STUDENT'), 'gpu': "
+        "os.environ.get('CUDA_VISIBLE_DEVICES'), 'note': os.environ.get('OFFLOADLAB_GPU_NOTE', "
+        "'')}))"
+    )
     results = run_cells(hub, user, path, [probe] + [c.source for c in code])
     seen = json.loads(results[0]["outputs"][0]["text"])
     for cell, result in zip(code, results[1:]):
         cell.outputs = [as_jupyter_output(dict(o)) for o in result["outputs"]]
     failed = [i for i, r in enumerate(results[1:]) if r["status"] != "ok"]
     assert bool(failed) != solve, f"{user}: cells that failed: {failed}"
-    hub.user(user, f"/api/contents/{path}", {"type": "notebook", "format": "json", "content": notebook}, method="PUT")
+    hub.user(
+        user,
+        f"/api/contents/{path}",
+        {"type": "notebook", "format": "json", "content": notebook},
+        method="PUT",
+    )
     return seen
 
 
@@ -239,7 +307,9 @@ def fetch_work_submit(hub: Hub, student: str, solve: bool) -> dict:
     form = {"course_id": COURSE_ID, "assignment_id": ASSIGNMENT}
     listed = hub.user(student, "/assignments/fetch", form, method="POST", form=True)
     assert listed["success"], listed
-    assert any(a["assignment_id"] == ASSIGNMENT and a["status"] == "fetched" for a in listed["value"]), listed
+    assert any(
+        a["assignment_id"] == ASSIGNMENT and a["status"] == "fetched" for a in listed["value"]
+    ), listed
     seen = work_on(hub, student, solve)
     listed = hub.user(student, "/assignments/submit", form, method="POST", form=True)
     assert listed["success"], listed
@@ -250,11 +320,20 @@ def fetch_work_submit(hub: Hub, student: str, solve: bool) -> dict:
 def test_the_course_page_recipe_runs_a_class_end_to_end():
     stages = Stages()
     blocks = page_blocks()
-    assert [who for who, _ in blocks] == ["root", "root", "root", "root", "instructor", "instructor"], blocks
-    kept = os.environ.get("OFFLOADLAB_HUB_TEST_DIR")  # a folder to keep between runs, when debugging this test
+    assert [who for who, _ in blocks] == [
+        "root",
+        "root",
+        "root",
+        "root",
+        "instructor",
+        "instructor",
+    ], blocks
+    # a folder to keep between runs, when debugging this test
+    kept = os.environ.get("OFFLOADLAB_HUB_TEST_DIR")
     base = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="offloadlab-hub-"))
     base.mkdir(parents=True, exist_ok=True)
-    base.chmod(0o755)  # the course, its environment and the exchange must be readable by the students
+    # the course, its environment and the exchange must be readable by the students
+    base.chmod(0o755)
     course, exchange, state = base / "offloadlab", base / "exchange", base / "hub"
     shutil.rmtree(exchange, ignore_errors=True)
     shutil.rmtree(state, ignore_errors=True)
@@ -262,14 +341,29 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
     hub_log = base / "hub.log"
     port, token = free_port(), secrets.token_hex(16)
     (base / "slices.json").write_text(json.dumps({SOLVED: FAKE_SLICE}))
-    env = {**os.environ, "COURSE": str(course), "OFFLOADLAB_EXCHANGE": str(exchange), "STUDENTS": f"{SOLVED} {UNSOLVED}",
-           "INSTRUCTOR": INSTRUCTOR, "OFFLOADLAB_HUB_URL": f"http://127.0.0.1:{port}", "OFFLOADLAB_HUB_TOKEN": token,
-           "OFFLOADLAB_GPU_SLICES": str(base / "slices.json")}
+    env = {
+        **os.environ,
+        "COURSE": str(course),
+        "OFFLOADLAB_EXCHANGE": str(exchange),
+        "STUDENTS": f"{SOLVED} {UNSOLVED}",
+        "INSTRUCTOR": INSTRUCTOR,
+        "OFFLOADLAB_HUB_URL": f"http://127.0.0.1:{port}",
+        "OFFLOADLAB_HUB_TOKEN": token,
+        "OFFLOADLAB_GPU_SLICES": str(base / "slices.json"),
+    }
     hub_process = None
     try:
         with stages("copy the checkout"):
-            listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                                    capture_output=True, check=True).stdout.decode().split("\0")
+            listed = (
+                subprocess.run(
+                    ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                    cwd=ROOT,
+                    capture_output=True,
+                    check=True,
+                )
+                .stdout.decode()
+                .split("\0")
+            )
             for name in filter(None, listed):
                 source = ROOT / name
                 if source.is_file() and not source.is_symlink():
@@ -281,24 +375,49 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
             subprocess.run(["chmod", "-R", "a+rX", str(course)], check=True)
         names = ["packages and proxy", "make course", "accounts and exchange"]
         for (who, commands), name in zip(blocks[:3], names):
-            if kept and name == "make course" and (course / ".venv" / "bin" / "jupyterhub-singleuser").exists():
+            if (
+                kept
+                and name == "make course"
+                and (course / ".venv" / "bin" / "jupyterhub-singleuser").exists()
+            ):
                 continue  # debugging with a kept folder: its environment is already made
             with stages(name):
-                result = subprocess.run(["bash", "-euo", "pipefail", "-c", runnable(commands)], env=env, cwd=base,
-                                        capture_output=True, text=True)
-                assert result.returncode == 0, f"{name}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+                result = subprocess.run(
+                    ["bash", "-euo", "pipefail", "-c", runnable(commands)],
+                    env=env,
+                    cwd=base,
+                    capture_output=True,
+                    text=True,
+                )
+                assert result.returncode == 0, (
+                    f"{name}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+                )
         with stages("start the hub"):
             hub_commands = runnable(blocks[3][1]).replace("/srv/jupyterhub", str(state))
-            hub_process = subprocess.Popen(["bash", "-euo", "pipefail", "-c", f"exec {hub_commands.strip()}"
-                                            if "\n" not in hub_commands.strip() else hub_commands],
-                                           env=env, cwd=base, stdout=hub_log.open("w"), stderr=subprocess.STDOUT)
+            hub_process = subprocess.Popen(
+                [
+                    "bash",
+                    "-euo",
+                    "pipefail",
+                    "-c",
+                    f"exec {hub_commands.strip()}"
+                    if "\n" not in hub_commands.strip()
+                    else hub_commands,
+                ],
+                env=env,
+                cwd=base,
+                stdout=hub_log.open("w"),
+                stderr=subprocess.STDOUT,
+            )
             hub = Hub(f"http://127.0.0.1:{port}", token, hub_log)
             for _ in range(240):
                 try:
                     hub.call("/hub/api/")
                     break
                 except (OSError, urllib.error.HTTPError):
-                    assert hub_process.poll() is None, "the hub exited:\n" + hub_log.read_text()[-3000:]
+                    assert hub_process.poll() is None, (
+                        "the hub exited:\n" + hub_log.read_text()[-3000:]
+                    )
                     time.sleep(0.5)
         # The students' servers start while the instructor makes the release, which neither waits
         # for; the instructor's starts once the course folder it serves exists, as in a class.
@@ -317,32 +436,51 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
             page = hub.user(student, "/lab")
             assert "@jupyter/nbgrader:create-assignment" in disabled_extensions(page)
             assert "@jupyter/nbgrader:assignment-list" not in disabled_extensions(page)
-        assert "@jupyter/nbgrader:create-assignment" not in disabled_extensions(hub.user(INSTRUCTOR, "/lab"))
-        with stages("students fetch, run and submit"):  # at once, as a class does: each in their own server
+        assert "@jupyter/nbgrader:create-assignment" not in disabled_extensions(
+            hub.user(INSTRUCTOR, "/lab")
+        )
+        # at once, as a class does: each in their own server
+        with stages("students fetch, run and submit"):
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                working = {student: pool.submit(fetch_work_submit, hub, student, solve)
-                           for student, solve in ((SOLVED, True), (UNSOLVED, False))}
+                working = {
+                    student: pool.submit(fetch_work_submit, hub, student, solve)
+                    for student, solve in ((SOLVED, True), (UNSOLVED, False))
+                }
                 seen = {student: future.result() for student, future in working.items()}
         python = str(course / ".venv" / "bin" / "python")
         for student, info in seen.items():
-            assert Path(info["python"]).parent == Path(python).parent and info["student"] == "1", info
+            assert Path(info["python"]).parent == Path(python).parent and info["student"] == "1", (
+                info
+            )
         assert seen[SOLVED]["gpu"] == FAKE_SLICE and seen[SOLVED]["note"] == ""
-        assert seen[UNSOLVED]["gpu"] == "" and "no GPU slice for olab-grace" in seen[UNSOLVED]["note"]
+        assert (
+            seen[UNSOLVED]["gpu"] == "" and "no GPU slice for olab-grace" in seen[UNSOLVED]["note"]
+        )
         assert f"no GPU slice for {UNSOLVED}" in hub_log.read_text()
-        assert "No nbgrader_config.py" not in hub_log.read_text()  # the servers' log: the shared settings were found
+        # the servers' log: the shared settings were found
+        assert "No nbgrader_config.py" not in hub_log.read_text()
         with stages("instructor: collect, autograde, feedback"):
             instructor(blocks[5][1], env)
         with stages("students fetch feedback"):
             for student in (SOLVED, UNSOLVED):
-                hub.user(student, "/assignments/fetch_feedback", {"course_id": COURSE_ID, "assignment_id": ASSIGNMENT},
-                         method="POST", form=True)
+                hub.user(
+                    student,
+                    "/assignments/fetch_feedback",
+                    {"course_id": COURSE_ID, "assignment_id": ASSIGNMENT},
+                    method="POST",
+                    form=True,
+                )
         grades = grades_csv(Path(f"/home/{INSTRUCTOR}/offload-course/grades.csv"))
         automatic = automatic_points()
         assert grades[SOLVED] == automatic and grades[UNSOLVED] == 0, grades
         for student in (SOLVED, UNSOLVED):
-            pages = list(Path(f"/home/{student}/{COURSE_ID}/{ASSIGNMENT}/feedback").glob("*/*.html"))
+            pages = list(
+                Path(f"/home/{student}/{COURSE_ID}/{ASSIGNMENT}/feedback").glob("*/*.html")
+            )
             assert pages, f"{student} received no feedback"
-            assert re.search(rf"Score: {grades[student]:g}(\.0)? / ", pages[0].read_text(encoding="utf-8")), pages[0]
+            assert re.search(
+                rf"Score: {grades[student]:g}(\.0)? / ", pages[0].read_text(encoding="utf-8")
+            ), pages[0]
     finally:
         if hub_process is not None:
             hub_process.terminate()
@@ -351,7 +489,8 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
             except subprocess.TimeoutExpired:
                 hub_process.kill()
         for user in (SOLVED, UNSOLVED, INSTRUCTOR):
-            subprocess.run(["pkill", "-u", user], capture_output=True)  # the servers the hub left behind
+            # the servers the hub left behind
+            subprocess.run(["pkill", "-u", user], capture_output=True)
         for user in (SOLVED, UNSOLVED, INSTRUCTOR):
             subprocess.run(["userdel", "-r", user], capture_output=True)
         if not kept:
@@ -362,18 +501,42 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
 def instructor(commands: str, env: dict) -> None:
     home = f"/home/{INSTRUCTOR}"
     keep = {k: env[k] for k in ("COURSE", "OFFLOADLAB_EXCHANGE")}
-    result = subprocess.run(["runuser", "-u", INSTRUCTOR, "--", "env", f"HOME={home}", f"USER={INSTRUCTOR}",
-                             "PATH=/usr/local/bin:/usr/bin:/bin", *(f"{k}={v}" for k, v in keep.items()),
-                             "bash", "-euo", "pipefail", "-c", runnable(commands)],
-                            cwd="/", capture_output=True, text=True)
-    assert result.returncode == 0, f"the instructor's commands failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    result = subprocess.run(
+        [
+            "runuser",
+            "-u",
+            INSTRUCTOR,
+            "--",
+            "env",
+            f"HOME={home}",
+            f"USER={INSTRUCTOR}",
+            "PATH=/usr/local/bin:/usr/bin:/bin",
+            *(f"{k}={v}" for k, v in keep.items()),
+            "bash",
+            "-euo",
+            "pipefail",
+            "-c",
+            runnable(commands),
+        ],
+        cwd="/",
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, (
+        f"the instructor's commands failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    )
     errors = [line for line in result.stderr.splitlines() if "| ERROR]" in line]
     assert not errors, "\n".join(errors)
 
 
 def disabled_extensions(lab_page: str) -> list[str]:
-    config = json.loads(re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>',
-                                  lab_page, re.DOTALL).group(1))
+    config = json.loads(
+        re.search(
+            r'<script id="jupyter-config-data" type="application/json">(.*?)</script>',
+            lab_page,
+            re.DOTALL,
+        ).group(1)
+    )
     return config.get("disabledExtensions", [])
 
 
@@ -381,11 +544,17 @@ def grades_csv(path: Path) -> dict[str, float]:
     import csv
 
     with path.open(encoding="utf-8") as f:
-        return {row["student_id"]: float(row["score"]) for row in csv.DictReader(f)
-                if row["assignment"] == ASSIGNMENT}
+        return {
+            row["student_id"]: float(row["score"])
+            for row in csv.DictReader(f)
+            if row["assignment"] == ASSIGNMENT
+        }
 
 
 def automatic_points() -> float:
     """The points nbgrader gives by itself: every graded cell but the reflections graded by hand."""
-    return sum(c.metadata["nbgrader"]["points"] for c in source_notebook(LAB).cells
-               if c.metadata.get("nbgrader", {}).get("grade") and c.cell_type == "code")
+    return sum(
+        c.metadata["nbgrader"]["points"]
+        for c in source_notebook(LAB).cells
+        if c.metadata.get("nbgrader", {}).get("grade") and c.cell_type == "code"
+    )

@@ -23,7 +23,9 @@ from jupyter_client.manager import start_new_kernel
 from tests.conftest import ROOT
 from tests.nbval_markdown import is_text_notebook
 
-NOTEBOOKS = sorted(p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p))
+NOTEBOOKS = sorted(
+    p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p)
+)
 
 
 class Kernel:
@@ -36,7 +38,9 @@ class Kernel:
         """(status, error name, seconds) of one cell; with ``interrupt_after``, the kernel is
         interrupted that many seconds into the cell."""
         start = time.monotonic()
-        msg_id = self.client.execute(code, store_history=True, allow_stdin=False, stop_on_error=False)
+        msg_id = self.client.execute(
+            code, store_history=True, allow_stdin=False, stop_on_error=False
+        )
         timer = None
         if interrupt_after is not None:
             timer = threading.Timer(interrupt_after, self.manager.interrupt_kernel)
@@ -49,7 +53,10 @@ class Kernel:
                     continue
                 if message["msg_type"] == "error":
                     error = message["content"]["ename"]
-                if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+                if (
+                    message["msg_type"] == "status"
+                    and message["content"]["execution_state"] == "idle"
+                ):
                     break
             reply = self.client.get_shell_msg(timeout=timeout)
         except queue.Empty:
@@ -62,8 +69,9 @@ class Kernel:
         return reply["content"]["status"], error, time.monotonic() - start
 
     def settle(self):
-        """After an interrupt, run empty cells until one runs: an interrupt that arrived late, or the
-        kernel's refusal of requests just after one (status "aborted"), must not land on the next cell."""
+        """After an interrupt, run empty cells until one runs: an interrupt that arrived late, or
+        the kernel's refusal of requests just after one (status "aborted"), must not land on the
+        next cell."""
         for _ in range(20):
             time.sleep(0.2)
             msg_id = self.client.execute("pass", store_history=False, stop_on_error=False)
@@ -93,7 +101,8 @@ def test_interrupting_the_slowest_cell_and_running_on_from_it(path):
         interrupt_and_run_on(path, cells)
     finally:
         # What an interrupted run leaves in the notebook's folder (lab 7's scratch folder, whose
-        # removal was in a cell that never ran) goes, so that a test run leaves the sources as it found them.
+        # removal was in a cell that never ran) goes, so that a test run leaves the sources as it
+        # found them.
         for left in set(path.parent.iterdir()) - before:
             shutil.rmtree(left) if left.is_dir() and not left.is_symlink() else left.unlink()
 
@@ -121,10 +130,14 @@ def interrupt_and_run_on(path, cells):
         for index in range(slowest, len(cells)):
             status, error, _ = kernel.run(cells[index])
             if status != "ok":
-                failures.append(f"cell {index + 1} ({cells[index].splitlines()[0][:60]!r}): {status}, {error}")
-        assert not failures, (f"after interrupting cell {slowest + 1} ({seconds[slowest]:.1f} s; the interrupt "
-                              f"{'landed' if interrupted else 'came too late'}) and running on from it:\n"
-                              + "\n".join(failures))
+                failures.append(
+                    f"cell {index + 1} ({cells[index].splitlines()[0][:60]!r}): {status}, {error}"
+                )
+        assert not failures, (
+            f"after interrupting cell {slowest + 1} ({seconds[slowest]:.1f} s; the interrupt "
+            f"{'landed' if interrupted else 'came too late'}) and running on from it:\n"
+            + "\n".join(failures)
+        )
     finally:
         kernel.close()
 
@@ -135,9 +148,10 @@ def interrupt_and_run_on(path, cells):
 # kernel so once. What a notebook's first cell imports must leave no import to a later cell's
 # optimizer: here an import that starts after them fails, as an interrupted one would.
 OPTIMIZERS = {
-    "torch.optim.AdamW": "from offloadlab.models import GPTConfig, TinyGPT\nfrom torch.optim import AdamW as make",
-    "CPUOffloadAdam": "from offloadlab.models import GPTConfig, TinyGPT\nfrom offloadlab.offload import "
-                      "CPUOffloadAdam as make",
+    "torch.optim.AdamW": "from offloadlab.models import GPTConfig, TinyGPT\nfrom torch.optim "
+    "import AdamW as make",
+    "CPUOffloadAdam": "from offloadlab.models import GPTConfig, TinyGPT\nfrom offloadlab.offload "
+    "import CPUOffloadAdam as make",
 }
 NO_MORE_IMPORTS = """
 import sys
@@ -156,5 +170,7 @@ sys.meta_path.pop(0)
 @pytest.mark.parametrize("imports", OPTIMIZERS.values(), ids=OPTIMIZERS.keys())
 def test_the_first_optimizer_of_a_notebook_imports_nothing(imports):
     code = "import torch\n" + imports + NO_MORE_IMPORTS
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]

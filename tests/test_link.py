@@ -52,11 +52,13 @@ def test_never_faster_than_the_configured_bandwidth(link):
     transfer = link.to_device(dst, src)
     transfer.synchronize()
     floor = link.latency + nbytes / link.bandwidth
-    assert transfer.elapsed >= floor * 0.999  # (how much slower a busy machine makes it is no test's business)
+    # (how much slower a busy machine makes it is no test's business)
+    assert transfer.elapsed >= floor * 0.999
 
 
 def test_transfer_overlaps_compute_on_the_main_thread(link):
-    src, dst = link.host_buffer(8 * 2**20), link.device_buffer(8 * 2**20)  # 32 MiB: ~34 ms at 1 GB/s
+    # 32 MiB: ~34 ms at 1 GB/s
+    src, dst = link.host_buffer(8 * 2**20), link.device_buffer(8 * 2**20)
     a = torch.randn(256, 256)
     before = link.mark()
     transfer = link.to_device(dst, src)
@@ -91,7 +93,8 @@ def test_a_copy_waits_for_the_compute_it_is_ordered_after(link):
     marker = link.mark()
     for after in (marker, "compute"):
         transfer = link.to_device(dst, src, after=after)
-        assert not marker.reached() and not transfer.done()  # the gate is shut: it cannot have started
+        # the gate is shut: it cannot have started
+        assert not marker.reached() and not transfer.done()
     opened.set()
     assert transfer._landed.wait(WATCHDOG)
     assert transfer.start >= marker.time and torch.equal(dst, src)
@@ -109,7 +112,8 @@ def test_a_copy_after_nothing_runs_while_compute_is_held(link):
 
 def test_the_emulation_catches_a_copy_not_ordered_after_its_reader(link):
     """A consumer on the compute stream reads a buffer twice; a copy into it issued while the
-    consumer runs overwrites what it reads unless the copy is ordered after the consumer — as on a GPU."""
+    consumer runs overwrites what it reads unless the copy is ordered after the consumer — as on
+    a GPU."""
     for after_consumer in (True, False):
         buffer, new = link.device_buffer(1024).fill_(1.0), link.host_buffer(1024).fill_(9.0)
         opened, seen = threading.Event(), []
@@ -123,7 +127,8 @@ def test_the_emulation_catches_a_copy_not_ordered_after_its_reader(link):
         released = link.mark()
         transfer = link.to_device(buffer, new, after=released if after_consumer else None)
         if not after_consumer:
-            assert transfer._landed.wait(WATCHDOG)  # overwrites the buffer while the consumer still reads it
+            # overwrites the buffer while the consumer still reads it
+            assert transfer._landed.wait(WATCHDOG)
         opened.set()
         link.synchronize()
         assert seen == [after_consumer]
@@ -135,7 +140,8 @@ def test_one_engine_per_direction_a_held_copy_up_does_not_hold_a_copy_down(link)
     opened = gate(link)
     up = link.to_device(up_dst, up_src, after="compute")
     down = link.to_host(down_dst, down_src, after=None)
-    assert down._landed.wait(WATCHDOG) and not up.done()  # full duplex: the d2h engine did not queue behind
+    # full duplex: the d2h engine did not queue behind
+    assert down._landed.wait(WATCHDOG) and not up.done()
     opened.set()
     link.synchronize()
     assert up.done() and torch.equal(down_dst, down_src)
@@ -204,7 +210,9 @@ def test_a_recording_becomes_a_chrome_trace(link, tmp_path):
     path = trace.write_chrome_trace(lanes, tmp_path / "link.json")
     events = json.loads(path.read_text())["traceEvents"]
     copies = [e for e in events if e["ph"] == "X"]
-    assert {e["name"] for e in copies} == {"weights", "grads"} and all(e["dur"] >= 0 for e in copies)
+    assert {e["name"] for e in copies} == {"weights", "grads"} and all(
+        e["dur"] >= 0 for e in copies
+    )
     assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} == {"H2D", "D2H"}
 
 
@@ -228,13 +236,16 @@ def test_bad_arguments(link):
     with pytest.raises(ValueError, match="^pageable_fraction: "):
         EmulatedLink(pageable_fraction=0)
     with pytest.raises(ValueError, match="^bandwidth: "):
-        open_link(emulated=False, bandwidth="1 GB/s") if torch.cuda.is_available() else EmulatedLink(bandwidth="1 GB")
+        open_link(
+            emulated=False, bandwidth="1 GB/s"
+        ) if torch.cuda.is_available() else EmulatedLink(bandwidth="1 GB")
 
 
 def test_reserves_a_core_and_gives_it_back():
     before = torch.get_num_threads()
     link = EmulatedLink()
     import os
+
     if (os.cpu_count() or 1) > 1:
         assert torch.get_num_threads() <= (os.cpu_count() or 1) - 1
     link.close()
@@ -275,6 +286,7 @@ def test_cuda_link_refuses_without_a_gpu():
 
 
 # ----------------------------------------------------------------------------- GPU only
+
 
 @pytest.mark.gpu
 def test_cuda_round_trip_with_exact_size_pinned_buffers():
@@ -361,6 +373,7 @@ def test_a_link_dropped_without_close_gives_back_its_threads_and_its_core():
 def test_ctrl_c_during_a_pageable_copy_stops_the_caller(link, monkeypatch):
     """A pageable copy runs on the caller's thread: Ctrl-C there is the user stopping the program
     (the command line exits 130), not a failed copy to wrap in a RuntimeError."""
+
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
@@ -384,7 +397,8 @@ def test_a_copy_that_fails_on_its_engine_raises_to_whoever_waits(link, monkeypat
     with pytest.raises(RuntimeError, match="failed: MemoryError"):
         transfer.synchronize()
     monkeypatch.undo()
-    target = torch.nn.Parameter(torch.zeros(3))  # as on a GPU: refused at once, on the caller's thread
+    # as on a GPU: refused at once, on the caller's thread
+    target = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="^targets: expected tensors autograd does not track"):
         staging = torch.zeros(8)
         link.to_device_scattered([(target, staging[:3])], link.host_buffer(8), staging)
@@ -392,8 +406,10 @@ def test_a_copy_that_fails_on_its_engine_raises_to_whoever_waits(link, monkeypat
 
 # ----------------------------------------------------------------------------- timing that holds
 
+
 class FakeEvent:
-    """A CUDA event on a fake GPU clock: elapsed_time answers in float32 milliseconds, as CUDA does."""
+    """A CUDA event on a fake GPU clock: elapsed_time answers in float32 milliseconds, as CUDA
+    does."""
 
     def __init__(self, clock):
         self.t = clock["now"]
@@ -410,7 +426,8 @@ class FakeEvent:
 
 def test_event_times_keep_their_precision_as_the_link_ages():
     """From one epoch event, float32 milliseconds step by 0.5 ms two hours on: an 8 µs copy read
-    as 0 (or 0.5 ms). Anchors recorded as the link is used keep every interval to well under 1 µs."""
+    as 0 (or 0.5 ms). Anchors recorded as the link is used keep every interval to well under 1
+    µs."""
     from offloadlab.link import _EventClock
 
     fake = {"now": 0.0}
@@ -423,10 +440,12 @@ def test_event_times_keep_their_precision_as_the_link_ages():
     begin = FakeEvent(fake)
     fake["now"] += 8e-6
     finish = FakeEvent(fake)
-    assert epoch.elapsed_time(finish) - epoch.elapsed_time(begin) in (0.0, 0.5)  # what the epoch alone gives
+    # what the epoch alone gives
+    assert epoch.elapsed_time(finish) - epoch.elapsed_time(begin) in (0.0, 0.5)
     interval = anchor.seconds_to(finish) - anchor.seconds_to(begin)
     assert abs(interval - 8e-6) < 1e-7
-    assert abs(anchor.seconds_to(begin) - 7200.0) < 1e-3  # and the absolute time stays on the link's clock
+    # and the absolute time stays on the link's clock
+    assert abs(anchor.seconds_to(begin) - 7200.0) < 1e-3
 
 
 def test_event_times_after_a_long_idle_spell_stay_precise_within_it():
@@ -460,14 +479,17 @@ def test_a_refused_registration_warns_with_cudas_reason_not_ulimit():
     from offloadlab.link import _fallback_warning
 
     text = _fallback_warning(3 << 29, 1 << 31, 2, "out of memory")
-    assert "CUDA error 2 (out of memory)" in text and "memory limit" in text and "ulimit" not in text
+    assert (
+        "CUDA error 2 (out of memory)" in text and "memory limit" in text and "ulimit" not in text
+    )
     assert f"{3 << 29} → {1 << 31} bytes" in text
 
 
 def test_cuda_links_fallback_is_a_user_warning_with_cudas_reason(monkeypatch):
     """Without a GPU, the CUDA runtime faked: a refused cudaHostRegister must be seen (Python's
     default filters hid the ResourceWarning), say CUDA's reason, and count the rounded bytes."""
-    from offloadlab.link import cuda as link_module  # (the CUDA link lives there since link became a package)
+    # (the CUDA link lives there since link became a package)
+    from offloadlab.link import cuda as link_module
 
     class Refusing:
         def cudaHostRegister(self, address, nbytes, flags):
@@ -479,7 +501,9 @@ def test_cuda_links_fallback_is_a_user_warning_with_cudas_reason(monkeypatch):
     real_empty = torch.empty
     monkeypatch.setattr(link_module.torch.cuda, "cudart", lambda: Refusing())
     monkeypatch.setattr(link_module, "_clear_cuda_error", lambda: None)
-    monkeypatch.setattr(link_module.torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    monkeypatch.setattr(
+        link_module.torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k)
+    )
     cuda = CudaLink.__new__(CudaLink)  # (its constructor needs a GPU; the allocation path does not)
     Link.__init__(cuda)
     cuda._warned_fallback = False
@@ -490,8 +514,9 @@ def test_cuda_links_fallback_is_a_user_warning_with_cudas_reason(monkeypatch):
 
 
 class _RegisteringRuntime:
-    """cudaHostRegister as the driver keeps it, without a GPU: pages are what get locked, so a range
-    that shares a page with one already registered is refused (cudaErrorHostMemoryAlreadyRegistered)."""
+    """cudaHostRegister as the driver keeps it, without a GPU: pages are what get locked, so a
+    range that shares a page with one already registered is refused
+    (cudaErrorHostMemoryAlreadyRegistered)."""
 
     def __init__(self, page: int):
         self.page, self.registered = page, {}  # base address → (first page, last page)
@@ -512,8 +537,9 @@ class _RegisteringRuntime:
 
 
 def test_small_host_buffers_each_register_on_pages_of_their_own(monkeypatch):
-    """Many small pinned buffers (a model's biases and norms, staging slots) from one CudaLink: each is
-    registered, none falls back to the caching allocator, and each is unregistered when dropped."""
+    """Many small pinned buffers (a model's biases and norms, staging slots) from one CudaLink:
+    each is registered, none falls back to the caching allocator, and each is unregistered when
+    dropped."""
     import mmap
     import warnings
 
@@ -524,15 +550,22 @@ def test_small_host_buffers_each_register_on_pages_of_their_own(monkeypatch):
     cuda._warned_fallback = False
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback warns
-        buffers = [cuda.host_buffer(shape, dtype) for _ in range(4)
-                   for shape in [(1,), (3, 5), (100,), (1000,), (mmap.PAGESIZE // 4 + 1,)]
-                   for dtype in (torch.float32, torch.bfloat16, torch.uint8)]
-    assert all(cuda.pinning_of(b) == "registered" for b in buffers) and len(runtime.registered) == len(buffers)
+        buffers = [
+            cuda.host_buffer(shape, dtype)
+            for _ in range(4)
+            for shape in [(1,), (3, 5), (100,), (1000,), (mmap.PAGESIZE // 4 + 1,)]
+            for dtype in (torch.float32, torch.bfloat16, torch.uint8)
+        ]
+    assert all(cuda.pinning_of(b) == "registered" for b in buffers) and len(
+        runtime.registered
+    ) == len(buffers)
     for b in buffers:
         assert b.data_ptr() % mmap.PAGESIZE == 0 and b.is_contiguous()
-        assert (torch.isnan(b).all() if b.is_floating_point() else (b == 255).all())  # poisoned, as ever
+        # poisoned, as ever
+        assert torch.isnan(b).all() if b.is_floating_point() else (b == 255).all()
     buffers[0].fill_(1)
-    assert not torch.isnan(buffers[0]).any() and torch.isnan(buffers[3]).all()  # one's writes stay in it
+    # one's writes stay in it
+    assert not torch.isnan(buffers[0]).any() and torch.isnan(buffers[3]).all()
     pages = sum(last - first + 1 for first, last in runtime.registered.values())
     assert cuda.pinned_bytes == pages * mmap.PAGESIZE  # whole pages, counted as pinned
     del buffers, b

@@ -7,8 +7,14 @@ from offloadlab.models import GPTConfig, TinyGPT
 
 @pytest.mark.parametrize(
     "name, total",
-    [("mixed-adam", 16), ("mixed-adam-fp32-grads", 18), ("fp32-adam", 16), ("bf16-adam", 8), ("sgd-momentum", 12),
-     ("adam-8bit", 10 + 8 / 2048)],
+    [
+        ("mixed-adam", 16),
+        ("mixed-adam-fp32-grads", 18),
+        ("fp32-adam", 16),
+        ("bf16-adam", 8),
+        ("sgd-momentum", 12),
+        ("adam-8bit", 10 + 8 / 2048),
+    ],
 )
 def test_every_recipe_total(name, total):
     recipe = memory.get_recipe(name)
@@ -21,7 +27,11 @@ def test_mixed_adam_breakdown_and_the_160_gb_wall():
     state = memory.state_bytes(10e9)
     assert state.recipe == "mixed-adam"
     assert state.by_kind == {
-        "weights": 20e9, "gradients": 20e9, "master_weights": 40e9, "first_moment": 40e9, "second_moment": 40e9,
+        "weights": 20e9,
+        "gradients": 20e9,
+        "master_weights": 40e9,
+        "first_moment": 40e9,
+        "second_moment": 40e9,
     }
     assert state.total_bytes == 160e9
     assert memory.fitting_gpus(state.total_bytes) == []
@@ -41,13 +51,16 @@ def test_card_sizes_are_what_the_cards_report_not_their_names():
     assert memory.state_bytes(10e9).to_dict()["gpu_reported_bytes"]["80 GB"] == eighty
 
 
-@pytest.mark.parametrize("name, weight, gradient, optimizer", [
-    ("mixed-adam", 2, 2, 12),
-    ("fp32-adam", 4, 4, 8),
-    ("bf16-adam", 2, 2, 4),
-    ("sgd-momentum", 4, 4, 4),
-    ("adam-8bit", 2, 2, 6 + 8 / 2048),
-])
+@pytest.mark.parametrize(
+    "name, weight, gradient, optimizer",
+    [
+        ("mixed-adam", 2, 2, 12),
+        ("fp32-adam", 4, 4, 8),
+        ("bf16-adam", 2, 2, 4),
+        ("sgd-momentum", 4, 4, 4),
+        ("adam-8bit", 2, 2, 6 + 8 / 2048),
+    ],
+)
 def test_bytes_each_part_of_the_step_touches(name, weight, gradient, optimizer):
     recipe = memory.get_recipe(name)
     assert (recipe.weight_bytes, recipe.gradient_bytes) == (weight, gradient)
@@ -151,5 +164,9 @@ def test_measure_state_sgd_and_shared_storage():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(3, 8)).sum().backward()
     optimizer.step()
-    assert memory.measure_state(model, optimizer) == {"weights": 256, "gradients": 256, "first_moment": 256}
+    assert memory.measure_state(model, optimizer) == {
+        "weights": 256,
+        "gradients": 256,
+        "first_moment": 256,
+    }
     assert memory.measure_state(model) == {"weights": 256, "gradients": 256}

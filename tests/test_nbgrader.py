@@ -1,10 +1,11 @@
 """A real nbgrader round trip: release every lab, autograde a solved and an unsolved submission.
 
 The course is built the way the course page (book/course.md) tells an instructor to, with the
-``nbgrader_config.py`` it shows: ``python -m offloadlab.student --nbgrader labs
-<course>/source`` (what ``make student`` runs), then ``nbgrader generate_assignment`` for each
-lab, then submissions under ``submitted/<student>/<lab>/`` and ``nbgrader autograde``. The solved submission is the source notebook itself (the worked answers); the
-unsolved one is the released notebook as a student receives it.
+``nbgrader_config.py`` it shows: ``python -m offloadlab.student --nbgrader labs <course>/source``
+(what ``make student`` runs), then ``nbgrader generate_assignment`` for each lab, then submissions
+under ``submitted/<student>/<lab>/`` and ``nbgrader autograde``. The solved submission is the source
+notebook itself (the worked answers); the unsolved one is the released notebook as a student
+receives it.
 """
 
 import os
@@ -17,7 +18,17 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from offloadlab.student import BEGIN, BEGIN_HIDDEN, END, STUB, assignment_name, find_labs, points, release_notebook, source_notebook
+from offloadlab.student import (
+    BEGIN,
+    BEGIN_HIDDEN,
+    END,
+    STUB,
+    assignment_name,
+    find_labs,
+    points,
+    release_notebook,
+    source_notebook,
+)
 from tests.conftest import ROOT
 
 LABS = find_labs(ROOT / "labs")
@@ -31,16 +42,27 @@ def course_page_config() -> str:
     return match.group(1) + "\n"
 
 
-# nbgrader runs the `alembic` command to set up its gradebook: the environment's bin folder must be on
-# PATH, as it is in an activated environment (CI and `make test` call the interpreter by its path).
-ENVIRONMENT = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+# nbgrader runs the `alembic` command to set up its gradebook: the environment's bin folder must be
+# on PATH, as it is in an activated environment (CI and `make test` call the interpreter by its
+# path).
+ENVIRONMENT = {
+    **os.environ,
+    "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+}
 
 
 def nbgrader(course, *arguments):
     """Run the nbgrader command line in ``course``; its output when it succeeds."""
-    result = subprocess.run([sys.executable, "-m", "nbgrader", *arguments], cwd=course, capture_output=True, text=True,
-                            env=ENVIRONMENT)
-    assert result.returncode == 0, f"nbgrader {' '.join(arguments)} failed:\n{result.stdout}\n{result.stderr}"
+    result = subprocess.run(
+        [sys.executable, "-m", "nbgrader", *arguments],
+        cwd=course,
+        capture_output=True,
+        text=True,
+        env=ENVIRONMENT,
+    )
+    assert result.returncode == 0, (
+        f"nbgrader {' '.join(arguments)} failed:\n{result.stdout}\n{result.stderr}"
+    )
     return result.stdout + result.stderr
 
 
@@ -48,10 +70,21 @@ def nbgrader(course, *arguments):
 def course(tmp_path_factory):
     """An nbgrader course with every lab generated as an assignment."""
     root = tmp_path_factory.mktemp("course")
-    (root / "nbgrader_config.py").write_text(course_page_config() + f"c.CourseDirectory.root = {str(root)!r}\n",
-                                             encoding="utf-8")
-    result = subprocess.run([sys.executable, "-m", "offloadlab.student", "--nbgrader", str(ROOT / "labs"),
-                             str(root / "source")], capture_output=True, text=True)
+    (root / "nbgrader_config.py").write_text(
+        course_page_config() + f"c.CourseDirectory.root = {str(root)!r}\n", encoding="utf-8"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "offloadlab.student",
+            "--nbgrader",
+            str(ROOT / "labs"),
+            str(root / "source"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     for path in LABS:
         nbgrader(root, "generate_assignment", assignment_name(path))
@@ -59,14 +92,23 @@ def course(tmp_path_factory):
 
 
 def released(course, path):
-    return nbformat.read(course / "release" / assignment_name(path) / f"{path.stem}.ipynb", as_version=4)
+    return nbformat.read(
+        course / "release" / assignment_name(path) / f"{path.stem}.ipynb", as_version=4
+    )
 
 
 def cells(notebook):
-    """Each cell's kind, and the source of code cells and of answers graded by hand (the prose around
-    them differs only in the links a release makes of the book's references)."""
-    return [(c.cell_type, c.source if c.cell_type == "code" or c.metadata.get("nbgrader", {}).get("solution") else "")
-            for c in notebook.cells]
+    """Each cell's kind, and the source of code cells and of answers graded by hand (the prose
+    around them differs only in the links a release makes of the book's references)."""
+    return [
+        (
+            c.cell_type,
+            c.source
+            if c.cell_type == "code" or c.metadata.get("nbgrader", {}).get("solution")
+            else "",
+        )
+        for c in notebook.cells
+    ]
 
 
 @pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
@@ -75,7 +117,11 @@ def test_nbgrader_releases_what_make_student_releases_and_no_solution(course, pa
     assert cells(release) == cells(release_notebook(source_notebook(path)))
     text = "\n".join(c.source for c in release.cells)
     assert BEGIN not in text and END not in text and STUB in text
-    worked = [c.source.split(BEGIN)[1].split(END)[0].strip() for c in source_notebook(path).cells if BEGIN in c.source]
+    worked = [
+        c.source.split(BEGIN)[1].split(END)[0].strip()
+        for c in source_notebook(path).cells
+        if BEGIN in c.source
+    ]
     assert worked and not any(answer in text for answer in worked)
 
 
@@ -90,22 +136,41 @@ def test_autograde_gives_full_points_to_the_solved_lab_and_zero_to_the_unsolved(
     from nbgrader.api import Gradebook
 
     lab = assignment_name(path)
-    submit(course, "solved", path, nbformat.read(course / "source" / lab / f"{path.stem}.ipynb", as_version=4))
+    submit(
+        course,
+        "solved",
+        path,
+        nbformat.read(course / "source" / lab / f"{path.stem}.ipynb", as_version=4),
+    )
     submit(course, "unsolved", path, released(course, path))
     log = nbgrader(course, "autograde", lab, "--create")
-    # nbgrader stores a graded cell's checksum with its hidden tests and compares it with the released
-    # cell, which has none: it warns about every cell with hidden tests (jupyter/nbgrader#1961) and
-    # grades it right all the same, from the stored source.
-    hidden = {c.metadata.nbgrader["grade_id"] for c in source_notebook(path).cells if BEGIN_HIDDEN in c.source}
-    complaints = [line for line in log.splitlines() if ("App | ERROR]" in line or "App | WARNING]" in line)
-                  and not any(f"Attribute 'checksum' for cell {cell} has changed" in line for cell in hidden)]
+    # nbgrader stores a graded cell's checksum with its hidden tests and compares it with the
+    # released cell, which has none: it warns about every cell with hidden tests
+    # (jupyter/nbgrader#1961) and grades it right all the same, from the stored source.
+    hidden = {
+        c.metadata.nbgrader["grade_id"]
+        for c in source_notebook(path).cells
+        if BEGIN_HIDDEN in c.source
+    }
+    complaints = [
+        line
+        for line in log.splitlines()
+        if ("App | ERROR]" in line or "App | WARNING]" in line)
+        and not any(f"Attribute 'checksum' for cell {cell} has changed" in line for cell in hidden)
+    ]
     assert not complaints, "\n".join(complaints)
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
         solved = gradebook.find_submission_notebook(path.stem, lab, "solved")
         unsolved = gradebook.find_submission_notebook(path.stem, lab, "unsolved")
         checks = gradebook.find_notebook(path.stem, lab).grade_cells
-        assert solved.max_score == sum(c.max_score for c in checks) == points(source_notebook(path)) > 0
-        by_hand = {c.name for c in checks if c.cell_type == "markdown"}  # reflections wait for the instructor
+        assert (
+            solved.max_score
+            == sum(c.max_score for c in checks)
+            == points(source_notebook(path))
+            > 0
+        )
+        # reflections wait for the instructor
+        by_hand = {c.name for c in checks if c.cell_type == "markdown"}
         automatic = [g for g in solved.grades if g.cell.name not in by_hand]
         lost = {g.cell.name: g.score for g in automatic if g.score != g.max_score}
         assert not lost and not solved.failed_tests, f"the solved {lab} lost points: {lost}"
@@ -117,7 +182,9 @@ def test_autograde_gives_full_points_to_the_solved_lab_and_zero_to_the_unsolved(
         for submission in (solved, unsolved):
             assert not submission.flagged
     for student in ("solved", "unsolved"):
-        graded = nbformat.read(course / "autograded" / student / lab / f"{path.stem}.ipynb", as_version=4)
+        graded = nbformat.read(
+            course / "autograded" / student / lab / f"{path.stem}.ipynb", as_version=4
+        )
         assert all(c.get("execution_count") for c in graded.cells if c.cell_type == "code"), student
     shutil.rmtree(course / "submitted")  # the next lab starts with no submissions
 
@@ -131,7 +198,8 @@ def test_a_number_typed_in_from_the_visible_check_loses_the_hidden_points(course
     notebook = nbformat.read(course / "source" / "lab01" / f"{path.stem}.ipynb", as_version=4)
     from offloadlab.models import GPTConfig
 
-    typed = GPTConfig(layers=4, hidden=256, heads=4, vocab=2048, seq=128).params * 16  # what the check showed
+    # what the check showed
+    typed = GPTConfig(layers=4, hidden=256, heads=4, vocab=2048, seq=128).params * 16
     for cell in notebook.cells:
         if cell.metadata.get("nbgrader", {}).get("grade_id") == "student-release":
             cell.source = 'import os\nos.environ["OFFLOADLAB_STUDENT"] = "0"  # show me the answers'
@@ -141,11 +209,24 @@ def test_a_number_typed_in_from_the_visible_check_loses_the_hidden_points(course
     nbgrader(course, "autograde", "lab01", "--create")
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
         copied = gradebook.find_submission_notebook(path.stem, "lab01", "copier")
-        lost = {g.cell.name: g.max_score - g.score for g in copied.grades if g.score != g.max_score and g.auto_score is not None}
+        lost = {
+            g.cell.name: g.max_score - g.score
+            for g in copied.grades
+            if g.score != g.max_score and g.auto_score is not None
+        }
         hidden = [c for c in source_notebook(path).cells if "BEGIN HIDDEN TESTS" in c.source]
         assert list(lost) == [hidden[0].metadata.nbgrader["grade_id"]], lost
-        assert lost[hidden[0].metadata.nbgrader["grade_id"]] == hidden[0].metadata.nbgrader["points"]
-    graded = nbformat.read(course / "autograded" / "copier" / "lab01" / f"{path.stem}.ipynb", as_version=4)
-    shown = "".join(o.get("text", "") for c in graded.cells if c.cell_type == "code" for o in c.get("outputs", []))
+        assert (
+            lost[hidden[0].metadata.nbgrader["grade_id"]] == hidden[0].metadata.nbgrader["points"]
+        )
+    graded = nbformat.read(
+        course / "autograded" / "copier" / "lab01" / f"{path.stem}.ipynb", as_version=4
+    )
+    shown = "".join(
+        o.get("text", "")
+        for c in graded.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+    )
     assert "✓ fp32 AdamW" in shown  # the visible check itself passed
     shutil.rmtree(course / "submitted")

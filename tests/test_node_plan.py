@@ -1,4 +1,5 @@
-"""Planning a real model on a real node: shares of the node, sharding against offloading, the command."""
+"""Planning a real model on a real node: shares of the node, sharding against offloading, the
+command."""
 
 import json
 import subprocess
@@ -13,9 +14,16 @@ WORK = planner.Workload(P, layers=40, hidden=4096, heads=32, batch=1, seq=512)  
 
 
 def node(gpus=8, **kw):
-    return planner.Hardware("80 GB", "25 GB/s", host_memory=kw.pop("host", "2 TB"), compute=200e12,
-                            cpu_adam=kw.pop("cpu_adam", 8e9), gpus_per_node=gpus,
-                            interconnect=kw.pop("interconnect", "450 GB/s"), **kw)
+    return planner.Hardware(
+        "80 GB",
+        "25 GB/s",
+        host_memory=kw.pop("host", "2 TB"),
+        compute=200e12,
+        cpu_adam=kw.pop("cpu_adam", 8e9),
+        gpus_per_node=gpus,
+        interconnect=kw.pop("interconnect", "450 GB/s"),
+        **kw,
+    )
 
 
 def by_name(report, name):
@@ -34,14 +42,20 @@ def test_hand_worked_zero2_and_zero3_steps_on_eight_gpus():
     (38.9 ms, exposed): 192.5 ms. ZeRO-3 moves 1.5 × as much, all of it during the passes
     (116.7 ms < 153.6 ms): 153.6 ms."""
     report = planner.plan(WORK, node())
-    zero2, zero3 = by_name(report, "ZeRO-2, activations kept"), by_name(report, "ZeRO-3, activations kept")
+    zero2, zero3 = (
+        by_name(report, "ZeRO-2, activations kept"),
+        by_name(report, "ZeRO-3, activations kept"),
+    )
     assert zero2.t_compute == pytest.approx(0.1536)
     assert zero2.t_interconnect == pytest.approx(17.5e9 / 450e9) == zero2.t_interconnect_after
     assert zero2.step == pytest.approx(0.1536 + 17.5e9 / 450e9)
     assert zero3.t_interconnect == pytest.approx(52.5e9 / 450e9) and zero3.t_interconnect_after == 0
     assert zero3.step == pytest.approx(0.1536)
     assert by_name(report, "data parallel, activations kept").fits_gpu is False  # 160 GB of state
-    assert report.chosen.step == pytest.approx(0.1536) and report.chosen.strategy in ("zero3", "fsdp2")
+    assert report.chosen.step == pytest.approx(0.1536) and report.chosen.strategy in (
+        "zero3",
+        "fsdp2",
+    )
     assert report.chosen.binding.startswith("compute")
 
 
@@ -63,35 +77,51 @@ def test_offloading_alone_updates_a_whole_copy_on_an_eighth_of_the_cores():
 
 
 def test_host_memory_is_fitted_by_deepspeeds_own_estimate():
-    """70 B, ZeRO-3 with the optimizer offloaded on 8 GPUs: 16 · 70.55e9 / 8 = 141 GB of state per GPU,
-    1.13 TB for the node; DeepSpeed's estimator asks 1.5 times that, 1.69 TB. So 1.2 TB of host
-    memory, which the bare state would fit, does not hold it; FSDP2 with CPUOffloadPolicy, built on
-    the meta device, holds its 149 GB a GPU (16 B a parameter, its pinned copies rounded up to
-    powers of two) without DeepSpeed's allowance: 1.19 TB, more than 1.2 TB less its 10 % reserve
-    (1.08 TB), so it fits on 1.4 TB (1.26 TB usable); 2 TB holds ZeRO-3 too."""
+    """70 B, ZeRO-3 with the optimizer offloaded on 8 GPUs: 16 · 70.55e9 / 8 = 141 GB of state
+    per GPU, 1.13 TB for the node; DeepSpeed's estimator asks 1.5 times that, 1.69 TB. So 1.2 TB
+    of host memory, which the bare state would fit, does not hold it; FSDP2 with
+    CPUOffloadPolicy, built on the meta device, holds its 149 GB a GPU (16 B a parameter, its
+    pinned copies rounded up to powers of two) without DeepSpeed's allowance: 1.19 TB, more than
+    1.2 TB less its 10 % reserve (1.08 TB), so it fits on 1.4 TB (1.26 TB usable); 2 TB holds
+    ZeRO-3 too."""
     model = planner.Workload.of_model(architectures.load("llama-3.1-70b"), batch=1, seq=1024)
     name = "ZeRO-3 + offload optimizer, activations kept"
     deepspeed = pytest.importorskip("deepspeed.runtime.zero.stage3")
-    cpu, gpu, _ = deepspeed.estimate_zero3_model_states_mem_needs(model.params, model.largest_module_params(), 8,
-                                                                 1, cpu_offload=True, cpu_offload_params=False)
+    cpu, gpu, _ = deepspeed.estimate_zero3_model_states_mem_needs(
+        model.params,
+        model.largest_module_params(),
+        8,
+        1,
+        cpu_offload=True,
+        cpu_offload_params=False,
+    )
     for host, usable in (("1 TB", "900 GB"), ("1.2 TB", "1.08 TB")):
         report = planner.plan(model, node(host=host))
         short = by_name(report, name)
         assert short.host_bytes == pytest.approx(16 * model.params / 8) and short.fits_gpu
-        assert short.host_need == pytest.approx(cpu, abs=1) and short.estimate["gpu_bytes"] == pytest.approx(gpu, abs=1)
+        assert short.host_need == pytest.approx(cpu, abs=1) and short.estimate[
+            "gpu_bytes"
+        ] == pytest.approx(gpu, abs=1)
         assert not short.fits_host and short.binding.startswith(
-            f"host memory: needs 1.69 TB by DeepSpeed's estimate (141 GB per GPU of state) of the {usable} usable "
-            f"of the node's {host}")
+            "host memory: needs 1.69 TB by DeepSpeed's estimate (141 GB per GPU of state) of the "
+            f"{usable} usable of the node's {host}"
+        )
     nothing = planner.plan(model, node(host="1 TB"))
     fsdp = by_name(nothing, "FSDP2 + offload optimizer+parameters, activations kept")
     assert round(fsdp.host_bytes / 1e9) == 149 and fsdp.host_need == 8 * fsdp.host_bytes
     # The refusal names what the closest plan needs (the least host memory), and what would help.
-    assert nothing.chosen is None and fsdp.binding in nothing.warnings[0] and "add nodes" in nothing.warnings[0]
+    assert (
+        nothing.chosen is None
+        and fsdp.binding in nothing.warnings[0]
+        and "add nodes" in nothing.warnings[0]
+    )
     assert planner.plan(model, node(host="1.2 TB")).chosen is None  # 1.19 TB leaves no reserve
     assert planner.plan(model, node(host="1.4 TB")).chosen.strategy == "fsdp2"
     fits = planner.plan(model, node(host="2 TB"))
     zero3 = by_name(fits, name)
-    assert zero3.fits and zero3.to_dict()["deepspeed_estimate"]["host_bytes_per_node"] == pytest.approx(cpu, abs=1)
+    assert zero3.fits and zero3.to_dict()["deepspeed_estimate"][
+        "host_bytes_per_node"
+    ] == pytest.approx(cpu, abs=1)
 
 
 def test_nvme_is_planned_only_when_the_drive_is_given():
@@ -99,21 +129,32 @@ def test_nvme_is_planned_only_when_the_drive_is_given():
     small_host = dict(host_memory="64 GB")
     without = planner.plan(eight_b, planner.Hardware("24 GB", "25 GB/s", **small_host))
     assert without.chosen is None and "--nvme" in without.warnings[0]
-    assert "assumption" in without.warnings[1] and "would fit" in without.warnings[1]  # the next tier's what-if
+    # the next tier's what-if
+    assert "assumption" in without.warnings[1] and "would fit" in without.warnings[1]
     drive = planner.plan(eight_b, planner.Hardware("24 GB", "25 GB/s", nvme="3 GB/s", **small_host))
-    assert drive.chosen.layout.nvme_bytes == pytest.approx(18 * eight_b.params)  # ZeRO-3's 18 B on the drive
+    # ZeRO-3's 18 B on the drive
+    assert drive.chosen.layout.nvme_bytes == pytest.approx(18 * eight_b.params)
     assert drive.chosen.binding.startswith("the NVMe drive") and "NVMe" in drive.warnings[0]
 
 
 def test_probe_record_feeds_the_hardware(tmp_path):
-    record = {"machine": {"host_memory_bytes": 64e9, "logical_cores": 16,
-                          "accelerator": {"kind": "cuda", "memory_bytes": 85e9}},
-              "ladder": {"tiers": [{"name": "host memory", "bandwidth_bytes_per_s": 56e9, "source": "measured"}],
-                         "links": [{"name": "host → GPU", "bandwidth_bytes_per_s": 24e9, "source": "measured"}]}}
+    record = {
+        "machine": {
+            "host_memory_bytes": 64e9,
+            "logical_cores": 16,
+            "accelerator": {"kind": "cuda", "memory_bytes": 85e9},
+        },
+        "ladder": {
+            "tiers": [{"name": "host memory", "bandwidth_bytes_per_s": 56e9, "source": "measured"}],
+            "links": [{"name": "host → GPU", "bandwidth_bytes_per_s": 24e9, "source": "measured"}],
+        },
+    }
     hw = planner.Hardware.from_probe(record)
     assert (hw.gpu_memory, hw.link, hw.host_memory, hw.cpu_adam) == (85e9, 24e9, 64e9, 2e9)
     assert any("derived" in s for s in hw.sources) and hw.assumptions == [
-        f"compute {planner.ASSUMED_COMPUTE / 1e12:.0f} TFLOP/s (assumed; measure yours or pass --compute)"]
+        f"compute {planner.ASSUMED_COMPUTE / 1e12:.0f} TFLOP/s (assumed; measure yours or pass "
+        "--compute)"
+    ]
     given = planner.Hardware.from_probe(record, gpu_memory="80 GB", gpus_per_node=2)
     assert given.gpu_memory == 80e9 and given.gpus_per_node == 2
     assert not any(s.startswith("GPU memory") for s in given.sources)
@@ -121,109 +162,218 @@ def test_probe_record_feeds_the_hardware(tmp_path):
         planner.Hardware.from_probe({"records": []})
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(gpus_per_node=0), "^gpus_per_node: expected a positive integer; got 0$"),
-    (dict(gpus_per_node=2, gpus_per_link=4), r"^gpus_per_link: expected a divisor of gpus_per_node=2 .*; got 4$"),
-    (dict(gpus_per_node=4, gpus_per_link=3), r"^gpus_per_link: expected a divisor of gpus_per_node=4 .*; got 3$"),
-    (dict(gpus_per_node=2, interconnect="fast"), "^interconnect: "),
-    (dict(nvme="0 GB/s"), "^nvme: "),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(gpus_per_node=0), "^gpus_per_node: expected a positive integer; got 0$"),
+        (
+            dict(gpus_per_node=2, gpus_per_link=4),
+            r"^gpus_per_link: expected a divisor of gpus_per_node=2 .*; got 4$",
+        ),
+        (
+            dict(gpus_per_node=4, gpus_per_link=3),
+            r"^gpus_per_link: expected a divisor of gpus_per_node=4 .*; got 3$",
+        ),
+        (dict(gpus_per_node=2, interconnect="fast"), "^interconnect: "),
+        (dict(nvme="0 GB/s"), "^nvme: "),
+    ],
+)
 def test_node_bad_input(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         planner.Hardware("80 GB", "25 GB/s", **kwargs)
 
 
 def offloadlab(*args):
-    return subprocess.run([sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True
+    )
 
 
-EIGHT_B = ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "24 GB", "--link", "25 GB/s", "--host-memory", "64 GB"]
+EIGHT_B = [
+    "plan",
+    "--model",
+    "llama-3.1-8b",
+    "--gpu-memory",
+    "24 GB",
+    "--link",
+    "25 GB/s",
+    "--host-memory",
+    "64 GB",
+]
 
 
 def test_plan_a_real_model_exactly():
     payload = json.loads(offloadlab(*EIGHT_B, "--json").stdout)
     assert payload["params"] == 8_030_261_248 and payload["model"]["kv_heads"] == 8
-    assert payload["chosen"] is None  # 96 GB of fp32 optimizer state cannot live in 64 GB of host memory
+    # 96 GB of fp32 optimizer state cannot live in 64 GB of host memory
+    assert payload["chosen"] is None
     refused = offloadlab(*EIGHT_B, "--emit", "deepspeed")
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "nothing fits" in refused.stderr
+    assert (
+        refused.returncode == 2
+        and refused.stderr.count("\n") == 1
+        and "nothing fits" in refused.stderr
+    )
     text = offloadlab(*EIGHT_B, "--nvme", "3 GB/s", "--emit", "deepspeed")
     assert text.returncode == 0, text.stderr
     assert "8,030,261,248 parameters" in text.stdout and "to NVMe" in text.stdout
     waits = next(line for line in text.stdout.splitlines() if "then the GPU waits" in line)
-    assert ", NVMe " in waits  # what the GPU waits for names the drive, which takes most of the step
+    # what the GPU waits for names the drive, which takes most of the step
+    assert ", NVMe " in waits
     assert '"device": "nvme"' in text.stdout and "--nvme-path" in text.stdout
-    fsdp = offloadlab(*EIGHT_B, "--nvme", "3 GB/s", "--emit", "fsdp")  # FSDP2 has no NVMe tier: refused
-    assert fsdp.returncode == 2 and fsdp.stdout == "" and "no FSDP2 configuration fits" in fsdp.stderr
+    # FSDP2 has no NVMe tier: refused
+    fsdp = offloadlab(*EIGHT_B, "--nvme", "3 GB/s", "--emit", "fsdp")
+    assert (
+        fsdp.returncode == 2 and fsdp.stdout == "" and "no FSDP2 configuration fits" in fsdp.stderr
+    )
 
 
 def test_a_local_config_beyond_the_params_bound_is_refused(tmp_path):
     config = json.loads((architectures.CONFIG_FOLDER / "qwen2-7b.json").read_text())
     config["num_hidden_layers"] = 10**30
     (tmp_path / "config.json").write_text(json.dumps(config))
-    result = offloadlab("plan", "--model-config", str(tmp_path / "config.json"), "--gpu-memory", "80 GB",
-                        "--link", "25 GB/s", "--json")
-    assert result.returncode == 2 and "expected 'num_hidden_layers' to be at most 100,000 layers" in result.stderr
+    result = offloadlab(
+        "plan",
+        "--model-config",
+        str(tmp_path / "config.json"),
+        "--gpu-memory",
+        "80 GB",
+        "--link",
+        "25 GB/s",
+        "--json",
+    )
+    assert (
+        result.returncode == 2
+        and "expected 'num_hidden_layers' to be at most 100,000 layers" in result.stderr
+    )
     config["num_hidden_layers"], config["hidden_size"] = 80, 10**9
     (tmp_path / "config.json").write_text(json.dumps(config))
-    result = offloadlab("plan", "--model-config", str(tmp_path / "config.json"), "--gpu-memory", "80 GB",
-                        "--link", "25 GB/s", "--json")
-    assert result.returncode == 2 and "expected a model of at most 1e+15 parameters" in result.stderr
+    result = offloadlab(
+        "plan",
+        "--model-config",
+        str(tmp_path / "config.json"),
+        "--gpu-memory",
+        "80 GB",
+        "--link",
+        "25 GB/s",
+        "--json",
+    )
+    assert (
+        result.returncode == 2 and "expected a model of at most 1e+15 parameters" in result.stderr
+    )
 
 
 def test_plan_a_local_config_on_a_node(tmp_path):
     config = tmp_path / "config.json"
     config.write_text((architectures.CONFIG_FOLDER / "qwen2-7b.json").read_text())
-    result = offloadlab("plan", "--model-config", str(config), "--gpu-memory", "80 GB", "--link", "25 GB/s",
-                        "--host-memory", "1 TB", "--gpus-per-node", "8", "--interconnect", "450 GB/s", "--json",
-                        "--emit", "deepspeed")
+    result = offloadlab(
+        "plan",
+        "--model-config",
+        str(config),
+        "--gpu-memory",
+        "80 GB",
+        "--link",
+        "25 GB/s",
+        "--host-memory",
+        "1 TB",
+        "--gpus-per-node",
+        "8",
+        "--interconnect",
+        "450 GB/s",
+        "--json",
+        "--emit",
+        "deepspeed",
+    )
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     assert payload["params"] == 7_615_616_512 and payload["gpus_per_node"] == 8
     assert payload["chosen"]["gpus"] == 8 and payload["deepspeed"]["train_batch_size"] == 8
-    shared = offloadlab("plan", "--model-config", str(config), "--gpu-memory", "80 GB", "--link", "25 GB/s",
-                        "--gpus-per-node", "4", "--gpus-per-link", "2")
-    assert "each gets 1/4 of host memory and CPU cores, and shares its link with 1 other(s)" in shared.stdout
+    shared = offloadlab(
+        "plan",
+        "--model-config",
+        str(config),
+        "--gpu-memory",
+        "80 GB",
+        "--link",
+        "25 GB/s",
+        "--gpus-per-node",
+        "4",
+        "--gpus-per-link",
+        "2",
+    )
+    assert (
+        "each gets 1/4 of host memory and CPU cores, and shares its link with 1 other(s)"
+        in shared.stdout
+    )
 
 
 def test_plan_from_a_probe_record(tmp_path):
     measured = tmp_path / "probe.json"
     probe = offloadlab("probe", "--quick", "--disk", str(tmp_path), "--json", str(measured))
     assert probe.returncode == 0, probe.stderr
-    result = offloadlab("plan", "--params", "1e9", "--measured", str(measured), "--gpu-memory", "24 GB")
+    result = offloadlab(
+        "plan", "--params", "1e9", "--measured", str(measured), "--gpu-memory", "24 GB"
+    )
     assert result.returncode == 0, result.stderr
-    assert "measured: link" in result.stdout and "emulated" in result.stdout  # no GPU here: the link was emulated
+    # no GPU here: the link was emulated
+    assert "measured: link" in result.stdout and "emulated" in result.stdout
     no_gpu = offloadlab("plan", "--params", "1e9", "--measured", str(measured))
-    assert no_gpu.returncode == 2 and "measured: the record has no gpu memory; pass --gpu-memory" in no_gpu.stderr
+    assert (
+        no_gpu.returncode == 2
+        and "measured: the record has no gpu memory; pass --gpu-memory" in no_gpu.stderr
+    )
 
 
 def test_the_issue_16_command_no_longer_calls_an_oversized_plan_a_fit():
-    payload = json.loads(offloadlab("plan", "--params", "10e9", "--gpu-memory", "80 GB", "--link", "25 GB/s",
-                                    "--json").stdout)
+    payload = json.loads(
+        offloadlab(
+            "plan", "--params", "10e9", "--gpu-memory", "80 GB", "--link", "25 GB/s", "--json"
+        ).stdout
+    )
     kept = next(p for p in payload["plans"] if p["name"] == "offload nothing, activations kept")
-    assert kept["fits"] is False and kept["gpu_bytes"] > 160e9 and kept["binding"].startswith("GPU memory: needs ")
+    assert (
+        kept["fits"] is False
+        and kept["gpu_bytes"] > 160e9
+        and kept["binding"].startswith("GPU memory: needs ")
+    )
 
 
 def test_emit_when_nothing_fits_names_the_flag_and_what_to_run():
-    """The 8 B model on 24 GB and 64 GB of host memory: no plan, so nothing to emit — one line, exit 2."""
+    """The 8 B model on 24 GB and 64 GB of host memory: no plan, so nothing to emit — one line,
+    exit 2."""
     result = offloadlab(*EIGHT_B, "--emit", "fsdp")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        "offloadlab: error: offloadlab plan: --emit fsdp: nothing fits on this hardware, so there is no configuration "
-        "to emit (run without --emit to see what binds)"]
+        "offloadlab: error: offloadlab plan: --emit fsdp: nothing fits on this hardware, so there "
+        "is no configuration to emit (run without --emit to see what binds)"
+    ]
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--params", "1e9", "--model", "gpt2"], "expected exactly one of --params, --model or --model-config; "
-                                             "got --params and --model"),
-    (["--model", "llama-3.1-8", "--json"], "model: expected one of bloom-560m"),
-    (["--model", "llama-3.1-8"], "got 'llama-3.1-8' (did you mean 'llama-3.1-8b'?)"),
-    (["--model-config", "/nonexistent/config.json"], "--model-config: expected a config.json file"),
-    (["--model", "gpt2", "--layers", "2"], "--layers/--hidden/--heads go with --params"),
-    (["--params", "1e9", "--interconnect", "450 GB/s"], "need --gpus-per-node above 1"),
-    (["--params", "1e9", "--gpus-per-node", "0"], "--gpus-per-node"),
-    (["--params", "1e9", "--measured", "/nonexistent.json"], "--measured: expected an `offloadlab probe --json` file"),
-    (["--params", "1e12", "--layers", "2", "--hidden", "10", "--heads", "3"], "heads: expected a divisor of hidden=10"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (
+            ["--params", "1e9", "--model", "gpt2"],
+            "expected exactly one of --params, --model or --model-config; got --params and --model",
+        ),
+        (["--model", "llama-3.1-8", "--json"], "model: expected one of bloom-560m"),
+        (["--model", "llama-3.1-8"], "got 'llama-3.1-8' (did you mean 'llama-3.1-8b'?)"),
+        (
+            ["--model-config", "/nonexistent/config.json"],
+            "--model-config: expected a config.json file",
+        ),
+        (["--model", "gpt2", "--layers", "2"], "--layers/--hidden/--heads go with --params"),
+        (["--params", "1e9", "--interconnect", "450 GB/s"], "need --gpus-per-node above 1"),
+        (["--params", "1e9", "--gpus-per-node", "0"], "--gpus-per-node"),
+        (
+            ["--params", "1e9", "--measured", "/nonexistent.json"],
+            "--measured: expected an `offloadlab probe --json` file",
+        ),
+        (
+            ["--params", "1e12", "--layers", "2", "--hidden", "10", "--heads", "3"],
+            "heads: expected a divisor of hidden=10",
+        ),
+    ],
+)
 def test_plan_bad_arguments(args, fragment):
     result = offloadlab("plan", "--gpu-memory", "80 GB", "--link", "25 GB/s", *args)
     assert result.returncode == 2 and fragment in result.stderr, result.stderr
@@ -231,10 +381,24 @@ def test_plan_bad_arguments(args, fragment):
 
 
 def test_long_context_finds_a_plan():
-    """The issue's command: Llama 3.1 8B, 32,768 tokens a GPU, 8 × 80 GB, 1 TB of host memory. With SDPA
-    there is no s² term; the logits and loss, counted now, are most of what remains."""
-    result = offloadlab("plan", "--model", "llama-3.1-8b", "--gpus-per-node", "8", "--gpu-memory", "80 GB",
-                        "--link", "25 GB/s", "--host-memory", "1 TB", "--seq", "32768", "--json")
+    """The issue's command: Llama 3.1 8B, 32,768 tokens a GPU, 8 × 80 GB, 1 TB of host memory.
+    With SDPA there is no s² term; the logits and loss, counted now, are most of what remains."""
+    result = offloadlab(
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--gpus-per-node",
+        "8",
+        "--gpu-memory",
+        "80 GB",
+        "--link",
+        "25 GB/s",
+        "--host-memory",
+        "1 TB",
+        "--seq",
+        "32768",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     assert payload["chosen"]["fits"] and payload["activations"]["attention"] == "sdpa"
@@ -244,24 +408,46 @@ def test_long_context_finds_a_plan():
     if chosen["engine"] == "deepspeed":  # fitted, and printed, by DeepSpeed's own estimate too
         stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
         cpu, gpu, _ = stage3.estimate_zero3_model_states_mem_needs(
-            payload["params"], payload["model"]["largest_module_params"], 8, 1, cpu_offload=True,
-            cpu_offload_params=chosen["offload"] == "optimizer+parameters", zero_init=1)
+            payload["params"],
+            payload["model"]["largest_module_params"],
+            8,
+            1,
+            cpu_offload=True,
+            cpu_offload_params=chosen["offload"] == "optimizer+parameters",
+            zero_init=1,
+        )
         assert chosen["deepspeed_estimate"]["host_bytes_per_node"] == pytest.approx(cpu, abs=1)
         assert chosen["deepspeed_estimate"]["gpu_bytes"] == pytest.approx(gpu, abs=1)
-        text = offloadlab("plan", "--model", "llama-3.1-8b", "--gpus-per-node", "8", "--gpu-memory", "80 GB",
-                          "--link", "25 GB/s", "--host-memory", "1 TB", "--seq", "32768").stdout
+        text = offloadlab(
+            "plan",
+            "--model",
+            "llama-3.1-8b",
+            "--gpus-per-node",
+            "8",
+            "--gpu-memory",
+            "80 GB",
+            "--link",
+            "25 GB/s",
+            "--host-memory",
+            "1 TB",
+            "--seq",
+            "32768",
+        ).stdout
         assert "DeepSpeed's own estimate: GPU" in text
 
 
 def test_zero2_offload_on_eight_gpus_fits_by_deepspeeds_loading_peak():
-    """ZeRO-2 with the optimizer offloaded: every one of 8 processes loads the fp32 model, so DeepSpeed
-    asks max(4 · 8, 16) · 1.5 = 48 B a parameter of host memory: 385 GB for 8 B, three times the
-    128 GB of state."""
+    """ZeRO-2 with the optimizer offloaded: every one of 8 processes loads the fp32 model, so
+    DeepSpeed asks max(4 · 8, 16) · 1.5 = 48 B a parameter of host memory: 385 GB for 8 B, three
+    times the 128 GB of state."""
     eight_b = planner.Workload.of_model(architectures.load("llama-3.1-8b"))
     report = planner.plan(eight_b, node(8, host="2 TB"))
     zero2 = by_name(report, "ZeRO-2 + offload optimizer, activations kept")
     assert zero2.host_bytes * 8 == pytest.approx(16 * eight_b.params)
-    assert zero2.host_need == pytest.approx(48 * eight_b.params) and round(zero2.host_need / 1e9) == 385
+    assert (
+        zero2.host_need == pytest.approx(48 * eight_b.params)
+        and round(zero2.host_need / 1e9) == 385
+    )
     stage2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
     cpu, _ = stage2.estimate_zero2_model_states_mem_needs(eight_b.params, 8, 1, cpu_offload=True)
     assert zero2.host_need == pytest.approx(cpu, abs=1)
@@ -271,41 +457,94 @@ def test_zero2_offload_on_eight_gpus_fits_by_deepspeeds_loading_peak():
 def test_deepspeed_sends_fp32_gradients_down_and_uploads_after_the_update():
     report = planner.plan(WORK, node())
     zero2 = by_name(report, "ZeRO-2 + offload optimizer, activations kept")
-    assert zero2.d2h_bytes == pytest.approx(4 * P / 8) and zero2.h2d_bytes == pytest.approx(2 * P / 8)
+    assert zero2.d2h_bytes == pytest.approx(4 * P / 8) and zero2.h2d_bytes == pytest.approx(
+        2 * P / 8
+    )
     assert zero2.serial_upload and zero2.step == pytest.approx(
-        max(zero2.t_compute, zero2.t_interconnect, zero2.t_transfer) + zero2.t_cpu + zero2.t_upload_after
-        + zero2.t_interconnect_after)
+        max(zero2.t_compute, zero2.t_interconnect, zero2.t_transfer)
+        + zero2.t_cpu
+        + zero2.t_upload_after
+        + zero2.t_interconnect_after
+    )
     alone = by_name(report, "data parallel + offload optimizer, activations kept")
     assert not alone.serial_upload  # offloadlab's own pipeline uploads each layer as it is updated
 
 
 def test_fsdp2_offload_counts_its_pinned_copies_as_torch_rounds_them():
-    """CPUOffloadPolicy pins each sharded parameter and gradient on its own; torch's pinned allocator
-    rounds each to a power of two. Llama 3.1 8B's MLP projection, 14336 × 4096 fp32 on 8 GPUs, is
-    29.4 MB a shard and takes 32 MiB."""
+    """CPUOffloadPolicy pins each sharded parameter and gradient on its own; torch's pinned
+    allocator rounds each to a power of two. Llama 3.1 8B's MLP projection, 14336 × 4096 fp32 on
+    8 GPUs, is 29.4 MB a shard and takes 32 MiB."""
     from offloadlab import sharding
 
     shard = 14336 // 8 * 4096 * 4
     assert sharding.fsdp2_pinned_bytes([(14336, 4096)], 8) == 2 * 2**25 > 2 * shard
     eight_b = planner.Workload.of_model(architectures.load("llama-3.1-8b"))
-    fsdp = by_name(planner.plan(eight_b, node(8)), "FSDP2 + offload optimizer+parameters, activations kept")
+    fsdp = by_name(
+        planner.plan(eight_b, node(8)), "FSDP2 + offload optimizer+parameters, activations kept"
+    )
     exact = 16 * eight_b.params / 8
     assert exact < fsdp.host_bytes < 1.3 * exact and fsdp.host_need == 8 * fsdp.host_bytes
 
 
 def test_emit_for_another_engine_says_so_and_is_refused_when_that_engine_does_not_fit():
-    args = ["plan", "--model", "llama-3.1-8b", "--gpus-per-node", "8", "--gpu-memory", "24 GB", "--link", "25 GB/s",
-            "--host-memory", "2 TB", "--seq", "4096"]
+    args = [
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--gpus-per-node",
+        "8",
+        "--gpu-memory",
+        "24 GB",
+        "--link",
+        "25 GB/s",
+        "--host-memory",
+        "2 TB",
+        "--seq",
+        "4096",
+    ]
     deepspeed = offloadlab(*args, "--emit", "deepspeed")
-    assert deepspeed.returncode == 0 and "note: --emit" not in deepspeed.stdout  # the plan is DeepSpeed's
+    # the plan is DeepSpeed's
+    assert deepspeed.returncode == 0 and "note: --emit" not in deepspeed.stdout
     fsdp = offloadlab(*args, "--emit", "fsdp")
     notes = [line for line in fsdp.stdout.splitlines() if line.startswith("note: --emit fsdp:")]
     assert fsdp.returncode == 0 and len(notes) == 1 and "FSDP2 runs FSDP2 + offload" in notes[0]
-    single = offloadlab("plan", "--model", "llama-3.1-8b", "--gpu-memory", "80 GB", "--link", "25 GB/s",
-                        "--host-memory", "512 GB", "--emit", "deepspeed", "--json")
+    single = offloadlab(
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--gpu-memory",
+        "80 GB",
+        "--link",
+        "25 GB/s",
+        "--host-memory",
+        "512 GB",
+        "--emit",
+        "deepspeed",
+        "--json",
+    )
     emitted = json.loads(single.stdout)["emitted_plan"]
-    assert "its update waits for the end of backward" in emitted["note"] and emitted["engine"] == "deepspeed"
+    assert (
+        "its update waits for the end of backward" in emitted["note"]
+        and emitted["engine"] == "deepspeed"
+    )
     assert emitted["step_s"] >= json.loads(single.stdout)["chosen"]["step_s"]
-    short = offloadlab("plan", "--model", "llama-3.1-8b", "--gpu-memory", "24 GB", "--link", "25 GB/s",
-                       "--host-memory", "64 GB", "--nvme", "3 GB/s", "--emit", "fsdp")
-    assert short.returncode == 2 and short.stderr.count("\n") == 1 and "no FSDP2 configuration fits" in short.stderr
+    short = offloadlab(
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--gpu-memory",
+        "24 GB",
+        "--link",
+        "25 GB/s",
+        "--host-memory",
+        "64 GB",
+        "--nvme",
+        "3 GB/s",
+        "--emit",
+        "fsdp",
+    )
+    assert (
+        short.returncode == 2
+        and short.stderr.count("\n") == 1
+        and "no FSDP2 configuration fits" in short.stderr
+    )

@@ -22,7 +22,11 @@ HEADER = textwrap.dedent("""\
 
 
 def notebook(*cells: str) -> str:
-    return HEADER + "\n# A notebook\n\n" + "\n".join(f"```{{code-cell}} ipython3\n{c}\n```\n" for c in cells)
+    return (
+        HEADER
+        + "\n# A notebook\n\n"
+        + "\n".join(f"```{{code-cell}} ipython3\n{c}\n```\n" for c in cells)
+    )
 
 
 def test_only_files_with_a_jupytext_header_are_notebooks(tmp_path):
@@ -44,7 +48,9 @@ def project(pytester):
 
 def test_passing_and_failing_notebooks(project):
     (project.path / "book" / "good.md").write_text(notebook("x = 6 * 7", "assert x == 42"))
-    (project.path / "labs" / "bad.md").write_text(notebook("y = 1", "assert y == 2, 'y is not two'"))
+    (project.path / "labs" / "bad.md").write_text(
+        notebook("y = 1", "assert y == 2, 'y is not two'")
+    )
     (project.path / "book" / "notes.md").write_text("# Plain notes, not collected\n")
     result = project.runpytest("--nbval-current-env", "-p", "no:cacheprovider", "book", "labs")
     result.assert_outcomes(passed=3, failed=1)

@@ -1,6 +1,6 @@
-"""The file-backed tier: exact round trips, Adam over files equal to Adam in memory, and the faults a
-disk brings — a crash mid-step, a full disk, an I/O error, a damaged or truncated file — each leaving
-the previous step or the new one, never a mixture."""
+"""The file-backed tier: exact round trips, Adam over files equal to Adam in memory, and the
+faults a disk brings — a crash mid-step, a full disk, an I/O error, a damaged or truncated file —
+each leaving the previous step or the new one, never a mixture."""
 
 import errno
 import os
@@ -31,8 +31,16 @@ def _state(folder, n, seed=0):
     """Three tiers at step 0: random master weights, zero moments; and the same state in memory."""
     torch.manual_seed(seed)
     start = torch.randn(n)
-    tiers = [FileTier(folder / f"{name}.bin", n, init=start if name == "master" else None, block_bytes=BLOCK,
-                      queue_depth=2) for name in NAMES]
+    tiers = [
+        FileTier(
+            folder / f"{name}.bin",
+            n,
+            init=start if name == "master" else None,
+            block_bytes=BLOCK,
+            queue_depth=2,
+        )
+        for name in NAMES
+    ]
     return tiers, [start.clone(), torch.zeros(n), torch.zeros(n)]
 
 
@@ -51,11 +59,17 @@ def io_path(request, monkeypatch):
 def test_round_trip_partial_reads_and_bounds(tmp_path, io_path):
     n = 3000  # not a whole number of blocks
     with FileTier(tmp_path / "t.bin", n, torch.bfloat16, block_bytes=BLOCK) as tier:
-        assert tier.step == 0 and tier.steps == [0] and torch.equal(_values(tier), torch.zeros(n, dtype=torch.bfloat16))
+        assert (
+            tier.step == 0
+            and tier.steps == [0]
+            and torch.equal(_values(tier), torch.zeros(n, dtype=torch.bfloat16))
+        )
         data = torch.randn(n).to(torch.bfloat16)
         tier.write(0, data[:2048])
         tier.write(2048, data[2048:])
-        assert torch.equal(_values(tier), torch.zeros(n, dtype=torch.bfloat16)), "staged data must not be visible"
+        assert torch.equal(_values(tier), torch.zeros(n, dtype=torch.bfloat16)), (
+            "staged data must not be visible"
+        )
         assert tier.commit() == 1 and tier.steps == [0, 1]
         assert torch.equal(_values(tier), data)
         part = torch.empty(10, dtype=torch.bfloat16)
@@ -65,10 +79,14 @@ def test_round_trip_partial_reads_and_bounds(tmp_path, io_path):
             tier.write(5, data[:100])
         with pytest.raises(ValueError, match="^start: "):
             tier.read(2995, part)
-        with pytest.raises(ValueError, match="^src: expected a contiguous host tensor of torch.bfloat16"):
+        with pytest.raises(
+            ValueError, match="^src: expected a contiguous host tensor of torch.bfloat16"
+        ):
             tier.write(0, torch.zeros(3))
         tier.write(0, data[:2048])
-        with pytest.raises(ValueError, match=r"^commit: a step must write every element; blocks 1 of 2"):
+        with pytest.raises(
+            ValueError, match=r"^commit: a step must write every element; blocks 1 of 2"
+        ):
             tier.commit()
         tier.abort()
         assert tier.step == 1 and torch.equal(_values(tier), data)
@@ -94,10 +112,13 @@ def test_refuses_to_overwrite_and_bad_sizes_leave_nothing_behind(tmp_path):
         FileTier("", 10)
     with pytest.raises(ValueError, match="^numel: expected a tier that fits in a file"):
         FileTier(tmp_path / "huge.bin", 2**62)
-    with pytest.raises(OSError, match="path: cannot reserve") as info:  # 2 × 32 TiB: too big for the file system
+    # 2 × 32 TiB: too big for the file system
+    with pytest.raises(OSError, match="path: cannot reserve") as info:
         FileTier(tmp_path / "big.bin", 2**43)
     assert info.value.errno in (errno.EFBIG, errno.ENOSPC)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.bin"], "no 0-byte or scratch file may be left"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.bin"], (
+        "no 0-byte or scratch file may be left"
+    )
     with FileTier(tmp_path / "x.bin", 10) as retry:  # and the name is free for a retry
         assert retry.step == 0
 
@@ -110,7 +131,9 @@ def test_adam_over_files_equals_adam_in_memory_and_resumes(tmp_path, io_path):
         grad = torch.randn(n).to(torch.bfloat16)
         seconds = adam_from_file(*tiers, grad, out, lr=1e-2, chunk=2048)
         _memory_step(memory, grad, step)
-        assert set(seconds) == {"read", "update", "write", "other"} and all(s >= 0 for s in seconds.values())
+        assert set(seconds) == {"read", "update", "write", "other"} and all(
+            s >= 0 for s in seconds.values()
+        )
     assert torch.equal(out, memory[0].to(torch.bfloat16))
     for tier in tiers:
         tier.close()
@@ -128,8 +151,14 @@ def test_adam_over_files_equals_adam_in_memory_and_resumes(tmp_path, io_path):
 
 def _child(script: str, *args) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), *map(str, args)], env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _kill_when_paused(child: subprocess.Popen) -> None:
@@ -144,14 +173,16 @@ def _kill_when_paused(child: subprocess.Popen) -> None:
 
 # The child runs one step of adam_from_file over the files and pauses (on a pipe, no sleeps) at a
 # chosen point, where the parent kills it: after chunk 0 of the new step reached the file (its
-# writes are waited for before chunk 2's reads), or between the first file's commit and the second's.
+# writes are waited for before chunk 2's reads), or between the first file's commit and the
+# second's.
 _CRASHING_STEP = """
     import sys
     import torch
     from offloadlab import cpu_adam, nvme
 
     folder, where = sys.argv[1], sys.argv[2]
-    tiers = nvme.open_state(*(f"{folder}/{name}.bin" for name in ("master", "exp_avg", "exp_avg_sq")), queue_depth=2)
+    names = ("master", "exp_avg", "exp_avg_sq")
+    tiers = nvme.open_state(*(f"{folder}/{name}.bin" for name in names), queue_depth=2)
 
     def pause():
         print("paused", flush=True)
@@ -191,8 +222,9 @@ def test_sigkill_during_a_step_leaves_the_previous_step(tmp_path, where):
         tier.close()
     before = {name: (tmp_path / f"{name}.bin").read_bytes() for name in NAMES}
     _kill_when_paused(_child(_CRASHING_STEP, tmp_path, where))
-    assert all((tmp_path / f"{name}.bin").read_bytes() != before[name] for name in NAMES), \
+    assert all((tmp_path / f"{name}.bin").read_bytes() != before[name] for name in NAMES), (
         "the child must have written part of the new step before it was killed"
+    )
     if where == "between commits":  # master committed step 2 alone; alone it opens there
         with FileTier.open(tmp_path / "master.bin") as master:
             assert master.step == 2 and master.steps == [1, 2]
@@ -235,7 +267,9 @@ def test_a_failed_step_leaves_all_three_files_at_the_previous_step(tmp_path, mon
     elif fault == "read":
         _fail_on_call(monkeypatch, os, "preadv", 20, OSError(errno.EIO, "Input/output error"))
     elif fault == "second commit":  # exp_avg's data sync, after master committed
-        _fail_on_call(monkeypatch, nvme.direct_io, "sync", 6, OSError(errno.ENOSPC, "No space left on device"))
+        _fail_on_call(
+            monkeypatch, nvme.direct_io, "sync", 6, OSError(errno.ENOSPC, "No space left on device")
+        )
     else:
         _fail_on_call(monkeypatch, cpu_adam, "adamw_step", 4, KeyboardInterrupt())
     grad = torch.randn(n)
@@ -246,7 +280,8 @@ def test_a_failed_step_leaves_all_three_files_at_the_previous_step(tmp_path, mon
     for tier, expected in zip(tiers, memory):
         assert torch.equal(_values(tier), expected)
         tier.close()
-    for name in NAMES:  # on disk too: each file alone opens at step 1 (master's step 2 was withdrawn)
+    # on disk too: each file alone opens at step 1 (master's step 2 was withdrawn)
+    for name in NAMES:
         with FileTier.open(tmp_path / f"{name}.bin") as tier:
             assert tier.step == 1
     tiers = open_state(*(tmp_path / f"{name}.bin" for name in NAMES))
@@ -358,7 +393,9 @@ _EXIT_WITHOUT_CLOSE = """
 
 def test_a_process_killed_without_close_leaves_its_state_and_no_scratch(tmp_path):
     _kill_when_paused(_child(_EXIT_WITHOUT_CLOSE, tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.bin"], "a temporary tier has no file to leave"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.bin"], (
+        "a temporary tier has no file to leave"
+    )
     with FileTier.open(tmp_path / "state.bin") as tier:  # the lock died with the process
         assert tier.step == 0 and torch.equal(_values(tier), torch.arange(1000.0))
 
@@ -414,7 +451,9 @@ def test_checksums_can_be_turned_off_and_the_choice_is_kept(tmp_path):
     with FileTier(path, 4096, block_bytes=BLOCK, checksums=False, init=torch.ones(4096)) as tier:
         assert not tier.checksums
     with FileTier.open(path) as tier:
-        assert not tier.checksums and tier.step == 0 and torch.equal(_values(tier), torch.ones(4096))
+        assert (
+            not tier.checksums and tier.step == 0 and torch.equal(_values(tier), torch.ones(4096))
+        )
     with pytest.raises(ValueError, match="^checksums: "):
         FileTier(tmp_path / "x.bin", 10, checksums="no")
 

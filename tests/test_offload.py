@@ -21,7 +21,9 @@ from offloadlab.offload import CPUOffloadAdam, LossScaler
 
 def mlp(dtype=torch.float32, unused=False):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)
+    )
     model[2].bias.requires_grad_(False)  # a frozen parameter
     if unused:
         model.spare = nn.Linear(4, 4)  # trainable, never used in forward: AdamW skips it
@@ -31,13 +33,25 @@ def mlp(dtype=torch.float32, unused=False):
 def groups(model):
     weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
     biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "lr": 3e-3, "weight_decay": 0.0}, {"params": []}]
+    return [
+        {"params": weights, "weight_decay": 0.1},
+        {"params": biases, "lr": 3e-3, "weight_decay": 0.0},
+        {"params": []},
+    ]
 
 
 def data(steps, micro, dtype=torch.float32, seed=1):
     generator = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(8, 16, generator=generator).to(dtype), torch.randn(8, 4, generator=generator).to(dtype))
-             for _ in range(micro)] for _ in range(steps)]
+    return [
+        [
+            (
+                torch.randn(8, 16, generator=generator).to(dtype),
+                torch.randn(8, 4, generator=generator).to(dtype),
+            )
+            for _ in range(micro)
+        ]
+        for _ in range(steps)
+    ]
 
 
 def run(model, optimizer, batches_, clip=None, scale=lambda loss: loss):
@@ -47,7 +61,9 @@ def run(model, optimizer, batches_, clip=None, scale=lambda loss: loss):
             loss = nn.functional.mse_loss(model[:5](x).float(), y.float()) / len(micro)
             scale(loss).backward()
         if clip == "model":
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.05)
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.grad is not None], 0.05
+            )
         elif clip == "optimizer":
             optimizer.clip_grad_norm_(0.05)
         optimizer.step()
@@ -58,16 +74,22 @@ def assert_matches(reference, model):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("declared", [None, 2], ids=["accumulation undeclared", "accumulation_steps=2"])
+@pytest.mark.parametrize(
+    "declared", [None, 2], ids=["accumulation undeclared", "accumulation_steps=2"]
+)
 def test_matches_adamw_with_groups_frozen_and_unused_params_and_accumulation(link, declared):
     ref, mine = mlp(unused=True), mlp(unused=True)
     run(ref, torch.optim.AdamW(groups(ref), lr=1e-3), data(30, 2))
-    opt = CPUOffloadAdam(groups(mine), lr=1e-3, link=link, accumulation_steps=declared, bucket_bytes=2048)
+    opt = CPUOffloadAdam(
+        groups(mine), lr=1e-3, link=link, accumulation_steps=declared, bucket_bytes=2048
+    )
     assert len(opt.buckets) > 2  # small buckets: several per step
     run(mine, opt, data(30, 2))
     opt.close()
     assert_matches(ref, mine)
-    assert torch.equal(mine[2].bias, mlp()[2].bias) and torch.equal(mine.spare.weight, mlp(unused=True).spare.weight)
+    assert torch.equal(mine[2].bias, mlp()[2].bias) and torch.equal(
+        mine.spare.weight, mlp(unused=True).spare.weight
+    )
 
 
 def test_accumulation_of_three_micro_batches_without_declaring_it(link):
@@ -107,7 +129,9 @@ def test_the_extra_pass_gets_the_clear_error_even_when_the_update_lands_during_i
 
 def test_bf16_master_weights_match_reference_mixed_precision(link):
     model, ref_model = mlp(torch.bfloat16), mlp(torch.bfloat16)
-    masters = [p.detach().float().requires_grad_() for p in ref_model.parameters() if p.requires_grad]
+    masters = [
+        p.detach().float().requires_grad_() for p in ref_model.parameters() if p.requires_grad
+    ]
     reference = torch.optim.AdamW(masters, lr=1e-3)
     trainable = [p for p in ref_model.parameters() if p.requires_grad]
     for micro in data(20, 1, torch.bfloat16):
@@ -134,7 +158,12 @@ def test_bf16_master_weights_match_reference_mixed_precision(link):
 def test_clipping_matches_clip_grad_norm(link, how):
     ref, mine = mlp(), mlp()
     run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), data(10, 1), clip="model")
-    opt = CPUOffloadAdam(mine.parameters(), lr=1e-3, link=link, **({"max_grad_norm": 0.05} if how == "max_grad_norm" else {}))
+    opt = CPUOffloadAdam(
+        mine.parameters(),
+        lr=1e-3,
+        link=link,
+        **({"max_grad_norm": 0.05} if how == "max_grad_norm" else {}),
+    )
     run(mine, opt, data(10, 1), clip=None if how == "max_grad_norm" else "optimizer")
     opt.close()
     assert_matches(ref, mine)
@@ -144,7 +173,9 @@ def test_clip_grad_norm_returns_the_norm_torch_would(link):
     ref, mine = mlp(), mlp()
     x, y = data(1, 1)[0][0]
     nn.functional.mse_loss(ref(x), y).backward()
-    expected = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 1e9)
+    expected = torch.nn.utils.clip_grad_norm_(
+        [p for p in ref.parameters() if p.grad is not None], 1e9
+    )
     opt = CPUOffloadAdam(mine.parameters(), link=link)
     nn.functional.mse_loss(mine(x), y).backward()
     torch.testing.assert_close(opt.clip_grad_norm_(1e9), expected, rtol=1e-6, atol=0)
@@ -166,7 +197,8 @@ def test_clipping_goes_through_the_optimizer_and_torchs_own_call_is_left_as_it_i
     assert opt.clip_grad_norm_(1.0) > 0
     opt.close()
     nn.functional.mse_loss(model(x), y).backward()
-    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) > 0  # closed: the model is its own again
+    # closed: the model is its own again
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) > 0
 
 
 def test_checkpoint_round_trip_is_bit_exact(link, tmp_path):
@@ -209,23 +241,52 @@ def test_state_dict_loads_into_plain_adamw_and_back(link):
 
 
 def _snapshot(opt, model):
-    return [t.clone() for t in (opt._engine.host.master, opt._engine.host.exp_avg)] + \
-        [p.detach().clone() for p in model.parameters()] + [copy.deepcopy(opt.param_groups[0]["lr"])]
+    return (
+        [t.clone() for t in (opt._engine.host.master, opt._engine.host.exp_avg)]
+        + [p.detach().clone() for p in model.parameters()]
+        + [copy.deepcopy(opt.param_groups[0]["lr"])]
+    )
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda sd: sd["state"][0].update(exp_avg=sd["state"][0]["exp_avg"].t().contiguous()), r"exp_avg: expected shape \(64, 16\)"),
-    (lambda sd: sd["state"][2].update(exp_avg_sq=torch.zeros(64 * 64 + 1)), r"exp_avg_sq: expected shape \(64, 64\)"),
-    (lambda sd: sd["param_groups"][0].update(maximize=True), "maximize=True, which CPUOffloadAdam does not implement"),
-    (lambda sd: sd["param_groups"][0].update(amsgrad=True), "amsgrad=True"),
-    (lambda sd: sd["state"][4].update(max_exp_avg_sq=torch.zeros(64)), "max_exp_avg_sq"),
-    (lambda sd: sd["state"][1].pop("exp_avg"), "missing exp_avg"),
-    (lambda sd: sd["state"][1].update(step=torch.tensor(-1.0)), "step: expected a whole number"),
-    (lambda sd: sd["param_groups"][0]["params"].pop(), "parameter groups of"),
-    (lambda sd: sd["param_groups"][0].update(lr=-1.0), "lr: expected a number"),
-    (lambda sd: sd["param_groups"][0].update(decoupled_weight_decay=False), "L2 weight decay"),
-], ids=["transposed", "numel", "maximize", "amsgrad", "amsgrad state", "missing key", "negative step",
-        "group size", "bad lr", "plain Adam"])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda sd: sd["state"][0].update(exp_avg=sd["state"][0]["exp_avg"].t().contiguous()),
+            r"exp_avg: expected shape \(64, 16\)",
+        ),
+        (
+            lambda sd: sd["state"][2].update(exp_avg_sq=torch.zeros(64 * 64 + 1)),
+            r"exp_avg_sq: expected shape \(64, 64\)",
+        ),
+        (
+            lambda sd: sd["param_groups"][0].update(maximize=True),
+            "maximize=True, which CPUOffloadAdam does not implement",
+        ),
+        (lambda sd: sd["param_groups"][0].update(amsgrad=True), "amsgrad=True"),
+        (lambda sd: sd["state"][4].update(max_exp_avg_sq=torch.zeros(64)), "max_exp_avg_sq"),
+        (lambda sd: sd["state"][1].pop("exp_avg"), "missing exp_avg"),
+        (
+            lambda sd: sd["state"][1].update(step=torch.tensor(-1.0)),
+            "step: expected a whole number",
+        ),
+        (lambda sd: sd["param_groups"][0]["params"].pop(), "parameter groups of"),
+        (lambda sd: sd["param_groups"][0].update(lr=-1.0), "lr: expected a number"),
+        (lambda sd: sd["param_groups"][0].update(decoupled_weight_decay=False), "L2 weight decay"),
+    ],
+    ids=[
+        "transposed",
+        "numel",
+        "maximize",
+        "amsgrad",
+        "amsgrad state",
+        "missing key",
+        "negative step",
+        "group size",
+        "bad lr",
+        "plain Adam",
+    ],
+)
 def test_a_bad_state_dict_is_refused_before_anything_changes(link, damage, message):
     model = mlp()
     opt = CPUOffloadAdam(model.parameters(), lr=1e-3, link=link)
@@ -235,8 +296,10 @@ def test_a_bad_state_dict_is_refused_before_anything_changes(link, damage, messa
     before = _snapshot(opt, model)
     with pytest.raises(ValueError, match=message):
         opt.load_state_dict(saved)
-    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-               for a, b in zip(before, _snapshot(opt, model)))
+    assert all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        for a, b in zip(before, _snapshot(opt, model))
+    )
     opt.close()
 
 
@@ -245,7 +308,9 @@ def test_state_dict_hooks_run(link):
     opt = CPUOffloadAdam(model.parameters(), link=link)
     calls = []
     opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
-    opt.register_state_dict_post_hook(lambda o, sd: (calls.append("save post"), sd.update(extra=1))[0])
+    opt.register_state_dict_post_hook(
+        lambda o, sd: (calls.append("save post"), sd.update(extra=1))[0]
+    )
     opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load pre"))
     opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
     saved = opt.state_dict()
@@ -297,7 +362,8 @@ def test_an_optimizer_dropped_without_close_lets_go(link):
     x, y = data(1, 1)[0][0]
     nn.functional.mse_loss(model(x), y).backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)  # no hooks left
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing updates it any more
+    # nothing updates it any more
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     plain = torch.optim.AdamW(model.parameters())
     plain.step()
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -320,8 +386,13 @@ def test_use_after_close_raises(link):
     opt.close()
     opt.close()  # twice is fine
     assert opt.closed
-    for use in (opt.step, opt.state_dict, lambda: opt.clip_grad_norm_(1.0), opt.synchronize,
-                lambda: opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})):
+    for use in (
+        opt.step,
+        opt.state_dict,
+        lambda: opt.clip_grad_norm_(1.0),
+        opt.synchronize,
+        lambda: opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]}),
+    ):
         with pytest.raises(RuntimeError, match="closed"):
             use()
     opt.zero_grad()  # harmless, as for any optimizer
@@ -342,7 +413,10 @@ def test_a_failed_update_is_reported_and_closes_the_optimizer(link, monkeypatch)
     assert isinstance(raised.value.__cause__, MemoryError)
     monkeypatch.undo()
     nn.functional.mse_loss(model(x), y).backward()  # backward is unaffected
-    with pytest.raises(RuntimeError, match="closed .the CPU update of step 1 failed, and the step may have been partly applied"):
+    with pytest.raises(
+        RuntimeError,
+        match="closed .the CPU update of step 1 failed, and the step may have been partly applied",
+    ):
         opt.step()
     model.zero_grad()
     fresh = CPUOffloadAdam(model.parameters(), link=link)
@@ -352,8 +426,12 @@ def test_a_failed_update_is_reported_and_closes_the_optimizer(link, monkeypatch)
 
 def test_pickle_deepcopy_and_torch_save_refuse(link, tmp_path):
     opt = CPUOffloadAdam(mlp().parameters(), link=link)
-    for attempt in (lambda: pickle.dumps(opt), lambda: copy.deepcopy(opt), lambda: copy.copy(opt),
-                    lambda: torch.save(opt, tmp_path / "opt.pt")):
+    for attempt in (
+        lambda: pickle.dumps(opt),
+        lambda: copy.deepcopy(opt),
+        lambda: copy.copy(opt),
+        lambda: torch.save(opt, tmp_path / "opt.pt"),
+    ):
         with pytest.raises(TypeError, match="save optimizer.state_dict"):
             attempt()
     opt.close()
@@ -365,14 +443,17 @@ def test_buckets_move_and_update_together(link, monkeypatch):
     opt = CPUOffloadAdam(params, lr=1e-3, link=link, bucket_bytes=64 * 2**10)
     calls = []
     original = cpu_adam.adamw_step
-    monkeypatch.setattr(cpu_adam, "adamw_step", lambda *a, **k: (calls.append(a[0].numel()), original(*a, **k)))
+    monkeypatch.setattr(
+        cpu_adam, "adamw_step", lambda *a, **k: (calls.append(a[0].numel()), original(*a, **k))
+    )
     x = torch.randint(0, 64, (2, 16))
     with link.record() as recording:
         model(x, x).backward()
         opt.step()
     lanes = recording.lanes()
     assert len(params) > 20 and len(opt.buckets) < len(params) / 4
-    assert len(lanes["D2H"]) == len(lanes["H2D"]) == len(calls) == len(opt.buckets)  # one of each per bucket
+    # one of each per bucket
+    assert len(lanes["D2H"]) == len(lanes["H2D"]) == len(calls) == len(opt.buckets)
     assert sum(calls) == sum(p.numel() for p in params)
     opt.close()
 
@@ -396,21 +477,27 @@ def test_delayed_update_applies_one_step_late(link):
     batch = data(2, 1)
     run(eager_model, eager, batch[:1])
     run(delayed_model, delayed, batch[:1])
-    assert all(torch.equal(p, s) for p, s in zip(delayed_model.parameters(), start))  # not applied yet
+    # not applied yet
+    assert all(torch.equal(p, s) for p, s in zip(delayed_model.parameters(), start))
     run(delayed_model, delayed, batch[1:])  # step 2 applies update 1 (from the same first gradient)
-    assert all(torch.equal(a, b) for a, b in zip(delayed_model.parameters(), eager_model.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(delayed_model.parameters(), eager_model.parameters())
+    )
     delayed.close()
     eager.close()
 
 
 def test_delayed_update_keeps_one_timeline_and_never_waits_for_the_whole_device(link, monkeypatch):
     model = mlp()
-    opt = CPUOffloadAdam(model.parameters(), lr=1e-3, link=link, delayed_update=True, record_timeline=True)
+    opt = CPUOffloadAdam(
+        model.parameters(), lr=1e-3, link=link, delayed_update=True, record_timeline=True
+    )
     waits = []
     monkeypatch.setattr(link, "synchronize", lambda: waits.append(1))
     run(model, opt, data(30, 1))
     assert waits == []
-    assert len(opt._engine.timeline._open) <= 2  # the step in flight and the one filling: not thirty
+    # the step in flight and the one filling: not thirty
+    assert len(opt._engine.timeline._open) <= 2
     assert set(opt.timeline) == {"D2H", "CPU", "H2D"} and all(opt.timeline.values())
     monkeypatch.undo()
     opt.close()
@@ -418,7 +505,9 @@ def test_delayed_update_keeps_one_timeline_and_never_waits_for_the_whole_device(
 
 def test_timeline_writes_a_chrome_trace(link, tmp_path):
     model = mlp()
-    opt = CPUOffloadAdam(model.parameters(), lr=1e-3, link=link, record_timeline=True, accumulation_steps=1)
+    opt = CPUOffloadAdam(
+        model.parameters(), lr=1e-3, link=link, record_timeline=True, accumulation_steps=1
+    )
     run(model, opt, data(2, 1))
     lanes = opt.timeline
     assert all(end >= start for lane in lanes.values() for start, end, _ in lane)
@@ -429,8 +518,12 @@ def test_timeline_writes_a_chrome_trace(link, tmp_path):
 
 def test_fp16_skips_a_step_on_overflow(link):
     model = mlp(torch.float16)
-    opt = CPUOffloadAdam(model.parameters(), lr=1e-3, link=link,
-                         loss_scale=LossScaler(init_scale=2.0**10, backoff_factor=0.25))
+    opt = CPUOffloadAdam(
+        model.parameters(),
+        lr=1e-3,
+        link=link,
+        loss_scale=LossScaler(init_scale=2.0**10, backoff_factor=0.25),
+    )
     assert opt.loss_scale == 2.0**10
     run(model, opt, data(2, 1, torch.float16), scale=opt.scale_loss)
     scale, before = opt.loss_scale, [p.detach().clone() for p in model.parameters()]
@@ -453,7 +546,12 @@ def test_loss_scaler_grows_after_its_interval():
     fixed = LossScaler.from_argument(128)
     fixed.update(overflowed=True)
     assert fixed.scale == 128 and fixed.skipped_steps == 1
-    for bad in (dict(growth_factor=1.0), dict(backoff_factor=1.5), dict(growth_interval=0), dict(init_scale=0)):
+    for bad in (
+        dict(growth_factor=1.0),
+        dict(backoff_factor=1.5),
+        dict(growth_interval=0),
+        dict(init_scale=0),
+    ):
         with pytest.raises(ValueError):
             LossScaler(**bad)
 
@@ -483,7 +581,10 @@ def test_bad_arguments(link):
     with pytest.raises(ValueError, match="^bucket_bytes: "):
         CPUOffloadAdam(model.parameters(), bucket_bytes=0, link=link)
     with pytest.raises(ValueError, match="^params: expected one dtype"):
-        CPUOffloadAdam([nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, dtype=torch.float16))], link=link)
+        CPUOffloadAdam(
+            [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, dtype=torch.float16))],
+            link=link,
+        )
     with pytest.raises(ValueError, match="^params: expected one dtype"):
         CPUOffloadAdam([nn.Parameter(torch.zeros(2, dtype=torch.float64))], link=link)
     with pytest.raises(ValueError, match="^loss_scale: "):
@@ -511,14 +612,20 @@ def test_matches_adamw_on_the_gpu():
 
 @pytest.mark.gpu
 def test_gpu_weights_go_up_while_later_gradients_are_still_to_come_down():
-    """Ordered by recorded events, not by whether two copies happened to overlap: backward is held
-    (a hook on block 0's output) until the first bucket's weights have gone up; the gradients of the
-    buckets behind it come down after. The first upload's events then end before the last
-    download's begin — the copy up was ordered after its own bucket, not after the rest of backward."""
+    """Ordered by recorded events, not by whether two copies happened to overlap: backward is
+    held (a hook on block 0's output) until the first bucket's weights have gone up; the
+    gradients of the buckets behind it come down after. The first upload's events then end before
+    the last download's begin — the copy up was ordered after its own bucket, not after the rest
+    of backward."""
     config = GPTConfig(layers=8, hidden=1024, heads=16, vocab=8192, seq=256)
     model = TinyGPT(config).to("cuda", torch.bfloat16)
-    opt = CPUOffloadAdam(model.parameters(), lr=1e-3, accumulation_steps=1, bucket_bytes=8 * 2**20,
-                         record_timeline=True)
+    opt = CPUOffloadAdam(
+        model.parameters(),
+        lr=1e-3,
+        accumulation_steps=1,
+        bucket_bytes=8 * 2**20,
+        record_timeline=True,
+    )
     first = opt.buckets[0]  # the last parameters: its gradients are complete first
 
     def hold(grad):
@@ -534,7 +641,9 @@ def test_gpu_weights_go_up_while_later_gradients_are_still_to_come_down():
         h.register_hook(hold)
         for block in model.blocks[1:]:
             h = block(h)
-        torch.nn.functional.cross_entropy(model.head(model.norm(h)).flatten(0, 1).float(), x.flatten()).backward()
+        torch.nn.functional.cross_entropy(
+            model.head(model.norm(h)).flatten(0, 1).float(), x.flatten()
+        ).backward()
         opt.step()
     lanes = opt.timeline
     up = next(interval for interval in lanes["H2D"] if interval[2] == f"b{first.index}")
@@ -545,18 +654,26 @@ def test_gpu_weights_go_up_while_later_gradients_are_still_to_come_down():
 
 # ----------------------------------------------------------------------------- review findings
 
+
 def test_eager_upload_makes_a_late_reader_of_the_old_weights_fail_loudly(link):
     """A part of backward that reads a weight after its gradient is complete (through a .detach()ed
     alias) could see the new weights; once they are on their way up, autograd's in-place check
     stops it instead."""
     torch.manual_seed(0)
     first, second = nn.Linear(8, 8), nn.Linear(8, 8)
-    opt = CPUOffloadAdam([*first.parameters(), *second.parameters()], lr=0.1, link=link, accumulation_steps=1,
-                         bucket_bytes=1)
+    opt = CPUOffloadAdam(
+        [*first.parameters(), *second.parameters()],
+        lr=0.1,
+        link=link,
+        accumulation_steps=1,
+        bucket_bytes=1,
+    )
     bucket = next(b for b in opt.buckets if b.params[0] is first.weight)
     x = torch.randn(4, 8, requires_grad=True)
-    h = x @ first.weight.detach().t()  # its backward reads first.weight after first's backward is done
-    h.register_hook(lambda g: (bucket.updated.wait(), None)[1])  # (once first.weight's update and upload are out)
+    # its backward reads first.weight after first's backward is done
+    h = x @ first.weight.detach().t()
+    # (once first.weight's update and upload are out)
+    h.register_hook(lambda g: (bucket.updated.wait(), None)[1])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         second(first(h)).sum().backward()
     opt.close()
@@ -571,7 +688,8 @@ def test_add_param_group_between_backward_and_step(link):
     for model, optimizer in ((ref, reference), (mine, opt)):
         x, y = data(1, 1, seed=3)[0][0]
         nn.functional.mse_loss(model(x), y).backward()
-        optimizer.add_param_group({"params": head(model)})  # gradients of the body are still on their way
+        # gradients of the body are still on their way
+        optimizer.add_param_group({"params": head(model)})
         optimizer.step()
     opt.close()
     assert_matches(ref, mine)
@@ -582,25 +700,31 @@ def test_a_failed_backward_leaves_the_optimizer_usable(link):
     opt = CPUOffloadAdam(mine.parameters(), lr=1e-3, link=link, bucket_bytes=2048)
     reference = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     x, y = data(1, 1)[0][0]
-    handle = mine[2].weight.register_hook(lambda g: (_ for _ in ()).throw(ArithmeticError("in backward")))
+    handle = mine[2].weight.register_hook(
+        lambda g: (_ for _ in ()).throw(ArithmeticError("in backward"))
+    )
     with pytest.raises(ArithmeticError):
         nn.functional.mse_loss(mine(x), y).backward()
     handle.remove()
     run(ref, reference, data(3, 1, seed=8))
-    run(mine, opt, data(3, 1, seed=8))  # zero_grad discards what the failed pass sent, as with AdamW
+    # zero_grad discards what the failed pass sent, as with AdamW
+    run(mine, opt, data(3, 1, seed=8))
     opt.close()
     assert_matches(ref, mine)
 
 
 def test_a_delayed_update_uses_the_learning_rate_of_its_step(link, monkeypatch):
-    """A scheduler changes lr right after step(); the update handed over in that step keeps the lr it
-    was given, even when the worker only gets to it later."""
+    """A scheduler changes lr right after step(); the update handed over in that step keeps the
+    lr it was given, even when the worker only gets to it later."""
     mine, theirs = nn.Parameter(torch.ones(64)), nn.Parameter(torch.ones(64))
-    gradient = torch.linspace(-1, 1, 64)  # the same every step: the delay changes nothing but timing
+    # the same every step: the delay changes nothing but timing
+    gradient = torch.linspace(-1, 1, 64)
     reference = torch.optim.AdamW([theirs], lr=1.0)
     opt = CPUOffloadAdam([mine], lr=1.0, link=link, delayed_update=True)
     original = cpu_adam.adamw_step
-    monkeypatch.setattr(cpu_adam, "adamw_step", lambda *a, **k: (time.sleep(0.02), original(*a, **k))[1])
+    monkeypatch.setattr(
+        cpu_adam, "adamw_step", lambda *a, **k: (time.sleep(0.02), original(*a, **k))[1]
+    )
     for lr in (1e-1, 1e-2, 1e-3, 1e-4):
         for p, optimizer in ((theirs, reference), (mine, opt)):
             optimizer.param_groups[0]["lr"] = lr
@@ -653,7 +777,8 @@ def test_zero_grad_keeping_zeros_steps_like_adamw(link):
         for model, optimizer in ((ref, reference), (mine, opt)):
             optimizer.zero_grad(set_to_none=False)
             x, y = micro[0]
-            use = model if step < 2 else model[:3]  # later steps leave the last layer without a gradient
+            # later steps leave the last layer without a gradient
+            use = model if step < 2 else model[:3]
             loss = nn.functional.mse_loss(model(x), y) if step < 2 else use(x).pow(2).mean()
             loss.backward()
             optimizer.step()
@@ -661,27 +786,37 @@ def test_zero_grad_keeping_zeros_steps_like_adamw(link):
     assert_matches(ref, mine)
 
 
-@pytest.mark.parametrize("source", ["backward before the optimizer", "assigned by hand", "torch.autograd.grad"])
+@pytest.mark.parametrize(
+    "source", ["backward before the optimizer", "assigned by hand", "torch.autograd.grad"]
+)
 def test_gradients_that_did_not_come_through_backward_are_used_like_adamw(link, source):
     """A .grad left by an earlier cell's backward, set by hand or taken from autograd.grad: AdamW
     steps with it, and so must this optimizer (it used to skip it silently)."""
     ref, mine = mlp(), mlp()
     x, y = data(1, 1)[0][0]
     made = {}
-    for model, make in ((ref, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)),
-                        (mine, lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link))):
+    for model, make in (
+        (ref, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)),
+        (mine, lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link)),
+    ):
         if source == "backward before the optimizer":
             nn.functional.mse_loss(model(x), y).backward()
             made[id(model)] = optimizer = make(model)
         else:
             made[id(model)] = optimizer = make(model)
             trainable = [p for p in model.parameters() if p.requires_grad]
-            grads = torch.autograd.grad(nn.functional.mse_loss(model(x), y), trainable) \
-                if source == "torch.autograd.grad" else [torch.full_like(p, 0.5) for p in trainable]
+            grads = (
+                torch.autograd.grad(nn.functional.mse_loss(model(x), y), trainable)
+                if source == "torch.autograd.grad"
+                else [torch.full_like(p, 0.5) for p in trainable]
+            )
             for p, g in zip(trainable, grads):
                 p.grad = g
-        optimizer.clip_grad_norm_(0.05) if isinstance(optimizer, CPUOffloadAdam) else \
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.05)
+        optimizer.clip_grad_norm_(0.05) if isinstance(
+            optimizer, CPUOffloadAdam
+        ) else torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.grad is not None], 0.05
+        )
         optimizer.step()
     made[id(mine)].close()
     assert not torch.equal(ref[0].weight, mlp()[0].weight)  # the reference did move
@@ -691,6 +826,7 @@ def test_gradients_that_did_not_come_through_backward_are_used_like_adamw(link, 
 def test_a_resumed_scheduler_finds_its_keys_in_the_loaded_groups(link):
     """torch.optim restores every key of a saved group; a scheduler resumed with last_epoch needs
     its initial_lr, and users keep their own keys there. AdamW is the reference."""
+
     def resume(make):
         model = mlp()
         opt = make([{"params": list(model.parameters()), "tag": "body"}], lr=1e-2)
@@ -705,7 +841,9 @@ def test_a_resumed_scheduler_finds_its_keys_in_the_loaded_groups(link):
         again = torch.optim.lr_scheduler.StepLR(resumed, step_size=1, gamma=0.5, last_epoch=0)
         again.load_state_dict(saved_scheduler)
         again.step()
-        group = {k: v for k, v in resumed.param_groups[0].items() if k in ("tag", "initial_lr", "lr")}
+        group = {
+            k: v for k, v in resumed.param_groups[0].items() if k in ("tag", "initial_lr", "lr")
+        }
         if hasattr(resumed, "close"):
             resumed.close()
         return group
@@ -747,7 +885,9 @@ def test_the_take_over_warning_names_the_line_that_made_the_optimizer(link):
         second = CPUOffloadAdam(model.parameters(), link=link)
     assert caught[0].filename == __file__
     with pytest.warns(UserWarning, match="took their parameters over") as caught:
-        CPUOffloadAdam([torch.zeros(2, requires_grad=True)], link=link).add_param_group({"params": list(model.parameters())})
+        CPUOffloadAdam([torch.zeros(2, requires_grad=True)], link=link).add_param_group(
+            {"params": list(model.parameters())}
+        )
     assert caught[0].filename == __file__
     first.close(), second.close()
 
@@ -757,7 +897,9 @@ def test_weights_loaded_after_the_optimizer_was_made_are_the_ones_trained(link):
     reference = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = CPUOffloadAdam(mine.parameters(), lr=1e-3, link=link)
     torch.manual_seed(5)
-    pretrained = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    pretrained = nn.Sequential(
+        nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)
+    )
     ref.load_state_dict(pretrained.state_dict())
     mine.load_state_dict(pretrained.state_dict())
     run(ref, reference, data(3, 1))
@@ -769,7 +911,8 @@ def test_weights_loaded_after_the_optimizer_was_made_are_the_ones_trained(link):
 def test_a_batch_is_thrown_away_by_the_optimizers_zero_grad_the_models_reaches_only_the_model(link):
     """Gradients leave the model during backward, and offloadlab patches nothing in torch: the
     optimizer's zero_grad() throws a batch away, as with AdamW; model.zero_grad() clears only the
-    model's (empty) .grad, so what the optimizer took goes into the next step (its docstring says so)."""
+    model's (empty) .grad, so what the optimizer took goes into the next step (its docstring says
+    so)."""
     ref, mine = mlp(), mlp()
     reference = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = CPUOffloadAdam(mine.parameters(), lr=1e-3, link=link)
@@ -783,7 +926,9 @@ def test_a_batch_is_thrown_away_by_the_optimizers_zero_grad_the_models_reaches_o
     before = [p.detach().clone() for p in mine.parameters()]
     mine.zero_grad()
     opt.step()
-    assert any(not torch.equal(p, b) for p, b in zip(mine.parameters(), before)), "the optimizer kept its gradients"
+    assert any(not torch.equal(p, b) for p, b in zip(mine.parameters(), before)), (
+        "the optimizer kept its gradients"
+    )
     opt.close()
 
 
@@ -827,7 +972,8 @@ def test_buffers_do_not_grow_with_the_largest_parameter(link):
     reference = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     embedding = 4096 * 64 * 4
     assert opt._engine.intake._gather.device_bytes < embedding  # the embedding goes down as it is
-    assert opt._engine.worker._staging.numel() < embedding      # and comes back straight into itself
+    # and comes back straight into itself
+    assert opt._engine.worker._staging.numel() < embedding
     idx = torch.randint(0, 4096, (8, 5))
     for m, o in ((ref, reference), (model, opt)):
         for _ in range(3):
@@ -845,8 +991,12 @@ def test_a_bucket_sent_in_parts_needs_no_accumulation_buffer(link):
     torch.manual_seed(0)
     layers = [nn.Linear(16, 16) for _ in range(4)]
     model = nn.Sequential(*layers)
-    opt = CPUOffloadAdam([p for layer in (layers[0], layers[3], layers[1], layers[2]) for p in layer.parameters()],
-                         lr=1e-3, link=link, bucket_bytes=2200)
+    opt = CPUOffloadAdam(
+        [p for layer in (layers[0], layers[3], layers[1], layers[2]) for p in layer.parameters()],
+        lr=1e-3,
+        link=link,
+        bucket_bytes=2200,
+    )
     model(torch.randn(4, 16)).sum().backward()
     opt.step()
     assert "accumulated_gradients" not in opt.host_bytes()

@@ -28,6 +28,7 @@ def backward(model, micro):
 
 # ---------------------------------------------------------------------- weights edited by hand
 
+
 def _fill(model, _):
     model[0].weight.data.fill_(0.05)  # the issue's example: AdamW 4.895, ours 0.798
 
@@ -61,15 +62,22 @@ def _vector_to_parameters(model, other):
     nn.utils.vector_to_parameters(vector, model.parameters())
 
 
-EDITS = {"p.data.fill_": _fill, "p.data.copy_ from a checkpoint": _copy_from_checkpoint,
-         "EMA restore through .data": _ema_restore, "no_grad in-place clamp_": _no_grad_in_place,
-         "p.data = …": _assign_data, "model.load_state_dict": _model_load_state_dict,
-         "vector_to_parameters": _vector_to_parameters}
+EDITS = {
+    "p.data.fill_": _fill,
+    "p.data.copy_ from a checkpoint": _copy_from_checkpoint,
+    "EMA restore through .data": _ema_restore,
+    "no_grad in-place clamp_": _no_grad_in_place,
+    "p.data = …": _assign_data,
+    "model.load_state_dict": _model_load_state_dict,
+    "vector_to_parameters": _vector_to_parameters,
+}
 
 
 def other_weights():
     torch.manual_seed(7)
-    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)
+    )
 
 
 @pytest.mark.parametrize("declared", [None, 2], ids=["at step", "accumulation_steps=2"])
@@ -79,7 +87,9 @@ def test_weights_changed_outside_the_optimizer_are_the_ones_it_updates(link, edi
     AdamW's does (it used to start from its own fp32 master when the change went through .data)."""
     ref, mine = mlp(), mlp()
     reference = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = CPUOffloadAdam(mine.parameters(), lr=1e-2, link=link, accumulation_steps=declared, bucket_bytes=4096)
+    opt = CPUOffloadAdam(
+        mine.parameters(), lr=1e-2, link=link, accumulation_steps=declared, bucket_bytes=4096
+    )
     for step, micro in enumerate(data(6, 2)):
         if step == 3:
             EDITS[edit](ref, other_weights())
@@ -127,14 +137,20 @@ def step_counts(opt) -> set:
 @pytest.mark.parametrize("declared", [None, 2], ids=["at step", "accumulation_steps=2"])
 @pytest.mark.parametrize("when", ["on entry", "on the way out"])
 @pytest.mark.parametrize("stage", STAGES)
-def test_an_interrupt_inside_step_leaves_a_whole_step_or_none(link, monkeypatch, stage, when, declared):
+def test_an_interrupt_inside_step_leaves_a_whole_step_or_none(
+    link, monkeypatch, stage, when, declared
+):
     """After a KeyboardInterrupt inside step(), every parameter is at one step count that
     state_dict() and the next step() agree on, and training on matches AdamW over the steps
     taken (an interrupted step used to finish in the background and drop the next gradients)."""
     if stage == "worker.submit" and declared:
-        pytest.skip("with accumulation_steps every bucket is handed over during backward, not in step()")
+        pytest.skip(
+            "with accumulation_steps every bucket is handed over during backward, not in step()"
+        )
     mine = mlp()
-    opt = CPUOffloadAdam(mine.parameters(), lr=1e-2, link=link, accumulation_steps=declared, bucket_bytes=4096)
+    opt = CPUOffloadAdam(
+        mine.parameters(), lr=1e-2, link=link, accumulation_steps=declared, bucket_bytes=4096
+    )
     batches, taken = data(6, 2), []
     for step, micro in enumerate(batches):
         opt.zero_grad()
@@ -151,7 +167,9 @@ def test_an_interrupt_inside_step_leaves_a_whole_step_or_none(link, monkeypatch,
         if step == 2:
             assert fired
     assert step_counts(opt) == {int(e["step"]) for e in opt.state_dict()["state"].values()}
-    assert taken[:2] + taken[3:] == [True] * 5, f"steps taken {taken}: only the interrupted one may be left out"
+    assert taken[:2] + taken[3:] == [True] * 5, (
+        f"steps taken {taken}: only the interrupted one may be left out"
+    )
     opt.close()
     ref = mlp()
     reference = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -168,7 +186,8 @@ def test_a_real_ctrl_c_during_step_is_held_until_the_step_is_whole(tmp_path, dec
     """SIGINT, as Ctrl-C or a notebook's interrupt sends it, arriving while step() waits for the
     CPU update: step() finishes the whole step, then raises KeyboardInterrupt."""
     script = tmp_path / "ctrl_c.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, os, signal
         import torch
         from torch import nn
@@ -180,12 +199,14 @@ def test_a_real_ctrl_c_during_step_is_held_until_the_step_is_whole(tmp_path, dec
                 (nn.functional.mse_loss(model(x), y) / len(micro)).backward()
 
         mine, ref = mlp(), mlp()
-        opt = CPUOffloadAdam(mine.parameters(), lr=1e-2, accumulation_steps={declared}, bucket_bytes=4096)
+        opt = CPUOffloadAdam(mine.parameters(), lr=1e-2, accumulation_steps={declared},
+                             bucket_bytes=4096)
         reference = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         engine = opt._engine
         finish, interrupting = engine._finish, []
 
-        def interrupt_then_finish(*args, **kwargs):  # Ctrl-C as step() starts to wait for the update
+        # Ctrl-C as step() starts to wait for the update
+        def interrupt_then_finish(*args, **kwargs):
             if interrupting and interrupting.pop():
                 os.kill(os.getpid(), signal.SIGINT)
             finish(*args, **kwargs)
@@ -207,10 +228,17 @@ def test_a_real_ctrl_c_during_step_is_held_until_the_step_is_whole(tmp_path, dec
         opt.close()
         gap = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mine.parameters()))
         print(json.dumps({{"interrupts": interrupts, "counts": counts, "gap": gap}}))
-    """))
+    """)
+    )
     root = str(Path(__file__).parents[1])
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=root,
-                          env={**os.environ, "PYTHONPATH": root})
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["interrupts"] == 2
@@ -219,6 +247,7 @@ def test_a_real_ctrl_c_during_step_is_held_until_the_step_is_whole(tmp_path, dec
 
 
 # ---------------------------------------------------------------------- reload paths
+
 
 def _train(model, optimizer, batches):
     for micro in batches:
@@ -233,9 +262,12 @@ def test_a_reload_between_micro_batches_keeps_the_gradients_collected(link, relo
     """A new optimizer over the same parameters after the first of two micro-batches: AdamW's
     .grad still holds it, so its step uses both (ours used to drop the first: 1.1 against 0.9)."""
     ref, mine = mlp(), mlp()
-    makers = {"ref": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
-              "mine": lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link, accumulation_steps=declared,
-                                               bucket_bytes=4096)}
+    makers = {
+        "ref": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        "mine": lambda m: CPUOffloadAdam(
+            m.parameters(), lr=1e-2, link=link, accumulation_steps=declared, bucket_bytes=4096
+        ),
+    }
     batches = data(4, 2)
     for who, model in (("ref", ref), ("mine", mine)):
         optimizer = makers[who](model)
@@ -243,7 +275,11 @@ def test_a_reload_between_micro_batches_keeps_the_gradients_collected(link, relo
         optimizer.zero_grad()
         backward(model, batches[2][:1])  # the first micro-batch of step 3 …
         saved = optimizer.state_dict()
-        with pytest.warns(UserWarning, match="took their parameters over") if who == "mine" else _nothing():
+        with (
+            pytest.warns(UserWarning, match="took their parameters over")
+            if who == "mine"
+            else _nothing()
+        ):
             optimizer = makers[who](model)  # … then the optimizer is made again
         if reload.endswith("state dict"):
             optimizer.load_state_dict(saved)
@@ -277,15 +313,22 @@ def twin_layers(order):
 
 def twin_data(steps):
     generator = torch.Generator().manual_seed(3)
-    return [[(torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator))] for _ in range(steps)]
+    return [
+        [(torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator))]
+        for _ in range(steps)
+    ]
 
 
 @pytest.mark.parametrize("source", ["CPUOffloadAdam", "torch.optim.AdamW"])
-def test_a_state_dict_loaded_into_same_shaped_parameters_in_another_order_leaves_the_weights(link, source):
+def test_a_state_dict_loaded_into_same_shaped_parameters_in_another_order_leaves_the_weights(
+    link, source
+):
     """AdamW only mixes up the moments; a saved master that does not round to the parameter's
     value must not replace its weights (ours used to swap the layers: 1.02 off)."""
-    make = {"CPUOffloadAdam": lambda ps: CPUOffloadAdam(ps, lr=1e-2, link=link),
-            "torch.optim.AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}[source]
+    make = {
+        "CPUOffloadAdam": lambda ps: CPUOffloadAdam(ps, lr=1e-2, link=link),
+        "torch.optim.AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    }[source]
     saver, saver_params = twin_layers("same")
     first = make(saver_params)
     _train(saver, first, twin_data(3))
@@ -296,8 +339,11 @@ def test_a_state_dict_loaded_into_same_shaped_parameters_in_another_order_leaves
     for kind in ("ref", "mine"):
         model, params = twin_layers("reversed")
         _train(model, torch.optim.SGD(params, lr=0.1), twin_data(1))  # weights unlike the saver's
-        optimizer = torch.optim.AdamW(params, lr=1e-2) if kind == "ref" else CPUOffloadAdam(params, lr=1e-2,
-                                                                                              link=link)
+        optimizer = (
+            torch.optim.AdamW(params, lr=1e-2)
+            if kind == "ref"
+            else CPUOffloadAdam(params, lr=1e-2, link=link)
+        )
         if kind == "mine" and source == "CPUOffloadAdam":
             with pytest.warns(UserWarning, match="do not round to the parameters' current values"):
                 optimizer.load_state_dict(copy.deepcopy(saved))
@@ -337,7 +383,9 @@ def test_weights_changed_while_a_delayed_update_runs_keep_their_values_with_a_wa
     """delayed_update=True: the update pending when the weights are changed by hand would land on
     them one step late; the weights set win, and a warning says that update is dropped for them."""
     model = mlp()
-    opt = CPUOffloadAdam(model.parameters(), lr=1e-2, link=link, delayed_update=True, bucket_bytes=4096)
+    opt = CPUOffloadAdam(
+        model.parameters(), lr=1e-2, link=link, delayed_update=True, bucket_bytes=4096
+    )
     batches = data(4, 1)
     for micro in batches[:2]:
         opt.zero_grad()
@@ -345,18 +393,25 @@ def test_weights_changed_while_a_delayed_update_runs_keep_their_values_with_a_wa
         opt.step()
     before = [p.detach().clone() for p in model.parameters()]
     EDITS[edit](model, other_weights())
-    edited = [(p, p.detach().clone()) for p, old in zip(model.parameters(), before)
-              if p.requires_grad and not torch.equal(p, old)]
+    edited = [
+        (p, p.detach().clone())
+        for p, old in zip(model.parameters(), before)
+        if p.requires_grad and not torch.equal(p, old)
+    ]
     opt.zero_grad()
     backward(model, batches[2])
-    with pytest.warns(UserWarning, match=rf"{len(edited)} parameter\(s\) were changed outside the optimizer "
-                                         rf"while a delayed update was pending"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"{len(edited)} parameter\(s\) were changed outside the optimizer "
+        rf"while a delayed update was pending",
+    ):
         opt.step()
     assert edited and all(torch.equal(p, value) for p, value in edited)
     opt.close()
 
 
 # ---------------------------------------------------------------------- refusals in words
+
 
 def test_a_step_without_zero_grad_says_it_consumed_the_last_steps_gradients(link):
     """AdamW adds the last step's gradients to this one's when zero_grad() is skipped; step() here
@@ -368,8 +423,13 @@ def test_a_step_without_zero_grad_says_it_consumed_the_last_steps_gradients(link
     opt.step()  # the first step: nothing came before it
     for micro in batches[1:]:
         backward(model, micro)
-        with pytest.warns(UserWarning, match="step\\(\\) without zero_grad\\(\\) since the last step") \
-                if micro is batches[1] else _nothing():
+        with (
+            pytest.warns(
+                UserWarning, match="step\\(\\) without zero_grad\\(\\) since the last step"
+            )
+            if micro is batches[1]
+            else _nothing()
+        ):
             opt.step()
     opt.zero_grad()
     backward(model, batches[0])
@@ -377,7 +437,9 @@ def test_a_step_without_zero_grad_says_it_consumed_the_last_steps_gradients(link
     opt.close()
 
 
-@pytest.mark.parametrize("how", ["a view of another parameter", "the same tensor twice", "added later"])
+@pytest.mark.parametrize(
+    "how", ["a view of another parameter", "the same tensor twice", "added later"]
+)
 def test_parameters_that_share_memory_are_refused_at_construction(link, how):
     """nn.Parameter(b) beside nn.Parameter(b[:4]) used to train and diverge from AdamW (0.51)."""
     base = torch.randn(8)
@@ -403,17 +465,26 @@ def test_a_parameter_on_the_meta_device_is_refused_in_words(link):
         CPUOffloadAdam(layer.parameters(), link=link)
 
 
-@pytest.mark.parametrize("convert", [lambda m: m.to(torch.bfloat16), lambda m: m.double()], ids=["bf16", "double"])
-def test_a_model_converted_after_the_optimizer_was_made_is_named_and_the_optimizer_stays_open(link, convert):
+@pytest.mark.parametrize(
+    "convert", [lambda m: m.to(torch.bfloat16), lambda m: m.double()], ids=["bf16", "double"]
+)
+def test_a_model_converted_after_the_optimizer_was_made_is_named_and_the_optimizer_stays_open(
+    link, convert
+):
     """It used to fail at step() with 'targets: expected device tensors shaped like their views
     of staging…' and close the optimizer."""
     model = mlp()
     opt = CPUOffloadAdam(model.parameters(), lr=1e-2, link=link)
     convert(model)
     x, y = data(1, 1)[0][0]
-    with pytest.raises(RuntimeError, match=r"a parameter is now torch\.\w+ on cpu, but was torch\.float32 .* "
-                                           r"convert the model first, then make the optimizer"):
-        nn.functional.mse_loss(model(x.to(model[0].weight.dtype)), y.to(model[0].weight.dtype)).backward()
+    with pytest.raises(
+        RuntimeError,
+        match=r"a parameter is now torch\.\w+ on cpu, but was torch\.float32 .* "
+        r"convert the model first, then make the optimizer",
+    ):
+        nn.functional.mse_loss(
+            model(x.to(model[0].weight.dtype)), y.to(model[0].weight.dtype)
+        ).backward()
     with pytest.raises(RuntimeError, match="convert the model first"):
         opt.step()
     assert not opt.closed
@@ -429,7 +500,9 @@ def test_after_one_backward_too_many_the_first_ones_step_stands_and_training_goe
     opt = CPUOffloadAdam(mine.parameters(), lr=1e-2, link=link, accumulation_steps=1)
     batches = data(4, 1)
     backward(mine, batches[0])
-    with pytest.raises(RuntimeError, match="more backward passes than accumulation_steps=1 .* dropped"):
+    with pytest.raises(
+        RuntimeError, match="more backward passes than accumulation_steps=1 .* dropped"
+    ):
         backward(mine, batches[1])
     getattr(opt, then)()
     reference.zero_grad()

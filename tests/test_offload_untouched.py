@@ -9,7 +9,8 @@ trainable parameter has no gradient is run in fp32, bf16 and fp16 for three step
 - never used (an unused head, an unrouted expert);
 - used on some steps only (LayerDrop, a branch taken now and then);
 - added by ``add_param_group`` after training began;
-- inside a streamed block (StreamedModel), whether the block is skipped or only a part of it is unused;
+- inside a streamed block (StreamedModel), whether the block is skipped or only a part of it is
+  unused;
 - ``zero_grad(set_to_none=False)``: a parameter that had a gradient keeps a zero one, and AdamW
   steps it (decay and momentum move it), while one that never had a gradient still has none.
 
@@ -25,7 +26,8 @@ from offloadlab.streaming import StreamedModel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOSS_SCALE = 1024.0  # fp16: a fixed power of two, so scaling and unscaling are exact on both sides
-HYPER = dict(lr=1e-2, weight_decay=0.1)  # decay moves every parameter that is stepped, even with a zero gradient
+# decay moves every parameter that is stepped, even with a zero gradient
+HYPER = dict(lr=1e-2, weight_decay=0.1)
 
 
 class MixedAdamW:
@@ -87,7 +89,11 @@ class Net(nn.Module):
     def __init__(self, dtype):
         super().__init__()
         torch.manual_seed(0)
-        self.first, self.sometimes, self.second = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.first, self.sometimes, self.second = (
+            nn.Linear(8, 16),
+            nn.Linear(16, 16),
+            nn.Linear(16, 4),
+        )
         self.never = nn.Linear(16, 16)
         self.to(dtype)
 
@@ -120,15 +126,18 @@ def train(model, optimizer, forward, steps=3, set_to_none=True, after_step=None,
             before = {i: params[i].detach().clone() for i in untouched[step]}
             optimizer.step()
             for i, value in before.items():
-                assert torch.equal(params[i].detach(), value), f"step {step}: parameter {i} was touched"
+                assert torch.equal(params[i].detach(), value), (
+                    f"step {step}: parameter {i} was touched"
+                )
         if after_step is not None:
             after_step(step, optimizer)
     return skipped
 
 
 def reference_and_ours(make_model, dtype, link, **run):
-    """The same training under AdamW (the reference) and under CPUOffloadAdam, each parameter that
-    AdamW left alone on a step checked bit-identical through our step: (ref model, ours, checked)."""
+    """The same training under AdamW (the reference) and under CPUOffloadAdam, each parameter
+    that AdamW left alone on a step checked bit-identical through our step: (ref model, ours,
+    checked)."""
     ref, mine = make_model(dtype), make_model(dtype)
     reference = MixedAdamW(ref.parameters(), dtype, **HYPER)
     ours = offloaded(mine.parameters(), dtype, link)
@@ -146,31 +155,45 @@ def assert_like_adamw(ref, mine):
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_never_used_and_sometimes_used_parameters(link, dtype):
-    ref, mine, checked = reference_and_ours(Net, dtype, link, forward=lambda m, step: m(inputs(step, dtype), step))
+    ref, mine, checked = reference_and_ours(
+        Net, dtype, link, forward=lambda m, step: m(inputs(step, dtype), step)
+    )
     assert checked == 3 * 2 + 2  # `never` on every step, `sometimes` on step 1
     assert_like_adamw(ref, mine)
     fresh = Net(dtype)
     assert all(torch.equal(a, b) for a, b in zip(mine.never.parameters(), fresh.never.parameters()))
-    assert not torch.equal(mine.sometimes.weight, fresh.sometimes.weight)  # stepped on steps 0 and 2
+    # stepped on steps 0 and 2
+    assert not torch.equal(mine.sometimes.weight, fresh.sometimes.weight)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_a_bf16_sequential_with_an_unused_linear_keeps_it_bit_exact(link, dtype):
     """The finding as reported: a Sequential plus a Linear it never calls."""
+
     def make(dtype):
         torch.manual_seed(0)
-        return nn.ModuleDict({"body": nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)),
-                              "unused": nn.Linear(8, 8)}).to(dtype)
+        return nn.ModuleDict(
+            {
+                "body": nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)),
+                "unused": nn.Linear(8, 8),
+            }
+        ).to(dtype)
 
-    ref, mine, checked = reference_and_ours(make, dtype, link, forward=lambda m, step: m["body"](inputs(step, dtype)))
+    ref, mine, checked = reference_and_ours(
+        make, dtype, link, forward=lambda m, step: m["body"](inputs(step, dtype))
+    )
     assert checked == 3 * 2
     assert_like_adamw(ref, mine)
-    assert all(torch.equal(a, b) for a, b in zip(mine["unused"].parameters(), make(dtype)["unused"].parameters()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(mine["unused"].parameters(), make(dtype)["unused"].parameters())
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_parameters_added_by_add_param_group(link, dtype):
     """The layer used on some steps and the unused one join after the first step."""
+
     def make(dtype):
         return Net(dtype)
 
@@ -187,6 +210,7 @@ def test_parameters_added_by_add_param_group(link, dtype):
         def hook(step, optimizer):
             if step == 0:
                 optimizer.add_param_group({"params": later, "lr": 2e-2})
+
         return hook
 
     forward = lambda m, step: m(inputs(step, dtype), step)  # noqa: E731
@@ -195,11 +219,14 @@ def test_parameters_added_by_add_param_group(link, dtype):
     ours.close()
     assert sum(map(len, skipped)) == 3 * 2 + 2  # `never` on every step, `sometimes` on step 1
     assert_like_adamw(ref, mine)
-    assert all(torch.equal(a, b) for a, b in zip(mine.never.parameters(), Net(dtype).never.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(mine.never.parameters(), Net(dtype).never.parameters())
+    )
 
 
 class StreamedNet(nn.Module):
-    """Blocks to stream, each with a part it never uses; block 1 is skipped on step 1 (LayerDrop)."""
+    """Blocks to stream, each with a part it never uses; block 1 is skipped on step 1
+    (LayerDrop)."""
 
     class Block(nn.Module):
         def __init__(self):
@@ -235,25 +262,34 @@ def test_streamed_blocks_skipped_or_partly_unused(link, dtype):
     skipped = train(ref, reference, forward)
     train(mine, ours, forward, untouched=skipped)
     ours.close()
-    assert sum(map(len, skipped)) == 3 * 6 + 2  # every spare on every step, and the skipped block's `used` once
+    # every spare on every step, and the skipped block's `used` once
+    assert sum(map(len, skipped)) == 3 * 6 + 2
     assert_like_adamw(ref, mine)
     fresh = StreamedNet(dtype)
     for block, new in zip(mine.blocks, fresh.blocks):
-        assert all(torch.equal(a, b) for a, b in zip(block.spare.parameters(), new.spare.parameters()))
+        assert all(
+            torch.equal(a, b) for a, b in zip(block.spare.parameters(), new.spare.parameters())
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_zero_grad_keeping_zeros_steps_what_had_a_gradient_and_only_that(link, dtype):
     """set_to_none=False: `sometimes` keeps a zero gradient on step 1 and AdamW steps it; `never`
     never had one and stays untouched."""
-    ref, mine, checked = reference_and_ours(Net, dtype, link, set_to_none=False,
-                                            forward=lambda m, step: m(inputs(step, dtype), step))
-    assert checked == 3 * 2  # only `never`: `sometimes` had a gradient on step 0, so AdamW steps it on step 1
+    ref, mine, checked = reference_and_ours(
+        Net, dtype, link, set_to_none=False, forward=lambda m, step: m(inputs(step, dtype), step)
+    )
+    # only `never`: `sometimes` had a gradient on step 0, so AdamW steps it on step 1
+    assert checked == 3 * 2
     assert_like_adamw(ref, mine)
-    assert all(torch.equal(a, b) for a, b in zip(mine.never.parameters(), Net(dtype).never.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(mine.never.parameters(), Net(dtype).never.parameters())
+    )
 
 
-@pytest.mark.parametrize("how", ["optimizer.zero_grad(False), then (True)", "model.zero_grad(set_to_none=True)"])
+@pytest.mark.parametrize(
+    "how", ["optimizer.zero_grad(False), then (True)", "model.zero_grad(set_to_none=True)"]
+)
 def test_which_zero_grad_was_called_last_decides_like_adamw(link, how):
     """AdamW steps a parameter whose .grad was zeroed in place and skips one whose .grad is None,
     whichever call made it so last. (model.zero_grad(set_to_none=False) cannot reach gradients that
@@ -269,7 +305,10 @@ def test_which_zero_grad_was_called_last_decides_like_adamw(link, how):
             model.zero_grad(set_to_none=how.endswith("True)"))
 
     ref, mine = Net(dtype), Net(dtype)
-    reference, ours = MixedAdamW(ref.parameters(), dtype, **HYPER), offloaded(mine.parameters(), dtype, link)
+    reference, ours = (
+        MixedAdamW(ref.parameters(), dtype, **HYPER),
+        offloaded(mine.parameters(), dtype, link),
+    )
     for model, optimizer in ((ref, reference), (mine, ours)):
         for step in range(3):
             clear(model, optimizer)

@@ -1,4 +1,5 @@
-"""The overlap condition, the pipeline model and the per-step budget, against hand-computed cases."""
+"""The overlap condition, the pipeline model and the per-step budget, against hand-computed
+cases."""
 
 import pytest
 
@@ -56,7 +57,8 @@ def test_the_sources_budget_figures_are_the_half_duplex_reading():
     assert half.traffic_bytes == 40e9 and half.transfer_seconds == pytest.approx(1.25)
     assert half.ratio == pytest.approx(5) and not half.fits and len(half.fixes()) == 3
     assert "5× over budget" in half.summary()
-    # Park-and-copy of a 30 B model: 12 B × 30 B = 360 GB each way; both ways one after the other at 60 GB/s: 12 s.
+    # Park-and-copy of a 30 B model: 12 B × 30 B = 360 GB each way; both ways one after the other at
+    # 60 GB/s: 12 s.
     assert budget.TRAFFIC["park-and-copy"].h2d * 30e9 == 360e9
     park = budget.verdict("60 GB/s", "1 s", 30e9, "park-and-copy", duplex="half")
     assert park.transfer_seconds == pytest.approx(12)
@@ -72,10 +74,19 @@ def test_full_duplex_moves_both_directions_at_once():
     assert full.stall_seconds == pytest.approx(0.375) and "2.5× over budget" in full.summary()
     # The JSON names the rate for what it is: each direction's, while both run (not their sum).
     rates = {key: value for key, value in full.to_dict().items() if key.endswith("bytes_per_s")}
-    assert rates == {"bandwidth_bytes_per_s": 32e9, "each_direction_while_both_run_bytes_per_s": 32e9}
-    assert budget.verdict("60 GB/s", "1 s", 30e9, "park-and-copy").transfer_seconds == pytest.approx(6)
+    assert rates == {
+        "bandwidth_bytes_per_s": 32e9,
+        "each_direction_while_both_run_bytes_per_s": 32e9,
+    }
+    assert budget.verdict(
+        "60 GB/s", "1 s", 30e9, "park-and-copy"
+    ).transfer_seconds == pytest.approx(6)
     # One direction only: duplex changes nothing.
-    assert budget.link_seconds(20e9, 0, 32e9, 16e9) == budget.link_seconds(20e9, 0, 32e9, 32e9) == 0.625
+    assert (
+        budget.link_seconds(20e9, 0, 32e9, 16e9)
+        == budget.link_seconds(20e9, 0, 32e9, 32e9)
+        == 0.625
+    )
 
 
 def test_a_measured_rate_for_both_directions_lies_between():
@@ -85,14 +96,20 @@ def test_a_measured_rate_for_both_directions_lies_between():
     assert measured.ratio == pytest.approx(4)
     # Asymmetric traffic: the overlapping part at the shared rate, the rest alone.
     assert budget.link_seconds(30e9, 10e9, 32e9, 20e9) == pytest.approx(10 / 20 + 20 / 32)
-    assert budget.link_seconds(30e9, 10e9, 32e9, 16e9) == pytest.approx(40 / 32)  # half duplex: the sum
-    # Two measurements of one link differ a little: a both-ways rate just above the one-way rate is full duplex.
+    # half duplex: the sum
+    assert budget.link_seconds(30e9, 10e9, 32e9, 16e9) == pytest.approx(40 / 32)
+    # Two measurements of one link differ a little: a both-ways rate just above the one-way rate is
+    # full duplex.
     assert budget.both_directions_rate("2 GB/s", "2.1 GB/s") == (2e9, "measured")
 
 
 def test_traffic_comes_from_the_recipe():
     assert {n: (t.h2d, t.d2h) for n, t in budget.TRAFFIC.items()} == {
-        "optimizer": (2, 2), "gradients": (2, 2), "parameters": (4, 2), "park-and-copy": (12, 12)}
+        "optimizer": (2, 2),
+        "gradients": (2, 2),
+        "parameters": (4, 2),
+        "park-and-copy": (12, 12),
+    }
     # Gradients ride with the optimizer; offloaded parameters replace the upload after the update.
     assert budget.traffic(["optimizer", "gradients"]).per_param == 4
     both = budget.traffic(["optimizer", "parameters"])
@@ -107,36 +124,54 @@ def test_traffic_comes_from_the_recipe():
 
 
 def test_a_correction_to_a_recipe_reaches_the_budget(monkeypatch):
-    corrected = memory.Recipe("corrected", "16-bit weights, fp32 gradients",
-                              {"weights": 2, "gradients": 4, "master_weights": 4, "first_moment": 4,
-                               "second_moment": 4})
+    corrected = memory.Recipe(
+        "corrected",
+        "16-bit weights, fp32 gradients",
+        {"weights": 2, "gradients": 4, "master_weights": 4, "first_moment": 4, "second_moment": 4},
+    )
     monkeypatch.setitem(memory.RECIPES, "corrected", corrected)
     moved = budget.traffic("optimizer", "corrected")
     assert (moved.h2d, moved.d2h) == (2, 4)
-    assert budget.verdict("10 GB/s", "1 s", 1e9, "optimizer", recipe="corrected").transfer_seconds == 0.4
+    assert (
+        budget.verdict("10 GB/s", "1 s", 1e9, "optimizer", recipe="corrected").transfer_seconds
+        == 0.4
+    )
 
 
 def test_deepspeeds_fp32_gradients_cross_the_link_at_four_bytes():
-    # DeepSpeed casts each gradient to fp32 on the GPU before its device-to-host copy (stage_1_and_2.py,
-    # stage3.py in 0.19) and brings 16-bit weights back: 4 B down, 2 B up, 18 B of state per parameter.
+    # DeepSpeed casts each gradient to fp32 on the GPU before its device-to-host copy
+    # (stage_1_and_2.py, stage3.py in 0.19) and brings 16-bit weights back: 4 B down, 2 B up, 18 B
+    # of state per parameter.
     moved = budget.traffic("optimizer", "mixed-adam-fp32-grads")
-    assert (moved.h2d, moved.d2h) == (2, 4) and memory.get_recipe("mixed-adam-fp32-grads").total == 18
+    assert (moved.h2d, moved.d2h) == (2, 4) and memory.get_recipe(
+        "mixed-adam-fp32-grads"
+    ).total == 18
     slower = budget.verdict("25 GB/s", "1 s", 10e9, "optimizer", recipe="mixed-adam-fp32-grads")
-    assert slower.transfer_seconds == 1.6 == 2 * budget.verdict("25 GB/s", "1 s", 10e9).transfer_seconds
+    assert (
+        slower.transfer_seconds
+        == 1.6
+        == 2 * budget.verdict("25 GB/s", "1 s", 10e9).transfer_seconds
+    )
 
 
-@pytest.mark.parametrize("call, fragment", [
-    (lambda: budget.traffic_bytes(1e9, "teleport"), "^offload: "),
-    (lambda: budget.traffic_bytes(1e9, []), "^offload: "),
-    (lambda: budget.traffic_bytes(-1, "optimizer"), "^params: "),
-    (lambda: budget.ceiling("32 GB", "1 s"), "^bandwidth: "),
-    (lambda: budget.ceiling("32 GB/s", "0 s"), "^window: "),
-    (lambda: budget.traffic(["optimizer", "park-and-copy"]), "^offload: .*not both"),
-    (lambda: budget.traffic("optimizer", "adamw"), "^recipe: "),
-    (lambda: budget.verdict("32 GB/s", "1 s", duplex="sometimes"), "^duplex: expected 'full', 'half'"),
-    (lambda: budget.verdict("32 GB/s", "1 s", duplex=None), "^duplex: "),
-    (lambda: budget.verdict("32 GB/s", "1 s", duplex="40 GB/s"), "^duplex: expected at most"),
-])
+@pytest.mark.parametrize(
+    "call, fragment",
+    [
+        (lambda: budget.traffic_bytes(1e9, "teleport"), "^offload: "),
+        (lambda: budget.traffic_bytes(1e9, []), "^offload: "),
+        (lambda: budget.traffic_bytes(-1, "optimizer"), "^params: "),
+        (lambda: budget.ceiling("32 GB", "1 s"), "^bandwidth: "),
+        (lambda: budget.ceiling("32 GB/s", "0 s"), "^window: "),
+        (lambda: budget.traffic(["optimizer", "park-and-copy"]), "^offload: .*not both"),
+        (lambda: budget.traffic("optimizer", "adamw"), "^recipe: "),
+        (
+            lambda: budget.verdict("32 GB/s", "1 s", duplex="sometimes"),
+            "^duplex: expected 'full', 'half'",
+        ),
+        (lambda: budget.verdict("32 GB/s", "1 s", duplex=None), "^duplex: "),
+        (lambda: budget.verdict("32 GB/s", "1 s", duplex="40 GB/s"), "^duplex: expected at most"),
+    ],
+)
 def test_budget_bad_input(call, fragment):
     with pytest.raises(ValueError, match=fragment):
         call()
@@ -147,55 +182,71 @@ def _lane(step, name):
 
 
 def test_offload_step_waits_update_for_gradient_and_upload_for_update():
-    # Four layers: forward 1 s, backward 2 s, gradient down 0.5 s, CPU update 1 s, weights up 0.5 s each.
+    # Four layers: forward 1 s, backward 2 s, gradient down 0.5 s, CPU update 1 s, weights up 0.5 s
+    # each.
     s = overlap.offload_step(4, 1, 2, gradient=0.5, update=1, upload=0.5)
     grads, updates, uploads = _lane(s, "D2H"), _lane(s, "CPU"), _lane(s, "H2D")
     for j in range(4):
-        assert updates[f"u{j}"][0] >= grads[f"g{j}"][1] and uploads[f"w{j}"][0] >= updates[f"u{j}"][1]
-    # Backward ends at 12 s with layer 0, whose gradient, update and upload then run in turn: 2 s exposed.
+        assert (
+            updates[f"u{j}"][0] >= grads[f"g{j}"][1] and uploads[f"w{j}"][0] >= updates[f"u{j}"][1]
+        )
+    # Backward ends at 12 s with layer 0, whose gradient, update and upload then run in turn: 2 s
+    # exposed.
     assert s.busy("compute") == 12 and s.step == pytest.approx(14) and s.waiting == pytest.approx(2)
     # The old model, max(compute, transfer) + CPU, would have said 12 + 4 = 16 s.
 
 
 def test_offload_step_half_duplex_serialises_the_two_directions():
-    # Two layers, 1 s of compute each way; a gradient and an upload both ready at 4 s must take turns.
+    # Two layers, 1 s of compute each way; a gradient and an upload both ready at 4 s must take
+    # turns.
     full = overlap.offload_step(2, 1, 1, gradient=1, update=0, upload=1)
     half = overlap.offload_step(2, 1, 1, gradient=1, update=0, upload=1, duplex="half")
     assert full.step == pytest.approx(6) and half.step == pytest.approx(7)
-    # On one engine the earlier-ready copy goes first; at a tie, the one issued first (the gradient).
+    # On one engine the earlier-ready copy goes first; at a tie, the one issued first (the
+    # gradient).
     assert _lane(half, "D2H")["g0"] == (4, 5) and _lane(half, "H2D")["w1"] == (5, 6)
 
 
 def test_delayed_update_hides_the_cpu_behind_the_next_step():
     # CPU update 4 s per layer (16 s) against 12 s of compute: without delay the CPU starts with the
-    # first gradient, at 6.5 s, and the last upload ends at 23 s; with the delayed update the step is
-    # max(compute, CPU) + the uploads at the step boundary = 16 + 2 = 18 s.
+    # first gradient, at 6.5 s, and the last upload ends at 23 s; with the delayed update the step
+    # is max(compute, CPU) + the uploads at the step boundary = 16 + 2 = 18 s.
     eager = overlap.offload_step(4, 1, 2, gradient=0.5, update=4, upload=0.5)
     delayed = overlap.offload_step(4, 1, 2, gradient=0.5, update=4, upload=0.5, delayed=True)
     assert eager.step == pytest.approx(23) and delayed.step == pytest.approx(18)
     # The update that overlaps this step's compute is the previous step's: it starts with the step.
     assert min(start for start, _, _ in delayed.lanes["CPU"]) == pytest.approx(0)
-    # When the CPU is quick, delaying buys nothing here: the uploads it moves to the boundary are exposed.
-    quick = [overlap.offload_step(4, 1, 2, gradient=0.5, update=0.1, upload=0.5, delayed=d).step for d in (0, 1)]
+    # When the CPU is quick, delaying buys nothing here: the uploads it moves to the boundary are
+    # exposed.
+    quick = [
+        overlap.offload_step(4, 1, 2, gradient=0.5, update=0.1, upload=0.5, delayed=d).step
+        for d in (0, 1)
+    ]
     assert quick[1] >= quick[0]
 
 
 def test_offload_step_fetches_parameters_into_two_buffers():
     s = overlap.offload_step(4, 1, 2, gradient=0.5, update=1, fetch=0.5)
     fetches = sorted(s.lanes["H2D"])
-    assert len(fetches) == 8                          # each layer up for forward and again for backward
+    # each layer up for forward and again for backward
+    assert len(fetches) == 8
     computes = sorted(s.lanes["compute"])
-    for i in range(2, 8):                             # fetch i starts once compute i-2 has freed its buffer
+    # fetch i starts once compute i-2 has freed its buffer
+    for i in range(2, 8):
         assert fetches[i][0] >= computes[i - 2][1] - 1e-12
-    assert s.step == pytest.approx(0.5 + 12 + 0.5 + 1)  # first fetch, compute, last gradient and update
+    # first fetch, compute, last gradient and update
+    assert s.step == pytest.approx(0.5 + 12 + 0.5 + 1)
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(layers=0, forward=1, backward=1), "^layers: "),
-    (dict(layers=2, forward=-1, backward=1), "^forward: "),
-    (dict(layers=2, forward=1, backward=1, duplex="simplex"), "^duplex: "),
-    (dict(layers=2, forward=1, backward=1, fetch=1, delayed=True), "^delayed: "),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(layers=0, forward=1, backward=1), "^layers: "),
+        (dict(layers=2, forward=-1, backward=1), "^forward: "),
+        (dict(layers=2, forward=1, backward=1, duplex="simplex"), "^duplex: "),
+        (dict(layers=2, forward=1, backward=1, fetch=1, delayed=True), "^delayed: "),
+    ],
+)
 def test_offload_step_bad_input(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         overlap.offload_step(**kwargs)
@@ -208,7 +259,9 @@ def test_clipping_makes_the_updates_wait_for_backward_and_the_delayed_update_pay
     assert min(start for start, _, _ in clipped.lanes["CPU"]) == pytest.approx(12.5)
     assert clipped.step == pytest.approx(17)
     # The delayed update hides those 4 s behind the next step: 12 + 2 s of uploads.
-    assert overlap.offload_step(4, 1, 2, gradient=0.5, update=1, upload=0.5, delayed=True).step == pytest.approx(14)
+    assert overlap.offload_step(
+        4, 1, 2, gradient=0.5, update=1, upload=0.5, delayed=True
+    ).step == pytest.approx(14)
 
 
 def test_pcie_figures_nominal_beside_achievable():

@@ -15,7 +15,9 @@ from tests.nbval_markdown import is_text_notebook
 from tests.test_site import CHROMIUM, code_lines
 
 PDFTOTEXT = shutil.which("pdftotext")
-NOTEBOOKS = sorted(p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p))
+NOTEBOOKS = sorted(
+    p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p)
+)
 
 
 def require(tool, name: str, package: str):
@@ -27,23 +29,41 @@ def require(tool, name: str, package: str):
 
 @pytest.fixture(scope="module")
 def book_pdf(built_site, tmp_path_factory):
-    """The PDF, made as `make pdf` makes it (the site build before it has executed every notebook)."""
+    """The PDF, made as `make pdf` makes it (the site build before it has executed every
+    notebook)."""
     require(CHROMIUM, "chromium", "chromium")
     require(PDFTOTEXT, "pdftotext", "poppler-utils")
     out = tmp_path_factory.mktemp("pdf")
-    single = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-b", "singlehtml", "book", str(out / "singlehtml")]
+    single = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-n",
+        "-b",
+        "singlehtml",
+        "book",
+        str(out / "singlehtml"),
+    ]
     result = subprocess.run(single, cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     pdf = out / "offloadlab.pdf"
-    result = subprocess.run([sys.executable, "tools/print_pdf.py", str(out / "singlehtml"), str(pdf)], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "tools/print_pdf.py", str(out / "singlehtml"), str(pdf)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return pdf
 
 
 def pdf_pages(pdf) -> list[str]:
     """The text of each page, laid out as printed (pdftotext -layout), one string per page."""
-    text = subprocess.run([PDFTOTEXT, "-layout", str(pdf), "-"], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        [PDFTOTEXT, "-layout", str(pdf), "-"], capture_output=True, text=True, check=True
+    ).stdout
     return text.split("\f")[:-1]
 
 
@@ -52,7 +72,11 @@ def pdf_text(pdf) -> str:
 
 
 def title(path) -> str:
-    return next(line[2:].strip() for line in path.read_text(encoding="utf-8").splitlines() if line.startswith("# "))
+    return next(
+        line[2:].strip()
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.startswith("# ")
+    )
 
 
 def squeeze(text: str) -> str:
@@ -68,18 +92,20 @@ def test_every_chapter_and_lab_is_in_the_pdf(book_pdf):
 
 def test_math_figures_code_and_solutions_are_intact(book_pdf):
     text = pdf_text(book_pdf)
-    assert "state_bytes(10e9" in text                      # code
-    assert "which fits only the 141 GB card" in text       # a collapsed solution, printed open
-    assert "\\times" not in text and "$$" not in text      # math typeset, not left as TeX
+    assert "state_bytes(10e9" in text  # code
+    assert "which fits only the 141 GB card" in text  # a collapsed solution, printed open
+    assert "\\times" not in text and "$$" not in text  # math typeset, not left as TeX
 
 
 def test_figures_are_vector(book_pdf):
     """The figures are SVG, printed as vector graphics with their text as text: no raster image in
     the PDF, and the words of a plot and of a diagram can be found in it."""
-    images = subprocess.run(["pdfimages", "-list", str(book_pdf)], capture_output=True, text=True, check=True).stdout
-    assert len(images.splitlines()) - 2 == 0, images       # two header lines, no image
+    images = subprocess.run(
+        ["pdfimages", "-list", str(book_pdf)], capture_output=True, text=True, check=True
+    ).stdout
+    assert len(images.splitlines()) - 2 == 0, images  # two header lines, no image
     text = pdf_text(book_pdf)
-    assert "persistent training state (GB)" in text        # chapter 1's plot, its axis label
+    assert "persistent training state (GB)" in text  # chapter 1's plot, its axis label
     assert "PCIe root complex" in text and "copy engine" in text  # chapter 4's diagram
 
 
@@ -87,7 +113,9 @@ def test_title_page_and_metadata(book_pdf):
     import yaml
 
     cff = yaml.safe_load((ROOT / "CITATION.cff").read_text(encoding="utf-8"))
-    info = subprocess.run(["pdfinfo", str(book_pdf)], capture_output=True, text=True, check=True).stdout
+    info = subprocess.run(
+        ["pdfinfo", str(book_pdf)], capture_output=True, text=True, check=True
+    ).stdout
     assert re.search(r"^Title:\s+" + re.escape(cff["title"]) + r"\s*$", info, re.M), info
     first = squeeze(pdf_pages(book_pdf)[0])
     assert cff["title"].split(":")[0] in first and f"version {cff['version']}" in first
@@ -110,7 +138,13 @@ def contents(book_pdf, parts_only: bool = False) -> dict[str, int]:
         if i and sum(map(bool, found)) < 0.6 * len(lines):
             break
         margin = min(len(m[1]) for m in found if m)
-        entries.update({squeeze(m[2]): int(m[3]) for m in found if m and (not parts_only or len(m[1]) == margin)})
+        entries.update(
+            {
+                squeeze(m[2]): int(m[3])
+                for m in found
+                if m and (not parts_only or len(m[1]) == margin)
+            }
+        )
     return entries
 
 
@@ -118,9 +152,18 @@ def test_contents_give_the_page_each_chapter_and_lab_starts_on(book_pdf):
     pages, listed = pdf_pages(book_pdf), contents(book_pdf)
     for path in NOTEBOOKS:
         name = squeeze(title(path))
-        entry = next((page for text, page in listed.items() if name.startswith(text) or text.startswith(name)), None)
+        entry = next(
+            (
+                page
+                for text, page in listed.items()
+                if name.startswith(text) or text.startswith(name)
+            ),
+            None,
+        )
         assert entry is not None, f"{name} is not in the contents: {sorted(listed)[:10]}"
-        assert name.split(":")[0] in squeeze(pages[entry - 1]), f"{name}: the contents say page {entry}"
+        assert name.split(":")[0] in squeeze(pages[entry - 1]), (
+            f"{name}: the contents say page {entry}"
+        )
 
 
 def test_bookmarks_for_every_chapter_lab_and_section(book_pdf):
@@ -145,9 +188,11 @@ def test_bookmarks_for_every_chapter_lab_and_section(book_pdf):
 
 
 def test_running_heads_name_the_chapter(book_pdf):
-    """Every page of a chapter or lab after its first carries its title at the top, and a page number."""
+    """Every page of a chapter or lab after its first carries its title at the top, and a page
+    number."""
     pages, listed = pdf_pages(book_pdf), contents(book_pdf, parts_only=True)
-    starts = sorted((page, name) for name, page in listed.items())  # every part: chapters, labs, back matter
+    # every part: chapters, labs, back matter
+    starts = sorted((page, name) for name, page in listed.items())
     checked = 0
     for (start, name), (end, _) in zip(starts, starts[1:]):
         if not re.match(r"^(\d+\.|Lab \d+:) ", name):
@@ -164,20 +209,42 @@ def test_code_is_never_wrapped(book_pdf):
     """Each long line of code the book shows is one line in the PDF: it is neither wrapped nor cut
     (print_pdf.py shrinks the font of a block too wide for the page)."""
     printed = {squeeze(line) for page in pdf_pages(book_pdf) for line in page.splitlines()}
-    long_lines = {squeeze(line) for path in NOTEBOOKS for line in code_lines(path, printed_only=True)
-                  if len(line.strip()) > 70}
-    broken = [line for line in long_lines if not any(line in printed_line for printed_line in printed)]
-    assert len(long_lines) > 50 and not broken, f"{len(broken)} of {len(long_lines)} long lines are wrapped: {broken[:5]}"
+    long_lines = {
+        squeeze(line)
+        for path in NOTEBOOKS
+        for line in code_lines(path, printed_only=True)
+        if len(line.strip()) > 70
+    }
+    broken = [
+        line for line in long_lines if not any(line in printed_line for printed_line in printed)
+    ]
+    assert len(long_lines) > 50 and not broken, (
+        f"{len(broken)} of {len(long_lines)} long lines are wrapped: {broken[:5]}"
+    )
 
 
 def test_the_site_offers_the_pdf(book_pdf, tmp_path):
     """Built with a PDF at hand, every page links it in its footer and in its download menu."""
     env = {**os.environ, "OFFLOADLAB_PDF": str(book_pdf)}
-    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html", "book", str(tmp_path / "site")]
+    command = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-n",
+        "-q",
+        "-b",
+        "html",
+        "book",
+        str(tmp_path / "site"),
+    ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "site" / book_pdf.name).read_bytes() == book_pdf.read_bytes()
     for name, prefix in (("index.html", ""), ("labs/lab03_hide_a_transfer.html", "../")):
         html = (tmp_path / "site" / name).read_text(encoding="utf-8")
         assert f'href="{prefix}{book_pdf.name}" download>The book as a PDF</a>' in html, name
-        assert re.search(r'href="' + re.escape(prefix + book_pdf.name) + r'"[^>]*>.*?book \.pdf', html, re.S), name
+        assert re.search(
+            r'href="' + re.escape(prefix + book_pdf.name) + r'"[^>]*>.*?book \.pdf', html, re.S
+        ), name

@@ -11,7 +11,9 @@ from offloadlab import architectures, engines, memory, planner
 
 def report(params, gpu="80 GB", link="60 GB/s", host="2 TB", **kw):
     hw_keys = {"cpu_adam", "compute", "comm_fraction"}
-    hw = planner.Hardware(gpu, link, host_memory=host, **{k: v for k, v in kw.items() if k in hw_keys})
+    hw = planner.Hardware(
+        gpu, link, host_memory=host, **{k: v for k, v in kw.items() if k in hw_keys}
+    )
     work = planner.Workload(params, **{k: v for k, v in kw.items() if k not in hw_keys})
     return planner.plan(work, hw)
 
@@ -37,7 +39,10 @@ def test_needs_parameter_offload():
 
 def test_nothing_fits():
     gpu_too_small = report(400e9, batch=1, seq=2048, gpu="24 GB")
-    assert gpu_too_small.chosen is None and "even with everything offloaded" in gpu_too_small.warnings[0]
+    assert (
+        gpu_too_small.chosen is None
+        and "even with everything offloaded" in gpu_too_small.warnings[0]
+    )
     host_too_small = report(30e9, host="64 GB", batch=1, seq=1024)
     assert host_too_small.chosen is None and "NVMe" in host_too_small.warnings[0]
     with pytest.raises(ValueError, match="^report: nothing fits"):
@@ -50,7 +55,10 @@ def test_400b_fails_on_host_memory_not_on_the_gpu():
     assert everything.fits_gpu and round(everything.gpu_bytes / 1e9) == 29
     assert everything.host_bytes == 6.4e12 and not everything.fits_host
     assert everything.binding == "host memory: needs 6.4 TB of the 1.8 TB usable of 2 TB"
-    assert r.chosen is None and "6.4 TB of host memory against the 1.8 TB usable of 2 TB" in r.warnings[0]
+    assert (
+        r.chosen is None
+        and "6.4 TB of host memory against the 1.8 TB usable of 2 TB" in r.warnings[0]
+    )
 
 
 def test_binding_of_a_plan_that_does_not_fit_is_the_memory():
@@ -70,13 +78,27 @@ def test_wrong_tool():
 def test_one_layer_step_is_compute_then_gradient_update_upload_in_turn():
     # One layer: nothing overlaps. 6 × 1e9 × 1024 FLOP at 1 PFLOP/s = 6.144 ms of compute; then 2 GB
     # down at 10 GB/s (0.2 s), 1e9 parameters updated at 1e9/s (1 s), 2 GB up (0.2 s).
-    r = report(1e9, gpu="8 GB", link="10 GB/s", layers=1, hidden=1024, heads=8, batch=1, seq=1024,
-               compute=1e15, cpu_adam=1e9)
+    r = report(
+        1e9,
+        gpu="8 GB",
+        link="10 GB/s",
+        layers=1,
+        hidden=1024,
+        heads=8,
+        batch=1,
+        seq=1024,
+        compute=1e15,
+        cpu_adam=1e9,
+    )
     optimizer = next(p for p in r.plans if p.offload == "optimizer" and not p.recompute)
     assert optimizer.t_compute == pytest.approx(6.144e-3)
     assert optimizer.step == pytest.approx(6.144e-3 + 0.2 + 1 + 0.2)
-    assert (optimizer.h2d_bytes, optimizer.d2h_bytes) == (2e9, 2e9) and optimizer.t_transfer == pytest.approx(0.2)
-    # The old model, max(compute, transfer) + CPU, said 1.2 s: it hid the upload the update produces.
+    assert (optimizer.h2d_bytes, optimizer.d2h_bytes) == (
+        2e9,
+        2e9,
+    ) and optimizer.t_transfer == pytest.approx(0.2)
+    # The old model, max(compute, transfer) + CPU, said 1.2 s: it hid the upload the update
+    # produces.
     assert optimizer.step > max(optimizer.t_compute, optimizer.t_transfer) + optimizer.t_cpu
 
 
@@ -87,7 +109,11 @@ def test_steps_respect_the_order_of_gradient_update_upload():
             assert p.step == pytest.approx(p.t_compute)
             continue
         # No faster than the busiest resource, no slower than everything one after the other.
-        assert max(p.t_compute, p.t_cpu, p.t_transfer / 2) <= p.step <= p.t_compute + p.t_transfer + p.t_cpu
+        assert (
+            max(p.t_compute, p.t_cpu, p.t_transfer / 2)
+            <= p.step
+            <= p.t_compute + p.t_transfer + p.t_cpu
+        )
         if p.t_step_delayed is not None:
             assert p.t_step_delayed >= max(p.t_compute, p.t_cpu)
 
@@ -97,7 +123,8 @@ def test_30b_plan_is_cpu_bound():
     c = r.chosen
     assert c.offload == "optimizer+gradients" and c.recompute
     assert c.binding.startswith("the CPU") and c.t_cpu / c.step > 0.9
-    assert c.host_bytes == 16 * 30e9  # 12 B of state, a 2 B gradient landing buffer, 2 B of outgoing weights
+    # 12 B of state, a 2 B gradient landing buffer, 2 B of outgoing weights
+    assert c.host_bytes == 16 * 30e9
 
 
 def test_half_duplex_slows_the_step_only_where_the_link_binds():
@@ -111,9 +138,11 @@ def test_half_duplex_slows_the_step_only_where_the_link_binds():
 
 
 def test_a_correction_to_a_recipe_reaches_the_planner(monkeypatch):
-    fp32_grads = memory.Recipe("fp32-grads", "16-bit weights, fp32 gradients and state",
-                               {"weights": 2, "gradients": 4, "master_weights": 4, "first_moment": 4,
-                                "second_moment": 4})
+    fp32_grads = memory.Recipe(
+        "fp32-grads",
+        "16-bit weights, fp32 gradients and state",
+        {"weights": 2, "gradients": 4, "master_weights": 4, "first_moment": 4, "second_moment": 4},
+    )
     monkeypatch.setitem(memory.RECIPES, "fp32-grads", fp32_grads)
     work, hw = planner.Workload(1e9, batch=1, seq=1024), planner.Hardware("80 GB", "10 GB/s")
     r = planner.plan(work, hw, recipe="fp32-grads")
@@ -124,9 +153,9 @@ def test_a_correction_to_a_recipe_reaches_the_planner(monkeypatch):
 
 def test_candidates_are_priced_given_the_ones_before():
     ranked = {c.name: c for c in planner.candidates(planner.Workload(30e9, batch=1, seq=2048))}
-    assert ranked["optimizer states"].payoff_per_traffic == 3           # 12 B freed for 4 B moved
-    assert ranked["gradients"].traffic_bytes == 0                        # already going down
-    assert ranked["parameters"].payoff_per_traffic == 1                  # 2 B freed, 2 B more up
+    assert ranked["optimizer states"].payoff_per_traffic == 3  # 12 B freed for 4 B moved
+    assert ranked["gradients"].traffic_bytes == 0  # already going down
+    assert ranked["parameters"].payoff_per_traffic == 1  # 2 B freed, 2 B more up
     assert ranked["activations (offload)"].payoff_per_traffic == 0.5
 
 
@@ -134,7 +163,11 @@ def test_least_offload_is_chosen():
     r = report(10e9, batch=1, seq=1024)
     levels = [p.level for p in r.plans if p.fits]
     assert r.chosen.level == min(levels)
-    assert "plan:" in r.explain() and "assumed:" in r.explain() and "delayed parameter update" in r.explain()
+    assert (
+        "plan:" in r.explain()
+        and "assumed:" in r.explain()
+        and "delayed parameter update" in r.explain()
+    )
 
 
 def test_typical_shape_matches_gpt3():
@@ -142,7 +175,9 @@ def test_typical_shape_matches_gpt3():
 
 
 def test_deepspeed_and_fsdp_emission():
-    optimizer_only = engines.deepspeed_config(engines.setup(report(7e9, batch=1, seq=1024, compute=400e12, cpu_adam=10e9)))
+    optimizer_only = engines.deepspeed_config(
+        engines.setup(report(7e9, batch=1, seq=1024, compute=400e12, cpu_adam=10e9))
+    )
     zero = optimizer_only["zero_optimization"]
     assert zero["stage"] == 2 and zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert "offload_param" not in zero
@@ -154,29 +189,37 @@ def test_deepspeed_and_fsdp_emission():
     compile(snippet, "<fsdp>", "exec")  # tests/test_engines.py validates and runs what engines emit
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(params=-1), "^params: "),
-    (dict(params=1e9, batch=0), "^batch: "),
-    (dict(params=1e9, layers=2), "^layers: "),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(params=-1), "^params: "),
+        (dict(params=1e9, batch=0), "^batch: "),
+        (dict(params=1e9, layers=2), "^layers: "),
+    ],
+)
 def test_workload_bad_input(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         planner.Workload(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(gpu_memory="0 GB", link="1 GB/s"), "^gpu_memory: "),
-    (dict(gpu_memory="80 GB", link="fast"), "^link: "),
-    (dict(gpu_memory="80 GB", link="1 GB/s", compute=0), "^compute: "),
-    (dict(gpu_memory="80 GB", link="1 GB/s", comm_fraction=1.5), "^comm_fraction: "),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(gpu_memory="0 GB", link="1 GB/s"), "^gpu_memory: "),
+        (dict(gpu_memory="80 GB", link="fast"), "^link: "),
+        (dict(gpu_memory="80 GB", link="1 GB/s", compute=0), "^compute: "),
+        (dict(gpu_memory="80 GB", link="1 GB/s", comm_fraction=1.5), "^comm_fraction: "),
+    ],
+)
 def test_hardware_bad_input(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         planner.Hardware(**kwargs)
 
 
 def offloadlab(*args):
-    return subprocess.run([sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True
+    )
 
 
 def test_budget_command_reports_the_8_gb_ceiling():
@@ -184,50 +227,142 @@ def test_budget_command_reports_the_8_gb_ceiling():
     assert result.returncode == 0 and json.loads(result.stdout)["ceiling_bytes"] == 8e9
 
 
-@pytest.mark.parametrize("duplex, seconds, ratio", [(None, 0.625, 2.5), ("full", 0.625, 2.5), ("half", 1.25, 5),
-                                                    ("20 GB/s", 1.0, 4)])
+@pytest.mark.parametrize(
+    "duplex, seconds, ratio",
+    [(None, 0.625, 2.5), ("full", 0.625, 2.5), ("half", 1.25, 5), ("20 GB/s", 1.0, 4)],
+)
 def test_budget_command_reports_bytes_per_direction(duplex, seconds, ratio):
-    args = ["budget", "--link", "32 GB/s", "--window", "250 ms", "--params", "10e9", "--offload", "optimizer",
-            "--json"] + (["--duplex", duplex] if duplex else [])
+    args = [
+        "budget",
+        "--link",
+        "32 GB/s",
+        "--window",
+        "250 ms",
+        "--params",
+        "10e9",
+        "--offload",
+        "optimizer",
+        "--json",
+    ] + (["--duplex", duplex] if duplex else [])
     result = offloadlab(*args)
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
-    assert payload["bytes_per_direction"] == {"h2d": 20e9, "d2h": 20e9} and payload["traffic_bytes"] == 40e9
-    assert payload["transfer_s"] == pytest.approx(seconds) and payload["ratio"] == pytest.approx(ratio)
-    assert payload["fits"] is False and payload["duplex"] == (duplex if duplex in ("full", "half") else
-                                                              "measured" if duplex else "full")
+    assert (
+        payload["bytes_per_direction"] == {"h2d": 20e9, "d2h": 20e9}
+        and payload["traffic_bytes"] == 40e9
+    )
+    assert payload["transfer_s"] == pytest.approx(seconds) and payload["ratio"] == pytest.approx(
+        ratio
+    )
+    assert payload["fits"] is False and payload["duplex"] == (
+        duplex if duplex in ("full", "half") else "measured" if duplex else "full"
+    )
 
 
 def test_budget_command_takes_a_recipe():
-    result = offloadlab("budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9", "--offload",
-                        "park-and-copy", "--recipe", "fp32-adam")
+    result = offloadlab(
+        "budget",
+        "--link",
+        "32 GB/s",
+        "--window",
+        "1 s",
+        "--params",
+        "1e9",
+        "--offload",
+        "park-and-copy",
+        "--recipe",
+        "fp32-adam",
+    )
     assert result.returncode == 0, result.stderr
     assert "8 GB up, 8 GB down" in result.stdout and "fp32-adam" in result.stdout
 
 
 def test_plan_command_json_and_emit():
-    result = offloadlab("plan", "--params", "30e9", "--gpu-memory", "80 GB", "--link", "60 GB/s",
-                        "--emit", "deepspeed", "--json")
+    result = offloadlab(
+        "plan",
+        "--params",
+        "30e9",
+        "--gpu-memory",
+        "80 GB",
+        "--link",
+        "60 GB/s",
+        "--emit",
+        "deepspeed",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
-    assert payload["chosen"]["fits"] and payload["deepspeed"]["zero_optimization"]["offload_optimizer"]
-    text = offloadlab("plan", "--params", "30e9", "--gpu-memory", "80 GB", "--link", "60 GB/s", "--emit", "fsdp")
+    assert (
+        payload["chosen"]["fits"] and payload["deepspeed"]["zero_optimization"]["offload_optimizer"]
+    )
+    text = offloadlab(
+        "plan", "--params", "30e9", "--gpu-memory", "80 GB", "--link", "60 GB/s", "--emit", "fsdp"
+    )
     assert "fully_shard" in text.stdout and "binding constraint" in text.stdout
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["budget", "--link", "0 GB/s", "--window", "1 s"], "--link"),
-    (["budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9"], "together"),
-    (["budget", "--link", "32 GB/s", "--window", "soon"], "window"),
-    (["budget", "--link", "32 GB/s", "--window", "1 s", "--duplex", "both"], "duplex: expected 'full', 'half'"),
-    (["budget", "--link", "32 GB/s", "--window", "1 s", "--duplex", "64 GB/s"], "duplex: expected at most"),
-    (["budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9", "--offload", "optimizer",
-      "--recipe", "lion"], "recipe: expected one of"),
-    (["plan", "--params", "1e9", "--gpu-memory", "80 GB", "--link", "60 GB/s", "--batch", "0"], "--batch"),
-    (["plan", "--params", "1e9", "--gpu-memory", "lots", "--link", "60 GB/s"], "--gpu-memory"),
-    (["plan", "--params", "1e9", "--gpu-memory", "80 GB"], "--link"),
-    (["plan", "--params", "1e9", "--gpu-memory", "80 GB", "--link", "6 GB/s", "--emit", "xml"], "--emit"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["budget", "--link", "0 GB/s", "--window", "1 s"], "--link"),
+        (["budget", "--link", "32 GB/s", "--window", "1 s", "--params", "1e9"], "together"),
+        (["budget", "--link", "32 GB/s", "--window", "soon"], "window"),
+        (
+            ["budget", "--link", "32 GB/s", "--window", "1 s", "--duplex", "both"],
+            "duplex: expected 'full', 'half'",
+        ),
+        (
+            ["budget", "--link", "32 GB/s", "--window", "1 s", "--duplex", "64 GB/s"],
+            "duplex: expected at most",
+        ),
+        (
+            [
+                "budget",
+                "--link",
+                "32 GB/s",
+                "--window",
+                "1 s",
+                "--params",
+                "1e9",
+                "--offload",
+                "optimizer",
+                "--recipe",
+                "lion",
+            ],
+            "recipe: expected one of",
+        ),
+        (
+            [
+                "plan",
+                "--params",
+                "1e9",
+                "--gpu-memory",
+                "80 GB",
+                "--link",
+                "60 GB/s",
+                "--batch",
+                "0",
+            ],
+            "--batch",
+        ),
+        (["plan", "--params", "1e9", "--gpu-memory", "lots", "--link", "60 GB/s"], "--gpu-memory"),
+        (["plan", "--params", "1e9", "--gpu-memory", "80 GB"], "--link"),
+        (
+            [
+                "plan",
+                "--params",
+                "1e9",
+                "--gpu-memory",
+                "80 GB",
+                "--link",
+                "6 GB/s",
+                "--emit",
+                "xml",
+            ],
+            "--emit",
+        ),
+    ],
+)
 def test_bad_arguments(args, fragment):
     result = offloadlab(*args)
     assert result.returncode == 2 and fragment in result.stderr
@@ -254,14 +389,19 @@ def test_clipping_holds_the_updates_until_backward_ends():
 
 # -- sizes with units, activations as they are computed today, experts -----------------------------
 
+
 def test_a_number_too_small_for_a_gpu_is_refused_as_a_slip_for_gigabytes():
-    with pytest.raises(ValueError, match=r"^gpu_memory: expected bytes; got 80, which is 80 B: did you mean '80 GB'\?$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^gpu_memory: expected bytes; got 80, which is 80 B: did you mean '80 GB'\?$",
+    ):
         planner.Hardware(80, "25 GB/s")
     with pytest.raises(ValueError, match=r"^link: .*did you mean '25 GB/s'\?$"):
         planner.Hardware("80 GB", 25)
     with pytest.raises(ValueError, match=r"did you mean '80 GB'\?$"):
         planner.Hardware("80", "25 GB/s")
-    assert planner.Hardware(85e9, 25e9).gpu_memory == 85e9  # bytes as a Python number still mean bytes
+    # bytes as a Python number still mean bytes
+    assert planner.Hardware(85e9, 25e9).gpu_memory == 85e9
 
 
 def test_sdpa_keeps_no_seq_squared_scores_and_eager_keeps_them():
@@ -269,9 +409,12 @@ def test_sdpa_keeps_no_seq_squared_scores_and_eager_keeps_them():
     1,024 tokens, per token; eager attention adds its fp32 softmax and 16-bit probabilities,
     6 bytes per head per pair of tokens: 6 · 32 · 32768² · 32 layers = 6.6 TB."""
     arch = architectures.load("llama-3.1-8b")
-    sdpa, eager = (planner.Workload.of_model(arch, seq=32768, attention=a) for a in ("sdpa", "eager"))
+    sdpa, eager = (
+        planner.Workload.of_model(arch, seq=32768, attention=a) for a in ("sdpa", "eager")
+    )
     assert eager.activations().layers - sdpa.activations().layers == pytest.approx(
-        32 * 6 * 32 * 32768**2 + 32 * 32768 * (2 * 2 * (4096 - 1024) - 4 * 32))
+        32 * 6 * 32 * 32768**2 + 32 * 32768 * (2 * 2 * (4096 - 1024) - 4 * 32)
+    )
     assert sdpa.activations().layers == 32 * 32768 * arch.layer_shapes[0].kept_bytes(2, 32768)
     with pytest.raises(ValueError, match="^attention: expected one of sdpa, eager; got 'flash'$"):
         planner.Workload(1e9, attention="flash")
@@ -279,7 +422,8 @@ def test_sdpa_keeps_no_seq_squared_scores_and_eager_keeps_them():
 
 def test_logits_and_loss_are_counted_in_their_dtypes():
     """Per token, the loss's fp32 log-probabilities (4 B a logit), their gradient and the logits'
-    gradient in fp32 (8 B), and the logits in the compute dtype (2 B): 14 B × 128,256 at 32k tokens."""
+    gradient in fp32 (8 B), and the logits in the compute dtype (2 B): 14 B × 128,256 at 32k
+    tokens."""
     work = planner.Workload.of_model(architectures.load("llama-3.1-8b"), seq=32768)
     assert work.activations().logits == 14 * 128256 * 32768 == pytest.approx(58.8e9, rel=1e-3)
 
@@ -289,15 +433,22 @@ def test_the_fewest_layers_that_fit_are_recomputed():
     work = planner.Workload.of_model(arch, seq=4096)
     report = planner.plan(work, planner.Hardware("24 GB", "25 GB/s", host_memory="1 TB"))
     level = [p for p in report.plans if p.offload == report.chosen.offload]
-    kept, everything, partial = (next(p for p in level if p.checkpointed == k) for k in
-                                 (0, 32, report.chosen.checkpointed))
+    kept, everything, partial = (
+        next(p for p in level if p.checkpointed == k) for k in (0, 32, report.chosen.checkpointed)
+    )
     assert 0 < partial.checkpointed < 32 and report.chosen is partial
     assert not kept.fits_gpu and partial.fits_gpu and everything.fits_gpu
-    assert kept.t_compute < partial.t_compute < everything.t_compute  # two more FLOPs per recomputed layer
+    # two more FLOPs per recomputed layer
+    assert kept.t_compute < partial.t_compute < everything.t_compute
     one_fewer = work.activation_bytes(partial.checkpointed - 1)
-    assert partial.gpu_bytes - work.activation_bytes(partial.checkpointed) + one_fewer > partial.gpu_usable
+    assert (
+        partial.gpu_bytes - work.activation_bytes(partial.checkpointed) + one_fewer
+        > partial.gpu_usable
+    )
     assert partial.name.endswith(f"activations recomputed in {partial.checkpointed} of 32 layers")
-    forced = planner.plan(work, planner.Hardware("24 GB", "25 GB/s", host_memory="1 TB"), recompute="all")
+    forced = planner.plan(
+        work, planner.Hardware("24 GB", "25 GB/s", host_memory="1 TB"), recompute="all"
+    )
     assert {p.checkpointed for p in forced.plans} == {32}
 
 
@@ -309,12 +460,22 @@ def test_nothing_fits_names_the_activations_and_what_acts_on_them():
     report = planner.plan(work, planner.Hardware("80 GB", "25 GB/s", host_memory="2 TB"))
     assert report.chosen is None
     warning = report.warnings[0]
-    assert "what binds is logits and loss" in warning or "what binds is activations of the layers" in warning
+    assert (
+        "what binds is logits and loss" in warning
+        or "what binds is activations of the layers" in warning
+    )
     assert "micro-batch" in warning and "NVMe" not in warning and "add GPUs" not in warning
-    node = planner.plan(work, planner.Hardware("80 GB", "25 GB/s", host_memory="2 TB", gpus_per_node=8))
-    assert node.chosen is None and "NVMe" not in node.warnings[0] and "add nodes" not in node.warnings[0]
+    node = planner.plan(
+        work, planner.Hardware("80 GB", "25 GB/s", host_memory="2 TB", gpus_per_node=8)
+    )
+    assert (
+        node.chosen is None
+        and "NVMe" not in node.warnings[0]
+        and "add nodes" not in node.warnings[0]
+    )
     assert "sequence or context parallelism" in planner.single.gpu_binding(
-        {"activations of the layers": 2.0, "logits and loss": 1.0}, 1.0)
+        {"activations of the layers": 2.0, "logits and loss": 1.0}, 1.0
+    )
 
 
 def test_experts_count_in_memory_and_their_active_share_in_compute():
@@ -327,8 +488,8 @@ def test_experts_count_in_memory_and_their_active_share_in_compute():
 
 
 def test_the_estimates_run_without_torch_or_transformers():
-    """The planner's layer runs in the browser (Pyodide), where neither is installed: it must import and
-    plan with the standard library alone."""
+    """The planner's layer runs in the browser (Pyodide), where neither is installed: it must
+    import and plan with the standard library alone."""
     code = """
 import sys
 class Refuse:
@@ -338,7 +499,8 @@ class Refuse:
 sys.meta_path.insert(0, Refuse())
 from offloadlab import architectures, engines, planner
 work = planner.Workload.of_model(architectures.load("mixtral-8x7b"), seq=4096)
-report = planner.plan(work, planner.Hardware("80 GB", "25 GB/s", host_memory="2 TB", gpus_per_node=8))
+hardware = planner.Hardware("80 GB", "25 GB/s", host_memory="2 TB", gpus_per_node=8)
+report = planner.plan(work, hardware)
 print(engines.setup(report, "deepspeed").stage, "torch" in sys.modules)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -348,14 +510,25 @@ print(engines.setup(report, "deepspeed").stage, "torch" in sys.modules)
 
 def test_host_memory_keeps_a_reserve_as_gpu_memory_does():
     """A plan whose state fills host memory to the byte does not fit: the OS, each rank's process
-    and the page cache need some of it (review M8: 480 GB of state on a 480 GB Grace was accepted)."""
+    and the page cache need some of it (review M8: 480 GB of state on a 480 GB Grace was
+    accepted)."""
     work = planner.Workload(10e9, batch=1, seq=1024)
-    state = next(p for p in planner.plan(work, planner.Hardware("80 GB", "25 GB/s")).plans
-                 if p.offload == "optimizer" and not p.recompute).host_bytes
-    exact = next(p for p in planner.plan(work, planner.Hardware("80 GB", "25 GB/s", host_memory=state)).plans
-                 if p.offload == "optimizer" and not p.recompute)
+    state = next(
+        p
+        for p in planner.plan(work, planner.Hardware("80 GB", "25 GB/s")).plans
+        if p.offload == "optimizer" and not p.recompute
+    ).host_bytes
+    exact = next(
+        p
+        for p in planner.plan(work, planner.Hardware("80 GB", "25 GB/s", host_memory=state)).plans
+        if p.offload == "optimizer" and not p.recompute
+    )
     assert not exact.fits_host and "usable" in exact.binding
-    roomy = planner.Hardware("80 GB", "25 GB/s", host_memory=state / (1 - planner.HOST_RESERVE_FRACTION))
-    assert next(p for p in planner.plan(work, roomy).plans if p.offload == "optimizer" and not p.recompute).fits_host
+    roomy = planner.Hardware(
+        "80 GB", "25 GB/s", host_memory=state / (1 - planner.HOST_RESERVE_FRACTION)
+    )
+    assert next(
+        p for p in planner.plan(work, roomy).plans if p.offload == "optimizer" and not p.recompute
+    ).fits_host
     node = planner.Hardware("80 GB", "25 GB/s", host_memory="1 TB", gpus_per_node=8)
     assert node.usable_host_memory == 0.9e12

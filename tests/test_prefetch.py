@@ -27,7 +27,10 @@ def link(request):
         with EmulatedLink(bandwidth="1 GB/s", latency=0) as emulated:
             yield emulated
         return
-    with CudaOrderLink(bandwidth="1 GB/s", latency=0) as checker, checker.compute_stream("training"):
+    with (
+        CudaOrderLink(bandwidth="1 GB/s", latency=0) as checker,
+        checker.compute_stream("training"),
+    ):
         yield checker
         checker.check()
 
@@ -57,7 +60,9 @@ def items(count=6, numel=4096):
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 def test_every_variant_yields_the_right_tensors_in_order(link, variant):
-    groups = [(torch.full((3, 5), float(i)), torch.arange(7, dtype=torch.int64) + i) for i in range(5)]
+    groups = [
+        (torch.full((3, 5), float(i)), torch.arange(7, dtype=torch.int64) + i) for i in range(5)
+    ]
     seen = []
     for a, b in Prefetcher(groups, link, **variant):
         seen.append((a.clone(), b.clone()))
@@ -137,10 +142,14 @@ def test_items_may_be_a_generator(link):
 
 @pytest.mark.parametrize("pinned_source", [True, False])
 def test_sources_changed_between_passes_are_served_fresh(link, pinned_source):
-    source = [link.host_buffer(16).fill_(i) if pinned_source else torch.full((16,), float(i)) for i in range(3)]
+    source = [
+        link.host_buffer(16).fill_(i) if pinned_source else torch.full((16,), float(i))
+        for i in range(3)
+    ]
     prefetcher = Prefetcher(source, link)
     assert [t[0].item() for t in prefetcher] == [0.0, 1.0, 2.0]
-    link.synchronize()  # (the docstring's rule: on a GPU the last copies may still read pinned sources)
+    # (the docstring's rule: on a GPU the last copies may still read pinned sources)
+    link.synchronize()
     for t in source:
         t.add_(10)
     assert [t[0].item() for t in prefetcher] == [10.0, 11.0, 12.0]
@@ -152,13 +161,16 @@ def test_pinned_memory_stays_at_the_buffers_and_goes_with_the_prefetcher(link):
         prefetcher = Prefetcher(source, link, buffers=2)
         for _ in prefetcher:
             pass
-        assert link.pinned_bytes == prefetcher.host_staging_bytes == 2 * 4032  # two staging buffers, not 20 copies
+        # two staging buffers, not 20 copies
+        assert link.pinned_bytes == prefetcher.host_staging_bytes == 2 * 4032
         del prefetcher
-        link.synchronize()  # the last copies keep their staging buffers until they are known to be done
+        # the last copies keep their staging buffers until they are known to be done
+        link.synchronize()
         gc.collect()
         assert link.pinned_bytes == 0
     pinned = [link.host_buffer(1000) for _ in range(3)]
-    assert Prefetcher(pinned, link).host_staging_bytes == 0  # pinned sources are copied from in place
+    # pinned sources are copied from in place
+    assert Prefetcher(pinned, link).host_staging_bytes == 0
 
 
 def test_a_pass_left_early_hands_its_buffer_back(link):
@@ -180,7 +192,9 @@ def test_device_memory_stays_within_the_buffers(link):
 
 def test_layout_aligns_or_packs():
     tensors = [torch.zeros(3), torch.zeros(5, dtype=torch.float16), torch.zeros(2)]
-    assert [offset for *_, offset in Layout(tensors).specs] == [0, 64, 128] and Layout(tensors).nbytes == 192
+    assert [offset for *_, offset in Layout(tensors).specs] == [0, 64, 128] and Layout(
+        tensors
+    ).nbytes == 192
     packed = Layout(tensors, packed=True)
     assert [offset for *_, offset in packed.specs] == [0, 12, 24] and packed.nbytes == 32
 
@@ -214,14 +228,18 @@ def test_cuda_prefetch_poison_and_memory():
         source = [cuda.host_buffer(2**22).fill_(float(i)) for i in range(6)]
         before = torch.cuda.memory_allocated()
         a = torch.randn(4096, 4096, device="cuda")
-        for _ in range(2):  # the second pass reuses the buffers: its first copies wait for the first pass
+        # the second pass reuses the buffers: its first copies wait for the first pass
+        for _ in range(2):
             prefetcher = Prefetcher(source, cuda, buffers=2)
             for i, tensor in enumerate(prefetcher):
                 for _ in range(5):
                     a = a @ a / 4096
                 assert torch.equal(tensor, source[i].cuda())
                 tensor.fill_(float("nan"))
-        assert torch.cuda.memory_allocated() - before <= 2 * prefetcher.device_bytes + 4096 * 4096 * 4 * 2
+        assert (
+            torch.cuda.memory_allocated() - before
+            <= 2 * prefetcher.device_bytes + 4096 * 4096 * 4 * 2
+        )
 
 
 def test_two_passes_at_once_are_refused(link):
@@ -239,12 +257,16 @@ def test_an_item_kept_past_its_buffers_reuse_is_refused_not_changed(link, buffer
     """Each item is a view into a staging buffer, valid until the item ``buffers`` places later
     is delivered there. list(Prefetcher(...)) used to give [4, 3, 4, 3, 4] for items 0 … 4."""
     source = [torch.full((4,), float(i)) for i in range(5)]
-    with pytest.raises(RuntimeError, match=r"item 0 is still referenced, but its device buffer has held item"):
+    with pytest.raises(
+        RuntimeError, match=r"item 0 is still referenced, but its device buffer has held item"
+    ):
         list(Prefetcher(source, link, buffers=buffers))
     kept = []
     with pytest.raises(RuntimeError, match=r"\.clone\(\) it to keep it"):
         for item in Prefetcher(source, link, buffers=buffers):
             kept.append(item)
-    assert len(kept) <= buffers + 1  # refused as the first kept item is overwritten (one item later for one buffer)
-    cloned = [item.clone() for item in Prefetcher(source, link, buffers=buffers)]  # kept the right way
+    # refused as the first kept item is overwritten (one item later for one buffer)
+    assert len(kept) <= buffers + 1
+    # kept the right way
+    cloned = [item.clone() for item in Prefetcher(source, link, buffers=buffers)]
     assert all(torch.equal(a, b) for a, b in zip(cloned, source))

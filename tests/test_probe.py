@@ -62,7 +62,8 @@ def test_sweep_on_the_emulated_link_is_labelled_and_never_beats_its_pacing():
     for r in records:  # pinned copies at most the link's rate, pageable ones at most half of it
         assert r.spread[1] <= 2e9 * (1 if r.params["pinned"] else 0.5) * 1.001
     assert {(r.params["direction"], r.params["pinned"]) for r in records} == {
-        (d, p) for d in ("h2d", "d2h") for p in (True, False)}
+        (d, p) for d in ("h2d", "d2h") for p in (True, False)
+    }
     with EmulatedLink() as spare:
         with pytest.raises(ValueError, match="^directions: "):
             probe.link_sweep(spare, directions=["up"])
@@ -104,12 +105,14 @@ def test_disk_probe_never_follows_a_planted_link(tmp_path):
     victim.write_bytes(b"precious")
     probe_folder = tmp_path / "shared"
     probe_folder.mkdir()
-    for name in (f".offloadlab-disk-probe-{os.getpid()}", "probe.bin"):  # the old fixed name, and the new one
+    # the old fixed name, and the new one
+    for name in (f".offloadlab-disk-probe-{os.getpid()}", "probe.bin"):
         (probe_folder / name).symlink_to(victim)
     probe.disk_bandwidth(probe_folder, "1 MiB", block="1 MiB")
     assert victim.read_bytes() == b"precious"
-    assert sorted(p.name for p in probe_folder.iterdir()) == sorted([f".offloadlab-disk-probe-{os.getpid()}",
-                                                                      "probe.bin"])
+    assert sorted(p.name for p in probe_folder.iterdir()) == sorted(
+        [f".offloadlab-disk-probe-{os.getpid()}", "probe.bin"]
+    )
 
 
 def test_disk_probe_on_a_full_or_read_only_disk(small_disk):
@@ -117,12 +120,19 @@ def test_disk_probe_on_a_full_or_read_only_disk(small_disk):
     with pytest.raises(OSError) as info:
         probe.disk_bandwidth(full, "8 MiB", block="1 MiB")
     assert info.value.errno == errno.ENOSPC
-    assert not list(full.iterdir()), "the probe must remove its scratch file and folder on a full disk"
+    assert not list(full.iterdir()), (
+        "the probe must remove its scratch file and folder on a full disk"
+    )
     with pytest.raises(OSError, match="has 2.1 MB free; the disk probe writes 8.39 MB"):
         probe.check_disk_folder(full, "8 MiB")
     read_only = small_disk("1m", read_only=True)
-    for attempt in (lambda: probe.check_disk_folder(read_only, "64 KiB"), lambda: probe.disk_bandwidth(read_only, "1 MiB", block="1 MiB")):
-        with pytest.raises(OSError, match=f"cannot create a scratch file in {read_only}: Read-only file system"):
+    for attempt in (
+        lambda: probe.check_disk_folder(read_only, "64 KiB"),
+        lambda: probe.disk_bandwidth(read_only, "1 MiB", block="1 MiB"),
+    ):
+        with pytest.raises(
+            OSError, match=f"cannot create a scratch file in {read_only}: Read-only file system"
+        ):
             attempt()
 
 
@@ -136,7 +146,9 @@ def test_ladder_keeps_the_sweep_when_the_disk_fails_during_its_probe(tmp_path, m
     by_quantity = {r.quantity: r for r in measured["records"]}
     assert by_quantity["disk read bandwidth"].source == "not measured"
     assert "No space left" in by_quantity["disk read bandwidth"].note
-    assert by_quantity["host copy bandwidth"].value > 0 and any(q.startswith("h2d") for q in by_quantity)
+    assert by_quantity["host copy bandwidth"].value > 0 and any(
+        q.startswith("h2d") for q in by_quantity
+    )
 
 
 def test_pcie_nominal_rates():
@@ -169,12 +181,17 @@ def test_nominal_ladder_is_the_material():
     assert ladder.cliff(nominal) == pytest.approx(3350 / 60)
     # The reference node's host (two DDR5-4800 sockets, 8 channels each) outruns its own PCIe link.
     host = tiers["host memory"]
-    assert host["bandwidth_bytes_per_s"] == 8 * 4800e6 * 8 and host["bandwidth_max_bytes_per_s"] == 2 * 307.2e9
+    assert (
+        host["bandwidth_bytes_per_s"] == 8 * 4800e6 * 8
+        and host["bandwidth_max_bytes_per_s"] == 2 * 307.2e9
+    )
     assert host["bandwidth_bytes_per_s"] > links["PCIe"]
 
 
 def _offloadlab(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True, cwd=cwd
+    )
 
 
 def test_probe_command_quick_json(tmp_path):
@@ -183,7 +200,12 @@ def test_probe_command_quick_json(tmp_path):
     assert result.returncode == 0, result.stderr
     payload = json.loads(out.read_text())
     quantities = {r["quantity"] for r in payload["records"]}
-    assert {"host copy bandwidth", "host update bandwidth", "disk read bandwidth", "disk write bandwidth"} <= quantities
+    assert {
+        "host copy bandwidth",
+        "host update bandwidth",
+        "disk read bandwidth",
+        "disk write bandwidth",
+    } <= quantities
     for r in payload["records"]:
         if r["quantity"].startswith(("host", "disk")):
             assert r["spread"] is not None and r["source"] == "measured"
@@ -193,11 +215,14 @@ def test_probe_command_quick_json(tmp_path):
             assert r["source"] == "not measured"
     assert "emulated" in result.stdout or torch.cuda.is_available()
     again = _offloadlab("probe", "--quick", "--disk", str(tmp_path), "--json", str(out))
-    assert again.returncode == 2 and "exists" in again.stderr and len(again.stderr.splitlines()) == 1
+    assert (
+        again.returncode == 2 and "exists" in again.stderr and len(again.stderr.splitlines()) == 1
+    )
 
 
 def test_probe_prints_no_path_of_this_machine(tmp_path):
-    """The ladder's rows end up in the book's tables and figures, which must not show the build machine's folders."""
+    """The ladder's rows end up in the book's tables and figures, which must not show the build
+    machine's folders."""
     folder = tmp_path / "disk-under-test"
     folder.mkdir()
     result = _offloadlab("probe", "--quick", "--disk", str(folder))
@@ -206,11 +231,14 @@ def test_probe_prints_no_path_of_this_machine(tmp_path):
     assert "disk under test" in result.stdout
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["probe", "--disk", "/no/such/folder"], "--disk"),
-    (["probe", "--json", "/no/such/folder/out.json"], "--json"),
-    (["bench", "warp-drive"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["probe", "--disk", "/no/such/folder"], "--disk"),
+        (["probe", "--json", "/no/such/folder/out.json"], "--json"),
+        (["bench", "warp-drive"], "invalid choice"),
+    ],
+)
 def test_probe_and_bench_bad_arguments(args, fragment):
     result = _offloadlab(*args)
     assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr
@@ -242,12 +270,18 @@ def test_reference_figures_from_a_saved_probe(tmp_path):
         params = row.get("params", {})
         if "direction" in params:
             honest = params.get("pinned") and not params.get("duplex")
-            params["median_seconds"] = 20e-6 + params["size"] / (rates[params["direction"]] if honest else 1e15)
-    reference.save("gpu-test-card", "emulated", "test card", payload[0]["provenance"], payload, folder=tmp_path)
+            params["median_seconds"] = 20e-6 + params["size"] / (
+                rates[params["direction"]] if honest else 1e15
+            )
+    reference.save(
+        "gpu-test-card", "emulated", "test card", payload[0]["provenance"], payload, folder=tmp_path
+    )
     figures = ladder.reference_figures("gpu-test-card", folder=tmp_path)
     assert figures["label"] == "test card" and figures["device memory"] is None
     assert figures["h2d"] == pytest.approx(2e9) and figures["d2h"] == pytest.approx(1.5e9)
-    assert figures["host memory"] == max(r["value"] for r in payload if r["quantity"] == "host copy bandwidth")
+    assert figures["host memory"] == max(
+        r["value"] for r in payload if r["quantity"] == "host copy bandwidth"
+    )
     with pytest.raises(ValueError, match="nominal"):
         ladder.reference_figures("nominal-ladder")
 
@@ -259,7 +293,10 @@ def test_bench_nvme_sets_the_tier_beside_raw_io(tmp_path):
     rates = {row["contender"]: row["bytes_per_s"] for row in result["rows"]}
     for depth in (1, 4, 16):
         for name in ("raw direct I/O", "FileTier, no checksums", "FileTier, crc32"):
-            assert rates[f"{name} write, depth {depth}"] > 0 and rates[f"{name} read, depth {depth}"] > 0
+            assert (
+                rates[f"{name} write, depth {depth}"] > 0
+                and rates[f"{name} read, depth {depth}"] > 0
+            )
     assert rates["probe read, depth 1, 4 MiB blocks"] > 0
     assert any("crash-safety overhead" in name for name in result["ratios"])
     assert all(value > 0 for value in result["ratios"].values())
@@ -267,13 +304,20 @@ def test_bench_nvme_sets_the_tier_beside_raw_io(tmp_path):
     assert not list(tmp_path.iterdir()), "bench nvme must leave no files"
 
 
-@pytest.mark.parametrize("args, status, fragment", [
-    (["bench", "link", "--disk", "."], 2, "--disk: only bench nvme uses a disk"),
-    (["bench", "nvme", "--disk", "/no/such/folder"], 2, "--disk: expected an existing folder"),
-])
+@pytest.mark.parametrize(
+    "args, status, fragment",
+    [
+        (["bench", "link", "--disk", "."], 2, "--disk: only bench nvme uses a disk"),
+        (["bench", "nvme", "--disk", "/no/such/folder"], 2, "--disk: expected an existing folder"),
+    ],
+)
 def test_bench_nvme_arguments(args, status, fragment):
     result = _offloadlab(*args)
-    assert result.returncode == status and fragment in result.stderr and "Traceback" not in result.stderr
+    assert (
+        result.returncode == status
+        and fragment in result.stderr
+        and "Traceback" not in result.stderr
+    )
 
 
 def test_bench_nvme_refuses_a_read_only_disk_before_it_runs(small_disk):
@@ -287,14 +331,26 @@ def test_each_timed_copy_waits_behind_a_busy_engine_so_alpha_holds_no_host_dispa
     issued the copy: α would time the host. Every timed copy is issued behind a longer one."""
     with EmulatedLink(bandwidth="2 GB/s", latency=0) as link:
         with link.record() as recording:
-            records = probe.link_sweep(link, sizes=["64 KiB", "256 KiB"], directions=("h2d",), pinned=(True,),
-                                       repeats=2)
+            records = probe.link_sweep(
+                link, sizes=["64 KiB", "256 KiB"], directions=("h2d",), pinned=(True,), repeats=2
+            )
     filler = probe.busy_filler_bytes(link.emulated)
     sizes = [t.nbytes for t in recording.transfers]
-    assert sizes == [64 * 2**10, filler, 64 * 2**10, filler, 64 * 2**10,
-                     256 * 2**10, filler, 256 * 2**10, filler, 256 * 2**10]
+    assert sizes == [
+        64 * 2**10,
+        filler,
+        64 * 2**10,
+        filler,
+        64 * 2**10,
+        256 * 2**10,
+        filler,
+        256 * 2**10,
+        filler,
+        256 * 2**10,
+    ]
     timed = [t for t in recording.transfers if t.nbytes != filler]
     fillers = [t for t in recording.transfers if t.nbytes == filler]
     for before, measured in zip(fillers, [t for i, t in enumerate(timed) if i % 3]):
-        assert measured.start >= before.end  # (engines run in order: it began once the filler was done)
+        # (engines run in order: it began once the filler was done)
+        assert measured.start >= before.end
     assert all(r.params["pinning"] == "emulated" and "behind a" in r.method for r in records)

@@ -59,4 +59,8 @@ def test_the_checks_fail_for_what_does_not_exist(page):
 
 def test_the_page_is_in_the_book_after_the_chapters_and_before_the_labs():
     index = (ROOT / "book" / "index.md").read_text(encoding="utf-8")
-    assert index.index("09_wrong_tool") < index.index("reading_the_package") < index.index("labs/lab01")
+    assert (
+        index.index("09_wrong_tool")
+        < index.index("reading_the_package")
+        < index.index("labs/lab01")
+    )

@@ -1,4 +1,5 @@
-"""Reference data: packaged files are read-only, the user's go to a user folder, and both are listed."""
+"""Reference data: packaged files are read-only, the user's go to a user folder, and both are
+listed."""
 
 import json
 
@@ -23,7 +24,9 @@ def test_load_save_and_bad_names(tmp_path, user_folder):
     assert reference.load("nominal-ladder")["kind"] == "nominal"
     with pytest.raises(ValueError, match="^name: expected one of"):
         reference.load("../etc/passwd")
-    path = reference.save("test-run", "emulated", "CPU", {"date": "now"}, [{"quantity": "x"}], folder=tmp_path)
+    path = reference.save(
+        "test-run", "emulated", "CPU", {"date": "now"}, [{"quantity": "x"}], folder=tmp_path
+    )
     assert json.loads(path.read_text())["records"] == [{"quantity": "x"}]
     with pytest.raises(ValueError, match="exists"):
         reference.save("test-run", "emulated", "CPU", {}, [], folder=tmp_path)
@@ -31,7 +34,8 @@ def test_load_save_and_bad_names(tmp_path, user_folder):
         reference.save("x", "guessed", "CPU", {}, [], folder=tmp_path)
     with pytest.raises(ValueError, match="^name: expected letters"):
         reference.save("../escape", "emulated", "CPU", {}, [], folder=tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["test-run.json"]  # no temporary files left
+    # no temporary files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test-run.json"]
 
 
 def test_save_goes_to_the_user_folder_not_the_package(user_folder):
@@ -40,7 +44,9 @@ def test_save_goes_to_the_user_folder_not_the_package(user_folder):
     assert path == user_folder / "my-laptop.json" and path.is_file()
     assert _packaged_files() == before
     assert {"my-laptop", "nominal-ladder"} <= set(reference.available())
-    assert reference.origin("my-laptop") == "user" and reference.origin("nominal-ladder") == "packaged"
+    assert (
+        reference.origin("my-laptop") == "user" and reference.origin("nominal-ladder") == "packaged"
+    )
     assert reference.load("my-laptop")["records"] == [{"quantity": "x"}]
 
 
@@ -48,7 +54,9 @@ def test_packaged_references_are_never_overwritten(user_folder):
     before = _packaged_files()
     for folder in (None, reference.FOLDER):  # the user folder, and the package named explicitly
         with pytest.raises(ValueError, match="^name: 'nominal-ladder' is"):
-            reference.save("nominal-ladder", "measured", "GPU", {}, [], folder=folder, overwrite=True)
+            reference.save(
+                "nominal-ladder", "measured", "GPU", {}, [], folder=folder, overwrite=True
+            )
     assert _packaged_files() == before
     assert ladder.nominal()["tiers"][0]["bandwidth_bytes_per_s"] == 3350e9
     assert not user_folder.exists()  # a refused name creates nothing, not even the folder

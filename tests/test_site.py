@@ -1,4 +1,5 @@
-"""The built site: offline, rendered without errors in a real browser, and a student build without solutions."""
+"""The built site: offline, rendered without errors in a real browser, and a student build
+without solutions."""
 
 import functools
 import http.server
@@ -21,8 +22,15 @@ from tests.conftest import ROOT, SITE
 
 SCREENSHOTS = ROOT / "book" / "_build" / "screenshots"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+BROWSER_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 class _Sources(HTMLParser):
@@ -36,12 +44,18 @@ class _Sources(HTMLParser):
         attrs = dict(attrs)
         if tag in ("script", "img", "iframe", "source", "video", "audio") and attrs.get("src"):
             self.urls.append(attrs["src"])
-        if tag == "link" and attrs.get("href") and (attrs.get("rel") or "") in ("stylesheet", "preload", "icon", "modulepreload"):
+        if (
+            tag == "link"
+            and attrs.get("href")
+            and (attrs.get("rel") or "") in ("stylesheet", "preload", "icon", "modulepreload")
+        ):
             self.urls.append(attrs["href"])
 
 
 def pages(site: Path) -> list[Path]:
-    return sorted(p for p in site.rglob("*.html") if "_static" not in p.parts and "_sources" not in p.parts)
+    return sorted(
+        p for p in site.rglob("*.html") if "_static" not in p.parts and "_sources" not in p.parts
+    )
 
 
 def test_no_page_loads_anything_from_another_host(built_site):
@@ -50,12 +64,19 @@ def test_no_page_loads_anything_from_another_host(built_site):
     for page in pages(built_site):
         parser = _Sources()
         parser.feed(page.read_text(encoding="utf-8"))
-        offenders += [f"{page.relative_to(built_site)}: {url}" for url in parser.urls if external.match(url)]
+        offenders += [
+            f"{page.relative_to(built_site)}: {url}" for url in parser.urls if external.match(url)
+        ]
         for css in re.findall(r'href="([^"]+\.css)[^"]*"', page.read_text(encoding="utf-8")):
             if not external.match(css):
                 sheet = (page.parent / css.split("?")[0]).resolve()
                 if sheet.exists():
-                    offenders += [f"{sheet.name}: {u}" for u in re.findall(r"url\(['\"]?(https?://[^)'\"]+)", sheet.read_text(errors="ignore"))]
+                    offenders += [
+                        f"{sheet.name}: {u}"
+                        for u in re.findall(
+                            r"url\(['\"]?(https?://[^)'\"]+)", sheet.read_text(errors="ignore")
+                        )
+                    ]
     assert not offenders, "external resources:\n" + "\n".join(sorted(set(offenders)))
     assert (built_site / "_static" / "mathjax" / "tex-chtml.js").exists()
 
@@ -63,7 +84,7 @@ def test_no_page_loads_anything_from_another_host(built_site):
 def test_reader_tools_and_execution_status(built_site):
     chapter = (built_site / "01_memory_wall.html").read_text(encoding="utf-8")
     assert "_sources/01_memory_wall.md" in chapter  # download the page's source (.md)
-    assert "01_memory_wall.ipynb" in chapter        # download as a notebook
+    assert "01_memory_wall.ipynb" in chapter  # download as a notebook
     status = (built_site / "execution.html").read_text(encoding="utf-8")
     assert "01_memory_wall" in status and "torch" in status
 
@@ -127,13 +148,20 @@ def test_every_page_renders_in_chromium(built_site, served, browser_page):
         page.on("console", lambda m, e=errors: e.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda exc, e=errors: e.append(str(exc)))
         page.on("requestfailed", lambda r, f=failed: f.append(r.url))
-        page.on("response", lambda r, f=failed: f.append(f"{r.url} ({r.status})") if r.status >= 400 else None)
+        page.on(
+            "response",
+            lambda r, f=failed: f.append(f"{r.url} ({r.status})") if r.status >= 400 else None,
+        )
         page.goto(url, wait_until="networkidle")
         if page.locator("span.math, div.math").count():
-            page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise", timeout=20000)
+            page.wait_for_function(
+                "() => window.MathJax && MathJax.startup && MathJax.startup.promise", timeout=20000
+            )
             page.evaluate("() => MathJax.startup.promise")
-            unrendered = page.evaluate("() => [...document.querySelectorAll('span.math, div.math')]"
-                                       ".filter(e => !e.querySelector('mjx-container')).length")
+            unrendered = page.evaluate(
+                "() => [...document.querySelectorAll('span.math, div.math')]"
+                ".filter(e => !e.querySelector('mjx-container')).length"
+            )
             if unrendered:
                 problems.append(f"{url}: {unrendered} formulas left unrendered")
         problems += [f"{url}: console error: {e}" for e in errors]
@@ -169,7 +197,8 @@ SHOWN = """selector => {
   const e = document.querySelector(selector);
   if (!e) return false;
   const r = e.getBoundingClientRect(), style = getComputedStyle(e);
-  return r.width > 1 && r.height > 1 && r.right > 0 && r.left < innerWidth && style.visibility !== "hidden";
+  return r.width > 1 && r.height > 1 && r.right > 0 && r.left < innerWidth
+    && style.visibility !== "hidden";
 }"""
 PANELS = {"primary": "nav.bd-docs-nav", "secondary": "#pst-page-toc-nav"}
 
@@ -195,7 +224,9 @@ def test_sidebar_buttons_open_and_close_at_every_width(built_site, served, page_
     assert shown_at_first is not drawer  # a drawer starts closed, a column open
 
     button.tap()
-    page.wait_for_function(f"s => ({SHOWN})(s) === {str(not shown_at_first).lower()}", arg=panel, timeout=5000)
+    page.wait_for_function(
+        f"s => ({SHOWN})(s) === {str(not shown_at_first).lower()}", arg=panel, timeout=5000
+    )
     assert button.get_attribute("aria-expanded") == str(not shown_at_first).lower()
     if not shown_at_first:
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
@@ -205,7 +236,9 @@ def test_sidebar_buttons_open_and_close_at_every_width(built_site, served, page_
         tap_outside(page, kind)
     else:
         button.tap()
-    page.wait_for_function(f"s => ({SHOWN})(s) === {str(shown_at_first).lower()}", arg=panel, timeout=5000)
+    page.wait_for_function(
+        f"s => ({SHOWN})(s) === {str(shown_at_first).lower()}", arg=panel, timeout=5000
+    )
     assert button.get_attribute("aria-expanded") == str(shown_at_first).lower()
     if drawer:  # and the button opens it again
         button.tap()
@@ -217,7 +250,11 @@ def test_sidebar_buttons_open_and_close_at_every_width(built_site, served, page_
 # Each visible code block or output whose lines are broken: its text is taller as laid out than
 # with every line kept whole (white-space: pre). Each one wider than its column must scroll.
 WRAPPED_OR_CUT = r"""() => {
-  const height = e => { const r = document.createRange(); r.selectNodeContents(e); return r.getBoundingClientRect().height; };
+  const height = e => {
+    const r = document.createRange();
+    r.selectNodeContents(e);
+    return r.getBoundingClientRect().height;
+  };
   const found = [];
   for (const pre of document.querySelectorAll("div.highlight pre, div.cell_output pre")) {
     if (!pre.getClientRects().length || !pre.textContent.trim()) continue;
@@ -242,7 +279,9 @@ def test_no_code_line_wraps(built_site, served, page_at_width):
     for path in pages(built_site):
         page.goto(f"{served}/{path.relative_to(built_site).as_posix()}", wait_until="load")
         problems += [f"{path.name}: {problem}" for problem in page.evaluate(WRAPPED_OR_CUT)]
-    assert not problems, f"{len(problems)} code blocks wrap or are cut off:\n" + "\n".join(problems[:20])
+    assert not problems, f"{len(problems)} code blocks wrap or are cut off:\n" + "\n".join(
+        problems[:20]
+    )
 
 
 def test_wide_tables_scroll_inside_their_column_with_a_visible_edge(built_site, served, browser):
@@ -252,19 +291,23 @@ def test_wide_tables_scroll_inside_their_column_with_a_visible_edge(built_site, 
     try:
         page.goto(f"{served}/01_memory_wall.html", wait_until="load")
         table = page.evaluate("""() => {
-          const box = document.querySelector("div.cell_output table").closest(".pst-scrollable-table-container");
+          const box = document.querySelector("div.cell_output table")
+            .closest(".pst-scrollable-table-container");
           const article = document.querySelector("article.bd-article").getBoundingClientRect();
           const r = box.getBoundingClientRect(), style = getComputedStyle(box);
           return {wider: box.scrollWidth > box.clientWidth, inside: r.right <= article.right + 1,
                   scrolls: ["auto", "scroll"].includes(style.overflowX),
-                  edge: style.backgroundImage.includes("gradient") && style.backgroundAttachment.includes("local")};
+                  edge: style.backgroundImage.includes("gradient")
+                        && style.backgroundAttachment.includes("local")};
         }""")
         assert table == {"wider": True, "inside": True, "scrolls": True, "edge": True}, table
     finally:
         page.close()
 
 
-def test_header_has_the_title_one_search_box_and_follows_the_os_colour_scheme(built_site, served, page_at_width):
+def test_header_has_the_title_one_search_box_and_follows_the_os_colour_scheme(
+    built_site, served, page_at_width
+):
     page = page_at_width
     for scheme in ("dark", "light"):
         page.emulate_media(color_scheme=scheme)
@@ -280,30 +323,51 @@ def test_header_has_the_title_one_search_box_and_follows_the_os_colour_scheme(bu
         assert repository.first.is_visible()
     else:  # the header's links move into the ☰ drawer on a narrow screen
         page.locator(".bd-header-article .primary-toggle").tap()
-        page.locator("dialog#pst-primary-sidebar-modal a.offloadlab-repository").wait_for(state="visible", timeout=5000)
+        page.locator("dialog#pst-primary-sidebar-modal a.offloadlab-repository").wait_for(
+            state="visible", timeout=5000
+        )
 
 
 def test_without_a_repository_address_the_link_says_so(built_site):
     for name in ("index.html", "labs/lab01_account_for_every_byte.html"):
         html = (built_site / name).read_text(encoding="utf-8")
-        link = re.search(r'<a class="offloadlab-repository[^"]*"[^>]*href="([^"]+)"[^>]*>(.*?)</a>', html, re.S)
+        link = re.search(
+            r'<a class="offloadlab-repository[^"]*"[^>]*href="([^"]+)"[^>]*>(.*?)</a>', html, re.S
+        )
         assert link and "address not set" in link.group(2), name
         assert link.group(1) == ("" if name == "index.html" else "../index.html") + "#how-to-use-it"
     landing = re.sub(r"<[^>]+>", "", (built_site / "index.html").read_text(encoding="utf-8"))
-    assert "clone the repository (this copy of the site was built without its address" in " ".join(landing.split())
+    assert "clone the repository (this copy of the site was built without its address" in " ".join(
+        landing.split()
+    )
 
 
 def test_the_repository_address_reaches_the_header_and_the_landing_page(tmp_path):
     url = "https://github.com/example/offloadlab"
     env = {**os.environ, "OFFLOADLAB_REPOSITORY_URL": url}
-    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html", "book", str(tmp_path / "site")]
+    command = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-n",
+        "-q",
+        "-b",
+        "html",
+        "book",
+        str(tmp_path / "site"),
+    ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     for name in ("index.html", "labs/lab01_account_for_every_byte.html"):
         html = (tmp_path / "site" / name).read_text(encoding="utf-8")
-        assert re.search(r'<a class="offloadlab-repository nav-link" href="' + re.escape(url) + '"', html), name
-    assert f'clone <a class="reference external" href="{url}">the repository</a>' in \
-        (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+        assert re.search(
+            r'<a class="offloadlab-repository nav-link" href="' + re.escape(url) + '"', html
+        ), name
+    assert f'clone <a class="reference external" href="{url}">the repository</a>' in (
+        tmp_path / "site" / "index.html"
+    ).read_text(encoding="utf-8")
 
 
 def test_references_link_to_their_doi_or_arxiv_entry(built_site):
@@ -312,17 +376,27 @@ def test_references_link_to_their_doi_or_arxiv_entry(built_site):
     from pybtex.database import parse_file
 
     html = (built_site / "references.html").read_text(encoding="utf-8")
-    entries = re.findall(r'<div class="citation" id="[^"]+" role="doc-biblioentry">(.*?)</div>', html, re.S)
+    entries = re.findall(
+        r'<div class="citation" id="[^"]+" role="doc-biblioentry">(.*?)</div>', html, re.S
+    )
     assert len(entries) >= 8
     cited = 0
     for key, entry in parse_file(str(ROOT / "book" / "references.bib")).entries.items():
-        title = re.sub(r"[{}]", "", entry.fields["title"])[:30].lower()  # the style lowercases titles
-        rendered = next((e for e in entries if title in " ".join(re.sub(r"<[^>]+>", "", e).split()).lower()), None)
+        # the style lowercases titles
+        title = re.sub(r"[{}]", "", entry.fields["title"])[:30].lower()
+        rendered = next(
+            (e for e in entries if title in " ".join(re.sub(r"<[^>]+>", "", e).split()).lower()),
+            None,
+        )
         if rendered is None:
             continue  # not cited anywhere, so not listed
         cited += 1
         paper = entry.type in ("article", "inproceedings")
-        link = r'href="https://(doi\.org/10\.|arxiv\.org/abs/\d{4}\.\d{4,5})' if paper else r'href="https?://'
+        link = (
+            r'href="https://(doi\.org/10\.|arxiv\.org/abs/\d{4}\.\d{4,5})'
+            if paper
+            else r'href="https?://'
+        )
         assert re.search(link, rendered), f"{key}: no {'DOI or arXiv' if paper else ''} link"
     assert cited >= 8
 
@@ -361,21 +435,33 @@ def test_figures_are_vector_with_readable_text_at_every_width(built_site, served
     assert len(measured) >= 20, f"only {len(measured)} figures seen"
     assert not problems, f"at {width} px (minimum {minimum} px):\n" + "\n".join(problems)
     (SCREENSHOTS / f"figure_text_{width}px.txt").parent.mkdir(parents=True, exist_ok=True)
-    (SCREENSHOTS / f"figure_text_{width}px.txt").write_text(f"{len(measured)} figures; smallest text "
-                                                          f"{min(measured):.1f} px\n")
+    (SCREENSHOTS / f"figure_text_{width}px.txt").write_text(
+        f"{len(measured)} figures; smallest text {min(measured):.1f} px\n"
+    )
 
 
 def host_paths() -> list[str]:
     """Absolute paths of this machine that must never appear in a page built on it."""
-    candidates = {str(ROOT), str(Path.home()), tempfile.gettempdir(), "/root/", "/home/", "/tmp/", "/var/folders/",
-                  os.environ.get("VIRTUAL_ENV") or "", sys.prefix}
+    candidates = {
+        str(ROOT),
+        str(Path.home()),
+        tempfile.gettempdir(),
+        "/root/",
+        "/home/",
+        "/tmp/",
+        "/var/folders/",
+        os.environ.get("VIRTUAL_ENV") or "",
+        sys.prefix,
+    }
     return sorted(c for c in candidates if len(c) > 1)
 
 
 def written_by_the_authors() -> str:
     """The text of every chapter, lab and page source: a path named there (for example the
     course page's ``/root/.pyenv``, a home no student may read) is an example, not a leak."""
-    return "\n".join(p.read_text(encoding="utf-8") for d in ("book", "labs") for p in (ROOT / d).glob("*.md"))
+    return "\n".join(
+        p.read_text(encoding="utf-8") for d in ("book", "labs") for p in (ROOT / d).glob("*.md")
+    )
 
 
 def test_no_page_shows_a_path_of_the_build_machine(built_site):
@@ -388,17 +474,23 @@ def test_no_page_shows_a_path_of_the_build_machine(built_site):
             text = json.dumps([(c.get("source"), c.get("outputs")) for c in notebook["cells"]])
         for path in host_paths():
             for match in re.finditer(re.escape(path), text):
-                named = re.match(r"[^\s\"'<>`\\]+", text[match.start():]).group(0)
+                named = re.match(r"[^\s\"'<>`\\]+", text[match.start() :]).group(0)
                 if len(named) > len(path) and named in written:
                     continue
-                found.append(f"{document.relative_to(built_site)}: ...{text[max(0, match.start() - 40):match.end() + 40]!r}")
+                found.append(
+                    f"{document.relative_to(built_site)}: "
+                    f"...{text[max(0, match.start() - 40) : match.end() + 40]!r}"
+                )
     assert not found, "host paths in the built pages:\n" + "\n".join(found[:20])
 
 
 def test_exercises_are_numbered_from_one_on_each_page(built_site):
     numbered = 0
     for page in pages(built_site):
-        titles = re.findall(r'<span class="caption-number">Exercise (\d+)\s*</span>', page.read_text(encoding="utf-8"))
+        titles = re.findall(
+            r'<span class="caption-number">Exercise (\d+)\s*</span>',
+            page.read_text(encoding="utf-8"),
+        )
         if titles:
             numbered += 1
             assert [int(n) for n in titles] == list(range(1, len(titles) + 1)), (page.name, titles)
@@ -412,7 +504,12 @@ def test_images_have_alt_text_not_file_paths(built_site):
             alt = re.search(r'alt="([^"]*)"', tag)
             src = re.search(r'src="([^"]*)"', tag)
             figures += 1
-            if not alt or not alt.group(1).strip() or (src and Path(src.group(1)).name in alt.group(1)) or ".png" in alt.group(1):
+            if (
+                not alt
+                or not alt.group(1).strip()
+                or (src and Path(src.group(1)).name in alt.group(1))
+                or ".png" in alt.group(1)
+            ):
                 bad.append(f"{page.name}: {tag[:160]}")
     assert figures > 10 and not bad, "\n".join(bad)
     chapter = (built_site / "01_memory_wall.html").read_text(encoding="utf-8")
@@ -423,7 +520,9 @@ def test_version_and_how_to_cite_on_the_site(built_site):
     import offloadlab
 
     cff = yaml.safe_load((ROOT / "CITATION.cff").read_text(encoding="utf-8"))
-    pyproject = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M)
+    pyproject = re.search(
+        r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M
+    )
     assert cff["version"] == offloadlab.__version__ == pyproject.group(1)
     for page in ("index.html", "07_prefetch.html", "labs/lab01_account_for_every_byte.html"):
         html = (built_site / page).read_text(encoding="utf-8")
@@ -431,13 +530,28 @@ def test_version_and_how_to_cite_on_the_site(built_site):
         assert footer and f"offloadlab {offloadlab.__version__}" in footer.group(1), page
         assert re.search(r'href="(\.\./)?citation.html"', footer.group(1)), page
     cite = re.sub(r"<[^>]+>", "", (built_site / "citation.html").read_text(encoding="utf-8"))
-    assert "cff-version" in cite and "@software{offloadlab" in cite and cff["title"].split(":")[0] in cite
+    assert (
+        "cff-version" in cite
+        and "@software{offloadlab" in cite
+        and cff["title"].split(":")[0] in cite
+    )
 
 
 def test_student_site_has_no_solutions(tmp_path):
     target = tmp_path / "student"
     env = {**os.environ, "OFFLOADLAB_STUDENT": "1"}
-    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-b", "html", "book", str(target)]
+    command = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-n",
+        "-b",
+        "html",
+        "book",
+        str(target),
+    ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     chapter = (target / "01_memory_wall.html").read_text(encoding="utf-8")
@@ -447,9 +561,15 @@ def test_student_site_has_no_solutions(tmp_path):
     if reader:
         assert solution_text in reader and "dropdown" in reader
     # The labs' worked answers are stubs there, and no download holds them either.
-    lab = re.sub(r"<[^>]+>", "", (target / "labs" / "lab05_build_a_double_buffer.html").read_text(encoding="utf-8"))
+    lab = re.sub(
+        r"<[^>]+>",
+        "",
+        (target / "labs" / "lab05_build_a_double_buffer.html").read_text(encoding="utf-8"),
+    )
     assert "NotImplementedError" in lab and "released[i % 2] = link.mark()" not in lab
-    assert not list(target.rglob("_sources/**/*.md")) and not list(target.rglob("_sources/**/*.ipynb"))
+    assert not list(target.rglob("_sources/**/*.md")) and not list(
+        target.rglob("_sources/**/*.ipynb")
+    )
 
 
 # Checks for the content pass of issue 28 (asserts moved into hidden cells, code kept to 88
@@ -462,8 +582,10 @@ LONGEST_CODE_LINE = 88
 
 def skip_until_the_content_pass(problems: list[str], what: str) -> None:
     if problems and not CONTENT_PASS_MERGED:
-        pytest.skip(f"{len(problems)} {what} today; this check is enforced once issue 28's content pass "
-                    f"is merged (CONTENT_PASS_MERGED in tests/test_site.py). First: {problems[0]}")
+        pytest.skip(
+            f"{len(problems)} {what} today; this check is enforced once issue 28's content pass "
+            f"is merged (CONTENT_PASS_MERGED in tests/test_site.py). First: {problems[0]}"
+        )
 
 
 def code_lines(path: Path, printed_only: bool = False) -> list[str]:
@@ -493,16 +615,26 @@ def code_lines(path: Path, printed_only: bool = False) -> list[str]:
 def test_no_code_line_is_longer_than_88_characters():
     from tests.nbval_markdown import is_text_notebook
 
-    notebooks = sorted(p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p))
-    long_lines = [f"{p.relative_to(ROOT)}: {len(line)} characters: {line.strip()[:50]}…"
-                  for p in notebooks for line in code_lines(p) if len(line) > LONGEST_CODE_LINE]
-    skip_until_the_content_pass(long_lines, f"code lines longer than {LONGEST_CODE_LINE} characters")
+    notebooks = sorted(
+        p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p)
+    )
+    long_lines = [
+        f"{p.relative_to(ROOT)}: {len(line)} characters: {line.strip()[:50]}…"
+        for p in notebooks
+        for line in code_lines(p)
+        if len(line) > LONGEST_CODE_LINE
+    ]
+    skip_until_the_content_pass(
+        long_lines, f"code lines longer than {LONGEST_CODE_LINE} characters"
+    )
     assert not long_lines, "\n".join(long_lines[:30])
 
 
 def visible_asserts(html: str) -> list[str]:
-    """The ``assert`` statements in a page's code cells that a reader sees without unfolding anything."""
-    shown = re.sub(r'<details class="hide[^"]*">.*?</details>', "", html, flags=re.S)  # folded cells
+    """The ``assert`` statements in a page's code cells that a reader sees without unfolding
+    anything."""
+    # folded cells
+    shown = re.sub(r'<details class="hide[^"]*">.*?</details>', "", html, flags=re.S)
     found = []
     for cell in re.findall(r'<div class="cell_input[^"]*"[^>]*>(.*?)</pre>', shown, flags=re.S):
         code = htmllib.unescape(re.sub(r"<[^>]+>", "", cell))
@@ -511,8 +643,11 @@ def visible_asserts(html: str) -> list[str]:
 
 
 def test_no_assert_is_visible_on_the_site(built_site):
-    found = [f"{page.relative_to(built_site)}: {line[:60]}" for page in pages(built_site)
-             for line in visible_asserts(page.read_text(encoding="utf-8"))]
+    found = [
+        f"{page.relative_to(built_site)}: {line[:60]}"
+        for page in pages(built_site)
+        for line in visible_asserts(page.read_text(encoding="utf-8"))
+    ]
     pages_with_asserts = sorted({line.split(":")[0] for line in found})
     skip_until_the_content_pass(found, f"visible asserts on {len(pages_with_asserts)} pages")
     assert not found, "\n".join(found[:30])

@@ -1,4 +1,5 @@
-"""StreamedModel: a model's blocks stream their weights from pinned host memory, forward and backward."""
+"""StreamedModel: a model's blocks stream their weights from pinned host memory, forward and
+backward."""
 
 import copy
 import gc
@@ -23,7 +24,10 @@ def link(request):
         with EmulatedLink(bandwidth="4 GB/s", latency=0) as emulated:
             yield emulated
         return
-    with CudaOrderLink(bandwidth="4 GB/s", latency=0) as checker, checker.compute_stream("training"):
+    with (
+        CudaOrderLink(bandwidth="4 GB/s", latency=0) as checker,
+        checker.compute_stream("training"),
+    ):
         yield checker
         checker.check()
 
@@ -73,13 +77,17 @@ def twins(config=GPTConfig(layers=4, hidden=64, heads=4, vocab=128, seq=32), cls
 
 
 def same_gradients(a_model, b_model) -> bool:
-    return all((a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad.to(a.grad.device))
-               for a, b in zip(a_model.parameters(), b_model.parameters()))
+    return all(
+        (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad.to(a.grad.device))
+        for a, b in zip(a_model.parameters(), b_model.parameters())
+    )
 
 
 def batch(vocab=128, seq=32):
     g = torch.Generator().manual_seed(3)
-    return torch.randint(0, vocab, (2, seq), generator=g), torch.randint(0, vocab, (2, seq), generator=g)
+    return torch.randint(0, vocab, (2, seq), generator=g), torch.randint(
+        0, vocab, (2, seq), generator=g
+    )
 
 
 def test_same_outputs_and_gradients_as_the_plain_model(link):
@@ -96,8 +104,9 @@ def test_same_outputs_and_gradients_as_the_plain_model(link):
         assert torch.equal(plain(x, y), streamed(x, y))
 
 
-@pytest.mark.parametrize("variant", [dict(skip=(1, 2)), dict(recompute=True), dict(recompute=True, skip=(0,))],
-                         ids=str)
+@pytest.mark.parametrize(
+    "variant", [dict(skip=(1, 2)), dict(recompute=True), dict(recompute=True, skip=(0,))], ids=str
+)
 def test_skipped_and_recomputed_blocks_get_their_own_weights(link, variant):
     plain, streamed = twins(cls=LayerDropGPT)
     StreamedModel(streamed, link)
@@ -140,9 +149,15 @@ def test_gradients_go_down_in_one_copy_per_block_into_pinned_memory(link):
     with link.record() as recording:
         streamed(x, y).backward()
     assert counting.copies["d2h"] == len(handle.blocks)
-    assert all(t.pinned for t in recording.transfers)  # every copy, either way, from or into pinned memory
-    # two landing buffers, made with the model: no memory is pinned inside backward, whatever the depth
-    assert link.pinned_bytes == pinned == sum(h.numel() for h in handle._host) + 2 * handle._landing_bytes
+    # every copy, either way, from or into pinned memory
+    assert all(t.pinned for t in recording.transfers)
+    # two landing buffers, made with the model: no memory is pinned inside backward, whatever the
+    # depth
+    assert (
+        link.pinned_bytes
+        == pinned
+        == sum(h.numel() for h in handle._host) + 2 * handle._landing_bytes
+    )
     plain(x, y).backward()
     assert same_gradients(plain, streamed)  # four blocks through two landing buffers, all in .grad
 
@@ -155,7 +170,8 @@ def test_with_cpu_offload_adam_the_gradients_land_in_the_optimizer(link):
     x, y = batch()
     streamed(x, y).backward()
     optimizer.step()
-    assert handle.host_bytes == sum(h.numel() for h in handle._host)  # one trip: straight into the optimizer's buffer
+    # one trip: straight into the optimizer's buffer
+    assert handle.host_bytes == sum(h.numel() for h in handle._host)
     assert all(p.grad is None for block in handle.blocks for p in block.parameters())
     optimizer.close()
 
@@ -177,7 +193,8 @@ def test_gradients_landed_before_the_optimizer_are_used_and_their_buffers_freed(
     assert handle.host_bytes == weights_only
     reference.step(), optimizer.step()
     reference.close(), optimizer.close()
-    assert all(not torch.equal(a, b) for a, b in zip(before, plain.parameters()))  # every parameter moved
+    # every parameter moved
+    assert all(not torch.equal(a, b) for a, b in zip(before, plain.parameters()))
     for a, b in zip(plain.parameters(), streamed.parameters()):
         assert torch.equal(a, b)
 
@@ -194,10 +211,13 @@ def three_steps(model, optimizer, x, y) -> None:
 @pytest.mark.parametrize("optimizer", ["AdamW", "CPUOffloadAdam", "CPUOffloadAdam, eager"])
 def test_streamed_model_trains_exactly_like_the_plain_one(link, optimizer):
     """Any optimizer (CPUOffloadAdam writing the host copy) gives the unstreamed model's weights."""
-    make = {"AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
-            "CPUOffloadAdam": lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link),
-            "CPUOffloadAdam, eager": lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link,
-                                                               accumulation_steps=1)}[optimizer]
+    make = {
+        "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        "CPUOffloadAdam": lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link),
+        "CPUOffloadAdam, eager": lambda m: CPUOffloadAdam(
+            m.parameters(), lr=1e-2, link=link, accumulation_steps=1
+        ),
+    }[optimizer]
     plain, streamed = twins(GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=16))
     StreamedModel(streamed, link)
     x, y = batch(64, 16)
@@ -242,7 +262,9 @@ def test_every_buffer_held_is_a_clear_error(link):
     model.blocks[0].others.append(model.blocks[1])
     model.blocks[1].others.append(model.blocks[2])  # three blocks in use at once
     handle = StreamedModel(model, link, buffers=2)
-    with pytest.raises(RuntimeError, match="block 'blocks.2' needs a device buffer but all 2 hold blocks"):
+    with pytest.raises(
+        RuntimeError, match="block 'blocks.2' needs a device buffer but all 2 hold blocks"
+    ):
         model.blocks[0](torch.randn(2, 8))
     del handle
 
@@ -251,7 +273,9 @@ def test_bad_arguments(link):
     with pytest.raises(ValueError, match="^blocks: "):
         StreamedModel(torch.nn.Linear(2, 2), link)
     with pytest.raises(ValueError, match="^buffers: "):
-        StreamedModel(TinyGPT(GPTConfig(layers=1, hidden=8, heads=2, vocab=8, seq=4)), link, buffers=1)
+        StreamedModel(
+            TinyGPT(GPTConfig(layers=1, hidden=8, heads=2, vocab=8, seq=4)), link, buffers=1
+        )
     tied = TinyGPT(GPTConfig(layers=2, hidden=8, heads=2, vocab=8, seq=4))
     tied.blocks[1].fc.weight = tied.blocks[0].fc.weight
     with pytest.raises(ValueError, match="shared by blocks 'blocks.0' and 'blocks.1'"):
@@ -271,7 +295,11 @@ def assert_gradients_agree_to_their_noise(reference, other):
     """Gradients equal to within fp32 rounding of the largest gradient of the whole model: a
     gradient that is itself rounding noise (attention's k bias, mathematically zero: softmax does
     not see a constant added to every key) is compared on that scale, not on its own."""
-    grads = [(a.grad, b.grad) for a, b in zip(reference.parameters(), other.parameters()) if a.grad is not None]
+    grads = [
+        (a.grad, b.grad)
+        for a, b in zip(reference.parameters(), other.parameters())
+        if a.grad is not None
+    ]
     scale = max(a.abs().max().item() for a, _ in grads)
     for a, b in grads:
         torch.testing.assert_close(b.to(a.device), a, rtol=1e-4, atol=1e-5 * scale)
@@ -296,11 +324,14 @@ def test_cuda_streaming_with_cpu_offload_adam():
             model(x, y).backward()
         assert_gradients_agree_to_their_noise(plain, streamed)
         scale = max(p.grad.abs().max().item() for p in plain.parameters() if p.grad is not None)
-        noise = [p.grad is None or p.grad.abs().max().item() < 1e-6 * scale for p in plain.parameters()]
+        noise = [
+            p.grad is None or p.grad.abs().max().item() < 1e-6 * scale for p in plain.parameters()
+        ]
         for model in (plain, streamed):
             model.zero_grad()
             three_steps(model, CPUOffloadAdam(model.parameters(), lr=lr, link=cuda), x, y)
-        adam_bound = steps * lr * max(1.0, (1 - 0.9) / (1 - 0.999) ** 0.5)  # Kingma & Ba's bound on a step
+        # Kingma & Ba's bound on a step
+        adam_bound = steps * lr * max(1.0, (1 - 0.9) / (1 - 0.999) ** 0.5)
         for a, b, a0, is_noise in zip(plain.parameters(), streamed.parameters(), start, noise):
             if is_noise:
                 for p in (a, b.to("cuda")):
@@ -330,8 +361,10 @@ def test_cuda_streaming_gradients_come_back_asynchronously():
 
 # ----------------------------------------------------------------------------- review findings
 
+
 def test_first_fills_wait_for_the_point_the_buffers_were_allocated(link):
-    """On a GPU a fresh buffer's memory may be what queued kernels were using: its first fill waits."""
+    """On a GPU a fresh buffer's memory may be what queued kernels were using: its first fill
+    waits."""
     afters = []
 
     class Recording(Counting):
@@ -377,7 +410,8 @@ def test_host_weights_are_rewritten_only_once_no_copy_reads_them():
         return found
 
     assert unknown_reads_at_writes(Streamed._quiesce) == []
-    assert unknown_reads_at_writes(lambda self, block: None)  # the check can fail: without the wait it does
+    # the check can fail: without the wait it does
+    assert unknown_reads_at_writes(lambda self, block: None)
 
 
 def test_a_failed_backward_leaves_the_streaming_usable(link):
@@ -385,7 +419,9 @@ def test_a_failed_backward_leaves_the_streaming_usable(link):
     StreamedModel(streamed, link)
     x, y = batch()
     loss = streamed(x, y)
-    streamed.blocks[1].fc.weight.register_hook(lambda g: (_ for _ in ()).throw(ArithmeticError("in backward")))
+    streamed.blocks[1].fc.weight.register_hook(
+        lambda g: (_ for _ in ()).throw(ArithmeticError("in backward"))
+    )
     with pytest.raises(ArithmeticError):
         loss.backward()
     streamed.blocks[1].fc.weight._backward_hooks.clear()
@@ -400,12 +436,15 @@ def test_checkpointed_blocks_are_recomputed_not_kept(link):
     handle = StreamedModel(streamed, link)
     runs = []
     for block in streamed.blocks:
-        block.register_forward_pre_hook(lambda *_: runs.append(torch._C._current_graph_task_id() != -1))
+        block.register_forward_pre_hook(
+            lambda *_: runs.append(torch._C._current_graph_task_id() != -1)
+        )
     x, y = batch()
     expected, got = plain(x, y, recompute=True), streamed(x, y, recompute=True)
     expected.backward(), got.backward()
     assert same_gradients(plain, streamed)
-    assert runs.count(True) == len(handle.blocks)  # each block ran again in backward: checkpointing did its job
+    # each block ran again in backward: checkpointing did its job
+    assert runs.count(True) == len(handle.blocks)
 
 
 def test_under_autocast_no_cast_weight_is_kept_for_backward(link):
@@ -417,9 +456,17 @@ def test_under_autocast_no_cast_weight_is_kept_for_backward(link):
     def counting(index, buffer, nodes, outer, t):
         saved = pack(index, buffer, nodes, outer, t)
         weights = [p.detach() for b in handle.blocks for p in b.parameters() if p.dim() == 2]
-        if saved is t and t.dim() == 2 and any(w.shape == t.shape and torch.equal(w.to(t.dtype), t) or
-                                               w.t().shape == t.shape and torch.equal(w.t().to(t.dtype), t)
-                                               for w in weights):
+        if (
+            saved is t
+            and t.dim() == 2
+            and any(
+                w.shape == t.shape
+                and torch.equal(w.to(t.dtype), t)
+                or w.t().shape == t.shape
+                and torch.equal(w.t().to(t.dtype), t)
+                for w in weights
+            )
+        ):
             kept.append(t)  # a cast copy of a streamed weight, kept on the device until backward
         return saved
 
@@ -448,7 +495,9 @@ def test_blocks_called_with_keyword_arguments_release_their_buffers(link):
         x = model.tokens(idx) + model.positions(torch.arange(idx.shape[1]))
         for block in model.blocks:
             x = block(x=x)
-        return torch.nn.functional.cross_entropy(model.head(model.norm(x)).flatten(0, 1), targets.flatten())
+        return torch.nn.functional.cross_entropy(
+            model.head(model.norm(x)).flatten(0, 1), targets.flatten()
+        )
 
     StreamedModel(streamed, link, buffers=2)
     x, y = batch(64, 16)
@@ -465,7 +514,9 @@ def test_a_weight_changed_between_forward_and_backward_is_an_error(link):
     link.synchronize()  # (writing host weights in place: after the copies that may read them)
     with torch.no_grad():
         streamed.blocks[0].qkv.weight.mul_(2)  # as an update between forward and backward would
-    with pytest.raises(RuntimeError, match=r"'qkv.weight' of block 'blocks.0' was modified after forward"):
+    with pytest.raises(
+        RuntimeError, match=r"'qkv.weight' of block 'blocks.0' was modified after forward"
+    ):
         loss.backward()
 
 
@@ -490,8 +541,10 @@ def test_weights_tied_inside_one_block_stream_and_train_like_the_plain_model(lin
         for block in model.blocks:
             block.norm2.weight = block.norm1.weight
     StreamedModel(streamed, link)
-    make = {"AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
-            "CPUOffloadAdam": lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link)}[optimizer]
+    make = {
+        "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        "CPUOffloadAdam": lambda m: CPUOffloadAdam(m.parameters(), lr=1e-2, link=link),
+    }[optimizer]
     x, y = batch(64, 16)
     for model in (plain, streamed):
         three_steps(model, make(model), x, y)
@@ -502,5 +555,7 @@ def test_weights_tied_inside_one_block_stream_and_train_like_the_plain_model(lin
 def test_a_block_on_the_meta_device_is_refused_in_words(link):
     with torch.device("meta"):
         model = TinyGPT(GPTConfig(layers=2, hidden=8, heads=2, vocab=8, seq=4))
-    with pytest.raises(ValueError, match=r"^blocks: 'blocks.0' has parameters on the meta device .* materialise"):
+    with pytest.raises(
+        ValueError, match=r"^blocks: 'blocks.0' has parameters on the meta device .* materialise"
+    ):
         StreamedModel(model, link)

@@ -10,12 +10,27 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from offloadlab.student import (BEGIN, BEGIN_HIDDEN, END, END_HIDDEN, STUB, SWITCH, TEXT_STUB, assignment_name,
-                                points, release_notebook, released_lab, source_notebook, strip_solutions)
+from offloadlab.student import (
+    BEGIN,
+    BEGIN_HIDDEN,
+    END,
+    END_HIDDEN,
+    STUB,
+    SWITCH,
+    TEXT_STUB,
+    assignment_name,
+    points,
+    release_notebook,
+    released_lab,
+    source_notebook,
+    strip_solutions,
+)
 from tests.conftest import ROOT
 
 LABS = sorted((ROOT / "labs").glob("lab*.md"))
-HEADER = "---\njupytext:\n  text_representation:\n    extension: .md\n    format_name: myst\n---\n\n"
+HEADER = (
+    "---\njupytext:\n  text_representation:\n    extension: .md\n    format_name: myst\n---\n\n"
+)
 
 
 def lab(tmp_path, body: str):
@@ -31,7 +46,9 @@ def code(source: str, options: str = "") -> str:
 def test_strip_solutions_uses_nbgraders_stub_at_the_markers_indent():
     source = f"x = 1\n{BEGIN}\nanswer = 42\n{END}\ndef f():\n    {BEGIN}\n    return 1\n    {END}\n"
     stripped = strip_solutions(source)
-    assert stripped == "x = 1\n" + STUB + "\ndef f():\n" + "\n".join("    " + s for s in STUB.splitlines())
+    assert stripped == "x = 1\n" + STUB + "\ndef f():\n" + "\n".join(
+        "    " + s for s in STUB.splitlines()
+    )
     with pytest.raises(ValueError, match="without"):
         strip_solutions(f"{BEGIN}\nx = 1\n")
     with pytest.raises(ValueError, match="without"):
@@ -42,11 +59,14 @@ def test_strip_solutions_uses_nbgraders_stub_at_the_markers_indent():
 
 def test_answers_the_book_folds_are_unfolded_for_nbgrader_and_students(tmp_path):
     folded = "---\njupyter:\n  source_hidden: true\ntags: [hide-input, keep]\n---\n"
-    path = lab(tmp_path, code(f"{BEGIN}\nx = 2\n{END}", folded) + code("assert x == 2", ":points: 1\n\n"))
+    path = lab(
+        tmp_path, code(f"{BEGIN}\nx = 2\n{END}", folded) + code("assert x == 2", ":points: 1\n\n")
+    )
     notebook = source_notebook(path)
     answer = next(c for c in notebook.cells if c.metadata.get("nbgrader", {}).get("solution"))
     assert "jupyter" not in answer.metadata and answer.metadata.tags == ["keep"]
-    assert jupytext_metadata(path)["jupyter"] == {"source_hidden": True}  # the source itself is untouched
+    # the source itself is untouched
+    assert jupytext_metadata(path)["jupyter"] == {"source_hidden": True}
 
 
 def jupytext_metadata(path):
@@ -56,15 +76,34 @@ def jupytext_metadata(path):
 
 
 def test_source_notebook_marks_answers_checks_and_points(tmp_path):
-    path = lab(tmp_path, "# Lab\n\n" + code("import math") + code(f"{BEGIN}\nx = 2\n{END}")
-               + code("assert x == 2", ":points: 3\n\n"))
+    path = lab(
+        tmp_path,
+        "# Lab\n\n"
+        + code("import math")
+        + code(f"{BEGIN}\nx = 2\n{END}")
+        + code("assert x == 2", ":points: 3\n\n"),
+    )
     notebook = source_notebook(path)
     cells = notebook.cells
-    assert cells[1].source == SWITCH and cells[1].metadata.nbgrader["locked"]  # before the first code cell
-    assert cells[3].metadata.nbgrader == {"grade": False, "grade_id": "answer-1", "locked": False,
-                                          "schema_version": 3, "solution": True, "task": False}
-    assert cells[4].metadata.nbgrader == {"grade": True, "grade_id": "check-1", "locked": True, "points": 3,
-                                          "schema_version": 3, "solution": False, "task": False}
+    # before the first code cell
+    assert cells[1].source == SWITCH and cells[1].metadata.nbgrader["locked"]
+    assert cells[3].metadata.nbgrader == {
+        "grade": False,
+        "grade_id": "answer-1",
+        "locked": False,
+        "schema_version": 3,
+        "solution": True,
+        "task": False,
+    }
+    assert cells[4].metadata.nbgrader == {
+        "grade": True,
+        "grade_id": "check-1",
+        "locked": True,
+        "points": 3,
+        "schema_version": 3,
+        "solution": False,
+        "task": False,
+    }
     assert "points" not in cells[4].metadata and "nbgrader" not in cells[2].metadata
     assert points(notebook) == 3 and [c.id for c in cells] == [f"cell-{i}" for i in range(5)]
     assert BEGIN not in "".join(c.source for c in release_notebook(notebook).cells)
@@ -75,29 +114,60 @@ def test_source_notebook_marks_answers_checks_and_points(tmp_path):
 def test_hidden_tests_stay_in_the_source_and_leave_the_release(tmp_path):
     """nbgrader's hidden tests: what only the grader runs is in no student notebook."""
     check = f"assert x > 0\n{BEGIN_HIDDEN}\nassert x == 2\n{END_HIDDEN}"
-    notebook = source_notebook(lab(tmp_path, "# Lab\n\n" + code(f"{BEGIN}\nx = 2\n{END}") + code(check, ":points: 1\n\n")))
+    notebook = source_notebook(
+        lab(tmp_path, "# Lab\n\n" + code(f"{BEGIN}\nx = 2\n{END}") + code(check, ":points: 1\n\n"))
+    )
     assert notebook.cells[-1].source == check
     released = release_notebook(notebook).cells[-1].source
     assert released == "assert x > 0" and "x == 2" not in released
     with pytest.raises(ValueError, match="hidden tests are allowed only in a graded cell"):
-        source_notebook(lab(tmp_path, code(f"{BEGIN_HIDDEN}\nassert True\n{END_HIDDEN}") + code("assert 1", ":points: 1\n\n")))
+        source_notebook(
+            lab(
+                tmp_path,
+                code(f"{BEGIN_HIDDEN}\nassert True\n{END_HIDDEN}")
+                + code("assert 1", ":points: 1\n\n"),
+            )
+        )
 
 
-@pytest.mark.parametrize("body, complaint", [
-    ("Write it between `### BEGIN SOLUTION` and the end.\n\n" + code("assert True", ":points: 1\n\n"),
-     "cell 1: line 1: 'BEGIN SOLUTION' outside a marker line"),
-    (code(f"x = 1  # {BEGIN}\n{END}") + code("assert x", ":points: 1\n\n"), "outside a marker line"),
-    (code(f"{BEGIN}\nx = 1\n{END}") + code(f"{BEGIN}\ny = 1\n{END}") + code("assert x", ":points: 1\n\n"),
-     "cell 1: an answer cell with no graded cell"),
-    (code(f"{BEGIN}\nx = 1\n{END}"), "cell 1: an answer cell with no graded cell"),
-    (code("x = 1"), "expected at least one graded cell"),
-    (code("assert True", ":points: 0\n\n"), "points: expected a positive number; got 0"),
-    (code("assert True", ":points: many\n\n"), "points: expected a positive number; got 'many'"),
-    (code(f"{BEGIN}\nx = 1\n{END}", ":points: 1\n\n"), "not on an answer cell"),
-    ('+++ {"points": -1}\n\nWhy?\n\n' + code("assert True", ":points: 1\n\n"), "points: expected a positive number; got -1"),
-])
-def test_source_notebook_refuses_what_nbgrader_would_cut_or_grade_wrongly(tmp_path, body, complaint):
-    with pytest.raises(ValueError, match="lab09_test.md: " if "cell" in complaint else complaint) as info:
+@pytest.mark.parametrize(
+    "body, complaint",
+    [
+        (
+            "Write it between `### BEGIN SOLUTION` and the end.\n\n"
+            + code("assert True", ":points: 1\n\n"),
+            "cell 1: line 1: 'BEGIN SOLUTION' outside a marker line",
+        ),
+        (
+            code(f"x = 1  # {BEGIN}\n{END}") + code("assert x", ":points: 1\n\n"),
+            "outside a marker line",
+        ),
+        (
+            code(f"{BEGIN}\nx = 1\n{END}")
+            + code(f"{BEGIN}\ny = 1\n{END}")
+            + code("assert x", ":points: 1\n\n"),
+            "cell 1: an answer cell with no graded cell",
+        ),
+        (code(f"{BEGIN}\nx = 1\n{END}"), "cell 1: an answer cell with no graded cell"),
+        (code("x = 1"), "expected at least one graded cell"),
+        (code("assert True", ":points: 0\n\n"), "points: expected a positive number; got 0"),
+        (
+            code("assert True", ":points: many\n\n"),
+            "points: expected a positive number; got 'many'",
+        ),
+        (code(f"{BEGIN}\nx = 1\n{END}", ":points: 1\n\n"), "not on an answer cell"),
+        (
+            '+++ {"points": -1}\n\nWhy?\n\n' + code("assert True", ":points: 1\n\n"),
+            "points: expected a positive number; got -1",
+        ),
+    ],
+)
+def test_source_notebook_refuses_what_nbgrader_would_cut_or_grade_wrongly(
+    tmp_path, body, complaint
+):
+    with pytest.raises(
+        ValueError, match="lab09_test.md: " if "cell" in complaint else complaint
+    ) as info:
         source_notebook(lab(tmp_path, body))
     assert complaint in str(info.value)
 
@@ -110,17 +180,28 @@ def test_every_lab_is_a_valid_assignment(path):
     released = release_notebook(notebook)
     sources = "\n".join(c.source for c in released.cells)
     assert BEGIN not in sources and END not in sources and STUB in sources
-    assert released.cells[next(i for i, c in enumerate(released.cells) if c.cell_type == "code")].source == SWITCH
+    assert (
+        released.cells[
+            next(i for i, c in enumerate(released.cells) if c.cell_type == "code")
+        ].source
+        == SWITCH
+    )
     for cell in released.cells:  # nothing a student must write starts folded (checks may: issue 28)
         if cell.metadata.get("nbgrader", {}).get("solution"):
-            assert not cell.metadata.get("jupyter", {}).get("source_hidden") and "hide-input" not in cell.metadata.get("tags", [])
+            assert not cell.metadata.get("jupyter", {}).get(
+                "source_hidden"
+            ) and "hide-input" not in cell.metadata.get("tags", [])
 
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     target = tmp_path_factory.mktemp("student")
-    result = subprocess.run([sys.executable, "-m", "offloadlab.student", "labs", str(target)], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "offloadlab.student", "labs", str(target)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     return target
 
@@ -130,23 +211,35 @@ def test_every_lab_is_released_without_solutions(release):
     for path in LABS:
         released = nbformat.read(release / f"{path.stem}.ipynb", as_version=4)
         assert released == released_lab(path, release), path.name
-        assert [c.source for c in released.cells if c.cell_type == "code"] == \
-            [c.source for c in release_notebook(source_notebook(path)).cells if c.cell_type == "code"]
-        worked = "\n".join(line.strip() for cell in source_notebook(path).cells for line in cell.source.splitlines())
+        assert [c.source for c in released.cells if c.cell_type == "code"] == [
+            c.source for c in release_notebook(source_notebook(path)).cells if c.cell_type == "code"
+        ]
+        worked = "\n".join(
+            line.strip()
+            for cell in source_notebook(path).cells
+            for line in cell.source.splitlines()
+        )
         inside = worked.split(BEGIN)[1].split(END)[0].strip()  # the first worked answer's text
         assert inside and inside not in "\n".join(c.source for c in released.cells), path.name
-        assert any("check." in c.source or "assert" in c.source for c in released.cells)  # the checks stay
+        # the checks stay
+        assert any("check." in c.source or "assert" in c.source for c in released.cells)
 
 
 @pytest.mark.parametrize("lab", ["lab01_account_for_every_byte", "lab03_hide_a_transfer"])
 def test_student_notebook_runs_up_to_its_first_exercise(release, lab):
     notebook = nbformat.read(release / f"{lab}.ipynb", as_version=4)
-    client = NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(release)}})
+    client = NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(release)}}
+    )
     with pytest.raises(CellExecutionError) as info:
         client.execute()
     assert "NotImplementedError" in str(info.value)
     code = [c for c in notebook.cells if c.cell_type == "code"]
-    failed = next(i for i, c in enumerate(code) if any(o.get("ename") == "NotImplementedError" for o in c.get("outputs", [])))
+    failed = next(
+        i
+        for i, c in enumerate(code)
+        if any(o.get("ename") == "NotImplementedError" for o in c.get("outputs", []))
+    )
     assert code[failed].metadata.nbgrader["grade_id"] == "answer-1"
     assert all(c.get("execution_count") for c in code[:failed])  # everything before it ran
 
@@ -154,23 +247,46 @@ def test_student_notebook_runs_up_to_its_first_exercise(release, lab):
 def test_released_references_link_to_the_site_or_the_chapter_file_or_nothing(tmp_path):
     """Lab cannot follow {ref}: a release turns each into a link that works where it lands."""
     site = tmp_path / "site"
-    command = [sys.executable, "-m", "offloadlab.student", "labs", str(site), "--book-url", "https://example.org/book/"]
+    command = [
+        sys.executable,
+        "-m",
+        "offloadlab.student",
+        "labs",
+        str(site),
+        "--book-url",
+        "https://example.org/book/",
+    ]
     assert subprocess.run(command, cwd=ROOT, capture_output=True).returncode == 0
     text = (site / "lab07_one_tier_further.ipynb").read_text(encoding="utf-8")
     assert "{ref}" not in text and "(https://example.org/book/08_nvme.html#ch-nvme)" in text
     assert "(https://example.org/book/labs/lab06_plan_your_run.html#lab-plan)" in text
     inside = ROOT / "build" / "test-release-links"
     try:
-        assert subprocess.run(command[:4] + [str(inside)], cwd=ROOT, capture_output=True, env=without_book_url()).returncode == 0
-        assert "[8. One tier further: NVMe](../../book/08_nvme.md)" in (inside / "lab07_one_tier_further.ipynb").read_text()
+        assert (
+            subprocess.run(
+                command[:4] + [str(inside)], cwd=ROOT, capture_output=True, env=without_book_url()
+            ).returncode
+            == 0
+        )
+        assert (
+            "[8. One tier further: NVMe](../../book/08_nvme.md)"
+            in (inside / "lab07_one_tier_further.ipynb").read_text()
+        )
     finally:
         shutil.rmtree(inside, ignore_errors=True)
-    outside = tmp_path / "elsewhere"  # neither a site nor the book's files: the words, and no dead link
-    assert subprocess.run(command[:4] + [str(outside)], cwd=ROOT, capture_output=True, env=without_book_url()).returncode == 0
+    # neither a site nor the book's files: the words, and no dead link
+    outside = tmp_path / "elsewhere"
+    assert (
+        subprocess.run(
+            command[:4] + [str(outside)], cwd=ROOT, capture_output=True, env=without_book_url()
+        ).returncode
+        == 0
+    )
     released = nbformat.read(outside / "lab07_one_tier_further.ipynb", as_version=4)
     prose = "\n".join(c.source for c in released.cells if c.cell_type == "markdown")
     assert "{ref}" not in prose and "*8. One tier further: NVMe*" in prose and "](../" not in prose
-    assert "[Lab 6: Plan your run](lab06_plan_your_run.ipynb)" in prose  # another lab: its release beside this one
+    # another lab: its release beside this one
+    assert "[Lab 6: Plan your run](lab06_plan_your_run.ipynb)" in prose
 
 
 def without_book_url():
@@ -178,15 +294,20 @@ def without_book_url():
 
 
 def test_force_replaces_a_link_planted_at_a_release_path_and_never_writes_through_it(tmp_path):
-    """Issue 24, finding 14: `make student` wrote through a symbolic link found at a release path."""
+    """Issue 24, finding 14: `make student` wrote through a symbolic link found at a release
+    path."""
     victim = tmp_path / "victim.txt"
     victim.write_text("not yours", encoding="utf-8")
     target = tmp_path / "release"
     target.mkdir()
     planted = target / f"{LABS[0].stem}.ipynb"
     planted.symlink_to(victim)
-    result = subprocess.run([sys.executable, "-m", "offloadlab.student", "--force", "labs", str(target)], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "offloadlab.student", "--force", "labs", str(target)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert victim.read_text(encoding="utf-8") == "not yours"
     assert not planted.is_symlink() and nbformat.read(planted, as_version=4).cells
@@ -202,7 +323,8 @@ def test_force_replaces_each_notebook_whole_by_renaming_a_new_file_into_place(tm
         before = os.fstat(reader.fileno()).st_ino
         assert subprocess.run(command + ["--force"], cwd=ROOT, capture_output=True).returncode == 0
         assert reader.read() and old.stat().st_ino != before
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{p.stem}.ipynb" for p in LABS)  # no scratch left
+    # no scratch left
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{p.stem}.ipynb" for p in LABS)
 
 
 def test_keep_writes_only_what_is_missing(tmp_path):
@@ -212,18 +334,30 @@ def test_keep_writes_only_what_is_missing(tmp_path):
     mine.write_text("a student's work", encoding="utf-8")
     (tmp_path / f"{LABS[1].stem}.ipynb").unlink()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.strip() == f"wrote {tmp_path / LABS[1].stem}.ipynb"
+    assert (
+        result.returncode == 0 and result.stdout.strip() == f"wrote {tmp_path / LABS[1].stem}.ipynb"
+    )
     assert mine.read_text(encoding="utf-8") == "a student's work"
 
 
 def test_a_reflection_is_graded_by_hand_and_released_as_nbgraders_text_stub(tmp_path):
-    body = (code(f"{BEGIN}\nx = 2\n{END}") + code("assert x == 2", ":points: 1\n\n")
-            + 'Why does it work?\n\n+++ {"points": 2}\n\n:::{dropdown} A model answer\nBecause.\n:::\n')
+    body = (
+        code(f"{BEGIN}\nx = 2\n{END}")
+        + code("assert x == 2", ":points: 1\n\n")
+        + 'Why does it work?\n\n+++ {"points": 2}\n\n:::{dropdown} A model answer\nBecause.\n:::\n'
+    )
     notebook = source_notebook(lab(tmp_path, body))
     reflection = notebook.cells[-1]
     assert reflection.cell_type == "markdown" and reflection.source == "Because."
-    assert reflection.metadata.nbgrader == {"grade": True, "grade_id": "reflection-4", "locked": False, "points": 2,
-                                            "schema_version": 3, "solution": True, "task": False}
+    assert reflection.metadata.nbgrader == {
+        "grade": True,
+        "grade_id": "reflection-4",
+        "locked": False,
+        "points": 2,
+        "schema_version": 3,
+        "solution": True,
+        "task": False,
+    }
     assert points(notebook) == 3 and release_notebook(notebook).cells[-1].source == TEXT_STUB
 
 
@@ -240,21 +374,38 @@ def test_existing_notebooks_are_replaced_only_with_force(tmp_path):
 
 
 def test_nbgrader_sources_are_one_assignment_per_lab(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "offloadlab.student", "--nbgrader", "labs", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "offloadlab.student", "--nbgrader", "labs", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     for path in LABS:
         written = nbformat.read(tmp_path / path.stem[:5] / f"{path.stem}.ipynb", as_version=4)
         source = source_notebook(path)
-        assert [(c.cell_type, c.metadata) for c in written.cells] == [(c.cell_type, c.metadata) for c in source.cells]
-        assert [c.source for c in written.cells if c.cell_type == "code"] == \
-            [c.source for c in source.cells if c.cell_type == "code"]
-        assert BEGIN in "".join(c.source for c in written.cells) and "{ref}" not in "".join(c.source for c in written.cells)
+        assert [(c.cell_type, c.metadata) for c in written.cells] == [
+            (c.cell_type, c.metadata) for c in source.cells
+        ]
+        assert [c.source for c in written.cells if c.cell_type == "code"] == [
+            c.source for c in source.cells if c.cell_type == "code"
+        ]
+        assert BEGIN in "".join(c.source for c in written.cells) and "{ref}" not in "".join(
+            c.source for c in written.cells
+        )
 
 
-@pytest.mark.parametrize("arguments, complaint", [(["no-such-folder", "out"], "source_dir"),
-                                                   (["tests", "out"], "found none"), ([], "usage")])
+@pytest.mark.parametrize(
+    "arguments, complaint",
+    [(["no-such-folder", "out"], "source_dir"), (["tests", "out"], "found none"), ([], "usage")],
+)
 def test_bad_arguments(arguments, complaint, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "offloadlab.student", *arguments], cwd=ROOT,
-                            capture_output=True, text=True)
-    assert result.returncode == 2 and complaint in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "offloadlab.student", *arguments],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        result.returncode == 2 and complaint in result.stderr and "Traceback" not in result.stderr
+    )

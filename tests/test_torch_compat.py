@@ -1,6 +1,6 @@
-"""Each private torch API offloadlab uses (offloadlab/_torch_compat.py) does, on the pinned torch, what
-the package relies on; a torch without one gets an error naming the torch found and the one tested;
-and no other module of the package reaches into torch's private parts."""
+"""Each private torch API offloadlab uses (offloadlab/_torch_compat.py) does, on the pinned
+torch, what the package relies on; a torch without one gets an error naming the torch found and
+the one tested; and no other module of the package reaches into torch's private parts."""
 
 import re
 from pathlib import Path
@@ -18,14 +18,17 @@ def test_the_tested_torch_is_the_pinned_one_and_the_supported_range_holds_it():
     assert torch.__version__.split("+")[0] == compat.TESTED
     stated = f"torch {compat.SUPPORTED} (tested: {compat.TESTED})"
     for name in ("pyproject.toml", "README.md"):
-        assert stated in (PACKAGE.parent / name).read_text(encoding="utf-8"), f"{name} states the torch supported"
+        assert stated in (PACKAGE.parent / name).read_text(encoding="utf-8"), (
+            f"{name} states the torch supported"
+        )
 
 
 def test_in_backward_and_the_end_of_backward_callback():
     seen, ends = [], []
     end = compat.EndOfBackward(lambda: ends.append(len(seen)))
     w = torch.ones(3, requires_grad=True)
-    w.register_hook(lambda g: (seen.append(compat.in_backward()), end.arm(), end.arm())[-1])  # armed twice: one call
+    # armed twice: one call
+    w.register_hook(lambda g: (seen.append(compat.in_backward()), end.arm(), end.arm())[-1])
     assert not compat.in_backward()
     (w * 2).sum().backward()
     assert seen == [True] and ends == [1] and not end.armed
@@ -35,7 +38,9 @@ def test_a_backward_that_raised_is_ended_by_settle_or_the_next_pass():
     ends = []
     end = compat.EndOfBackward(lambda: ends.append(1))
     w = torch.ones(3, requires_grad=True)
-    hook = w.register_hook(lambda g: (end.arm(), (_ for _ in ()).throw(ArithmeticError("in backward"))))
+    hook = w.register_hook(
+        lambda g: (end.arm(), (_ for _ in ()).throw(ArithmeticError("in backward")))
+    )
     with pytest.raises(ArithmeticError):
         (w * 2).sum().backward()
     assert ends == [] and end.armed  # its end never came
@@ -68,11 +73,15 @@ def test_autocasts_copy_of_a_weight_is_a_cast_node_and_other_nodes_are_not():
     casts = []
 
     def pack(t):
-        source = t if compat.view_base(t) is None else compat.view_base(t)  # (the weight is saved transposed)
+        # (the weight is saved transposed)
+        source = t if compat.view_base(t) is None else compat.view_base(t)
         casts.append(source.grad_fn is not None and compat.is_cast_node(source.grad_fn))
         return t
 
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
         layer(torch.randn(2, 4, requires_grad=True))
     assert any(casts), "autocast's bf16 copy of the weight is saved, and recognised"
     assert not compat.is_cast_node((torch.ones(2, requires_grad=True) * 2).grad_fn)
@@ -86,7 +95,9 @@ def test_version_counters_view_bases_and_storage_keys():
     view = t[1:]
     assert compat.view_base(view) is t and compat.view_base(t) is None
     assert compat.storage_key(view.untyped_storage()) == compat.storage_key(t.untyped_storage())
-    assert compat.storage_key(torch.zeros(4).untyped_storage()) != compat.storage_key(t.untyped_storage())
+    assert compat.storage_key(torch.zeros(4).untyped_storage()) != compat.storage_key(
+        t.untyped_storage()
+    )
 
 
 def test_the_weak_identity_dictionary_keys_tensors_by_identity():
@@ -129,36 +140,58 @@ def test_grad_scaler_hands_over_to_an_optimizer_that_accepts_it():
 
 def test_the_optimizers_state_dict_hooks_are_read():
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
-    hooks = {which: (lambda *a: None) for which in
-             ("state_dict_pre", "state_dict_post", "load_state_dict_pre", "load_state_dict_post")}
+    hooks = {
+        which: (lambda *a: None)
+        for which in (
+            "state_dict_pre",
+            "state_dict_post",
+            "load_state_dict_pre",
+            "load_state_dict_post",
+        )
+    }
     for which, hook in hooks.items():
         getattr(optimizer, f"register_{which}_hook")(hook)
         assert compat.optimizer_hooks(optimizer, which) == [hook]
 
 
-@pytest.mark.parametrize("use", [
-    lambda: compat._find("torch._C._no_such_internal", "testing")(),
-    lambda: compat.version(object()),
-    lambda: compat.view_base(object()),
-    lambda: compat.storage_key(object()),
-    lambda: compat.optimizer_hooks(object(), "state_dict_pre"),
-])
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda: compat._find("torch._C._no_such_internal", "testing")(),
+        lambda: compat.version(object()),
+        lambda: compat.view_base(object()),
+        lambda: compat.storage_key(object()),
+        lambda: compat.optimizer_hooks(object(), "state_dict_pre"),
+    ],
+)
 def test_a_missing_api_names_itself_and_the_torch_versions(use):
-    with pytest.raises(compat.MissingTorchAPI, match=rf"torch {re.escape(torch.__version__)} does not have; "
-                                                     rf"offloadlab supports torch .*\(tested: {compat.TESTED}\)"):
+    with pytest.raises(
+        compat.MissingTorchAPI,
+        match=rf"torch {re.escape(torch.__version__)} does not have; "
+        rf"offloadlab supports torch .*\(tested: {compat.TESTED}\)",
+    ):
         use()
 
 
 def test_the_module_finds_every_api_it_names_on_this_torch():
-    for name in ("_current_graph_task_id", "_queue_callback", "_top_saved_tensors_default_hooks",
-                 "reparametrize_module", "WeakIdKeyDictionary", "foreach_copy_", "disable_dynamo"):
+    for name in (
+        "_current_graph_task_id",
+        "_queue_callback",
+        "_top_saved_tensors_default_hooks",
+        "reparametrize_module",
+        "WeakIdKeyDictionary",
+        "foreach_copy_",
+        "disable_dynamo",
+    ):
         assert getattr(getattr(compat, name), "__name__", "") != "missing", name
 
 
 # What a reach into torch's private parts looks like in the source (names and attributes).
-_PRIVATE = re.compile(r"torch\._(?!_version__)|\._version\b|\._base\b|\._cdata\b|_reparametrize_module|queue_callback|"
-                      r"_execution_engine|ToCopyBackward|found_inf|_step_supports_amp_scaling|WeakIdKeyDictionary|"
-                      r"_optimizer_(load_)?state_dict_(pre|post)_hooks|_top_saved_tensors|_current_graph_task_id")
+_PRIVATE = re.compile(
+    r"torch\._(?!_version__)|\._version\b|\._base\b|\._cdata\b|_reparametrize_module|queue_callback|"
+    r"_execution_engine|ToCopyBackward|found_inf|_step_supports_amp_scaling|WeakIdKeyDictionary|"
+    r"_optimizer_(load_)?state_dict_(pre|post)_hooks|_top_saved_tensors|_current_graph_task_id"
+)
 
 
 def test_no_other_module_uses_a_private_torch_api():

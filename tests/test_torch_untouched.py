@@ -14,12 +14,14 @@ from tests.conftest import ROOT
 _SNAPSHOT = """
     import importlib, pathlib, sys, types
     import torch, torch.amp, torch.autograd.graph, torch.nn.utils.clip_grad, torch.utils.checkpoint
-    import torch._dynamo  # (torch wraps some of its own functions when it loads this, as any optimizer's use does)
+    # (torch wraps some of its own functions when it loads this, as any optimizer's use does)
+    import torch._dynamo
 
     NAMESPACES = [torch, torch.nn, torch.nn.functional, torch.nn.utils, torch.nn.utils.clip_grad,
-                  torch.nn.Module, torch.nn.Parameter, torch.Tensor, torch._C.TensorBase, torch.optim,
-                  torch.optim.Optimizer, torch.optim.AdamW, torch.autograd, torch.autograd.graph,
-                  torch.autograd.Function, torch.amp, torch.amp.GradScaler, torch.cuda, torch.utils.checkpoint]
+                  torch.nn.Module, torch.nn.Parameter, torch.Tensor, torch._C.TensorBase,
+                  torch.optim, torch.optim.Optimizer, torch.optim.AdamW, torch.autograd,
+                  torch.autograd.graph, torch.autograd.Function, torch.amp, torch.amp.GradScaler,
+                  torch.cuda, torch.utils.checkpoint]
 
     def snapshot():
         return {(ns.__name__, name): value for ns in NAMESPACES for name, value in vars(ns).items()}
@@ -27,23 +29,36 @@ _SNAPSHOT = """
     def changes(before, after):
         changed = [key for key, value in before.items() if after.get(key, value) is not value]
         removed = [key for key in before if key not in after]
-        added = [key for key, value in after.items()
-                 if key not in before and not isinstance(value, types.ModuleType)]  # (a submodule imported)
+        added = [key for key, value in after.items()  # (not a submodule imported)
+                 if key not in before and not isinstance(value, types.ModuleType)]
         return changed + removed + added
 """
 
 
 def _run(code: str) -> str:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(_SNAPSHOT) + textwrap.dedent(code)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_SNAPSHOT) + textwrap.dedent(code)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout
 
 
 def test_the_issues_one_liners_pass():
     for name in ("torch.nn.Module.zero_grad", "torch.nn.utils.clip_grad_norm_"):
-        subprocess.run([sys.executable, "-c", f"import torch; f = {name}; import offloadlab.offload; "
-                        f"assert {name} is f"], cwd=ROOT, check=True, timeout=300)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import torch; f = {name}; import offloadlab.offload; assert {name} is f",
+            ],
+            cwd=ROOT,
+            check=True,
+            timeout=300,
+        )
 
 
 def test_importing_every_module_changes_nothing_in_torch():
@@ -51,8 +66,10 @@ def test_importing_every_module_changes_nothing_in_torch():
         import offloadlab
         before = snapshot()
         root = pathlib.Path(offloadlab.__file__).parent
-        names = [".".join(("offloadlab", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
-                 for path in sorted(root.rglob("*.py")) if path.name != "__main__.py"]  # (that one runs the command)
+        # (every module but __main__, which runs the command)
+        paths = [path for path in sorted(root.rglob("*.py")) if path.name != "__main__.py"]
+        names = [".".join(("offloadlab", *path.relative_to(root).with_suffix("").parts))
+                 .removesuffix(".__init__") for path in paths]
         for name in names:
             importlib.import_module(name)
         print(len(names), changes(before, snapshot()))
@@ -62,8 +79,9 @@ def test_importing_every_module_changes_nothing_in_torch():
 
 
 def test_training_with_every_mechanism_changes_nothing_in_torch():
-    """Building and using CPUOffloadAdam and StreamedModel (an emulated link) patches nothing either:
-    what they change is the user's own objects (a streamed block's forward), never torch's."""
+    """Building and using CPUOffloadAdam and StreamedModel (an emulated link) patches nothing
+    either: what they change is the user's own objects (a streamed block's forward), never
+    torch's."""
     out = _run("""
         from offloadlab.link import EmulatedLink
         from offloadlab.models import GPTConfig, TinyGPT

@@ -33,7 +33,13 @@ def test_decimal_and_binary_prefixes_stay_distinct():
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("32 GB/s", 32e9), ("900 MiB/s", 900 * 2**20), ("3350 GB/s", 3.35e12), (5e9, 5e9), ("1 TB/s", 1e12)],
+    [
+        ("32 GB/s", 32e9),
+        ("900 MiB/s", 900 * 2**20),
+        ("3350 GB/s", 3.35e12),
+        (5e9, 5e9),
+        ("1 TB/s", 1e12),
+    ],
 )
 def test_parse_bandwidth(text, expected):
     assert units.parse_bandwidth(text) == pytest.approx(expected)
@@ -41,8 +47,16 @@ def test_parse_bandwidth(text, expected):
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("250 ms", 0.25), ("1.5 s", 1.5), ("40 us", 40e-6), ("40 µs", 40e-6), ("3 ns", 3e-9),
-     ("2 min", 120), ("1 h", 3600), (0.25, 0.25)],
+    [
+        ("250 ms", 0.25),
+        ("1.5 s", 1.5),
+        ("40 us", 40e-6),
+        ("40 µs", 40e-6),
+        ("3 ns", 3e-9),
+        ("2 min", 120),
+        ("1 h", 3600),
+        (0.25, 0.25),
+    ],
 )
 def test_parse_duration(text, expected):
     assert units.parse_duration(text) == pytest.approx(expected)
@@ -94,12 +108,17 @@ def test_zero_allowed_where_meaningful():
 
 @pytest.mark.parametrize("value", [True, False, 1.0, "3", None, float("nan")])
 def test_an_integer_argument_refuses_bools_floats_and_strings(value):
-    with pytest.raises(ValueError, match=rf"^count: expected a positive integer; got {re.escape(repr(value))}$"):
+    with pytest.raises(
+        ValueError, match=rf"^count: expected a positive integer; got {re.escape(repr(value))}$"
+    ):
         units.check_integer(value, "count")
 
 
 def test_an_integer_arguments_bounds_and_their_message():
-    assert units.check_integer(0, "depth", 0) == 0 and units.check_integer(1024, "depth", 1, 1024) == 1024
+    assert (
+        units.check_integer(0, "depth", 0) == 0
+        and units.check_integer(1024, "depth", 1, 1024) == 1024
+    )
     with pytest.raises(ValueError, match="^depth: expected an integer ≥ 0; got -1$"):
         units.check_integer(-1, "depth", 0)
     with pytest.raises(ValueError, match="^depth: expected an integer from 1 to 1024; got 1025$"):
@@ -128,11 +147,17 @@ def test_format_round_trips():
         assert math.isclose(units.parse_size(units.format_size(size, binary=binary)), size)
 
 
-@pytest.mark.parametrize("parse, text, guess", [
-    (units.parse_size, "80", "80 GB"), (units.parse_size, "0.5", "0.5 GB"),
-    (units.parse_size, "85899345920", "85899345920 B"),  # as many digits as bytes have: bytes, surely
-    (units.parse_bandwidth, "25", "25 GB/s"), (units.parse_duration, "250", "250 s"),
-])
+@pytest.mark.parametrize(
+    "parse, text, guess",
+    [
+        (units.parse_size, "80", "80 GB"),
+        (units.parse_size, "0.5", "0.5 GB"),
+        # as many digits as bytes have: bytes, surely
+        (units.parse_size, "85899345920", "85899345920 B"),
+        (units.parse_bandwidth, "25", "25 GB/s"),
+        (units.parse_duration, "250", "250 s"),
+    ],
+)
 def test_a_string_without_its_unit_is_refused_with_the_reading_meant(parse, text, guess):
     with pytest.raises(ValueError) as info:
         parse(text, name="gpu_memory")
@@ -140,27 +165,49 @@ def test_a_string_without_its_unit_is_refused_with_the_reading_meant(parse, text
     assert str(info.value).startswith("gpu_memory: expected a ")
 
 
-@pytest.mark.parametrize("parse, text, expected", [
-    (units.parse_size, "80 gb", 80e9), (units.parse_size, "80 Gb".lower(), 80e9), (units.parse_size, "1 gib", 2**30),
-    (units.parse_size, "1 GIB", 2**30), (units.parse_size, "4 KB", 4000), (units.parse_size, "400 Gbit", 50e9),
-    (units.parse_bandwidth, "25 gb/s", 25e9), (units.parse_bandwidth, "25 GB/S", 25e9),
-    (units.parse_bandwidth, "400 Gbit/s", 50e9), (units.parse_bandwidth, "1 gibit/s", 2**30 / 8),
-    (units.parse_duration, "250 MS", 0.25), (units.parse_duration, "2 MIN", 120),
-])
+@pytest.mark.parametrize(
+    "parse, text, expected",
+    [
+        (units.parse_size, "80 gb", 80e9),
+        (units.parse_size, "80 Gb".lower(), 80e9),
+        (units.parse_size, "1 gib", 2**30),
+        (units.parse_size, "1 GIB", 2**30),
+        (units.parse_size, "4 KB", 4000),
+        (units.parse_size, "400 Gbit", 50e9),
+        (units.parse_bandwidth, "25 gb/s", 25e9),
+        (units.parse_bandwidth, "25 GB/S", 25e9),
+        (units.parse_bandwidth, "400 Gbit/s", 50e9),
+        (units.parse_bandwidth, "1 gibit/s", 2**30 / 8),
+        (units.parse_duration, "250 MS", 0.25),
+        (units.parse_duration, "2 MIN", 120),
+    ],
+)
 def test_units_are_read_without_regard_to_case_where_that_is_unambiguous(parse, text, expected):
     assert parse(text) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("parse, text, fragment", [
-    (units.parse_size, "80 Gb", "'Gb' means gigabits; write 'GB' for bytes, or 'Gbit' for bits"),
-    (units.parse_bandwidth, "25 Gb/s", "'Gb' means gigabits"),
-    (units.parse_size, "1 Mib", "'Mib' means mebibits; write 'MiB' for bytes"),
-])
+@pytest.mark.parametrize(
+    "parse, text, fragment",
+    [
+        (
+            units.parse_size,
+            "80 Gb",
+            "'Gb' means gigabits; write 'GB' for bytes, or 'Gbit' for bits",
+        ),
+        (units.parse_bandwidth, "25 Gb/s", "'Gb' means gigabits"),
+        (units.parse_size, "1 Mib", "'Mib' means mebibits; write 'MiB' for bytes"),
+    ],
+)
 def test_a_capital_prefix_with_a_small_b_is_bits_and_is_said_so(parse, text, fragment):
     with pytest.raises(ValueError, match=fragment):
         parse(text, name="x")
 
 
 def test_python_numbers_stay_base_units():
-    """Computed values reach the parsers as numbers: bytes, bytes/s, seconds, whatever their size."""
-    assert units.parse_size(80) == 80 and units.parse_bandwidth(2.5e10) == 2.5e10 and units.parse_duration(3) == 3
+    """Computed values reach the parsers as numbers: bytes, bytes/s, seconds, whatever their
+    size."""
+    assert (
+        units.parse_size(80) == 80
+        and units.parse_bandwidth(2.5e10) == 2.5e10
+        and units.parse_duration(3) == 3
+    )

@@ -49,11 +49,14 @@ def is_text_notebook(path: Path) -> bool:
 
 def notebooks(root: Path = ROOT) -> list[Path]:
     """Every Jupytext notebook in book/ and labs/ (book/labs is a link to labs/, listed once)."""
-    return sorted(p for folder in NOTEBOOK_DIRS for p in (root / folder).glob("*.md") if is_text_notebook(p))
+    return sorted(
+        p for folder in NOTEBOOK_DIRS for p in (root / folder).glob("*.md") if is_text_notebook(p)
+    )
 
 
 def lab_kernelspec() -> dict:
-    """The kernelspec JupyterLab writes for ipykernel's default Python kernel, keys in Lab's order."""
+    """The kernelspec JupyterLab writes for ipykernel's default Python kernel, keys in Lab's
+    order."""
     from ipykernel.kernelspec import KERNEL_NAME, get_kernel_dict
 
     spec = get_kernel_dict()
@@ -61,7 +64,8 @@ def lab_kernelspec() -> dict:
 
 
 def hide_solutions(notebook) -> None:
-    """Fold every code cell that holds a worked answer: hidden source in Lab, hide-input on the site."""
+    """Fold every code cell that holds a worked answer: hidden source in Lab, hide-input on the
+    site."""
     for cell in notebook.cells:
         if cell.cell_type != "code" or SOLUTION_MARKER not in cell.source:
             continue
@@ -96,7 +100,8 @@ def round_trip(path: Path) -> str:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` in one step, so an interrupted run never leaves half a file."""
+    """Replace ``path`` with ``text`` in one step, so an interrupted run never leaves half a
+    file."""
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "w", encoding="utf-8", newline="") as f:
@@ -109,9 +114,15 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tools/format_notebooks.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a notebook would change")
-    parser.add_argument("paths", nargs="*", type=Path, help="notebooks to format (default: all in book/ and labs/)")
+    parser = argparse.ArgumentParser(
+        prog="tools/format_notebooks.py", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if a notebook would change"
+    )
+    parser.add_argument(
+        "paths", nargs="*", type=Path, help="notebooks to format (default: all in book/ and labs/)"
+    )
     args = parser.parse_args(argv)
     paths = args.paths or notebooks()
     for path in paths:

@@ -61,7 +61,8 @@ def heading_targets(paths) -> dict[str, tuple[Path, str]]:
 
 
 def citation_texts(bibliography: Path = BIBLIOGRAPHY) -> dict[str, str]:
-    """key -> "Ren et al., 2021": the author-year text sphinxcontrib-bibtex prints for ``{cite:p}``."""
+    """key -> "Ren et al., 2021": the author-year text sphinxcontrib-bibtex prints for
+    ``{cite:p}``."""
     from pybtex.database import parse_file
 
     texts = {}
@@ -116,8 +117,12 @@ def rewritten(path: Path, text: str, targets: dict, citations: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tools/lab_references.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file would change")
+    parser = argparse.ArgumentParser(
+        prog="tools/lab_references.py", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if a file would change"
+    )
     args = parser.parse_args(argv)
     prose = [p for d in ("book", "labs") for p in sorted((ROOT / d).glob("*.md"))]
     targets, citations = heading_targets(prose), citation_texts()

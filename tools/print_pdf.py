@@ -36,8 +36,14 @@ import tempfile
 import threading
 from pathlib import Path
 
-BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync"]
+BROWSER_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 TEXT_WIDTH_PX = round((210 - 2 * 16) / 25.4 * 96)  # A4 less the 16 mm margins @page sets, in CSS px
 SMALLEST_CODE_PX = 6.5  # a block is never printed smaller than this to make it fit (≈ 4.9 pt)
 SHORT_BLOCK_LINES = 24  # a block this long or shorter is kept on one page
@@ -53,7 +59,8 @@ PREPARE = r"""
   // The theme's print-only title and "Contents" heading, and the landing page's own "Contents"
   // heading, under which the documents follow: the front matter below replaces them.
   document.querySelectorAll("#jb-print-docs-body").forEach(e => e.remove());
-  const documents = [...article.querySelectorAll('span[id^="document-"] + section')];  // before any move
+  // before any move
+  const documents = [...article.querySelectorAll('span[id^="document-"] + section')];
   const landing = article.querySelector(":scope > section");
   landing.querySelectorAll(":scope > section").forEach(s => {
     if (s.querySelector('span[id^="document-"]')) s.querySelector(":scope > h2")?.remove();
@@ -95,8 +102,9 @@ PREPARE = r"""
   front.className = "offloadlab-front";
   const cover = document.createElement("div");
   cover.className = "offloadlab-title-page";
-  for (const [name, value] of [["title", title], ["subtitle", subtitle], ["version", `version ${version}`],
-                               ["authors", authors]]) {
+  const titleRows = [["title", title], ["subtitle", subtitle], ["version", `version ${version}`],
+                 ["authors", authors]];
+  for (const [name, value] of titleRows) {
     const line = cover.appendChild(document.createElement("p"));
     line.className = `offloadlab-${name}`;
     line.textContent = value;
@@ -111,7 +119,8 @@ PREPARE = r"""
     line.className = `offloadlab-contents-${level}`;
     line.href = `#${heading.closest("section")?.id || heading.id}`;
     line.dataset.target = heading.id;
-    line.innerHTML = '<span class="offloadlab-contents-title"></span><span class="offloadlab-contents-page">000</span>';
+    line.innerHTML = '<span class="offloadlab-contents-title"></span>'
+      + '<span class="offloadlab-contents-page">000</span>';
     line.querySelector(".offloadlab-contents-title").textContent = text(heading);
   };
   entry(landing.querySelector("h1"), 1);
@@ -129,10 +138,13 @@ PREPARE = r"""
   for (const pre of document.querySelectorAll("div.highlight pre, div.cell_output pre")) {
     const lines = pre.textContent.replace(/\n$/, "").split("\n").length;
     // A short block is kept on one page with its frame (the cell around it), not left behind empty.
-    if (lines <= shortBlockLines) (pre.closest(".cell_input, .cell_output") || pre).classList.add("offloadlab-keep-whole");
+    if (lines <= shortBlockLines) {
+      (pre.closest(".cell_input, .cell_output") || pre).classList.add("offloadlab-keep-whole");
+    }
     const size = parseFloat(getComputedStyle(pre).fontSize);
     if (pre.scrollWidth > pre.clientWidth + 1) {
-      const fitted = Math.max(smallestCodePx, Math.floor(size * pre.clientWidth / pre.scrollWidth * 10) / 10);
+      const fitted = Math.max(smallestCodePx,
+                              Math.floor(size * pre.clientWidth / pre.scrollWidth * 10) / 10);
       pre.style.fontSize = `${fitted}px`;
     }
   }
@@ -156,19 +168,24 @@ BOOK_CSS = """
 .offloadlab-subtitle { font-size: 18pt; }
 .offloadlab-version, .offloadlab-authors { font-size: 12pt; color: #444; }
 .offloadlab-contents { break-after: page; }
-.offloadlab-contents a { display: flex; align-items: baseline; color: inherit; text-decoration: none;
-  break-inside: avoid; }
+.offloadlab-contents a { display: flex; align-items: baseline; color: inherit;
+  text-decoration: none; break-inside: avoid; }
 .offloadlab-contents-1 { font-weight: bold; margin-top: 0.8em; break-after: avoid; }
 .offloadlab-contents-2 { padding-left: 1.5em; font-size: 0.92em; }
 /* A dotted leader from the title to its page number: dots drawn behind, hidden behind the words. */
-.offloadlab-contents a { background: radial-gradient(circle, #888 0.7px, transparent 0.9px) repeat-x 0 78% / 5px 100%; }
+.offloadlab-contents a {
+  background: radial-gradient(circle, #888 0.7px, transparent 0.9px) repeat-x 0 78% / 5px 100%;
+}
 .offloadlab-contents a > span { background: white; }
 .offloadlab-contents-title { padding-right: 0.4em; }
-.offloadlab-contents-page { margin-left: auto; padding-left: 0.4em; font-variant-numeric: tabular-nums; }
+.offloadlab-contents-page {
+  margin-left: auto; padding-left: 0.4em; font-variant-numeric: tabular-nums;
+}
 """
 
 FILL_PAGES = """pages => document.querySelectorAll(".offloadlab-contents a").forEach(line => {
-  line.querySelector(".offloadlab-contents-page").textContent = String(pages[line.dataset.target] ?? "");
+  const page = pages[line.dataset.target];
+  line.querySelector(".offloadlab-contents-page").textContent = String(page ?? "");
 })"""
 
 
@@ -179,7 +196,9 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 def serve(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
     """Serve ``folder`` on a free local port (MathJax loads its fonts over HTTP, not file://)."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(folder)))
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_Quiet, directory=str(folder))
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
@@ -201,7 +220,13 @@ def heading_places(headings: list[dict], pdf: bytes) -> list[tuple[int, float, f
             if isinstance(item, list):
                 walk(item)
             else:
-                places.append((reader.get_destination_page_number(item), float(item.left or 0), float(item.top or 0)))
+                places.append(
+                    (
+                        reader.get_destination_page_number(item),
+                        float(item.left or 0),
+                        float(item.top or 0),
+                    )
+                )
 
     walk(reader.outline)
     if len(places) != len(headings):
@@ -223,13 +248,25 @@ def with_bookmarks(pdf: bytes, headings: list[dict], places: list, metadata: dic
         level = heading["level"]
         if level > 3:
             continue
-        parent = next((parents[above] for above in range(level - 1, 0, -1) if above in parents), None)
-        parents[level] = writer.add_outline_item(title=heading["title"], page_number=page, parent=parent, fit=Fit.xyz(left, top),
-                                                 is_open=False)
+        parent = next(
+            (parents[above] for above in range(level - 1, 0, -1) if above in parents), None
+        )
+        parents[level] = writer.add_outline_item(
+            title=heading["title"],
+            page_number=page,
+            parent=parent,
+            fit=Fit.xyz(left, top),
+            is_open=False,
+        )
         for deeper in [k for k in parents if k > level]:
             del parents[deeper]
-    writer.add_metadata({"/Title": f"{metadata['title']}: {metadata['subtitle']}", "/Author": metadata["authors"],
-                         "/Subject": f"version {metadata['version']}"})
+    writer.add_metadata(
+        {
+            "/Title": f"{metadata['title']}: {metadata['subtitle']}",
+            "/Author": metadata["authors"],
+            "/Subject": f"version {metadata['version']}",
+        }
+    )
     writer.page_mode = "/UseOutlines"
     out = io.BytesIO()
     writer.write(out)
@@ -242,9 +279,18 @@ def book_metadata(root: Path = Path(__file__).resolve().parent.parent) -> dict:
 
     cff = yaml.safe_load((root / "CITATION.cff").read_text(encoding="utf-8"))
     title, _, subtitle = cff["title"].partition(":")
-    authors = ", ".join(a.get("name") or f"{a['given-names']} {a['family-names']}" for a in cff["authors"])
-    return {"title": title.strip(), "subtitle": subtitle.strip(), "version": str(cff["version"]), "authors": authors,
-            "smallestCodePx": SMALLEST_CODE_PX, "shortBlockLines": SHORT_BLOCK_LINES, "bookCss": BOOK_CSS}
+    authors = ", ".join(
+        a.get("name") or f"{a['given-names']} {a['family-names']}" for a in cff["authors"]
+    )
+    return {
+        "title": title.strip(),
+        "subtitle": subtitle.strip(),
+        "version": str(cff["version"]),
+        "authors": authors,
+        "smallestCodePx": SMALLEST_CODE_PX,
+        "shortBlockLines": SHORT_BLOCK_LINES,
+        "bookCss": BOOK_CSS,
+    }
 
 
 def print_pdf(site: Path, target: Path, chromium: str) -> None:
@@ -260,18 +306,30 @@ def print_pdf(site: Path, target: Path, chromium: str) -> None:
             page = browser.new_page(viewport={"width": TEXT_WIDTH_PX, "height": 1400})
             page.goto(f"{base}/index.html", wait_until="networkidle", timeout=300_000)
             if page.locator("span.math, div.math").count():
-                page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
-                                       timeout=120_000)
+                page.wait_for_function(
+                    "() => window.MathJax && MathJax.startup && MathJax.startup.promise",
+                    timeout=120_000,
+                )
                 page.evaluate("() => MathJax.startup.promise")
             # Folded lab answers and collapsed solutions are printed open.
-            page.evaluate("() => document.querySelectorAll('details').forEach(d => { d.open = true; })")
+            page.evaluate(
+                "() => document.querySelectorAll('details').forEach(d => { d.open = true; })"
+            )
             page.emulate_media(media="print")
             metadata = book_metadata()
             headings = page.evaluate(PREPARE, metadata)
-            options = {"print_background": True, "prefer_css_page_size": True, "outline": True, "tagged": True}
-            places = heading_places(headings, page.pdf(**options))  # first printing: where everything falls
+            options = {
+                "print_background": True,
+                "prefer_css_page_size": True,
+                "outline": True,
+                "tagged": True,
+            }
+            # first printing: where everything falls
+            places = heading_places(headings, page.pdf(**options))
             for _ in range(3):
-                page.evaluate(FILL_PAGES, {h["id"]: place[0] + 1 for h, place in zip(headings, places)})
+                page.evaluate(
+                    FILL_PAGES, {h["id"]: place[0] + 1 for h, place in zip(headings, places)}
+                )
                 pdf = page.pdf(**options)
                 printed = heading_places(headings, pdf)
                 if [p[0] for p in printed] == [p[0] for p in places]:
@@ -304,13 +362,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/print_pdf.py", description=__doc__.splitlines()[0])
     parser.add_argument("site", type=Path, help="the singlehtml build folder (holding index.html)")
     parser.add_argument("target", type=Path, help="the PDF to write")
-    parser.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser"),
-                        help="the Chromium executable (default: chromium on PATH)")
+    parser.add_argument(
+        "--chromium",
+        default=shutil.which("chromium") or shutil.which("chromium-browser"),
+        help="the Chromium executable (default: chromium on PATH)",
+    )
     args = parser.parse_args(argv)
     if not (args.site / "index.html").is_file():
-        parser.error(f"site: expected a folder holding index.html (make pdf builds one); got {str(args.site)!r}")
+        parser.error(
+            "site: expected a folder holding index.html (make pdf builds one); got "
+            f"{str(args.site)!r}"
+        )
     if not args.chromium:
-        parser.error("--chromium: expected Chromium's executable; got none on PATH (apt-get install chromium)")
+        parser.error(
+            "--chromium: expected Chromium's executable; got none on PATH (apt-get install "
+            "chromium)"
+        )
     args.target.parent.mkdir(parents=True, exist_ok=True)
     print_pdf(args.site, args.target, args.chromium)
     print(f"wrote {args.target}")

@@ -42,7 +42,9 @@ from __future__ import annotations
 import torch
 
 from .base import POISON_BYTE, Link, Marker, Recording, Transfer, pinned_allocation_bytes, poison
-from .cuda import CudaLink, _EventClock, _fallback_warning  # noqa: F401  (two internals, still reachable here)
+
+# (two internals, still reachable here)
+from .cuda import CudaLink, _EventClock, _fallback_warning  # noqa: F401
 from .emulated import DEFAULT_EMULATED_BANDWIDTH, DEFAULT_EMULATED_LATENCY, EmulatedLink
 
 __all__ = [
@@ -71,5 +73,7 @@ def open_link(emulated: bool | None = None, **emulation) -> Link:
     if emulated:
         return EmulatedLink(**emulation)
     if emulation:
-        raise ValueError(f"{next(iter(emulation))}: only the emulated link takes emulation settings")
+        raise ValueError(
+            f"{next(iter(emulation))}: only the emulated link takes emulation settings"
+        )
     return CudaLink()

@@ -19,7 +19,15 @@ import torch
 
 from ..units import check_integer
 
-__all__ = ["Link", "Transfer", "Marker", "Recording", "POISON_BYTE", "poison", "pinned_allocation_bytes"]
+__all__ = [
+    "Link",
+    "Transfer",
+    "Marker",
+    "Recording",
+    "POISON_BYTE",
+    "poison",
+    "pinned_allocation_bytes",
+]
 
 # What fresh buffers hold: all-ones bytes are a NaN in fp32, fp16, bf16 and fp64 alike (exponent
 # all ones, mantissa not zero), so flat byte buffers later viewed as floats are poisoned too.
@@ -57,12 +65,14 @@ class Marker:
         self._reached = threading.Event()  # the emulated compute stream sets it
 
     def reached(self) -> bool:
-        """True once the compute stream has run everything issued before this point (never blocks)."""
+        """True once the compute stream has run everything issued before this point (never
+        blocks)."""
         return self._event.query() if self._event is not None else self._reached.is_set()
 
     @property
     def time(self) -> float:
-        """Seconds since the link was made at which compute reached this point (blocks until then)."""
+        """Seconds since the link was made at which compute reached this point (blocks until
+        then)."""
         if self._when is None:
             if self._event is not None:
                 self._event.synchronize()
@@ -103,7 +113,8 @@ class Transfer:
 
     @property
     def start(self) -> float:
-        """Seconds since the link was made at which the copy began moving bytes (blocks until done)."""
+        """Seconds since the link was made at which the copy began moving bytes (blocks until
+        done)."""
         raise NotImplementedError
 
     @property
@@ -122,9 +133,11 @@ class Transfer:
         see (a duration of 0) has no bandwidth: that is an error, not a division by zero."""
         elapsed = self.elapsed
         if not elapsed > 0:
-            raise RuntimeError(f"Transfer.bandwidth: the {self.direction} copy {self.label!r} of {self.nbytes} bytes "
-                               f"took {elapsed:.3g} s, below the resolution of the link's clock "
-                               f"({self.link.resolution:.3g} s); time a larger copy, or several")
+            raise RuntimeError(
+                f"Transfer.bandwidth: the {self.direction} copy {self.label!r} of {self.nbytes} "
+                f"bytes took {elapsed:.3g} s, below the resolution of the link's clock "
+                f"({self.link.resolution:.3g} s); time a larger copy, or several"
+            )
         return self.nbytes / elapsed
 
 
@@ -170,7 +183,11 @@ class _PinnedLedger:
 
     def pinning(self, tensor: torch.Tensor) -> str | None:
         with self._lock:
-            entry = self._live.get(tensor.untyped_storage().data_ptr()) if tensor.device.type == "cpu" else None
+            entry = (
+                self._live.get(tensor.untyped_storage().data_ptr())
+                if tensor.device.type == "cpu"
+                else None
+            )
         return None if entry is None else entry[1]
 
     def holds(self, tensor: torch.Tensor) -> bool:
@@ -188,7 +205,8 @@ class _PinnedLedger:
 
 
 class Link(ABC):
-    """Asynchronous copies between host and device memory, and the compute stream they order against."""
+    """Asynchronous copies between host and device memory, and the compute stream they order
+    against."""
 
     emulated: bool
     device: torch.device
@@ -228,14 +246,16 @@ class Link(ABC):
     def pinning_of(self, tensor: torch.Tensor) -> str | None:
         """How the memory of a buffer from :meth:`host_buffer` was pinned: ``"registered"``
         (``cudaHostRegister``, whole pages), ``"caching allocator"`` (PyTorch's pinned allocator,
-        rounded up to a power of two) or ``"emulated"``; None for memory the link did not hand out."""
+        rounded up to a power of two) or ``"emulated"``; None for memory the link did not hand
+        out."""
         return self._ledger.pinning(tensor)
 
     #: Seconds: the finest duration the link's clock tells apart (CUDA events: about 0.5 µs).
     resolution: float = 0.5e-6
 
     def device_buffer(self, shape, dtype=torch.float32) -> torch.Tensor:
-        """A tensor on the link's device, uninitialised: it holds poison (see the module docstring)."""
+        """A tensor on the link's device, uninitialised: it holds poison (see the module
+        docstring)."""
         return poison(torch.empty(shape, dtype=dtype, device=self.device))
 
     @abstractmethod
@@ -244,7 +264,9 @@ class Link(ABC):
 
     # ------------------------------------------------------------------ copies and compute
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor, after="compute", label: str = "") -> Transfer:
+    def to_device(
+        self, dst: torch.Tensor, src: torch.Tensor, after="compute", label: str = ""
+    ) -> Transfer:
         """Start copying host tensor ``src`` into device tensor ``dst`` on the host→device engine.
 
         ``after`` says what the copy must wait for: ``"compute"`` (everything the compute
@@ -253,13 +275,16 @@ class Link(ABC):
         """
         return self._copy("h2d", dst, src, after, label)
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after="compute", label: str = "") -> Transfer:
+    def to_host(
+        self, dst: torch.Tensor, src: torch.Tensor, after="compute", label: str = ""
+    ) -> Transfer:
         """Start copying device tensor ``src`` into host tensor ``dst`` on the device→host engine;
         ``after`` and ``label`` as in :meth:`to_device`."""
         return self._copy("d2h", dst, src, after, label)
 
-    def to_device_scattered(self, targets, src: torch.Tensor, staging: torch.Tensor, after="compute",
-                            label: str = "") -> Transfer:
+    def to_device_scattered(
+        self, targets, src: torch.Tensor, staging: torch.Tensor, after="compute", label: str = ""
+    ) -> Transfer:
         """Copy flat host ``src`` into device ``staging`` in one transfer, then scatter it.
 
         ``targets`` is a list of (device tensor, view of ``staging``) pairs: after the bytes land,
@@ -276,12 +301,22 @@ class Link(ABC):
         for dst, view in targets:
             if view.untyped_storage().data_ptr() != base:
                 raise ValueError("targets: expected (device tensor, view of staging) pairs")
-            if dst.device.type != self.device.type or dst.shape != view.shape or dst.dtype != view.dtype:
-                raise ValueError(f"targets: expected device tensors shaped like their views of staging; "
-                                 f"got {tuple(dst.shape)} {dst.dtype} for {tuple(view.shape)} {view.dtype}")
+            if (
+                dst.device.type != self.device.type
+                or dst.shape != view.shape
+                or dst.dtype != view.dtype
+            ):
+                raise ValueError(
+                    f"targets: expected device tensors shaped like their views of staging; "
+                    f"got {tuple(dst.shape)} {dst.dtype} for {tuple(view.shape)} {view.dtype}"
+                )
             if dst.requires_grad:
-                raise ValueError("targets: expected tensors autograd does not track (a parameter's .data)")
-        transfer = self._issue("h2d", staging, src, nbytes, self.is_pinned(src), after, str(label), list(targets))
+                raise ValueError(
+                    "targets: expected tensors autograd does not track (a parameter's .data)"
+                )
+        transfer = self._issue(
+            "h2d", staging, src, nbytes, self.is_pinned(src), after, str(label), list(targets)
+        )
         for recording in self._recordings:
             recording.transfers.append(transfer)
         return transfer
@@ -298,7 +333,8 @@ class Link(ABC):
 
     @abstractmethod
     def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()) -> Transfer:
-        """Start one checked copy (then, for to_device_scattered, the scatter of ``dst`` into targets)."""
+        """Start one checked copy (then, for to_device_scattered, the scatter of ``dst`` into
+        targets)."""
 
     @abstractmethod
     def launch(self, fn, *args, **kwargs) -> None:
@@ -314,7 +350,8 @@ class Link(ABC):
 
     @abstractmethod
     def mark(self) -> Marker:
-        """Record the current point of the compute stream (on a GPU: the calling thread's current stream)."""
+        """Record the current point of the compute stream (on a GPU: the calling thread's current
+        stream)."""
 
     @abstractmethod
     def mark_on(self, marker: Marker) -> Marker:
@@ -334,7 +371,8 @@ class Link(ABC):
 
     @contextlib.contextmanager
     def record(self):
-        """``with link.record() as recording:`` collects every copy issued inside (a :class:`Recording`)."""
+        """``with link.record() as recording:`` collects every copy issued inside (a
+        :class:`Recording`)."""
         recording = Recording()
         self._recordings.append(recording)
         try:
@@ -376,11 +414,15 @@ class Link(ABC):
         if dst.dtype != src.dtype:
             raise ValueError(f"dst: expected dtype {src.dtype} to match src; got {dst.dtype}")
         if dst.numel() != src.numel():
-            raise ValueError(f"dst: expected {src.numel()} elements to match src; got {dst.numel()}")
+            raise ValueError(
+                f"dst: expected {src.numel()} elements to match src; got {dst.numel()}"
+            )
         host, device = (src, dst) if direction == "h2d" else (dst, src)
         host_name, device_name = ("src", "dst") if direction == "h2d" else ("dst", "src")
         if host.device.type != "cpu":
             raise ValueError(f"{host_name}: expected a host (cpu) tensor; got one on {host.device}")
         if device.device.type != self.device.type:
-            raise ValueError(f"{device_name}: expected a tensor on {self.device}; got one on {device.device}")
+            raise ValueError(
+                f"{device_name}: expected a tensor on {self.device}; got one on {device.device}"
+            )
         return _nbytes(src)

@@ -42,7 +42,9 @@ class _Anchor:
             anchor = anchor._previous
         for anchor in reversed(chain):
             anchor.event.synchronize()
-            anchor._offset = anchor._previous._offset + anchor._previous.event.elapsed_time(anchor.event) / 1e3
+            anchor._offset = (
+                anchor._previous._offset + anchor._previous.event.elapsed_time(anchor.event) / 1e3
+            )
             anchor._previous = None  # resolved: the older anchors are no longer needed
         return self._offset
 
@@ -131,14 +133,14 @@ class CudaLink(Link):
 
     Pinned buffers are ordinary host allocations registered with ``cudaHostRegister`` (no
     power-of-two rounding; portable across contexts) and unregistered when their memory is freed.
-    The driver locks whole pages and refuses a range that shares a page with one already
-    registered, so each buffer starts on a page of its own and its registration, counted in
+    The driver locks whole pages and refuses a range that shares a page with one already registered,
+    so each buffer starts on a page of its own and its registration, counted in
     :attr:`pinned_bytes`, is its size rounded up to whole pages (less than a page more: 4 KiB on
     most x86 hosts, 64 KiB on many Arm ones). Where the driver refuses a registration (the host
     cannot lock that much memory — a container's memory limit, or too little free RAM — or the
     platform does not support it), the link clears CUDA's error state, falls back to PyTorch's
-    pinned allocator, which rounds each buffer up to a power of two, and says so in a UserWarning naming CUDA's reason;
-    :meth:`pinning_of` tells which way a buffer was pinned.
+    pinned allocator, which rounds each buffer up to a power of two, and says so in a UserWarning
+    naming CUDA's reason; :meth:`pinning_of` tells which way a buffer was pinned.
 
     Times: each transfer's duration is the interval between its own begin and finish events; its
     start, and a marker's time, are measured from a recent anchor event (see :class:`_EventClock`).
@@ -148,7 +150,9 @@ class CudaLink(Link):
 
     def __init__(self, device="cuda"):
         if not torch.cuda.is_available():
-            raise RuntimeError("CudaLink needs a CUDA device; use EmulatedLink or open_link() on this machine")
+            raise RuntimeError(
+                "CudaLink needs a CUDA device; use EmulatedLink or open_link() on this machine"
+            )
         super().__init__()
         self.device = torch.device(device)
         if self.device.index is None:
@@ -157,11 +161,13 @@ class CudaLink(Link):
         self.d2h_stream = torch.cuda.Stream(self.device)
         self._streams = {"h2d": self.h2d_stream, "d2h": self.d2h_stream}
         self._in_flight: collections.deque = collections.deque()
-        self._issuing = threading.Lock()  # copies are issued from several threads (an optimizer's worker)
+        # copies are issued from several threads (an optimizer's worker)
+        self._issuing = threading.Lock()
         self._warned_fallback = False
         clock_stream = torch.cuda.Stream(self.device)  # idle but for the clock's anchors
         self._clock = _EventClock(lambda: self._event_on(clock_stream))
-        self._epoch_host = time.perf_counter()  # host time of the epoch, to place CPU work on the same clock
+        # host time of the epoch, to place CPU work on the same clock
+        self._epoch_host = time.perf_counter()
 
     def __repr__(self) -> str:
         return f"CudaLink({torch.cuda.get_device_name(self.device)})"
@@ -183,22 +189,27 @@ class CudaLink(Link):
         registered = -(-nbytes // _PAGE) * _PAGE
         memory = torch.empty(registered + _PAGE - 1, dtype=torch.uint8)
         start = -memory.data_ptr() % _PAGE
-        pages = poison(memory[start:start + registered])  # (faulted in before they are pinned)
+        pages = poison(memory[start : start + registered])  # (faulted in before they are pinned)
         buffer = pages[:nbytes].view(dtype).view(shape)
         cudart = torch.cuda.cudart()
         address = pages.data_ptr()
         # Flag 1 (cudaHostRegisterPortable): pinned for every CUDA context, as PyTorch pins.
         status = cudart.cudaHostRegister(address, registered, 1)
         if int(status) == 0:
-            self._ledger.add(buffer, registered, "registered", release=lambda: cudart.cudaHostUnregister(address))
+            self._ledger.add(
+                buffer, registered, "registered", release=lambda: cudart.cudaHostUnregister(address)
+            )
             return buffer
-        # A refused call leaves CUDA's per-thread "last error" set, and the next kernel launch on this
-        # thread would report it as its own failure: clear it before going on.
+        # A refused call leaves CUDA's per-thread "last error" set, and the next kernel launch on
+        # this thread would report it as its own failure: clear it before going on.
         _clear_cuda_error()
         rounded = pinned_allocation_bytes(nbytes)
         if not self._warned_fallback:
-            warnings.warn(_fallback_warning(nbytes, rounded, int(status), _cuda_error_text(cudart, status)),
-                          UserWarning, stacklevel=3)
+            warnings.warn(
+                _fallback_warning(nbytes, rounded, int(status), _cuda_error_text(cudart, status)),
+                UserWarning,
+                stacklevel=3,
+            )
             self._warned_fallback = True
         buffer = poison(torch.empty(shape, dtype=dtype, pin_memory=True))
         self._ledger.add(buffer, rounded, "caching allocator")
@@ -217,7 +228,9 @@ class CudaLink(Link):
             stream.wait_stream(torch.cuda.current_stream(self.device))
         elif isinstance(after, Marker):
             stream.wait_event(after._event)
-        transfer = _CudaTransfer(self, direction, nbytes, pinned, label, (dst, src, scatter), self._clock.anchor())
+        transfer = _CudaTransfer(
+            self, direction, nbytes, pinned, label, (dst, src, scatter), self._clock.anchor()
+        )
         with torch.cuda.stream(stream):
             transfer._begin.record(stream)
             dst.copy_(src, non_blocking=True)
@@ -264,19 +277,24 @@ def _cuda_error_text(cudart, status) -> str:
 
 # cudaError_t values cudaHostRegister returns, with what each means for the person running it.
 _REGISTER_REFUSALS = {
-    2: "the host could not lock that much memory: it has less free RAM than asked, or the process's "
-       "memory limit (a container's, a job's cgroup) is lower",
+    2: "the host could not lock that much memory: it has less free RAM than asked, or the "
+    "process's memory limit (a container's, a job's cgroup) is lower",
     712: "the memory was already registered",
-    801: "this platform does not support registering ordinary host memory (some virtualised GPUs, WSL)",
+    801: "this platform does not support registering ordinary host memory (some virtualised GPUs, "
+    "WSL)",
 }
 
 
 def _fallback_warning(nbytes: int, rounded: int, code: int, text: str) -> str:
-    """The warning for a refused cudaHostRegister: CUDA's own reason, what it means, what it costs."""
+    """The warning for a refused cudaHostRegister: CUDA's own reason, what it means, what it
+    costs."""
     meaning = _REGISTER_REFUSALS.get(code, "see CUDA's description")
-    return (f"cudaHostRegister refused {nbytes} bytes with CUDA error {code} ({text}): {meaning}. Pinned buffers "
-            f"now come from PyTorch's caching allocator, which rounds each up to a power of two (this one: "
-            f"{nbytes} → {rounded} bytes) and keeps freed blocks; link.pinned_bytes counts the rounded sizes")
+    return (
+        f"cudaHostRegister refused {nbytes} bytes with CUDA error {code} ({text}): {meaning}. "
+        "Pinned buffers now come from PyTorch's caching allocator, which rounds each up to a "
+        f"power of two (this one: {nbytes} → {rounded} bytes) and keeps freed blocks; "
+        f"link.pinned_bytes counts the rounded sizes"
+    )
 
 
 def _clear_cuda_error() -> None:

@@ -35,7 +35,8 @@ class _EmulatedTransfer(Transfer):
         super().__init__(link, direction, nbytes, pinned, label)
         self._landed = threading.Event()
         self._start = self._end = None
-        self._error: BaseException | None = None  # a copy that failed on its engine: raised to whoever waits
+        # a copy that failed on its engine: raised to whoever waits
+        self._error: BaseException | None = None
 
     def done(self) -> bool:
         return self._landed.is_set()
@@ -43,7 +44,9 @@ class _EmulatedTransfer(Transfer):
     def synchronize(self) -> None:
         self._landed.wait()
         if self._error is not None:
-            raise RuntimeError(f"the {self.direction} copy {self.label!r} failed: {self._error!r}") from self._error
+            raise RuntimeError(
+                f"the {self.direction} copy {self.label!r} failed: {self._error!r}"
+            ) from self._error
 
     wait = synchronize  # see Transfer.wait: the emulation makes the host wait as well
 
@@ -92,6 +95,7 @@ class _EmulatedStream:
                 marker._reach(link.now())
                 return marker
             self._pending += 1
+
         def reach():
             marker._when = marker._link.now()
             return marker._reached.set  # (set once the job is let go: see _serve)
@@ -106,7 +110,8 @@ class _EmulatedStream:
 
     def stop(self) -> None:
         self._jobs.put(None)
-        if threading.current_thread() is not self._thread:  # (a finalizer may run on this very thread)
+        # (a finalizer may run on this very thread)
+        if threading.current_thread() is not self._thread:
             self._thread.join()
 
     def _serve(self) -> None:
@@ -121,9 +126,10 @@ class _EmulatedStream:
                 if self.error is None:
                     self.error = error
             finally:
-                # Let go of the job (its tensors, and the link it names) before anyone hears it is done:
-                # a waiter that then drops the link must hold its last reference, so that the link's
-                # finalizer runs on the waiter's thread, where torch's thread count is restored.
+                # Let go of the job (its tensors, and the link it names) before anyone hears it is
+                # done: a waiter that then drops the link must hold its last reference, so that the
+                # link's finalizer runs on the waiter's thread, where torch's thread count is
+                # restored.
                 job = None
                 if announce is not None:
                     announce()
@@ -135,7 +141,8 @@ class _EmulatedStream:
 
 class _CoreReservation:
     """One core kept free of torch's threads while any emulated link is open (a count, so that
-    links opened and closed in any order — a notebook cell run twice — leave torch as they found it)."""
+    links opened and closed in any order — a notebook cell run twice — leave torch as they found
+    it)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -188,13 +195,20 @@ class EmulatedLink(Link):
     device = torch.device("cpu")
     resolution = time.get_clock_info("perf_counter").resolution
 
-    def __init__(self, bandwidth=DEFAULT_EMULATED_BANDWIDTH, latency=DEFAULT_EMULATED_LATENCY,
-                 pageable_fraction: float = 0.5, reserve_core: bool = True):
+    def __init__(
+        self,
+        bandwidth=DEFAULT_EMULATED_BANDWIDTH,
+        latency=DEFAULT_EMULATED_LATENCY,
+        pageable_fraction: float = 0.5,
+        reserve_core: bool = True,
+    ):
         super().__init__()
         self.bandwidth = parse_bandwidth(bandwidth, "bandwidth")
         self.latency = parse_duration(latency, "latency", allow_zero=True)
         if not (is_number(pageable_fraction) and 0 < pageable_fraction <= 1):
-            raise ValueError(f"pageable_fraction: expected a fraction in (0, 1]; got {pageable_fraction!r}")
+            raise ValueError(
+                f"pageable_fraction: expected a fraction in (0, 1]; got {pageable_fraction!r}"
+            )
         self.pageable_fraction = float(pageable_fraction)
         self._epoch = time.perf_counter()
         self._reserving = reserve_core and cores.usable_cores() > 1
@@ -202,9 +216,11 @@ class EmulatedLink(Link):
             _CORE_RESERVATION.take()
         self._compute = _EmulatedStream(self, "emulated-compute")
         self._engines = {d: _EmulatedStream(self, f"emulated-{d}") for d in _DIRECTIONS}
-        # Dropped without close() (a notebook cell run again): its threads stop and its core comes back.
-        self._shutdown = weakref.finalize(self, _shut_down, [self._compute, *self._engines.values()],
-                                          self._reserving)
+        # Dropped without close() (a notebook cell run again): its threads stop and its core comes
+        # back.
+        self._shutdown = weakref.finalize(
+            self, _shut_down, [self._compute, *self._engines.values()], self._reserving
+        )
 
     def __repr__(self) -> str:
         return f"EmulatedLink(bandwidth={self.bandwidth:.3g} B/s, latency={self.latency:.3g} s)"
@@ -213,7 +229,8 @@ class EmulatedLink(Link):
         return time.perf_counter() - self._epoch
 
     def _allocate_pinned(self, shape, dtype) -> torch.Tensor:
-        # Page-locked memory is resident: the poison faults its pages in now, not during the first copy.
+        # Page-locked memory is resident: the poison faults its pages in now, not during the first
+        # copy.
         buffer = poison(torch.empty(shape, dtype=dtype))
         if _nbytes(buffer):
             self._ledger.add(buffer, _nbytes(buffer), "emulated")
@@ -246,7 +263,9 @@ class EmulatedLink(Link):
     def _raise_compute_error(self) -> None:
         error, self._compute.error = self._compute.error, None
         if error is not None:
-            raise RuntimeError(f"work launched on the emulated compute stream failed: {error!r}") from error
+            raise RuntimeError(
+                f"work launched on the emulated compute stream failed: {error!r}"
+            ) from error
 
     def close(self) -> None:
         if self._closed:
@@ -266,11 +285,20 @@ class EmulatedLink(Link):
         else:
             # Pageable memory: the driver stages the copy, the caller waits, and it runs slower.
             engine.drain()
-            self._move(transfer, dst, src, self.bandwidth * self.pageable_fraction, marker, scatter)()
+            self._move(
+                transfer, dst, src, self.bandwidth * self.pageable_fraction, marker, scatter
+            )()
         return transfer
 
-    def _move(self, transfer: _EmulatedTransfer, dst, src, bandwidth: float, after: Marker | None,
-              scatter=()):
+    def _move(
+        self,
+        transfer: _EmulatedTransfer,
+        dst,
+        src,
+        bandwidth: float,
+        after: Marker | None,
+        scatter=(),
+    ):
         """Run one copy; returns what announces it (landed or failed) to its waiters."""
         try:
             self._paced_copy(transfer, dst, src, bandwidth, after, scatter)
@@ -279,13 +307,16 @@ class EmulatedLink(Link):
             transfer._start = transfer._end = self.now()
             if not isinstance(error, Exception):
                 transfer._landed.set()
-                raise  # Ctrl-C while the caller's own thread copies (pageable memory): the caller stops
+                # Ctrl-C while the caller's own thread copies (pageable memory): the caller stops
+                raise
         return transfer._landed.set
 
-    def _paced_copy(self, transfer: _EmulatedTransfer, dst, src, bandwidth: float, after: Marker | None,
-                    scatter) -> None:
+    def _paced_copy(
+        self, transfer: _EmulatedTransfer, dst, src, bandwidth: float, after: Marker | None, scatter
+    ) -> None:
         if after is not None:
-            after._reached.wait()  # the engine does not start before the compute it is ordered after
+            # the engine does not start before the compute it is ordered after
+            after._reached.wait()
         started = time.perf_counter()
         transfer._start = started - self._epoch
         _sleep_until(started + self.latency)

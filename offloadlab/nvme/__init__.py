@@ -8,23 +8,23 @@ says elements.
 **Versions, not overwrites.** The file holds two copies ("slots") of the array, each with a header
 that records the step it holds and a crc32 of every block. A step writes its new values into the
 slot that does *not* hold the current version, then commits: it syncs the data and writes that
-slot's header. The committed version is never touched while the next one is written, so a crash
-at any moment — SIGKILL, power loss on a drive that honours its flushes, a full or failing disk —
-leaves the previous step or the new one on disk, never a mixture, and :meth:`FileTier.open` resumes from it. This costs twice the
-space and no extra I/O: every byte of a step is written once, which is what a per-step journal
-could not do (it writes every byte twice — a redo log first, then in place), and unlike writing a
-new file and renaming it, the space is reserved once at creation (``posix_fallocate``; zeros
-written where the platform lacks it), so a full
-disk fails there with a clear error and never in the middle of a step. (On ext4 and XFS the
-first write into reserved space also converts it to written extents, so a tier's first two steps
-are slower than the rest.) Per step and file the protocol adds one 4 KiB write and sync before the
-data — the target slot's header is invalidated, so a half-written slot can never pass for an
-older complete one — and one header write and sync after it. Checksums cost 4 bytes per block on
-disk and a crc32 pass over every byte written and read: zlib's runs at about 4 GB/s on an idle
-core, in the I/O threads, overlapped with the transfers — on a machine with few free cores and a
-fast disk the largest cost. ``checksums=False`` keeps the commit protocol (still the previous step
-or the new one after a crash, never a mixture) but can no longer detect a disk that returns wrong
-data. ``offloadlab bench nvme`` measures both against the same I/O without them.
+slot's header. The committed version is never touched while the next one is written, so a crash at
+any moment — SIGKILL, power loss on a drive that honours its flushes, a full or failing disk —
+leaves the previous step or the new one on disk, never a mixture, and :meth:`FileTier.open` resumes
+from it. This costs twice the space and no extra I/O: every byte of a step is written once, which is
+what a per-step journal could not do (it writes every byte twice — a redo log first, then in place),
+and unlike writing a new file and renaming it, the space is reserved once at creation
+(``posix_fallocate``; zeros written where the platform lacks it), so a full disk fails there with a
+clear error and never in the middle of a step. (On ext4 and XFS the first write into reserved space
+also converts it to written extents, so a tier's first two steps are slower than the rest.) Per step
+and file the protocol adds one 4 KiB write and sync before the data — the target slot's header is
+invalidated, so a half-written slot can never pass for an older complete one — and one header write
+and sync after it. Checksums cost 4 bytes per block on disk and a crc32 pass over every byte written
+and read: zlib's runs at about 4 GB/s on an idle core, in the I/O threads, overlapped with the
+transfers — on a machine with few free cores and a fast disk the largest cost. ``checksums=False``
+keeps the commit protocol (still the previous step or the new one after a crash, never a mixture)
+but can no longer detect a disk that returns wrong data. ``offloadlab bench nvme`` measures both
+against the same I/O without them.
 
 **Several files, one step.** :func:`adam_from_file` commits master, exp_avg and exp_avg_sq one
 after another; each file keeps its previous version until the next step begins, so after a crash
@@ -68,5 +68,14 @@ from .direct_io import PAGE, aligned_empty
 from .format import FORMAT_VERSION, ChecksumError
 from .tier import FileTier
 
-__all__ = ["FileTier", "ChecksumError", "BlockQueue", "adam_from_file", "open_state", "aligned_empty", "PAGE",
-           "FORMAT_VERSION", "direct_io"]
+__all__ = [
+    "FileTier",
+    "ChecksumError",
+    "BlockQueue",
+    "adam_from_file",
+    "open_state",
+    "aligned_empty",
+    "PAGE",
+    "FORMAT_VERSION",
+    "direct_io",
+]

@@ -1,8 +1,8 @@
 """AdamW over optimizer state kept in files: :func:`adam_from_file`, and :func:`open_state`.
 
 The CPU AdamW step over master weights and moments in three :class:`~offloadlab.nvme.tier.FileTier`
-files — read a chunk, update it, write it back, the next chunk's reads and the last chunk's writes in
-flight meanwhile — the way ZeRO-Infinity keeps optimizer state on NVMe; the three commit as one
+files — read a chunk, update it, write it back, the next chunk's reads and the last chunk's writes
+in flight meanwhile — the way ZeRO-Infinity keeps optimizer state on NVMe; the three commit as one
 transaction.
 """
 
@@ -22,18 +22,24 @@ __all__ = ["adam_from_file", "open_state"]
 
 
 def open_state(*paths, queue_depth: int = 8) -> list[FileTier]:
-    """Open the files of one optimizer state (e.g. master, exp_avg, exp_avg_sq) at the newest step
-    they all hold: the step a crash between two of :func:`adam_from_file`'s commits left complete."""
+    """Open the files of one optimizer state (e.g. master, exp_avg, exp_avg_sq) at the newest
+    step they all hold: the step a crash between two of :func:`adam_from_file`'s commits left
+    complete."""
     if not paths:
-        raise ValueError("paths: expected the files of one optimizer state (e.g. master, exp_avg, exp_avg_sq); got none")
+        raise ValueError(
+            "paths: expected the files of one optimizer state (e.g. master, exp_avg, exp_avg_sq); "
+            "got none"
+        )
     tiers = []
     try:
         for path in paths:
             tiers.append(FileTier.open(path, queue_depth=queue_depth))
         common = set.intersection(*(set(t.steps) for t in tiers))
         if not common:
-            raise ValueError("paths: the files hold no common step: " +
-                             ", ".join(f"{t.path} {t.steps}" for t in tiers))
+            raise ValueError(
+                "paths: the files hold no common step: "
+                + ", ".join(f"{t.path} {t.steps}" for t in tiers)
+            )
         step = max(common)
         for i, tier in enumerate(tiers):
             if tier.step != step:
@@ -46,10 +52,20 @@ def open_state(*paths, queue_depth: int = 8) -> list[FileTier]:
     return tiers
 
 
-def adam_from_file(master: FileTier, exp_avg: FileTier, exp_avg_sq: FileTier, grad: torch.Tensor,
-                   out: torch.Tensor | None = None, *, step: int | None = None, lr: float, chunk: int | None = None,
-                   **adam) -> dict:
-    """One AdamW step over fp32 state kept in three tiers, ``chunk`` elements at a time, as one transaction.
+def adam_from_file(
+    master: FileTier,
+    exp_avg: FileTier,
+    exp_avg_sq: FileTier,
+    grad: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    step: int | None = None,
+    lr: float,
+    chunk: int | None = None,
+    **adam,
+) -> dict:
+    """One AdamW step over fp32 state kept in three tiers, ``chunk`` elements at a time, as one
+    transaction.
 
     ``step`` (1-based, for bias correction) must be one more than the tiers' committed step, which
     it is by default. While chunk i is updated, the reads of chunk i+1 and the writes of chunk i-1
@@ -67,22 +83,36 @@ def adam_from_file(master: FileTier, exp_avg: FileTier, exp_avg_sq: FileTier, gr
             raise ValueError(f"{name}: expected a FileTier of torch.float32; got {tier!r}")
         tier._check_open()
     if len({id(t) for t in tiers}) != 3:
-        raise ValueError("exp_avg: expected three different tiers for master, exp_avg and exp_avg_sq; got one twice")
+        raise ValueError(
+            "exp_avg: expected three different tiers for master, exp_avg and exp_avg_sq; got one "
+            "twice"
+        )
     if not (master.numel == exp_avg.numel == exp_avg_sq.numel == grad.numel()):
         raise ValueError("grad: expected as many elements as each state file holds")
     if len({t.step for t in tiers}) != 1:
-        raise ValueError(f"exp_avg: expected the three files at one step; got steps {[t.step for t in tiers]} "
-                         "(open_state reopens them at the step they all hold)")
+        raise ValueError(
+            f"exp_avg: expected the three files at one step; got steps {[t.step for t in tiers]} "
+            "(open_state reopens them at the step they all hold)"
+        )
     step = master.step + 1 if step is None else step
     if step != master.step + 1:
-        raise ValueError(f"step: expected {master.step + 1}, one more than the files' committed step; got {step!r}")
+        raise ValueError(
+            f"step: expected {master.step + 1}, one more than the files' committed step; got "
+            f"{step!r}"
+        )
     block = master.block
     if exp_avg.block != block or exp_avg_sq.block != block:
-        raise ValueError(f"exp_avg: expected the three files to share one block size; got "
-                         f"{[t.block for t in tiers]} elements")
-    chunk = chunk or block * max(1, master.queue_depth // 2)  # reads of one chunk + writes of another fill the depth
+        raise ValueError(
+            f"exp_avg: expected the three files to share one block size; got "
+            f"{[t.block for t in tiers]} elements"
+        )
+    # reads of one chunk + writes of another fill the depth
+    chunk = chunk or block * max(1, master.queue_depth // 2)
     if not is_integer(chunk) or chunk <= 0 or chunk % block:
-        raise ValueError(f"chunk: expected a positive multiple of the tiers' block ({block} elements); got {chunk!r}")
+        raise ValueError(
+            f"chunk: expected a positive multiple of the tiers' block ({block} elements); got "
+            f"{chunk!r}"
+        )
     n = master.numel
     chunk = min(chunk, round_up(n, block))
     starts = list(range(0, n, chunk))
@@ -92,7 +122,12 @@ def adam_from_file(master: FileTier, exp_avg: FileTier, exp_avg_sq: FileTier, gr
 
     def transfer(i, method):
         begin, end = starts[i], min(starts[i] + chunk, n)
-        return all_of([getattr(tier, method)(begin, buffer[:end - begin]) for tier, buffer in zip(tiers, sets[i % 2])])
+        return all_of(
+            [
+                getattr(tier, method)(begin, buffer[: end - begin])
+                for tier, buffer in zip(tiers, sets[i % 2])
+            ]
+        )
 
     def waited(future, key):
         begin = time.perf_counter()
@@ -109,10 +144,18 @@ def adam_from_file(master: FileTier, exp_avg: FileTier, exp_avg_sq: FileTier, gr
                     waited(writes.pop(i - 1), "write")
                 reads[i + 1] = transfer(i + 1, "read_async")
             end = min(begin + chunk, n)
-            p, m, v = (buffer[:end - begin] for buffer in sets[i % 2])
+            p, m, v = (buffer[: end - begin] for buffer in sets[i % 2])
             t0 = time.perf_counter()
-            cpu_adam.adamw_step(p, m, v, grad[begin:end], None if out is None else out[begin:end],
-                                step=step, lr=lr, **adam)
+            cpu_adam.adamw_step(
+                p,
+                m,
+                v,
+                grad[begin:end],
+                None if out is None else out[begin:end],
+                step=step,
+                lr=lr,
+                **adam,
+            )
             seconds["update"] += time.perf_counter() - t0
             writes[i] = transfer(i, "write_async")
         t0 = time.perf_counter()
@@ -122,7 +165,9 @@ def adam_from_file(master: FileTier, exp_avg: FileTier, exp_avg_sq: FileTier, gr
             tier.commit()
             committed.append(tier)
         seconds["write"] += time.perf_counter() - t0
-        seconds["other"] = time.perf_counter() - started - seconds["read"] - seconds["update"] - seconds["write"]
+        seconds["other"] = (
+            time.perf_counter() - started - seconds["read"] - seconds["update"] - seconds["write"]
+        )
     except BaseException:
         for future in list(reads.values()) + list(writes.values()):
             future.exception()  # let the transfers into and out of our buffers finish first

@@ -49,14 +49,19 @@ class BlockQueue:
         """Fill ``view`` from ``offset`` (blocking, in the calling thread)."""
         got = os.preadv(self.fd, [view], offset)
         if got != len(view):
-            raise OSError(errno.EIO, f"{self.name}: {got} of {len(view)} bytes at offset {offset}: "
-                                     "the file is shorter than its header says (truncated?)")
+            raise OSError(
+                errno.EIO,
+                f"{self.name}: {got} of {len(view)} bytes at offset {offset}: "
+                "the file is shorter than its header says (truncated?)",
+            )
 
     def write(self, view: memoryview, offset: int) -> None:
         """Write ``view`` at ``offset`` (blocking, in the calling thread)."""
         done = os.pwritev(self.fd, [view], offset)
         if done != len(view):
-            raise OSError(errno.ENOSPC, f"{self.name}: {done} of {len(view)} bytes written at offset {offset}")
+            raise OSError(
+                errno.ENOSPC, f"{self.name}: {done} of {len(view)} bytes written at offset {offset}"
+            )
 
     def submit(self, fn, *args) -> Future:
         return self._pool.submit(fn, *args)

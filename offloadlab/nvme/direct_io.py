@@ -18,8 +18,20 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PAGE", "round_up", "aligned_empty", "bytes_of", "is_aligned", "sync", "reserve", "reopen_direct",
-           "unique_file", "nameless_file", "file_to_name_later", "link_when_complete"]
+__all__ = [
+    "PAGE",
+    "round_up",
+    "aligned_empty",
+    "bytes_of",
+    "is_aligned",
+    "sync",
+    "reserve",
+    "reopen_direct",
+    "unique_file",
+    "nameless_file",
+    "file_to_name_later",
+    "link_when_complete",
+]
 
 PAGE = 4096  # alignment of offsets, lengths and memory for O_DIRECT on common devices
 
@@ -29,7 +41,8 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def aligned_empty(numel: int, dtype=torch.float32) -> torch.Tensor:
-    """An uninitialised host tensor on page-aligned memory, which O_DIRECT transfers use in place."""
+    """An uninitialised host tensor on page-aligned memory, which O_DIRECT transfers use in
+    place."""
     size = torch.tensor([], dtype=dtype).element_size() * numel
     memory = mmap.mmap(-1, max(PAGE, round_up(size, PAGE)))
     return torch.frombuffer(memory, dtype=torch.uint8, count=size).view(dtype)
@@ -40,7 +53,8 @@ def bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 def is_aligned(address: int, length: int) -> bool:
-    """Whether O_DIRECT can move ``length`` bytes at ``address`` in place (else: a bounce buffer)."""
+    """Whether O_DIRECT can move ``length`` bytes at ``address`` in place (else: a bounce
+    buffer)."""
     return address % PAGE == 0 and length % PAGE == 0
 
 
@@ -53,14 +67,15 @@ def sync(fd: int) -> None:
 
 
 def reserve(fd: int, nbytes: int) -> None:
-    """Allocate ``nbytes`` for the file now, so that writing into them later cannot run out of space.
-    posix_fallocate where the platform has it (Linux); elsewhere (macOS) zeros are written."""
+    """Allocate ``nbytes`` for the file now, so that writing into them later cannot run out of
+    space. posix_fallocate where the platform has it (Linux); elsewhere (macOS) zeros are
+    written."""
     if hasattr(os, "posix_fallocate"):
         os.posix_fallocate(fd, 0, nbytes)
         return
     zeros = bytes(1 << 20)
     for offset in range(0, nbytes, len(zeros)):
-        chunk = zeros[:min(len(zeros), nbytes - offset)]
+        chunk = zeros[: min(len(zeros), nbytes - offset)]
         if os.pwrite(fd, chunk, offset) != len(chunk):
             raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -71,7 +86,9 @@ def reopen_direct(fd: int) -> tuple[int, bool]:
     if not hasattr(os, "O_DIRECT") or not os.path.exists(f"/proc/self/fd/{fd}"):
         return fd, False
     try:
-        direct = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+        direct = os.open(
+            f"/proc/self/fd/{fd}", os.O_RDWR | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0)
+        )
     except OSError:
         return fd, False
     try:
@@ -83,19 +100,27 @@ def reopen_direct(fd: int) -> tuple[int, bool]:
 
 
 def unique_file(folder: Path) -> tuple[int, Path]:
-    """A new file in ``folder`` under a fresh random name (O_EXCL|O_NOFOLLOW: no one can have planted it)."""
+    """A new file in ``folder`` under a fresh random name (O_EXCL|O_NOFOLLOW: no one can have
+    planted it)."""
     while True:
         scratch = folder / f".offloadlab-tier-{os.urandom(6).hex()}.tmp"
         try:
-            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+            flags = (
+                os.O_RDWR
+                | os.O_CREAT
+                | os.O_EXCL
+                | getattr(os, "O_NOFOLLOW", 0)
+                | getattr(os, "O_CLOEXEC", 0)
+            )
             return os.open(scratch, flags, 0o600), scratch
         except FileExistsError:
             continue
 
 
 def nameless_file(folder: Path) -> int:
-    """A new file in ``folder`` with no name: O_TMPFILE where the file system has it, else a fresh
-    name removed at once. Its space is freed when the last descriptor closes, however the process ends."""
+    """A new file in ``folder`` with no name: O_TMPFILE where the file system has it, else a
+    fresh name removed at once. Its space is freed when the last descriptor closes, however the
+    process ends."""
     fd, scratch = file_to_name_later(folder)
     if scratch is not None:
         os.unlink(scratch)
@@ -103,11 +128,14 @@ def nameless_file(folder: Path) -> int:
 
 
 def file_to_name_later(folder: Path) -> tuple[int, Path | None]:
-    """A new file in ``folder`` that :func:`link_when_complete` names when it is complete: (descriptor, None) for a
-    nameless O_TMPFILE file that /proc can link, else (descriptor, hidden scratch name)."""
+    """A new file in ``folder`` that :func:`link_when_complete` names when it is complete:
+    (descriptor, None) for a nameless O_TMPFILE file that /proc can link, else (descriptor,
+    hidden scratch name)."""
     if hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd"):
         try:  # (no O_EXCL: the file may be linked later)
-            return os.open(folder, os.O_RDWR | os.O_TMPFILE | getattr(os, "O_CLOEXEC", 0), 0o600), None
+            return os.open(
+                folder, os.O_RDWR | os.O_TMPFILE | getattr(os, "O_CLOEXEC", 0), 0o600
+            ), None
         except OSError as error:
             if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                 raise
@@ -120,13 +148,16 @@ def link_when_complete(fd: int, scratch: Path | None, path: Path) -> None:
     folder = os.open(path.parent, os.O_RDONLY)
     try:
         try:
-            if scratch is None:  # linkat(…, AT_SYMLINK_FOLLOW): Python calls linkat only when given a folder fd
+            # linkat(…, AT_SYMLINK_FOLLOW): Python calls linkat only when given a folder fd
+            if scratch is None:
                 os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=folder, follow_symlinks=True)
             else:
                 os.link(scratch, path)
         except FileExistsError:
-            raise ValueError(f"path: {str(path)!r} appeared while the tier was being created; it was left as "
-                             f"it is") from None
+            raise ValueError(
+                f"path: {str(path)!r} appeared while the tier was being created; it was left as "
+                f"it is"
+            ) from None
         if scratch is not None:
             os.unlink(scratch)
         os.fsync(folder)

@@ -30,18 +30,28 @@ __all__ = ["FileTier"]
 
 
 class FileTier:
-    """A file holding ``numel`` elements of ``dtype``, versioned by step (see the module's docstring).
+    """A file holding ``numel`` elements of ``dtype``, versioned by step (see the module's
+    docstring).
 
     ``FileTier(path, numel)`` creates the file (refusing an existing one) at step 0, zero-filled or
-    holding ``init``, with ``queue_depth`` block requests of ``block_bytes`` in flight and a crc32 per
-    block unless ``checksums=False``; :meth:`open` resumes an existing one. :meth:`read` sees the committed step;
-    :meth:`write` stages the next one, which :meth:`commit` makes current (step + 1) and
-    :meth:`abort` discards. A step must write every element; writes cover whole blocks
+    holding ``init``, with ``queue_depth`` block requests of ``block_bytes`` in flight and a crc32
+    per block unless ``checksums=False``; :meth:`open` resumes an existing one. :meth:`read` sees
+    the committed step; :meth:`write` stages the next one, which :meth:`commit` makes current (step
+    + 1) and :meth:`abort` discards. A step must write every element; writes cover whole blocks
     (``start`` a multiple of :attr:`block`, the length too except at the end).
     """
 
-    def __init__(self, path, numel: int, dtype=torch.float32, *, init: torch.Tensor | None = None,
-                 block_bytes: int = 1 << 20, queue_depth: int = 8, checksums: bool = True):
+    def __init__(
+        self,
+        path,
+        numel: int,
+        dtype=torch.float32,
+        *,
+        init: torch.Tensor | None = None,
+        block_bytes: int = 1 << 20,
+        queue_depth: int = 8,
+        checksums: bool = True,
+    ):
         layout = new_layout(numel, dtype, block_bytes, init, checksums)
         checked_depth(queue_depth)
         if not str(path):
@@ -52,11 +62,14 @@ class FileTier:
         if path.is_dir():
             raise ValueError(f"path: expected a file name; got {str(path)!r}, which is a folder")
         if path.exists() or path.is_symlink():
-            raise ValueError(f"path: {str(path)!r} exists; FileTier.open resumes it, and FileTier never "
-                             "overwrites a file")
-        # Built as a file with no name (O_TMPFILE), linked to ``path`` only when complete: a crash during
-        # creation leaves nothing. Where the file system lacks O_TMPFILE, a hidden .offloadlab-tier-*.tmp
-        # name stands in, and a crash can leave that behind — never a half-made tier under ``path``.
+            raise ValueError(
+                f"path: {str(path)!r} exists; FileTier.open resumes it, and FileTier never "
+                "overwrites a file"
+            )
+        # Built as a file with no name (O_TMPFILE), linked to ``path`` only when complete: a crash
+        # during creation leaves nothing. Where the file system lacks O_TMPFILE, a hidden
+        # .offloadlab-tier-*.tmp name stands in, and a crash can leave that behind — never a
+        # half-made tier under ``path``.
         fd, scratch = direct_io.file_to_name_later(path.parent)
         try:
             self._start(fd, path, layout, queue_depth)
@@ -69,9 +82,19 @@ class FileTier:
             raise
 
     @classmethod
-    def temporary(cls, folder, numel: int, dtype=torch.float32, *, init: torch.Tensor | None = None,
-                  block_bytes: int = 1 << 20, queue_depth: int = 8, checksums: bool = True) -> FileTier:
-        """A tier whose file has no name: nothing to clean up, and nothing left however the process ends."""
+    def temporary(
+        cls,
+        folder,
+        numel: int,
+        dtype=torch.float32,
+        *,
+        init: torch.Tensor | None = None,
+        block_bytes: int = 1 << 20,
+        queue_depth: int = 8,
+        checksums: bool = True,
+    ) -> FileTier:
+        """A tier whose file has no name: nothing to clean up, and nothing left however the
+        process ends."""
         layout = new_layout(numel, dtype, block_bytes, init, checksums)
         checked_depth(queue_depth)
         folder = Path(folder)
@@ -89,7 +112,8 @@ class FileTier:
 
     @classmethod
     def open(cls, path, *, step: int | None = None, queue_depth: int = 8) -> FileTier:
-        """Resume the tier in ``path`` at its newest committed step (or at ``step``, if it holds it)."""
+        """Resume the tier in ``path`` at its newest committed step (or at ``step``, if it holds
+        it)."""
         checked_depth(queue_depth)
         path = Path(path)
         tier = cls.__new__(cls)
@@ -101,7 +125,9 @@ class FileTier:
             layout = FileLayout.parse(head, str(path))
             tier._start(fd, path, layout, queue_depth)
             if os.fstat(fd).st_size < layout.total_bytes:
-                raise OSError(errno.EIO, f"path: {str(path)!r} is shorter than its header says (truncated?)")
+                raise OSError(
+                    errno.EIO, f"path: {str(path)!r} is shorter than its header says (truncated?)"
+                )
             tier._load_headers(step)
         except BaseException:
             tier._shut()
@@ -114,33 +140,48 @@ class FileTier:
         """Take the lock, reserve the space (a new file), open the I/O descriptor and the queue."""
         self._fd, self.path, self._layout = fd, path, layout
         identity = os.fstat(fd)
-        self._identity = (identity.st_dev, identity.st_ino)  # which file is ours, whatever its path names later
-        self.numel, self.dtype, self.itemsize, self.block = layout.numel, layout.dtype, layout.itemsize, layout.block
+        # which file is ours, whatever its path names later
+        self._identity = (identity.st_dev, identity.st_ino)
+        self.numel, self.dtype, self.itemsize, self.block = (
+            layout.numel,
+            layout.dtype,
+            layout.itemsize,
+            layout.block,
+        )
         self.checksums = layout.checksums
         self._io_fd = None
         name = str(path) if path else "temporary tier"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise OSError(errno.EBUSY, f"path: {name} is open in another FileTier (it holds the file's lock)") from None
-        if os.fstat(fd).st_size == 0:  # a new file: reserve every byte now, so a full disk fails here
+            raise OSError(
+                errno.EBUSY, f"path: {name} is open in another FileTier (it holds the file's lock)"
+            ) from None
+        # a new file: reserve every byte now, so a full disk fails here
+        if os.fstat(fd).st_size == 0:
             try:
                 direct_io.reserve(fd, layout.total_bytes)
             except OSError as error:
-                raise OSError(error.errno, f"path: cannot reserve {format_size(layout.total_bytes)} for a tier of "
-                                           f"{layout.numel} × {layout.dtype} (two slots): {error.strerror}") from None
+                raise OSError(
+                    error.errno,
+                    f"path: cannot reserve {format_size(layout.total_bytes)} for a tier of "
+                    f"{layout.numel} × {layout.dtype} (two slots): {error.strerror}",
+                ) from None
         self._io_fd, self.direct = direct_io.reopen_direct(fd)
         self._io = BlockQueue(self._io_fd, queue_depth, layout.block_bytes, name)
         self.queue_depth = queue_depth
-        self._pending: dict | None = None  # the version being written: slot, crcs, written blocks, futures
+        # the version being written: slot, crcs, written blocks, futures
+        self._pending: dict | None = None
 
     def _format(self, init: torch.Tensor | None) -> None:
-        """Write the superblock and step 0 (zeros, which the reserved space already reads as, or ``init``)."""
+        """Write the superblock and step 0 (zeros, which the reserved space already reads as, or
+        ``init``)."""
         layout = self._layout
         page = memoryview(mmap.mmap(-1, PAGE))
-        page[:len(layout.superblock())] = layout.superblock()
+        page[: len(layout.superblock())] = layout.superblock()
         self._io.write(page, 0)
-        self._slot, self.step, self._crcs, self._held = 1, -1, None, {}  # as if step -1 were in slot 1
+        # as if step -1 were in slot 1
+        self._slot, self.step, self._crcs, self._held = 1, -1, None, {}
         if init is None:
             self._publish(0, 0, array("I", (self._zero_crc(b) for b in range(layout.blocks))))
         else:
@@ -164,7 +205,9 @@ class FileTier:
             raise ValueError(f"path: {self.path} holds no committed step (damaged header pages)")
         chosen = max(self._held) if step is None else step
         if chosen not in self._held:
-            raise ValueError(f"step: expected one of the steps {self.path} holds, {self.steps}; got {step!r}")
+            raise ValueError(
+                f"step: expected one of the steps {self.path} holds, {self.steps}; got {step!r}"
+            )
         self.step = chosen
         self._slot, self._crcs = self._held[chosen]
 
@@ -182,16 +225,27 @@ class FileTier:
     def _blocks(self, start: int, tensor: torch.Tensor, name: str) -> list[tuple[int, int, int]]:
         """Check a transfer and cut it into (block, first element, past-the-last element) pieces."""
         self._check_open()
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != self.dtype or not tensor.is_contiguous() \
-                or tensor.device.type != "cpu":
-            raise ValueError(f"{name}: expected a contiguous host tensor of {self.dtype}; got "
-                             f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tensor.dtype != self.dtype
+            or not tensor.is_contiguous()
+            or tensor.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"{name}: expected a contiguous host tensor of {self.dtype}; got "
+                f"{getattr(tensor, 'dtype', type(tensor).__name__)}"
+            )
         stop = start + tensor.numel() if isinstance(start, int) else None
         if not is_integer(start) or start < 0 or stop > self.numel or stop == start:
-            raise ValueError(f"start: expected a non-empty range inside [0, {self.numel}); got {start!r}"
-                             f"+{tensor.numel()}")
-        return [(b, max(lo, start), min(hi, stop)) for b in range(start // self.block, (stop - 1) // self.block + 1)
-                for lo, hi in [self._layout.block_elements(b)]]
+            raise ValueError(
+                f"start: expected a non-empty range inside [0, {self.numel}); got {start!r}"
+                f"+{tensor.numel()}"
+            )
+        return [
+            (b, max(lo, start), min(hi, stop))
+            for b in range(start // self.block, (stop - 1) // self.block + 1)
+            for lo, hi in [self._layout.block_elements(b)]
+        ]
 
     # --- reading the committed step ---------------------------------------------------------
 
@@ -204,33 +258,52 @@ class FileTier:
         pieces = self._blocks(start, out, "out")
         target, base = direct_io.bytes_of(out), out.data_ptr()
         slot, crcs = self._slot, self._crcs
-        return all_of([self._io.submit(self._read_block, slot, crcs[b], b, lo, hi,
-                                        target[(lo - start) * self.itemsize:(hi - start) * self.itemsize],
-                                        base + (lo - start) * self.itemsize)
-                        for b, lo, hi in pieces])
+        return all_of(
+            [
+                self._io.submit(
+                    self._read_block,
+                    slot,
+                    crcs[b],
+                    b,
+                    lo,
+                    hi,
+                    target[(lo - start) * self.itemsize : (hi - start) * self.itemsize],
+                    base + (lo - start) * self.itemsize,
+                )
+                for b, lo, hi in pieces
+            ]
+        )
 
     def read(self, start: int, out: torch.Tensor) -> None:
         """Fill ``out`` with elements ``start`` … ``start + out.numel()`` of the committed step."""
         self.read_async(start, out).result()
 
-    def _read_block(self, slot: int, crc: int, block: int, lo: int, hi: int, view: memoryview, address: int) -> None:
-        """Read block ``block`` and put its elements ``lo`` … ``hi`` in ``view`` (which is at ``address``)."""
+    def _read_block(
+        self, slot: int, crc: int, block: int, lo: int, hi: int, view: memoryview, address: int
+    ) -> None:
+        """Read block ``block`` and put its elements ``lo`` … ``hi`` in ``view`` (which is at
+        ``address``)."""
         first, last = self._layout.block_elements(block)
         offset = self._layout.block_offset(slot, block)
-        if (lo, hi) == (first, last) and (not self.direct or direct_io.is_aligned(address, len(view))):
+        if (lo, hi) == (first, last) and (
+            not self.direct or direct_io.is_aligned(address, len(view))
+        ):
             self._io.read(view, offset)  # straight into the caller's memory
             self._verify(view, crc, block)
             return
         size = (last - first) * self.itemsize
         bounce = self._io.bounce()  # part of a block, or memory O_DIRECT cannot use
-        self._io.read(bounce[:round_up(size, PAGE) if self.direct else size], offset)
+        self._io.read(bounce[: round_up(size, PAGE) if self.direct else size], offset)
         self._verify(bounce[:size], crc, block)
-        view[:] = bounce[(lo - first) * self.itemsize:(hi - first) * self.itemsize]
+        view[:] = bounce[(lo - first) * self.itemsize : (hi - first) * self.itemsize]
 
     def _verify(self, view: memoryview, crc: int, block: int) -> None:
         if self.checksums and zlib.crc32(view) != crc:
-            raise ChecksumError(errno.EIO, f"{self.path or 'temporary tier'}: block {block} of step {self.step} "
-                                           "does not match its checksum (the file is damaged)")
+            raise ChecksumError(
+                errno.EIO,
+                f"{self.path or 'temporary tier'}: block {block} of step {self.step} "
+                "does not match its checksum (the file is damaged)",
+            )
 
     # --- writing the next step --------------------------------------------------------------
 
@@ -242,15 +315,23 @@ class FileTier:
         """
         pieces = self._blocks(start, src, "src")
         if any((lo, hi) != self._layout.block_elements(b) for b, lo, hi in pieces):
-            raise ValueError(f"start: expected whole blocks of {self.block} elements (the last may end at "
-                             f"{self.numel}); got {start}+{src.numel()}")
+            raise ValueError(
+                f"start: expected whole blocks of {self.block} elements (the last may end at "
+                f"{self.numel}); got {start}+{src.numel()}"
+            )
         if self._pending is None:
             self._begin()
         source, base, pending = direct_io.bytes_of(src), src.data_ptr(), self._pending
-        futures = [self._io.submit(self._write_block, pending, b,
-                                   source[(lo - start) * self.itemsize:(hi - start) * self.itemsize],
-                                   base + (lo - start) * self.itemsize)
-                   for b, lo, hi in pieces]
+        futures = [
+            self._io.submit(
+                self._write_block,
+                pending,
+                b,
+                source[(lo - start) * self.itemsize : (hi - start) * self.itemsize],
+                base + (lo - start) * self.itemsize,
+            )
+            for b, lo, hi in pieces
+        ]
         with pending["lock"]:
             pending["in_flight"].update(futures)
         for future in futures:
@@ -259,7 +340,8 @@ class FileTier:
 
     @staticmethod
     def _settled(pending: dict, done: Future) -> None:
-        """Forget a finished write, keeping its error for commit (so a step holds no list of every block)."""
+        """Forget a finished write, keeping its error for commit (so a step holds no list of
+        every block)."""
         with pending["lock"]:
             pending["in_flight"].discard(done)
             if done.exception() is not None and pending["error"] is None:
@@ -276,17 +358,23 @@ class FileTier:
         self._io.write(memoryview(mmap.mmap(-1, PAGE)), self._layout.header_offset(slot))
         direct_io.sync(self._io_fd)
         self._held = {s: held for s, held in self._held.items() if held[0] != slot}
-        self._pending = {"slot": slot, "crcs": array("I", bytes(4 * self._layout.blocks)),
-                         "written": bytearray(self._layout.blocks), "in_flight": set(), "error": None,
-                         "lock": threading.Lock()}
+        self._pending = {
+            "slot": slot,
+            "crcs": array("I", bytes(4 * self._layout.blocks)),
+            "written": bytearray(self._layout.blocks),
+            "in_flight": set(),
+            "error": None,
+            "lock": threading.Lock(),
+        }
 
     def _write_block(self, pending: dict, block: int, data: memoryview, address: int) -> None:
         crc = zlib.crc32(data) if self.checksums else 0
-        if self.direct and not direct_io.is_aligned(address, len(data)):  # the last, partial block, or unaligned memory
+        # the last, partial block, or unaligned memory
+        if self.direct and not direct_io.is_aligned(address, len(data)):
             padded = round_up(len(data), PAGE)
             bounce = self._io.bounce()
-            bounce[:len(data)] = data
-            bounce[len(data):padded] = bytes(padded - len(data))
+            bounce[: len(data)] = data
+            bounce[len(data) : padded] = bytes(padded - len(data))
             data = bounce[:padded]
         self._io.write(data, self._layout.block_offset(pending["slot"], block))
         pending["crcs"][block] = crc
@@ -308,19 +396,22 @@ class FileTier:
             raise pending["error"]
         missing = [b for b, done in enumerate(pending["written"]) if not done]
         if missing:
-            raise ValueError(f"commit: a step must write every element; blocks {_spans(missing)} of "
-                             f"{self._layout.blocks} were not written")
+            raise ValueError(
+                f"commit: a step must write every element; blocks {_spans(missing)} of "
+                f"{self._layout.blocks} were not written"
+            )
         direct_io.sync(self._io_fd)
         self._publish(pending["slot"], self.step + 1, pending["crcs"])
         self._pending = None
-        if not self.direct and hasattr(os, "posix_fadvise"):  # the next step's reads should come from the disk
+        # the next step's reads should come from the disk
+        if not self.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._io_fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return self.step
 
     def _publish(self, slot: int, step: int, crcs: array) -> None:
         header = self._layout.slot_header(slot, step, crcs)
         page = memoryview(mmap.mmap(-1, self._layout.header_bytes))
-        page[:len(header)] = header
+        page[: len(header)] = header
         self._io.write(page, self._layout.header_offset(slot))
         direct_io.sync(self._io_fd)
         self._slot, self.step, self._crcs = slot, step, crcs
@@ -335,7 +426,8 @@ class FileTier:
             future.exception()
 
     def abort(self) -> None:
-        """Discard the staged step (waiting for its writes to finish); the committed one stays current."""
+        """Discard the staged step (waiting for its writes to finish); the committed one stays
+        current."""
         if self._pending is not None:
             self._wait(self._pending)
             self._pending = None
@@ -376,7 +468,8 @@ class FileTier:
             self._fd = None
 
     def close(self) -> None:
-        """Discard a staged step, release the file and its lock; the file and its committed steps stay."""
+        """Discard a staged step, release the file and its lock; the file and its committed steps
+        stay."""
         self._shut()
 
     def remove(self) -> None:
@@ -399,7 +492,10 @@ class FileTier:
 
     def __repr__(self):
         state = "closed" if getattr(self, "_io", None) is None else f"step {self.step}"
-        return f"FileTier({str(self.path) if self.path else 'temporary'!r}, {self.numel} × {self.dtype}, {state})"
+        return (
+            f"FileTier({str(self.path) if self.path else 'temporary'!r}, {self.numel} × "
+            f"{self.dtype}, {state})"
+        )
 
 
 def _spans(indices: list[int]) -> str:

@@ -59,12 +59,16 @@ class Bucket:
     parameter) and ``upload`` (the copy taking the newest weights up).
     """
 
-    def __init__(self, index: int, params: list, groups: list, start: int, streamed=None, block=None):
+    def __init__(
+        self, index: int, params: list, groups: list, start: int, streamed=None, block=None
+    ):
         self.index, self.params, self.groups = index, params, groups
         self.layout = Layout(params, packed=True)
         itemsize = params[0].element_size()
         self.start = start
-        self.ranges = [(start + a // itemsize, start + b // itemsize) for a, b in self.layout.ranges]
+        self.ranges = [
+            (start + a // itemsize, start + b // itemsize) for a, b in self.layout.ranges
+        ]
         self.numel = self.layout.nbytes // itemsize
         self.streamed, self.block = streamed, block
         self.steps = [0] * len(params)
@@ -89,7 +93,8 @@ class Bucket:
         self.received.add(transfers, positions, marker)
 
     def give_zero_gradient(self, k: int) -> None:
-        """Parameter ``k`` takes part in this step with a zero gradient (already written to its place)."""
+        """Parameter ``k`` takes part in this step with a zero gradient (already written to its
+        place)."""
         self.received.counts[k], self.received.folded[k] = 1, 0
 
     def hand_over(self) -> Received:
@@ -100,7 +105,8 @@ class Bucket:
         return taken
 
     def discard(self) -> None:
-        """Forget this step's gradients (once their copies have landed: nothing writes there after)."""
+        """Forget this step's gradients (once their copies have landed: nothing writes there
+        after)."""
         taken, self.received = self.received, Received(len(self.params))
         taken.landed()
 
@@ -116,8 +122,12 @@ class Bucket:
         Yields (first, last + 1) positions."""
         first = previous = None
         for k in (k for k, n in enumerate(counts) if n):
-            if first is not None and (k != previous + 1 or self.groups[k] is not self.groups[first]
-                                      or self.steps[k] != self.steps[first] or counts[k] != counts[first]):
+            if first is not None and (
+                k != previous + 1
+                or self.groups[k] is not self.groups[first]
+                or self.steps[k] != self.steps[first]
+                or counts[k] != counts[first]
+            ):
                 yield first, previous + 1
                 first = None
             if first is None:
@@ -144,8 +154,13 @@ class Bucket:
         self.updated.set()
 
 
-def make_buckets(param_groups, bucket_bytes: int, start_index: int = 0, start: int = 0,
-                 only: set[int] | None = None) -> list[Bucket]:
+def make_buckets(
+    param_groups,
+    bucket_bytes: int,
+    start_index: int = 0,
+    start: int = 0,
+    only: set[int] | None = None,
+) -> list[Bucket]:
     """Buckets of at most ``bucket_bytes`` gradient bytes over the trainable parameters of
     ``param_groups`` (those whose ids are in ``only``, if given), in the reverse of the order given
     (the order backward produces gradients for ``model.parameters()``). Streamed blocks make one
@@ -154,7 +169,9 @@ def make_buckets(param_groups, bucket_bytes: int, start_index: int = 0, start: i
     group_of = {id(p): g for g in param_groups for p in g["params"]}
     for group in param_groups:
         current, current_bytes = [], 0
-        for p in reversed([p for p in group["params"] if p.requires_grad and (only is None or id(p) in only)]):
+        for p in reversed(
+            [p for p in group["params"] if p.requires_grad and (only is None or id(p) in only)]
+        ):
             streamed = streamer_of(p)
             if streamed is not None:
                 block = streamed.block_of(p)
@@ -163,21 +180,33 @@ def make_buckets(param_groups, bucket_bytes: int, start_index: int = 0, start: i
                 blocks_done.add((id(streamed), block))
                 params, _ = streamed.gradient_layout(block)
                 if any(id(q) not in group_of for q in params):
-                    raise ValueError(f"params: block {streamed.names[block]!r} is streamed; give the optimizer all "
-                                     f"of its trainable parameters or none of them")
-                bucket = Bucket(start_index + len(buckets), params, [group_of[id(q)] for q in params], start,
-                                streamed, block)
+                    raise ValueError(
+                        f"params: block {streamed.names[block]!r} is streamed; give the optimizer "
+                        f"all of its trainable parameters or none of them"
+                    )
+                bucket = Bucket(
+                    start_index + len(buckets),
+                    params,
+                    [group_of[id(q)] for q in params],
+                    start,
+                    streamed,
+                    block,
+                )
                 buckets.append(bucket)
                 start = bucket.end
                 continue
             nbytes = p.numel() * p.element_size()
             if current and current_bytes + nbytes > bucket_bytes:
-                buckets.append(Bucket(start_index + len(buckets), current, [group] * len(current), start))
+                buckets.append(
+                    Bucket(start_index + len(buckets), current, [group] * len(current), start)
+                )
                 start = buckets[-1].end
                 current, current_bytes = [], 0
             current.append(p)
             current_bytes += nbytes
         if current:
-            buckets.append(Bucket(start_index + len(buckets), current, [group] * len(current), start))
+            buckets.append(
+                Bucket(start_index + len(buckets), current, [group] * len(current), start)
+            )
             start = buckets[-1].end
     return buckets

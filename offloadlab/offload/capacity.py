@@ -28,17 +28,27 @@ import torch
 from .. import _torch_compat
 from ..models import GPTConfig, TinyGPT
 
-__all__ = ["HEADROOM", "LAB_CONFIG", "LAB_BATCH", "DeviceNeed", "saved_activation_bytes", "offloaded_need",
-           "lab_cap"]
+__all__ = [
+    "HEADROOM",
+    "LAB_CONFIG",
+    "LAB_BATCH",
+    "DeviceNeed",
+    "saved_activation_bytes",
+    "offloaded_need",
+    "lab_cap",
+]
 
 HEADROOM = 0.20  # of the need: transient tensors, workspaces, the allocator's rounding
-LAB_CONFIG = GPTConfig(layers=12, hidden=1024, heads=16, vocab=16384, seq=256)  # lab 4 and the GPU memory test
+# lab 4 and the GPU memory test
+LAB_CONFIG = GPTConfig(layers=12, hidden=1024, heads=16, vocab=16384, seq=256)
 LAB_BATCH = 8
 PLAIN_ADAMW_BYTES_PER_PARAM = 16  # fp32 weights, gradients, exp_avg, exp_avg_sq
 
 
 @functools.lru_cache(maxsize=32)  # (a few seconds for a large config: counted once per shape)
-def saved_activation_bytes(config: GPTConfig, batch: int, dtype: torch.dtype = torch.bfloat16) -> int:
+def saved_activation_bytes(
+    config: GPTConfig, batch: int, dtype: torch.dtype = torch.bfloat16
+) -> int:
     """Bytes autograd saves for backward in one forward of a TinyGPT (weights in ``dtype``) on
     ``batch`` sequences: every distinct storage it keeps, the model's own parameters excluded."""
     with torch.device("meta"):
@@ -48,7 +58,8 @@ def saved_activation_bytes(config: GPTConfig, batch: int, dtype: torch.dtype = t
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        saved[_torch_compat.storage_key(storage)] = storage.nbytes()  # one entry per storage, however many views of it
+        # one entry per storage, however many views of it
+        saved[_torch_compat.storage_key(storage)] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -59,7 +70,8 @@ def saved_activation_bytes(config: GPTConfig, batch: int, dtype: torch.dtype = t
 
 @dataclasses.dataclass(frozen=True)
 class DeviceNeed:
-    """Bytes an offloaded TinyGPT run needs on the device, by part, and the cap that leaves it room."""
+    """Bytes an offloaded TinyGPT run needs on the device, by part, and the cap that leaves it
+    room."""
 
     weights: int
     activations: int
@@ -79,25 +91,39 @@ class DeviceNeed:
         return {**dataclasses.asdict(self), "total": self.total, "cap": self.cap}
 
 
-def offloaded_need(config: GPTConfig, batch: int, dtype: torch.dtype = torch.bfloat16,
-                   bucket_bytes: int = 16 * 2**20) -> DeviceNeed:
+def offloaded_need(
+    config: GPTConfig,
+    batch: int,
+    dtype: torch.dtype = torch.bfloat16,
+    bucket_bytes: int = 16 * 2**20,
+) -> DeviceNeed:
     """The device memory of training ``config`` on ``batch`` sequences under CPUOffloadAdam, with
     device weights in ``dtype`` and buckets of ``bucket_bytes`` (see the module docstring)."""
     params = config.params
     itemsize = torch.tensor([], dtype=dtype).element_size()
     buffers = 3 * bucket_bytes  # two gather buffers and the staging buffer of the weights going up
-    return DeviceNeed(weights=params * itemsize, activations=saved_activation_bytes(config, batch, dtype),
-                      buffers=buffers, plain_adamw_state=PLAIN_ADAMW_BYTES_PER_PARAM * params)
+    return DeviceNeed(
+        weights=params * itemsize,
+        activations=saved_activation_bytes(config, batch, dtype),
+        buffers=buffers,
+        plain_adamw_state=PLAIN_ADAMW_BYTES_PER_PARAM * params,
+    )
 
 
-def lab_cap(config: GPTConfig = LAB_CONFIG, batch: int = LAB_BATCH, dtype: torch.dtype = torch.bfloat16,
-            bucket_bytes: int = 16 * 2**20) -> int:
+def lab_cap(
+    config: GPTConfig = LAB_CONFIG,
+    batch: int = LAB_BATCH,
+    dtype: torch.dtype = torch.bfloat16,
+    bucket_bytes: int = 16 * 2**20,
+) -> int:
     """Lab 4's device-memory cap in bytes: room for the offloaded run, below plain AdamW's state.
 
     ValueError when no such cap exists for this shape (the activations alone outgrow AdamW's state:
     a smaller batch would do)."""
     need = offloaded_need(config, batch, dtype, bucket_bytes)
     if need.cap >= need.plain_adamw_state:
-        raise ValueError(f"config: the offloaded run needs {need.cap} bytes with headroom, not less than plain "
-                         f"AdamW's {need.plain_adamw_state} bytes of state; choose a smaller batch or sequence")
+        raise ValueError(
+            f"config: the offloaded run needs {need.cap} bytes with headroom, not less than plain "
+            f"AdamW's {need.plain_adamw_state} bytes of state; choose a smaller batch or sequence"
+        )
     return need.cap

@@ -52,9 +52,13 @@ def owner(param: torch.Tensor) -> "OffloadEngine | None":
 
 @contextlib.contextmanager
 def interrupts_held():
-    """Hold a SIGINT (Ctrl-C, a notebook's interrupt) that arrives inside the block and deliver it
-    to the handler there was before, once the block is done; off the main thread, nothing is held."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+    """Hold a SIGINT (Ctrl-C, a notebook's interrupt) that arrives inside the block and deliver
+    it to the handler there was before, once the block is done; off the main thread, nothing is
+    held."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is None
+    ):
         yield  # (None: a handler installed outside Python, which could not be put back)
         return
     held = []
@@ -68,18 +72,23 @@ def interrupts_held():
 
 
 def check_disjoint(params: list) -> None:
-    """ValueError if two parameters share memory (``nn.Parameter(b)`` beside ``nn.Parameter(b[:4])``):
-    each has its own master copy and update here, so the shared elements would get two updates
-    and end as whichever landed last; torch.optim.AdamW applies both to the one memory."""
-    spans = sorted((p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size(), p.nbytes, i)
-                   for i, p in enumerate(params))
+    """ValueError if two parameters share memory (``nn.Parameter(b)`` beside
+    ``nn.Parameter(b[:4])``): each has its own master copy and update here, so the shared
+    elements would get two updates and end as whichever landed last; torch.optim.AdamW applies
+    both to the one memory."""
+    spans = sorted(
+        (p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size(), p.nbytes, i)
+        for i, p in enumerate(params)
+    )
     for (start, nbytes, i), (next_start, _, j) in zip(spans, spans[1:]):
         if next_start < start + nbytes:
             a, b = sorted((i, j))
-            raise ValueError(f"params: two trainable parameters share memory (shapes {tuple(params[a].shape)} and "
-                             f"{tuple(params[b].shape)}), as views of one tensor do; CPUOffloadAdam keeps a master "
-                             f"copy per parameter and cannot update shared elements as AdamW does. Make one "
-                             f"parameter and derive the other from it in forward, or clone one of them")
+            raise ValueError(
+                f"params: two trainable parameters share memory (shapes {tuple(params[a].shape)} "
+                f"and {tuple(params[b].shape)}), as views of one tensor do; CPUOffloadAdam keeps a "
+                "master copy per parameter and cannot update shared elements as AdamW does. Make "
+                f"one parameter and derive the other from it in forward, or clone one of them"
+            )
 
 
 class StepTimeline:
@@ -121,13 +130,24 @@ class StepTimeline:
 class OffloadEngine:
     """Everything CPUOffloadAdam does for ``param_groups`` (see the optimizer's docstring)."""
 
-    def __init__(self, param_groups: list, *, link: Link | None, threads: int | None, max_grad_norm,
-                 accumulation_steps: int | None, delayed_update: bool, loss_scale, bucket_bytes: int,
-                 record_timeline: bool):
+    def __init__(
+        self,
+        param_groups: list,
+        *,
+        link: Link | None,
+        threads: int | None,
+        max_grad_norm,
+        accumulation_steps: int | None,
+        delayed_update: bool,
+        loss_scale,
+        bucket_bytes: int,
+        record_timeline: bool,
+    ):
         self.closed: str | None = None
-        self.param_groups = param_groups  # the optimizer's own list of groups (the engine does not refer to it)
-        # What torch.optim.AdamW would find in each parameter's .grad, by id: a tensor at all (it had
-        # a gradient since the last zero_grad(set_to_none=True)), and an all-zero one (zero_grad
+        # the optimizer's own list of groups (the engine does not refer to it)
+        self.param_groups = param_groups
+        # What torch.optim.AdamW would find in each parameter's .grad, by id: a tensor at all (it
+        # had a gradient since the last zero_grad(set_to_none=True)), and an all-zero one (zero_grad
         # kept it, zeroed). AdamW steps a parameter with a zero gradient and skips one with None.
         self._has_grad: set[int] = set()
         self._zero_grad: set[int] = set()
@@ -136,49 +156,92 @@ class OffloadEngine:
         check_disjoint(trainable)
         streamed = next((m for p in trainable if (m := streamer_of(p)) is not None), None)
         if link is None and streamed is not None:
-            link = streamed.link  # its gradient copies land in our buffers: one link, one set of engines
+            # its gradient copies land in our buffers: one link, one set of engines
+            link = streamed.link
         if link is not None and link.device.type != self.device.type:
-            raise ValueError(f"link: expected a link to {self.device.type} for parameters there; "
-                             f"got one to {link.device.type}")
+            raise ValueError(
+                f"link: expected a link to {self.device.type} for parameters there; "
+                f"got one to {link.device.type}"
+            )
         self._own_link = link is None
-        self.link = link if link is not None else (CudaLink(self.device) if self.device.type == "cuda"
-                                                   else open_link(emulated=True))
+        self.link = (
+            link
+            if link is not None
+            else (CudaLink(self.device) if self.device.type == "cuda" else open_link(emulated=True))
+        )
         try:
-            self._build(param_groups, trainable, accumulation_steps, max_grad_norm, threads, delayed_update,
-                        loss_scale, bucket_bytes, record_timeline)
+            self._build(
+                param_groups,
+                trainable,
+                accumulation_steps,
+                max_grad_norm,
+                threads,
+                delayed_update,
+                loss_scale,
+                bucket_bytes,
+                record_timeline,
+            )
         except BaseException:
             if self._own_link:
                 self.link.close()
             raise
 
-    def _build(self, param_groups, trainable, accumulation_steps, max_grad_norm, threads, delayed_update,
-               loss_scale, bucket_bytes, record_timeline) -> None:
+    def _build(
+        self,
+        param_groups,
+        trainable,
+        accumulation_steps,
+        max_grad_norm,
+        threads,
+        delayed_update,
+        loss_scale,
+        bucket_bytes,
+        record_timeline,
+    ) -> None:
         self.threads = threads or cpu_adam.default_threads()
         self.max_grad_norm = max_grad_norm
         self.fp16 = self.dtype == torch.float16
-        scaler = LossScaler.from_argument(loss_scale)  # checked whatever the dtype: a typo is a typo
+        # checked whatever the dtype: a typo is a typo
+        scaler = LossScaler.from_argument(loss_scale)
         self.scaler = scaler if self.fp16 else None
         self.bucket_bytes = bucket_bytes
-        self.schedule = schedule.choose(accumulation_steps, delayed_update, clipping=max_grad_norm is not None,
-                                        fp16=self.fp16)
+        self.schedule = schedule.choose(
+            accumulation_steps, delayed_update, clipping=max_grad_norm is not None, fp16=self.fp16
+        )
         self.accumulation_steps = accumulation_steps
-        self.step_count = 0  # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
+        # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
+        self.step_count = 0
         self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
         self._unfinished = None  # the rest of a step taken but not yet done (see _to_step_boundary)
         self._refreshed: set[int] = set()
         # Whether zero_grad() came since the last step: AdamW's next step would add that step's
         # gradients to its own without it; this optimizer's step consumes them, and says so once.
         self._zeroed_since_step, self._said_not_zeroed = True, False
-        cpu_adam.load()  # find or build the kernel now, not on the worker in the middle of a backward
+        # find or build the kernel now, not on the worker in the middle of a backward
+        cpu_adam.load()
 
         buckets = make_buckets(param_groups, bucket_bytes)  # (checks streamed blocks first)
-        self._take_over(trainable, stacklevel=5)  # an earlier optimizer finishes before we copy the weights
+        # an earlier optimizer finishes before we copy the weights
+        self._take_over(trainable, stacklevel=5)
         self.timeline = StepTimeline(record_timeline)
-        self.host = HostState(self.link, self.dtype, buckets, keep_sent=self.schedule.pending_upload())
-        self.intake = GradientIntake(self.link, self.host, self.schedule.eager_after,
-                                     ready=self._ready, record=self._record_arrival, usable=self._usable)
-        self.worker = UpdateWorker(self.link, self.host, self.threads,
-                                   upload_after_update=self.schedule.upload_after_update, record=self.timeline.record)
+        self.host = HostState(
+            self.link, self.dtype, buckets, keep_sent=self.schedule.pending_upload()
+        )
+        self.intake = GradientIntake(
+            self.link,
+            self.host,
+            self.schedule.eager_after,
+            ready=self._ready,
+            record=self._record_arrival,
+            usable=self._usable,
+        )
+        self.worker = UpdateWorker(
+            self.link,
+            self.host,
+            self.threads,
+            upload_after_update=self.schedule.upload_after_update,
+            record=self.timeline.record,
+        )
         for p in trainable:
             ownership.hold(p, optimizer=self)
 
@@ -187,18 +250,24 @@ class OffloadEngine:
     def _check_params(self, trainable: list, link: Link | None):
         devices = {p.device for p in trainable if streamer_of(p) is None}
         if len(devices) > 1:
-            raise ValueError(f"params: expected every parameter on one device (or streamed); "
-                             f"got {sorted(map(str, devices))}")
+            raise ValueError(
+                f"params: expected every parameter on one device (or streamed); "
+                f"got {sorted(map(str, devices))}"
+            )
         dtypes = {p.dtype for p in trainable}
         if len(dtypes) > 1 or not dtypes <= set(DEVICE_DTYPES):
-            raise ValueError(f"params: expected one dtype of bf16, fp16 or fp32 for all trainable parameters; "
-                             f"got {sorted(map(str, dtypes))}")
+            raise ValueError(
+                f"params: expected one dtype of bf16, fp16 or fp32 for all trainable parameters; "
+                f"got {sorted(map(str, dtypes))}"
+            )
         if any(not p.is_contiguous() for p in trainable):
             raise ValueError("params: expected contiguous parameters")
         if any(p.is_meta for p in trainable):
-            raise ValueError("params: a parameter is on the meta device (it has a shape but no values); "
-                             "materialise the model first (model.to_empty(device=...) and initialise it, or load "
-                             "its weights)")
+            raise ValueError(
+                "params: a parameter is on the meta device (it has a shape but no values); "
+                "materialise the model first (model.to_empty(device=...) and initialise it, or "
+                "load its weights)"
+            )
         if devices:
             device = devices.pop()
         else:  # only streamed parameters: they compute on their StreamedModel's device
@@ -209,11 +278,18 @@ class OffloadEngine:
         """Close live engines that manage any of ``trainable``; the warning names the user's line
         ``stacklevel`` frames up (CPUOffloadAdam(...) or add_param_group(...))."""
         previous = {id(e): e for p in trainable if (e := owner(p)) is not None}
-        for engine in previous.values():  # (gradients they hold for a step not yet taken come back to .grad)
-            engine.close(reason="its parameters were taken over by a newer CPUOffloadAdam", return_gradients=True)
+        # (gradients they hold for a step not yet taken come back to .grad)
+        for engine in previous.values():
+            engine.close(
+                reason="its parameters were taken over by a newer CPUOffloadAdam",
+                return_gradients=True,
+            )
         if previous:
-            warnings.warn(f"CPUOffloadAdam: closed {len(previous)} earlier optimizer(s) over the same parameters "
-                          f"and took their parameters over", stacklevel=stacklevel)
+            warnings.warn(
+                f"CPUOffloadAdam: closed {len(previous)} earlier optimizer(s) over the same "
+                f"parameters and took their parameters over",
+                stacklevel=stacklevel,
+            )
 
     def add_group(self, group: dict) -> None:
         """Manage a new parameter group (torch.optim.Optimizer.add_param_group)."""
@@ -224,23 +300,33 @@ class OffloadEngine:
             return
         device, dtype = self._check_params(trainable, self.link)
         if device.type != self.device.type or dtype != self.dtype:
-            raise ValueError(f"params: expected {self.dtype} parameters on {self.device} like the others; "
-                             f"got {dtype} on {device}")
+            raise ValueError(
+                f"params: expected {self.dtype} parameters on {self.device} like the others; "
+                f"got {dtype} on {device}"
+            )
         self._manage([group], trainable, stacklevel=5)
 
     def _manage(self, groups: list, trainable: list, stacklevel: int) -> None:
-        """Give ``trainable`` (parameters of ``groups``) host state, hooks and a place in new buckets."""
+        """Give ``trainable`` (parameters of ``groups``) host state, hooks and a place in new
+        buckets."""
         check_disjoint([p for b in self.host.buckets for p in b.params] + trainable)
         self.synchronize()
         self.intake.settle()
-        self.link.synchronize()  # every gradient in flight has landed before the buffers are copied over
+        # every gradient in flight has landed before the buffers are copied over
+        self.link.synchronize()
         self._take_over(trainable, stacklevel=stacklevel)
-        buckets = make_buckets(groups, self.bucket_bytes, start_index=len(self.host.buckets), start=self.host.numel,
-                               only={id(p) for p in trainable})
+        buckets = make_buckets(
+            groups,
+            self.bucket_bytes,
+            start_index=len(self.host.buckets),
+            start=self.host.numel,
+            only={id(p) for p in trainable},
+        )
         self.host.extend(buckets)
         self.intake.add(buckets)
         self.worker.resize()
-        self.intake.take_existing(trainable)  # gradients they got before they were ours (AdamW would use them)
+        # gradients they got before they were ours (AdamW would use them)
+        self.intake.take_existing(trainable)
         for p in trainable:
             ownership.hold(p, optimizer=self)
 
@@ -258,7 +344,9 @@ class OffloadEngine:
             check_group(group, f"param_groups[{i}]: ")
         for bucket in self.host.buckets:
             for p in bucket.params:
-                check_unconverted(p, self.dtype, self.device if bucket.streamed is None else p.device)
+                check_unconverted(
+                    p, self.dtype, self.device if bucket.streamed is None else p.device
+                )
         with interrupts_held():
             try:
                 self._step()
@@ -267,20 +355,28 @@ class OffloadEngine:
                 raise
 
     def _step(self) -> None:
-        self._refreshed = set()  # buckets whose parameters were compared with their weights this step
+        # buckets whose parameters were compared with their weights this step
+        self._refreshed = set()
         self._take_in_gradients()
         self.schedule.before_update(self._finish, self._submitted())
         self._take_zero_gradients()
         ready = [b for b in self.host.buckets if b.received.any() and not b.submitted]
         scale = self._grad_scale(ready)
         self._clip_now = None
-        if not self._zeroed_since_step and not self._said_not_zeroed and (ready or self._submitted()):
+        if (
+            not self._zeroed_since_step
+            and not self._said_not_zeroed
+            and (ready or self._submitted())
+        ):
             self._said_not_zeroed = True
-            warnings.warn("CPUOffloadAdam: step() without zero_grad() since the last step; torch.optim.AdamW "
-                          "would add the last step's gradients to this one's, but here each step() consumes its "
-                          "gradients: this step uses only those received since the last. Call "
-                          "optimizer.zero_grad() every step to say so (model.zero_grad() does not reach the "
-                          "optimizer)", stacklevel=6)
+            warnings.warn(
+                "CPUOffloadAdam: step() without zero_grad() since the last step; torch.optim.AdamW "
+                "would add the last step's gradients to this one's, but here each step() consumes "
+                "its gradients: this step uses only those received since the last. Call "
+                "optimizer.zero_grad() every step to say so (model.zero_grad() does not reach the "
+                "optimizer)",
+                stacklevel=6,
+            )
         self._zeroed_since_step = False
         if scale is None:  # fp16 overflow: this step is skipped
             self._unfinished = lambda: self._skip(ready)
@@ -295,8 +391,12 @@ class OffloadEngine:
         while remaining:
             if not remaining[0].submitted:  # (an interrupt may have come after it was handed over)
                 # (a delayed update's weights, just sent, were compared with the parameters first)
-                self.worker.submit(remaining[0], scale, self.step_count,
-                                   refresh=remaining[0].index not in self._refreshed)
+                self.worker.submit(
+                    remaining[0],
+                    scale,
+                    self.step_count,
+                    refresh=remaining[0].index not in self._refreshed,
+                )
             remaining.pop(0)
         self.schedule.after_handing_over(self._finish, self._submitted())
         if self.scaler is not None:
@@ -341,20 +441,28 @@ class OffloadEngine:
         """AdamW updates every parameter of its groups that has a gradient: one that did not require
         grad when the optimizer was made gets its host state now, and trains from this step on. (A
         streamed one cannot: its block's gradient layout is fixed when it is streamed.)"""
-        unmanaged = [(i, j, p) for i, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])
-                     if p.grad is not None and self.intake.position(p) is None]
+        unmanaged = [
+            (i, j, p)
+            for i, group in enumerate(self.param_groups)
+            for j, p in enumerate(group["params"])
+            if p.grad is not None and self.intake.position(p) is None
+        ]
         for i, j, p in unmanaged:
             if streamer_of(p) is not None:
-                raise RuntimeError(f"CPUOffloadAdam: param_groups[{i}]['params'][{j}] has a gradient, but it did not "
-                                   f"require grad when the optimizer was made, and it is streamed, so its block "
-                                   f"has no place for it; make the optimizer again (it takes the parameters over; "
-                                   f"load the old one's state_dict() into it to keep the state)")
+                raise RuntimeError(
+                    f"CPUOffloadAdam: param_groups[{i}]['params'][{j}] has a gradient, but it did "
+                    "not require grad when the optimizer was made, and it is streamed, so its "
+                    "block has no place for it; make the optimizer again (it takes the parameters "
+                    f"over; load the old one's state_dict() into it to keep the state)"
+                )
         if unmanaged:
             params = [p for _, _, p in unmanaged]
             device, dtype = self._check_params(params, self.link)
             if device.type != self.device.type or dtype != self.dtype:
-                raise ValueError(f"params: expected {self.dtype} parameters on {self.device} like the others; "
-                                 f"got {dtype} on {device}")
+                raise ValueError(
+                    f"params: expected {self.dtype} parameters on {self.device} like the others; "
+                    f"got {dtype} on {device}"
+                )
             self._manage(self.param_groups, params, stacklevel=7)
 
     def _take_zero_gradients(self) -> None:
@@ -399,7 +507,8 @@ class OffloadEngine:
         edited = 0
         for bucket in buckets:
             if upload:
-                edited += self.host.refresh(bucket)  # (delayed update: weights set by hand while it ran win)
+                # (delayed update: weights set by hand while it ran win)
+                edited += self.host.refresh(bucket)
                 self._refreshed.add(bucket.index)
                 self.worker.upload(bucket, after="compute", step=self.step_count)
             if bucket.upload is not None:
@@ -408,14 +517,19 @@ class OffloadEngine:
         if buckets:
             self.timeline.close(self.step_count)
         if edited:
-            warnings.warn(f"CPUOffloadAdam: {edited} parameter(s) were changed outside the optimizer while a delayed "
-                          f"update was pending; they keep the values set, and that update is dropped for them "
-                          f"(call optimizer.synchronize() before changing weights by hand)", stacklevel=8)
+            warnings.warn(
+                f"CPUOffloadAdam: {edited} parameter(s) were changed outside the optimizer while a "
+                "delayed update was pending; they keep the values set, and that update is dropped "
+                f"for them (call optimizer.synchronize() before changing weights by hand)",
+                stacklevel=8,
+            )
 
     def _grad_scale(self, ready: list) -> float | None:
         """1 / loss scale × clipping factor; None when an fp16 overflow means skip the step."""
         scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        max_norm, norm = self._clip_now if self._clip_now is not None else (self.max_grad_norm, None)
+        max_norm, norm = (
+            self._clip_now if self._clip_now is not None else (self.max_grad_norm, None)
+        )
         if max_norm is None and self.scaler is None:
             return scale
         if norm is None:
@@ -423,14 +537,17 @@ class OffloadEngine:
         if not math.isfinite(norm):
             if self.scaler is not None:
                 return None
-            return scale  # clipping a non-finite norm: torch scales by nan; error_if_nonfinite is the check
+            # clipping a non-finite norm: torch scales by nan; error_if_nonfinite is the check
+            return scale
         if max_norm is not None and norm > max_norm:
             scale *= max_norm / (norm + 1e-6)
         return scale
 
     def gradient_norm(self, buckets: list | None = None) -> float:
-        """The global L2 norm of this step's gradients (loss scale divided out), once they have landed."""
-        if buckets is None:  # (with a delayed update the last step's are handed over: this step's are received)
+        """The global L2 norm of this step's gradients (loss scale divided out), once they have
+        landed."""
+        # (with a delayed update the last step's are handed over: this step's are received)
+        if buckets is None:
             buckets = [b for b in self.host.buckets if b.received.any()]
         total = 0.0
         for bucket in buckets:
@@ -446,15 +563,19 @@ class OffloadEngine:
         """Clip this step's update to a global gradient norm of ``max_norm``; returns the norm."""
         self.check_usable()
         if self.schedule.eager_after is not None:
-            raise RuntimeError("clip_grad_norm_: with accumulation_steps set (and no max_grad_norm) the update "
-                               "starts during backward, before anything can be clipped; pass max_grad_norm=… to "
-                               "the constructor instead")
+            raise RuntimeError(
+                "clip_grad_norm_: with accumulation_steps set (and no max_grad_norm) the update "
+                "starts during backward, before anything can be clipped; pass max_grad_norm=… to "
+                "the constructor instead"
+            )
         self.intake.settle()
         self.intake.take_loose()
         norm = self.gradient_norm()
         if error_if_nonfinite and not math.isfinite(norm):
-            raise RuntimeError(f"clip_grad_norm_: the total norm of the gradients is {norm}; "
-                               f"set error_if_nonfinite=False to clip anyway")
+            raise RuntimeError(
+                f"clip_grad_norm_: the total norm of the gradients is {norm}; "
+                f"set error_if_nonfinite=False to clip anyway"
+            )
         self._clip_now = (max_norm, norm)
         return norm
 
@@ -467,26 +588,38 @@ class OffloadEngine:
         if self.worker.error is not None and self.closed is None:
             self._fail()
         if self.closed is not None:
-            raise RuntimeError(f"CPUOffloadAdam: closed ({self.closed}); make a new optimizer (and load a "
-                               f"checkpoint into it) to go on training")
+            raise RuntimeError(
+                f"CPUOffloadAdam: closed ({self.closed}); make a new optimizer (and load a "
+                f"checkpoint into it) to go on training"
+            )
 
     def _fail(self) -> None:
         error, step = self.worker.error, self.worker.failed_step
-        self.close(reason=f"the CPU update of step {step} failed, and the step may have been partly applied: "
-                          f"{error!r}")
-        raise RuntimeError(f"CPUOffloadAdam: the CPU update failed ({error!r}); the optimizer is closed, because "
-                           f"step {step} may have been only partly applied — reload a checkpoint") from error
+        self.close(
+            reason=f"the CPU update of step {step} failed, and the step may have been partly "
+            f"applied: {error!r}"
+        )
+        raise RuntimeError(
+            f"CPUOffloadAdam: the CPU update failed ({error!r}); the optimizer is closed, because "
+            f"step {step} may have been only partly applied — reload a checkpoint"
+        ) from error
 
     def discard(self, set_to_none: bool = True) -> None:
         """Forget gradients received since the last step (zero_grad)."""
         if self.closed is not None:
             return
         if self.schedule.eager_after is not None and self._submitted():
-            self.step()  # updates that started during backward: their step is finished, not left half-done
+            # updates that started during backward: their step is finished, not left half-done
+            self.step()
         self._zeroed_since_step = True
-        self._note_zero_grad([p for bucket in self.host.buckets for p in bucket.params], set_to_none)
-        for streamed in {id(b.streamed): b.streamed for b in self.host.buckets if b.streamed is not None}.values():
-            streamed.settle()  # a backward that raised: what it gathered reaches us first, to be discarded
+        self._note_zero_grad(
+            [p for bucket in self.host.buckets for p in bucket.params], set_to_none
+        )
+        for streamed in {
+            id(b.streamed): b.streamed for b in self.host.buckets if b.streamed is not None
+        }.values():
+            # a backward that raised: what it gathered reaches us first, to be discarded
+            streamed.settle()
         self.intake.settle()
         for bucket in self.host.buckets:
             if not bucket.submitted:  # a submitted bucket's gradients already belong to an update
@@ -501,7 +634,8 @@ class OffloadEngine:
                 bucket.upload.synchronize()
 
     def upload_all(self) -> None:
-        """Send every bucket's current weights up (after a state dict was loaded) and wait for them."""
+        """Send every bucket's current weights up (after a state dict was loaded) and wait for
+        them."""
         for bucket in self.host.buckets:
             self.worker.upload(bucket, after="compute")
         for bucket in self.host.buckets:

@@ -1,15 +1,16 @@
-"""CPUOffloadAdam's host memory: the flat buffers that hold every bucket's state, and its state dict.
+"""CPUOffloadAdam's host memory: the flat buffers that hold every bucket's state, and its state
+dict.
 
-Every trainable parameter has a place in one *bucket* (:mod:`~offloadlab.offload.bucket`) — a run
-of parameters whose gradients go down, whose CPU update runs and whose new weights go up
-together — and every bucket a range of the flat, exact-size, pinned host buffers: fp32 master weights and both moments, the gradients
-as they land (in the parameters' dtype), the outgoing low-precision weights; and (only once a
-step accumulates several micro-batches) an fp32 gradient sum, in ordinary memory: only the CPU
-touches it, and it is made in the middle of a backward pass, where pinning memory would stall it. A bucket's parameters sit end to
-end in it, in the same order and layout (a packed :class:`~offloadlab.layout.Layout`) as in
-the device buffers that gather and scatter them, so each bucket moves as one copy each way.
-Several micro-batches of one parameter are folded into the fp32 sum before a newer one lands
-over the landed one (:meth:`HostState.fold`).
+Every trainable parameter has a place in one *bucket* (:mod:`~offloadlab.offload.bucket`) — a run of
+parameters whose gradients go down, whose CPU update runs and whose new weights go up together — and
+every bucket a range of the flat, exact-size, pinned host buffers: fp32 master weights and both
+moments, the gradients as they land (in the parameters' dtype), the outgoing low-precision weights;
+and (only once a step accumulates several micro-batches) an fp32 gradient sum, in ordinary memory:
+only the CPU touches it, and it is made in the middle of a backward pass, where pinning memory would
+stall it. A bucket's parameters sit end to end in it, in the same order and layout (a packed
+:class:`~offloadlab.layout.Layout`) as in the device buffers that gather and scatter them, so each
+bucket moves as one copy each way. Several micro-batches of one parameter are folded into the fp32
+sum before a newer one lands over the landed one (:meth:`HostState.fold`).
 
 :func:`export_state` and :func:`check_state` map this state to and from
 ``torch.optim.AdamW``'s state-dict layout (per parameter: ``step``, ``exp_avg``,
@@ -28,9 +29,18 @@ from ..link import Link
 from ..units import is_number
 from .bucket import Bucket, Received
 
-__all__ = ["HostState", "same_bits", "export_state", "check_state", "check_hyperparameters", "check_group", "UNSUPPORTED_FLAGS"]
+__all__ = [
+    "HostState",
+    "same_bits",
+    "export_state",
+    "check_state",
+    "check_hyperparameters",
+    "check_group",
+    "UNSUPPORTED_FLAGS",
+]
 
-# AdamW options CPUOffloadAdam does not implement: a state dict or group that turns one on is refused.
+# AdamW options CPUOffloadAdam does not implement: a state dict or group that turns one on is
+# refused.
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
@@ -42,9 +52,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class HostState:
-    """The flat pinned host buffers of every bucket (see the module docstring); sizes in elements."""
+    """The flat pinned host buffers of every bucket (see the module docstring); sizes in
+    elements."""
 
-    def __init__(self, link: Link, dtype: torch.dtype, buckets: list[Bucket], keep_sent: bool = False):
+    def __init__(
+        self, link: Link, dtype: torch.dtype, buckets: list[Bucket], keep_sent: bool = False
+    ):
         self.link, self.dtype = link, dtype
         self.buckets: list[Bucket] = []
         self.numel = 0
@@ -60,25 +73,30 @@ class HostState:
     def extend(self, buckets: list[Bucket]) -> None:
         """Give new buckets their places: larger buffers, the existing state copied over."""
         numel = buckets[-1].end if buckets else self.numel
-        old = {name: getattr(self, name) for name in ("master", "exp_avg", "exp_avg_sq", "grads", "accumulated")}
+        old = {
+            name: getattr(self, name)
+            for name in ("master", "exp_avg", "exp_avg_sq", "grads", "accumulated")
+        }
         self.master = self._grow(old["master"], numel, torch.float32)
         self.exp_avg = self._grow(old["exp_avg"], numel, torch.float32)
         self.exp_avg_sq = self._grow(old["exp_avg_sq"], numel, torch.float32)
         self.grads = self._grow(old["grads"], numel, self.dtype)
         # fp32 weights go back straight from the master copy; low precision needs its own buffer.
-        self.weights_out = None if self.dtype == torch.float32 else self._grow(self.weights_out, numel, self.dtype)
+        self.weights_out = (
+            None if self.dtype == torch.float32 else self._grow(self.weights_out, numel, self.dtype)
+        )
         if self._keep_sent:
             self.sent = self._grow(self.sent, numel, self.dtype)
         if old["accumulated"] is not None:
             self.accumulated = torch.empty(max(numel, 1), dtype=torch.float32)
-            self.accumulated[:old["accumulated"].numel()].copy_(old["accumulated"])
+            self.accumulated[: old["accumulated"].numel()].copy_(old["accumulated"])
         self.numel = numel
         with torch.no_grad():
             for bucket in buckets:
                 for p, (s, e) in zip(bucket.params, bucket.ranges):
                     self.master[s:e].copy_(p.detach().reshape(-1))
-                    # A bucket's weights go up whole: a parameter without a gradient this step goes up
-                    # as it is, so its outgoing copy must hold it from the start (not poison).
+                    # A bucket's weights go up whole: a parameter without a gradient this step goes
+                    # up as it is, so its outgoing copy must hold it from the start (not poison).
                     if self.weights_out is not None:
                         self.weights_out[s:e].copy_(p.detach().reshape(-1))
                     if self.sent is not None:
@@ -108,7 +126,7 @@ class HostState:
         if whole.device != sent.device:  # one copy down for the bucket, not one per tensor
             whole = whole.to(sent.device)
             current = whole.split([p.numel() for p in bucket.params])
-        if whole.numel() == bucket.numel and same_bits(whole, sent[bucket.start:bucket.end]):
+        if whole.numel() == bucket.numel and same_bits(whole, sent[bucket.start : bucket.end]):
             return 0  # (packed end to end: one comparison for the bucket, the usual answer)
         changed = 0
         for weights, (s, e) in zip(current, bucket.ranges):
@@ -122,12 +140,12 @@ class HostState:
     def weights_sent(self, bucket: Bucket) -> None:
         """The bucket's outgoing weights have just been sent to its parameters (kept, if asked)."""
         if self.sent is not None:
-            self.sent[bucket.start:bucket.end].copy_(self.outgoing()[bucket.start:bucket.end])
+            self.sent[bucket.start : bucket.end].copy_(self.outgoing()[bucket.start : bucket.end])
 
     def _grow(self, old, numel: int, dtype) -> torch.Tensor:
         new = self.link.host_buffer(max(numel, 1), dtype)
         if old is not None:
-            new[:old.numel()].copy_(old)
+            new[: old.numel()].copy_(old)
         return new
 
     def accumulation(self) -> torch.Tensor:
@@ -165,33 +183,44 @@ class HostState:
             folded[k] = counts[k]
 
     def gradient(self, bucket: Bucket, first: int, stop: int, counts: list) -> torch.Tensor:
-        """The host gradient of parameters ``first`` … ``stop - 1`` (a run): landed, or the fp32 sum."""
+        """The host gradient of parameters ``first`` … ``stop - 1`` (a run): landed, or the fp32
+        sum."""
         s, e = bucket.span(first, stop)
         return self.accumulated[s:e] if counts[first] > 1 else self.grads[s:e]
 
     def outgoing(self) -> torch.Tensor:
-        """The buffer the device's new weights are copied from: the low-precision copy, or the fp32 master."""
+        """The buffer the device's new weights are copied from: the low-precision copy, or the
+        fp32 master."""
         return self.master if self.weights_out is None else self.weights_out
 
     def gradient_bytes(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's landing gradients as a flat byte tensor (where its device→host copy goes)."""
-        return self.grads[bucket.start:bucket.end].view(torch.uint8)
+        """The bucket's landing gradients as a flat byte tensor (where its device→host copy
+        goes)."""
+        return self.grads[bucket.start : bucket.end].view(torch.uint8)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes of host memory held, by buffer (all exact-size; pinned but for the gradient sum)."""
-        buffers = {"master_weights": self.master, "first_moment": self.exp_avg, "second_moment": self.exp_avg_sq,
-                   "gradients": self.grads, "weights_out": self.weights_out, "weights_sent": self.sent,
-                   "accumulated_gradients": self.accumulated}
+        """Bytes of host memory held, by buffer (all exact-size; pinned but for the gradient
+        sum)."""
+        buffers = {
+            "master_weights": self.master,
+            "first_moment": self.exp_avg,
+            "second_moment": self.exp_avg_sq,
+            "gradients": self.grads,
+            "weights_out": self.weights_out,
+            "weights_sent": self.sent,
+            "accumulated_gradients": self.accumulated,
+        }
         return {k: b.numel() * b.element_size() for k, b in buffers.items() if b is not None}
 
     @torch.no_grad()
     def load(self, entries: dict) -> int:
-        """Set every parameter's state from ``entries`` ({param: entry checked by :func:`check_state`});
-        a parameter without one starts afresh, and the outgoing weights are made from the master
-        weights. A saved master is taken only where it rounds to the parameter's current value:
-        otherwise (none saved, or saved for other weights — a model not loaded yet, parameters
-        in another order) the master comes from the parameter, which keeps its weights, as under
-        torch.optim.AdamW. Returns how many saved masters were passed over that way."""
+        """Set every parameter's state from ``entries`` ({param: entry checked by
+        :func:`check_state`}); a parameter without one starts afresh, and the outgoing weights
+        are made from the master weights. A saved master is taken only where it rounds to the
+        parameter's current value: otherwise (none saved, or saved for other weights — a model
+        not loaded yet, parameters in another order) the master comes from the parameter, which
+        keeps its weights, as under torch.optim.AdamW. Returns how many saved masters were passed
+        over that way."""
         passed_over = 0
         for bucket in self.buckets:
             bucket.restore_steps([entries.get(p, {}).get("step", 0) for p in bucket.params])
@@ -211,17 +240,24 @@ class HostState:
 
     def release(self) -> None:
         """Drop every buffer (the pinned memory is freed once no view of it is left)."""
-        self.master = self.exp_avg = self.exp_avg_sq = self.grads = self.weights_out = self.accumulated = None
+        self.master = self.exp_avg = self.exp_avg_sq = self.grads = self.weights_out = (
+            self.accumulated
+        ) = None
         self.sent = None
 
     def entry(self, bucket: Bucket, k: int) -> dict:
-        """Live views of parameter ``k`` of ``bucket``'s state, shaped like the parameter (AdamW's keys)."""
+        """Live views of parameter ``k`` of ``bucket``'s state, shaped like the parameter
+        (AdamW's keys)."""
         s, e = bucket.ranges[k]
         shape = bucket.params[k].shape
         step = torch.tensor(float(bucket.steps[k]))
-        return {"step": step, "exp_avg": self.exp_avg[s:e].view(shape),
-                "exp_avg_sq": self.exp_avg_sq[s:e].view(shape), "master": self.master[s:e].view(shape),
-                "master_step": step.clone()}
+        return {
+            "step": step,
+            "exp_avg": self.exp_avg[s:e].view(shape),
+            "exp_avg_sq": self.exp_avg_sq[s:e].view(shape),
+            "master": self.master[s:e].view(shape),
+            "master_step": step.clone(),
+        }
 
 
 def export_state(host: HostState, param_groups: list) -> dict:
@@ -235,20 +271,27 @@ def export_state(host: HostState, param_groups: list) -> dict:
     groups = []
     for group in param_groups:
         packed = {k: v for k, v in group.items() if k != "params"}
-        packed.update({flag: False for flag in UNSUPPORTED_FLAGS}, foreach=None, fused=None,
-                      decoupled_weight_decay=True)
+        packed.update(
+            {flag: False for flag in UNSUPPORTED_FLAGS},
+            foreach=None,
+            fused=None,
+            decoupled_weight_decay=True,
+        )
         packed["params"] = [index[id(p)] for p in group["params"]]
         groups.append(packed)
     state = {}
     for bucket in host.buckets:
         for k, p in enumerate(bucket.params):
             if bucket.steps[k]:
-                state[index[id(p)]] = {key: value.clone() for key, value in host.entry(bucket, k).items()}
+                state[index[id(p)]] = {
+                    key: value.clone() for key, value in host.entry(bucket, k).items()
+                }
     return {"state": state, "param_groups": groups}
 
 
 def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None:
     """ValueError naming the first hyperparameter AdamW would not accept."""
+
     def number(x):
         if isinstance(x, torch.Tensor) and x.numel() == 1 and x.is_floating_point():
             x = x.item()  # AdamW takes a one-element tensor too
@@ -256,7 +299,11 @@ def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None
 
     if not (number(lr) and lr >= 0):
         raise ValueError(f"{where}lr: expected a number ≥ 0; got {lr!r}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
+    if not (
+        isinstance(betas, (tuple, list))
+        and len(betas) == 2
+        and all(number(b) and 0 <= b < 1 for b in betas)
+    ):
         raise ValueError(f"{where}betas: expected two numbers in [0, 1); got {betas!r}")
     if not (number(eps) and eps >= 0):
         raise ValueError(f"{where}eps: expected a number ≥ 0; got {eps!r}")
@@ -265,17 +312,22 @@ def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None
 
 
 def check_group(group: dict, where: str = "") -> None:
-    """A param group's hyperparameters, and no AdamW option turned on that this class does not implement."""
+    """A param group's hyperparameters, and no AdamW option turned on that this class does not
+    implement."""
     for flag in UNSUPPORTED_FLAGS:
         if group.get(flag):
-            raise ValueError(f"{where}{flag}: CPUOffloadAdam does not implement it; got {group[flag]!r}")
+            raise ValueError(
+                f"{where}{flag}: CPUOffloadAdam does not implement it; got {group[flag]!r}"
+            )
     check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
 
 
 def _step_count(value, where: str) -> int:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{where}step: expected a single number; got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(
+                f"{where}step: expected a single number; got a tensor of shape {tuple(value.shape)}"
+            )
         value = value.item()
     if not is_number(value) or value < 0 or value != int(value):
         raise ValueError(f"{where}step: expected a whole number of steps ≥ 0; got {value!r}")
@@ -286,49 +338,80 @@ def check_state(state_dict, param_groups) -> tuple[list[dict], dict]:
     """Validate a state dict from CPUOffloadAdam or torch.optim.AdamW against ``param_groups``
     before anything is changed. Returns (saved groups' settings, every key but the parameters;
     {param: checked entry})."""
-    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) \
-            or not isinstance(state_dict.get("state", {}), dict):
-        raise ValueError("state_dict: expected a dict with 'param_groups' (a list) and 'state' (a dict), as "
-                         "state_dict() returns")
+    if (
+        not isinstance(state_dict, dict)
+        or not isinstance(state_dict.get("param_groups"), list)
+        or not isinstance(state_dict.get("state", {}), dict)
+    ):
+        raise ValueError(
+            "state_dict: expected a dict with 'param_groups' (a list) and 'state' (a dict), as "
+            "state_dict() returns"
+        )
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups) or any(
-            not isinstance(s, dict) or not isinstance(s.get("params"), list) or len(s["params"]) != len(g["params"])
-            for s, g in zip(saved_groups, param_groups)):
-        raise ValueError(f"state_dict: expected {len(param_groups)} parameter groups of "
-                         f"{[len(g['params']) for g in param_groups]} parameters, as this optimizer has")
+        not isinstance(s, dict)
+        or not isinstance(s.get("params"), list)
+        or len(s["params"]) != len(g["params"])
+        for s, g in zip(saved_groups, param_groups)
+    ):
+        raise ValueError(
+            f"state_dict: expected {len(param_groups)} parameter groups of "
+            f"{[len(g['params']) for g in param_groups]} parameters, as this optimizer has"
+        )
     hyper, param_of = [], {}
     for i, (saved, own) in enumerate(zip(saved_groups, param_groups)):
         where = f"state_dict: param_groups[{i}]: "
         for flag in UNSUPPORTED_FLAGS:
             if saved.get(flag):
-                raise ValueError(f"{where}{flag}={saved[flag]!r}, which CPUOffloadAdam does not implement")
+                raise ValueError(
+                    f"{where}{flag}={saved[flag]!r}, which CPUOffloadAdam does not implement"
+                )
         if saved.get("decoupled_weight_decay") is False and saved.get("weight_decay", 0):
-            raise ValueError(f"{where}an Adam state with L2 weight decay (decoupled_weight_decay=False); "
-                             f"CPUOffloadAdam implements AdamW's decoupled weight decay")
+            raise ValueError(
+                f"{where}an Adam state with L2 weight decay (decoupled_weight_decay=False); "
+                f"CPUOffloadAdam implements AdamW's decoupled weight decay"
+            )
         # Every saved key but the parameters comes back, as torch.optim restores it: a scheduler's
         # initial_lr, OneCycleLR's max_lr, the user's own keys.
-        values = {k: tuple(v) if k == "betas" else v for k, v in saved.items() if k not in ("params", "param_names")}
-        check_hyperparameters(values.get("lr", own["lr"]), values.get("betas", own["betas"]),
-                              values.get("eps", own["eps"]), values.get("weight_decay", own["weight_decay"]), where)
+        values = {
+            k: tuple(v) if k == "betas" else v
+            for k, v in saved.items()
+            if k not in ("params", "param_names")
+        }
+        check_hyperparameters(
+            values.get("lr", own["lr"]),
+            values.get("betas", own["betas"]),
+            values.get("eps", own["eps"]),
+            values.get("weight_decay", own["weight_decay"]),
+            where,
+        )
         hyper.append(values)
         param_of.update(zip(saved["params"], own["params"]))
     entries = {}
     for key, saved in state_dict.get("state", {}).items():
         where = f"state_dict: state[{key!r}]: "
         if key not in param_of:
-            raise ValueError(f"{where}expected a parameter id of param_groups; got one that is not there")
+            raise ValueError(
+                f"{where}expected a parameter id of param_groups; got one that is not there"
+            )
         p = param_of[key]
         if not isinstance(saved, dict):
             raise ValueError(f"{where}expected a dict of step, exp_avg and exp_avg_sq")
         if "max_exp_avg_sq" in saved:
-            raise ValueError(f"{where}holds max_exp_avg_sq (amsgrad), which CPUOffloadAdam does not implement")
+            raise ValueError(
+                f"{where}holds max_exp_avg_sq (amsgrad), which CPUOffloadAdam does not implement"
+            )
         missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in saved]
         if missing:
-            raise ValueError(f"{where}expected step, exp_avg and exp_avg_sq; missing {', '.join(missing)}")
+            raise ValueError(
+                f"{where}expected step, exp_avg and exp_avg_sq; missing {', '.join(missing)}"
+            )
         checked = {"step": _step_count(saved["step"], where)}
         # A master copy is only as new as the step it was saved at: after a trip through another
         # optimizer (torch.optim.AdamW keeps unknown keys and moves "step" on) it is stale.
-        fresh = "master_step" in saved and _step_count(saved["master_step"], where) == checked["step"]
+        fresh = (
+            "master_step" in saved and _step_count(saved["master_step"], where) == checked["step"]
+        )
         for name in ("exp_avg", "exp_avg_sq", "master"):
             if name == "master" and not fresh:
                 continue
@@ -336,10 +419,14 @@ def check_state(state_dict, param_groups) -> tuple[list[dict], dict]:
             if value is None and name == "master":
                 continue
             if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-                raise ValueError(f"{where}{name}: expected a floating-point tensor; got {type(value).__name__}")
+                raise ValueError(
+                    f"{where}{name}: expected a floating-point tensor; got {type(value).__name__}"
+                )
             if value.shape != p.shape:
-                raise ValueError(f"{where}{name}: expected shape {tuple(p.shape)} like its parameter; "
-                                 f"got {tuple(value.shape)}")
+                raise ValueError(
+                    f"{where}{name}: expected shape {tuple(p.shape)} like its parameter; "
+                    f"got {tuple(value.shape)}"
+                )
             checked[name] = value
         if p.requires_grad:
             entries[p] = checked

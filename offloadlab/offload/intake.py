@@ -34,10 +34,12 @@ def check_unconverted(param: torch.Tensor, dtype: torch.dtype, device: torch.dev
     """RuntimeError naming a conversion of the model after the optimizer was made (``model.to(…)``,
     ``.double()``), which the host state cannot follow."""
     if param.dtype != dtype or param.device.type != device.type:
-        raise RuntimeError(f"CPUOffloadAdam: a parameter is now {param.dtype} on {param.device}, but was {dtype} on "
-                           f"{device} when the optimizer was made (model.to(…), .half() or .double() since); "
-                           f"convert the model first, then make the optimizer (load optimizer.state_dict() into "
-                           f"the new one to keep the state)")
+        raise RuntimeError(
+            f"CPUOffloadAdam: a parameter is now {param.dtype} on {param.device}, but was {dtype} "
+            f"on {device} when the optimizer was made (model.to(…), .half() or .double() since); "
+            f"convert the model first, then make the optimizer (load optimizer.state_dict() into "
+            f"the new one to keep the state)"
+        )
 
 
 class GradientIntake:
@@ -52,15 +54,17 @@ class GradientIntake:
         self.link, self.host, self.eager_after = link, host, eager_after
         self._ready, self._record, self._usable = ready, record, usable
         self.buckets: list[Bucket] = []
-        self._where: dict[int, tuple[Bucket, int]] = {}   # id(param) → (bucket, position)
+        self._where: dict[int, tuple[Bucket, int]] = {}  # id(param) → (bucket, position)
         self._hooks: list = []
         self._gather = GradientGather(link, [], sink=self, names=lambda i: f"bucket {i}")
-        # buckets some of whose parameters got no gradient go down as they are at the end of backward
+        # buckets some of whose parameters got no gradient go down as they are at the end of
+        # backward
         self._backward = _torch_compat.EndOfBackward(self._gather.flush)
         self.add(host.buckets)
 
     def add(self, buckets: list[Bucket]) -> None:
-        """Take in the gradients of new buckets (hooks for device ones, the streaming for streamed ones)."""
+        """Take in the gradients of new buckets (hooks for device ones, the streaming for
+        streamed ones)."""
         self._gather.extend([Layout([]) if b.streamed is not None else b.layout for b in buckets])
         for bucket in buckets:
             self.buckets.append(bucket)
@@ -69,14 +73,17 @@ class GradientIntake:
             if bucket.streamed is not None:
                 bucket.streamed.attach_sink(bucket.block, self, bucket.index)
             else:
-                self._hooks += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in bucket.params]
+                self._hooks += [
+                    p.register_post_accumulate_grad_hook(self._on_gradient) for p in bucket.params
+                ]
 
     def position(self, param) -> tuple[Bucket, int] | None:
         """The bucket that holds ``param`` and its place in it (None: not one of ours)."""
         return self._where.get(id(param))
 
     def close(self) -> None:
-        """Remove the hooks and leave the streamed blocks' gradients to their StreamedModel again."""
+        """Remove the hooks and leave the streamed blocks' gradients to their StreamedModel
+        again."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -91,11 +98,14 @@ class GradientIntake:
             return  # a failed or closed optimizer leaves gradients where autograd put them
         bucket, k = self._where[id(param)]
         grad = param.grad
-        check_unconverted(grad, self.host.dtype, self.link.device if bucket.streamed is None else grad.device)
+        check_unconverted(
+            grad, self.host.dtype, self.link.device if bucket.streamed is None else grad.device
+        )
         if grad.is_sparse:
             raise ValueError("params: CPUOffloadAdam does not support sparse gradients")
         if bucket.submitted and self.eager_after is not None:
-            param.grad = None  # the extra pass is dropped, not left in .grad for the next step to take
+            # the extra pass is dropped, not left in .grad for the next step to take
+            param.grad = None
         self._check_not_submitted(bucket)
         self._backward.arm()
         self._gather.add(bucket.index, k, grad)
@@ -112,8 +122,10 @@ class GradientIntake:
             if p.grad.is_sparse:
                 raise ValueError("params: CPUOffloadAdam does not support sparse gradients")
             if p.grad.shape != p.shape:
-                raise RuntimeError(f"CPUOffloadAdam: a parameter of shape {tuple(p.shape)} has a gradient of "
-                                   f"shape {tuple(p.grad.shape)}")
+                raise RuntimeError(
+                    f"CPUOffloadAdam: a parameter of shape {tuple(p.shape)} has a gradient of "
+                    f"shape {tuple(p.grad.shape)}"
+                )
             self._check_not_submitted(bucket)
             if bucket.streamed is None:
                 self._gather.add(bucket.index, k, p.grad)
@@ -139,11 +151,13 @@ class GradientIntake:
 
     def _check_not_submitted(self, bucket: Bucket) -> None:
         if bucket.submitted and self.eager_after is not None:
-            raise RuntimeError(f"CPUOffloadAdam: more backward passes than accumulation_steps={self.eager_after} "
-                               f"before step(); this pass's gradients are dropped, and the step of the first "
-                               f"{self.eager_after} stands (its updates have started): step() or zero_grad() "
-                               f"finishes it. Declare the number of micro-batches you run, or leave "
-                               f"accumulation_steps unset")
+            raise RuntimeError(
+                f"CPUOffloadAdam: more backward passes than accumulation_steps={self.eager_after} "
+                f"before step(); this pass's gradients are dropped, and the step of the first "
+                f"{self.eager_after} stands (its updates have started): step() or zero_grad() "
+                f"finishes it. Declare the number of micro-batches you run, or leave "
+                f"accumulation_steps unset"
+            )
 
     # ------------------------------------------------------------------ the GradientSink protocol
 
@@ -164,8 +178,11 @@ class GradientIntake:
     def gradients_sent(self, group: int, transfers: list, positions: list) -> None:
         """Bucket ``group``'s gradients at ``positions`` are on their way down."""
         bucket = self.buckets[group]
-        bucket.receive(transfers, positions, marker=self.link.mark())  # (the backward that produced them is issued)
+        # (the backward that produced them is issued)
+        bucket.receive(transfers, positions, marker=self.link.mark())
         for transfer in transfers:
             self._record("D2H", transfer, f"b{group}")
-        if self.eager_after is not None and all(n == self.eager_after for n in bucket.received.counts):
+        if self.eager_after is not None and all(
+            n == self.eager_after for n in bucket.received.counts
+        ):
             self._ready(bucket)

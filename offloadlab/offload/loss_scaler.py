@@ -22,8 +22,14 @@ def _positive(value, name: str) -> float:
 class LossScaler:
     """The loss scale of one fp16 training run (a fixed scale with ``dynamic=False``)."""
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, dynamic: bool = True):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        dynamic: bool = True,
+    ):
         self.scale = _positive(init_scale, "init_scale")
         self.growth_factor = _positive(growth_factor, "growth_factor")
         self.backoff_factor = _positive(backoff_factor, "backoff_factor")
@@ -33,19 +39,22 @@ class LossScaler:
             raise ValueError(f"backoff_factor: expected a number < 1; got {backoff_factor!r}")
         check_integer(growth_interval, "growth_interval")
         self.growth_interval, self.dynamic = growth_interval, bool(dynamic)
-        self.good_steps = 0     # steps in a row without overflow
+        self.good_steps = 0  # steps in a row without overflow
         self.skipped_steps = 0  # steps skipped for overflow, over the whole run
 
     @classmethod
     def from_argument(cls, loss_scale) -> "LossScaler":
-        """``'dynamic'``, a fixed positive number, or a LossScaler (as CPUOffloadAdam's ``loss_scale`` takes)."""
+        """``'dynamic'``, a fixed positive number, or a LossScaler (as CPUOffloadAdam's
+        ``loss_scale`` takes)."""
         if isinstance(loss_scale, cls):
             return loss_scale
         if loss_scale == "dynamic":
             return cls()
         if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
             return cls(init_scale=_positive(loss_scale, "loss_scale"), dynamic=False)
-        raise ValueError(f"loss_scale: expected 'dynamic', a positive number or a LossScaler; got {loss_scale!r}")
+        raise ValueError(
+            f"loss_scale: expected 'dynamic', a positive number or a LossScaler; got {loss_scale!r}"
+        )
 
     def update(self, overflowed: bool) -> None:
         """After a step: back off and count a skip on overflow; grow after enough good steps."""
@@ -60,9 +69,15 @@ class LossScaler:
             self.scale *= self.growth_factor
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "good_steps": self.good_steps,
-                "skipped_steps": self.skipped_steps, "dynamic": self.dynamic}
+        return {
+            "scale": self.scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "good_steps": self.good_steps,
+            "skipped_steps": self.skipped_steps,
+            "dynamic": self.dynamic,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from :meth:`state_dict` (validated before anything changes)."""

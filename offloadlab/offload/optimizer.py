@@ -78,7 +78,8 @@ DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 
 class _StateView(Mapping):
-    """``optimizer.state``: per parameter updated so far, live views of its host state (AdamW's keys)."""
+    """``optimizer.state``: per parameter updated so far, live views of its host state (AdamW's
+    keys)."""
 
     def __init__(self, engine: OffloadEngine):
         self._engine = engine
@@ -87,12 +88,18 @@ class _StateView(Mapping):
         host = self._engine.host
         if host.master is None:
             return {}
-        return {p: (bucket, k) for bucket in host.buckets for k, p in enumerate(bucket.params) if bucket.steps[k]}
+        return {
+            p: (bucket, k)
+            for bucket in host.buckets
+            for k, p in enumerate(bucket.params)
+            if bucket.steps[k]
+        }
 
     def __getitem__(self, param):
         entries = self._entries()
         if param not in entries:
-            return {}  # as torch.optim's defaultdict(dict) answers for a parameter without state yet
+            # as torch.optim's defaultdict(dict) answers for a parameter without state yet
+            return {}
         bucket, k = entries[param]
         return self._engine.host.entry(bucket, k)
 
@@ -122,13 +129,28 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     (:func:`offloadlab.trace.write_chrome_trace` writes it for Perfetto).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 link=None, threads: int | None = None, max_grad_norm: float | None = None,
-                 accumulation_steps: int | None = None, delayed_update: bool = False, loss_scale="dynamic",
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, record_timeline: bool = False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        *,
+        link=None,
+        threads: int | None = None,
+        max_grad_norm: float | None = None,
+        accumulation_steps: int | None = None,
+        delayed_update: bool = False,
+        loss_scale="dynamic",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        record_timeline: bool = False,
+    ):
         check_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not (is_number(max_grad_norm) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm: expected a positive number or None; got {max_grad_norm!r}")
+            raise ValueError(
+                f"max_grad_norm: expected a positive number or None; got {max_grad_norm!r}"
+            )
         for name, value in (("accumulation_steps", accumulation_steps), ("threads", threads)):
             if value is not None:
                 check_integer(value, name, expected="a positive integer or None")
@@ -139,19 +161,33 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             check_group(group, f"param_groups[{i}]: ")
             for p in group["params"]:
                 if id(p) in seen:
-                    raise ValueError(f"params: expected each parameter once; param_groups[{i}] repeats one")
+                    raise ValueError(
+                        f"params: expected each parameter once; param_groups[{i}] repeats one"
+                    )
                 seen.add(id(p))
-        self._engine = OffloadEngine(self.param_groups, link=link, threads=threads, max_grad_norm=max_grad_norm,
-                                     accumulation_steps=accumulation_steps, delayed_update=bool(delayed_update),
-                                     loss_scale=loss_scale, bucket_bytes=bucket_bytes,
-                                     record_timeline=record_timeline)
+        self._engine = OffloadEngine(
+            self.param_groups,
+            link=link,
+            threads=threads,
+            max_grad_norm=max_grad_norm,
+            accumulation_steps=accumulation_steps,
+            delayed_update=bool(delayed_update),
+            loss_scale=loss_scale,
+            bucket_bytes=bucket_bytes,
+            record_timeline=record_timeline,
+        )
         self.state = _StateView(self._engine)
         # Dropped without close() (a re-run notebook cell): the engine still gets closed.
-        self._finalizer = weakref.finalize(self, self._engine.close, "the optimizer was garbage-collected")
+        self._finalizer = weakref.finalize(
+            self, self._engine.close, "the optimizer was garbage-collected"
+        )
 
     def __repr__(self) -> str:
-        return (f"CPUOffloadAdam({sum(len(b.params) for b in self._engine.host.buckets)} parameters in "
-                f"{len(self._engine.host.buckets)} buckets, {self._engine.dtype}, {self._engine.link!r})")
+        return (
+            f"CPUOffloadAdam({sum(len(b.params) for b in self._engine.host.buckets)} parameters in "
+            f"{len(self._engine.host.buckets)} buckets, {self._engine.dtype}, "
+            f"{self._engine.link!r})"
+        )
 
     # ------------------------------------------------------------------ what it holds
 
@@ -178,7 +214,8 @@ class CPUOffloadAdam(torch.optim.Optimizer):
 
     @property
     def timeline(self) -> dict | None:
-        """The last complete step's {'D2H', 'CPU', 'H2D': [(start, end, label)]} (record_timeline=True), else None."""
+        """The last complete step's {'D2H', 'CPU', 'H2D': [(start, end, label)]}
+        (record_timeline=True), else None."""
         return self._engine.timeline.lanes
 
     def host_bytes(self) -> dict[str, int]:
@@ -198,7 +235,8 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ training
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group, as torch.optim.Optimizer does; its parameters get host state and train from now on."""
+        """Add a group, as torch.optim.Optimizer does; its parameters get host state and train
+        from now on."""
         engine = self.__dict__.get("_engine")
         if engine is not None:
             engine.check_usable()
@@ -214,7 +252,9 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         """The loss multiplied by the current loss scale (fp16); the loss itself otherwise."""
         return loss * self.loss_scale if self._engine.scaler is not None else loss
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Clip this step's gradients to a global L2 norm of ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_`` does over the model, and return the norm before clipping.
 
@@ -223,7 +263,9 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         if not (is_number(max_norm) and max_norm > 0):
             raise ValueError(f"max_norm: expected a positive number; got {max_norm!r}")
         if norm_type != 2.0:
-            raise ValueError(f"norm_type: expected 2.0 (CPUOffloadAdam clips by the L2 norm); got {norm_type!r}")
+            raise ValueError(
+                f"norm_type: expected 2.0 (CPUOffloadAdam clips by the L2 norm); got {norm_type!r}"
+            )
         return torch.tensor(self._engine.clip(float(max_norm), error_if_nonfinite))
 
     @torch.no_grad()
@@ -231,10 +273,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         """Finish this step's CPU updates (or, with delayed_update, apply the previous step's)."""
         self._engine.check_usable()
         if _torch_compat.grad_scaler_stepped(self):
-            raise RuntimeError("CPUOffloadAdam: torch.amp.GradScaler cannot check gradients that are already on "
-                               "the host; this optimizer scales fp16 losses itself (loss_scale=..., then "
-                               "opt.scale_loss(loss).backward() and opt.step()), and bf16 or fp32 need no scaler. "
-                               "Call zero_grad() to drop this step's scaled gradients")
+            raise RuntimeError(
+                "CPUOffloadAdam: torch.amp.GradScaler cannot check gradients that are already on "
+                "the host; this optimizer scales fp16 losses itself (loss_scale=..., then "
+                "opt.scale_loss(loss).backward() and opt.step()), and bf16 or fp32 need no scaler. "
+                "Call zero_grad() to drop this step's scaled gradients"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -268,15 +312,18 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         self.close()
 
     def __reduce_ex__(self, protocol):
-        raise TypeError("CPUOffloadAdam cannot be pickled or copied (it holds pinned host memory, hooks and a "
-                        "thread); save optimizer.state_dict() instead, and load it into a new CPUOffloadAdam")
+        raise TypeError(
+            "CPUOffloadAdam cannot be pickled or copied (it holds pinned host memory, hooks and a "
+            "thread); save optimizer.state_dict() instead, and load it into a new CPUOffloadAdam"
+        )
 
     # ------------------------------------------------------------------ checkpoints
 
     @_torch_compat.disable_dynamo
     def state_dict(self) -> dict:
         """torch.optim.AdamW's layout (step, exp_avg, exp_avg_sq per parameter) plus the fp32
-        ``master`` weights, as host tensors shaped like each parameter; torch's state-dict hooks run.
+        ``master`` weights, as host tensors shaped like each parameter; torch's state-dict hooks
+        run.
 
         With a delayed update, the pending update is applied first.
         """
@@ -294,7 +341,8 @@ class CPUOffloadAdam(torch.optim.Optimizer):
 
     @_torch_compat.disable_dynamo
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict from this class or from torch.optim.AdamW and send the weights to the device.
+        """Load a state dict from this class or from torch.optim.AdamW and send the weights to the
+        device.
 
         The fp32 master weights come from the state dict when it has current ones (saved by this
         class at the same step) that round to the parameter's current value; else from the
@@ -321,9 +369,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         passed_over = engine.host.load(entries)
         engine.upload_all()
         if passed_over:
-            warnings.warn(f"CPUOffloadAdam.load_state_dict: {passed_over} saved fp32 master weight(s) do not round "
-                          f"to the parameters' current values; those parameters keep their weights, as with "
-                          f"torch.optim.AdamW, and start a master copy from them (load the model's state dict "
-                          f"first to keep the saved masters)", stacklevel=2)
+            warnings.warn(
+                f"CPUOffloadAdam.load_state_dict: {passed_over} saved fp32 master weight(s) do not "
+                "round to the parameters' current values; those parameters keep their weights, as "
+                "with torch.optim.AdamW, and start a master copy from them (load the model's "
+                f"state dict first to keep the saved masters)",
+                stacklevel=2,
+            )
         for hook in _torch_compat.optimizer_hooks(self, "load_state_dict_post"):
             hook(self)

@@ -20,15 +20,18 @@ __all__ = ["AtStep", "Eager", "Delayed", "choose"]
 class AtStep:
     """The update runs inside step()."""
 
-    eager_after: int | None = None   # micro-batches after which a bucket is handed over in backward
-    upload_after_update = True       # the worker sends each bucket's weights up as soon as it is updated
+    eager_after: int | None = None  # micro-batches after which a bucket is handed over in backward
+    # the worker sends each bucket's weights up as soon as it is updated
+    upload_after_update = True
     name = "at step"
 
     def before_update(self, finish, submitted: list) -> None:
-        """Before this step's gradients are handed over (``submitted``: buckets still with the worker)."""
+        """Before this step's gradients are handed over (``submitted``: buckets still with the
+        worker)."""
 
     def after_handing_over(self, finish, submitted: list) -> None:
-        """After: wait for every update, so the new weights are on their way up when step() returns."""
+        """After: wait for every update, so the new weights are on their way up when step()
+        returns."""
         finish(submitted, upload=False)
 
     def pending_upload(self) -> bool:
@@ -37,7 +40,8 @@ class AtStep:
 
 
 class Eager(AtStep):
-    """A bucket's update starts during backward, once its ``micro_batches``-th gradients have landed."""
+    """A bucket's update starts during backward, once its ``micro_batches``-th gradients have
+    landed."""
 
     name = "eager"
 
@@ -46,7 +50,8 @@ class Eager(AtStep):
 
 
 class Delayed:
-    """The update of step t runs during step t + 1's forward and backward and is applied at its step()."""
+    """The update of step t runs during step t + 1's forward and backward and is applied at its
+    step()."""
 
     eager_after = None
     upload_after_update = False
@@ -64,8 +69,9 @@ class Delayed:
 
 
 def choose(accumulation_steps: int | None, delayed_update: bool, clipping: bool, fp16: bool):
-    """The schedule the constructor's arguments ask for. Clipping and fp16 loss scaling need every
-    gradient before any update starts, so accumulation_steps then only declares, and runs at step."""
+    """The schedule the constructor's arguments ask for. Clipping and fp16 loss scaling need
+    every gradient before any update starts, so accumulation_steps then only declares, and runs
+    at step."""
     if delayed_update:
         return Delayed()
     if accumulation_steps is not None and not clipping and not fp16:

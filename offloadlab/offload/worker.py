@@ -33,7 +33,9 @@ __all__ = ["UpdateWorker"]
 class UpdateWorker:
     """Runs bucket updates on a thread of its own with ``threads`` OpenMP threads for the kernel."""
 
-    def __init__(self, link: Link, host: HostState, threads: int, upload_after_update: bool, record):
+    def __init__(
+        self, link: Link, host: HostState, threads: int, upload_after_update: bool, record
+    ):
         self.link, self.host, self.threads = link, host, threads
         self.upload_after_update, self._record = upload_after_update, record
         self.error: BaseException | None = None
@@ -51,20 +53,32 @@ class UpdateWorker:
         buffer's memory comes from the caching allocator on that thread's stream, and the first
         copy into it is ordered after the first bucket's gradients — later on that same stream.
         """
-        sizes = [b.layout.nbytes for b in self.host.buckets if b.streamed is None and len(b.params) > 1]
+        sizes = [
+            b.layout.nbytes for b in self.host.buckets if b.streamed is None and len(b.params) > 1
+        ]
         if sizes and (self._staging is None or self._staging.numel() < max(sizes)):
             self._staging = self.link.device_buffer(max(sizes), torch.uint8)
 
     def submit(self, bucket: Bucket, grad_scale: float, step: int, refresh: bool = True) -> None:
         """Hand this step's gradients of ``bucket`` to the thread (``grad_scale`` multiplies them
-        first), with its groups' hyperparameters as they are now (a scheduler may change them next).
-        Weights changed by hand are taken in first, unless ``refresh`` is False (they were, just now)."""
+        first), with its groups' hyperparameters as they are now (a scheduler may change them
+        next). Weights changed by hand are taken in first, unless ``refresh`` is False (they
+        were, just now)."""
         if refresh:
-            self.host.refresh(bucket)  # weights changed since the optimizer last wrote them are the ones to update
+            # weights changed since the optimizer last wrote them are the ones to update
+            self.host.refresh(bucket)
         if self.upload_after_update:
             self.announce(bucket)  # (the copy up may land at any time from now on)
-        hyper = {id(g): (float(g["lr"]), tuple(map(float, g["betas"])), float(g["eps"]), float(g["weight_decay"]))
-                 for g in bucket.groups}  # (a tensor lr, as AdamW allows, is read now: a scheduler may change it)
+        hyper = {
+            id(g): (
+                float(g["lr"]),
+                tuple(map(float, g["betas"])),
+                float(g["eps"]),
+                float(g["weight_decay"]),
+            )
+            # (a tensor lr, as AdamW allows, is read now: a scheduler may change it)
+            for g in bucket.groups
+        }
         self._jobs.put((bucket, bucket.hand_over(), grad_scale, step, hyper))
 
     def stop(self) -> None:
@@ -85,21 +99,34 @@ class UpdateWorker:
             finally:
                 bucket.update_done()
 
-    def _update(self, bucket: Bucket, received: Received, grad_scale: float, step: int, hyper: dict) -> None:
+    def _update(
+        self, bucket: Bucket, received: Received, grad_scale: float, step: int, hyper: dict
+    ) -> None:
         received.landed()
         self.host.fold(bucket, received, final=True)
         if bucket.upload is not None:
-            bucket.upload.synchronize()  # the last copy of these weights up has read them: overwrite now
+            # the last copy of these weights up has read them: overwrite now
+            bucket.upload.synchronize()
         host, out = self.host, self.host.weights_out
         started = self.link.now()
         for first, stop in bucket.runs(received.counts):
             s, e = bucket.span(first, stop)
             count = bucket.steps[first] + 1
             lr, betas, eps, weight_decay = hyper[id(bucket.groups[first])]
-            cpu_adam.adamw_step(host.master[s:e], host.exp_avg[s:e], host.exp_avg_sq[s:e],
-                                host.gradient(bucket, first, stop, received.counts), None if out is None else out[s:e],
-                                step=count, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                grad_scale=grad_scale, threads=self.threads)
+            cpu_adam.adamw_step(
+                host.master[s:e],
+                host.exp_avg[s:e],
+                host.exp_avg_sq[s:e],
+                host.gradient(bucket, first, stop, received.counts),
+                None if out is None else out[s:e],
+                step=count,
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                grad_scale=grad_scale,
+                threads=self.threads,
+            )
             bucket.advance(first, stop, count)
         self._record("CPU", (started, self.link.now()), f"b{bucket.index}", step)
         if self.upload_after_update:
@@ -112,12 +139,16 @@ class UpdateWorker:
         if bucket.streamed is None:
             torch.autograd.graph.increment_version(bucket.params)
 
-    def upload(self, bucket: Bucket, after="compute", step: int | None = None, announced: bool = False) -> None:
+    def upload(
+        self, bucket: Bucket, after="compute", step: int | None = None, announced: bool = False
+    ) -> None:
         """Send the bucket's current weights to its parameters (device) or its block's host memory
         (``announced``: :meth:`announce` was called for them when the update was handed over)."""
         outgoing = self.host.outgoing()
         if bucket.streamed is not None:
-            bucket.streamed.write_host_weights(bucket.block, [outgoing[s:e] for s, e in bucket.ranges])
+            bucket.streamed.write_host_weights(
+                bucket.block, [outgoing[s:e] for s, e in bucket.ranges]
+            )
             bucket.weights_sent(None)
             self.host.weights_sent(bucket)
             return
@@ -126,12 +157,19 @@ class UpdateWorker:
         label = f"b{bucket.index}"
         if len(bucket.params) == 1:
             s, e = bucket.ranges[0]
-            transfer = self.link.to_device(bucket.params[0].data.view(-1), outgoing[s:e], after=after, label=label)
+            transfer = self.link.to_device(
+                bucket.params[0].data.view(-1), outgoing[s:e], after=after, label=label
+            )
         else:
-            staging = self._staging[:bucket.layout.nbytes]
+            staging = self._staging[: bucket.layout.nbytes]
             targets = list(zip((p.data for p in bucket.params), bucket.layout.views(staging)))
-            transfer = self.link.to_device_scattered(targets, outgoing[bucket.start:bucket.end].view(torch.uint8),
-                                                     staging, after=after, label=label)
+            transfer = self.link.to_device_scattered(
+                targets,
+                outgoing[bucket.start : bucket.end].view(torch.uint8),
+                staging,
+                after=after,
+                label=label,
+            )
         bucket.weights_sent(transfer)
         self.host.weights_sent(bucket)
         self._record("H2D", transfer, label, step)

@@ -23,14 +23,58 @@ Units: bytes, bytes/s, seconds, FLOP/s, parameters/s.
 from .choose import plan
 from .node import NODE_CANDIDATES, NodePlan, node_plans, nvme_plans
 from .report import PlanReport
-from .single import (HIDDEN_FRACTION, MAX_SIMULATED_LAYERS, OFFLOAD_LEVELS, Candidate, Plan, candidates, schedule,
-                     single_gpu_plans)
-from .workload import (ASSUMED_COMPUTE, ASSUMED_CPU_ADAM, ASSUMED_INTERCONNECT, ASSUMED_NVME, ASSUMED_VOCAB,
-                       ATTENTIONS, BYTES_MOVED_PER_ADAM_PARAM, HOST_RESERVE_FRACTION, WORKSPACE_FRACTION, Activations, Hardware, Workload,
-                       typical_shape)
+from .single import (
+    HIDDEN_FRACTION,
+    MAX_SIMULATED_LAYERS,
+    OFFLOAD_LEVELS,
+    Candidate,
+    Plan,
+    candidates,
+    schedule,
+    single_gpu_plans,
+)
+from .workload import (
+    ASSUMED_COMPUTE,
+    ASSUMED_CPU_ADAM,
+    ASSUMED_INTERCONNECT,
+    ASSUMED_NVME,
+    ASSUMED_VOCAB,
+    ATTENTIONS,
+    BYTES_MOVED_PER_ADAM_PARAM,
+    HOST_RESERVE_FRACTION,
+    WORKSPACE_FRACTION,
+    Activations,
+    Hardware,
+    Workload,
+    typical_shape,
+)
 
-__all__ = ["Workload", "Hardware", "Activations", "Candidate", "Plan", "NodePlan", "PlanReport", "candidates", "plan",
-           "schedule", "single_gpu_plans", "node_plans", "nvme_plans", "typical_shape", "ASSUMED_COMPUTE",
-           "ASSUMED_CPU_ADAM", "ASSUMED_INTERCONNECT", "ASSUMED_NVME", "ASSUMED_VOCAB", "ATTENTIONS",
-           "WORKSPACE_FRACTION", "HOST_RESERVE_FRACTION", "BYTES_MOVED_PER_ADAM_PARAM", "HIDDEN_FRACTION", "MAX_SIMULATED_LAYERS",
-           "OFFLOAD_LEVELS", "NODE_CANDIDATES"]
+__all__ = [
+    "Workload",
+    "Hardware",
+    "Activations",
+    "Candidate",
+    "Plan",
+    "NodePlan",
+    "PlanReport",
+    "candidates",
+    "plan",
+    "schedule",
+    "single_gpu_plans",
+    "node_plans",
+    "nvme_plans",
+    "typical_shape",
+    "ASSUMED_COMPUTE",
+    "ASSUMED_CPU_ADAM",
+    "ASSUMED_INTERCONNECT",
+    "ASSUMED_NVME",
+    "ASSUMED_VOCAB",
+    "ATTENTIONS",
+    "WORKSPACE_FRACTION",
+    "HOST_RESERVE_FRACTION",
+    "BYTES_MOVED_PER_ADAM_PARAM",
+    "HIDDEN_FRACTION",
+    "MAX_SIMULATED_LAYERS",
+    "OFFLOAD_LEVELS",
+    "NODE_CANDIDATES",
+]

@@ -17,13 +17,22 @@ from .workload import ASSUMED_NVME, Hardware, Workload
 
 __all__ = ["plan"]
 
-_NVME_NOTE = ("host memory cannot hold the offloaded state, so the plan keeps it on NVMe (ZeRO-Infinity): each "
-              "step reads and writes it at the drive's speed, and a drive rated for a few full writes a day wears "
-              "out in weeks at that rate (chapter 8)")
+_NVME_NOTE = (
+    "host memory cannot hold the offloaded state, so the plan keeps it on NVMe (ZeRO-Infinity): "
+    "each step reads and writes it at the drive's speed, and a drive rated for a few full writes a "
+    "day wears out in weeks at that rate (chapter 8)"
+)
 
 
-def plan(work: Workload, hw: Hardware, *, duplex="full", recipe: str = memory.DEFAULT_RECIPE,
-         clipping: bool = False, recompute="auto") -> PlanReport:
+def plan(
+    work: Workload,
+    hw: Hardware,
+    *,
+    duplex="full",
+    recipe: str = memory.DEFAULT_RECIPE,
+    clipping: bool = False,
+    recompute="auto",
+) -> PlanReport:
     """Choose the least offload that fits; within a level, the faster activation choice.
 
     ``duplex`` is how the link's two directions share it ('full', 'half' or a measured rate;
@@ -40,12 +49,23 @@ def plan(work: Workload, hw: Hardware, *, duplex="full", recipe: str = memory.DE
         return PlanReport(work, hw, plans, chosen, runner_up, ranking, warnings, duplex, recipe)
     plans = single_gpu_plans(work, hw, duplex, recipe, clipping, recompute)
     fitting = sorted((p for p in plans if p.fits), key=lambda p: (p.level, p.step))
-    if not fitting and hw.nvme and any(p.fits_gpu for p in plans):  # host memory is short: the next tier, NVMe
+    # host memory is short: the next tier, NVMe
+    if not fitting and hw.nvme and any(p.fits_gpu for p in plans):
         on_drive = [p for p in nvme_plans(work, hw, duplex, recipe, recompute) if p.fits]
         if on_drive:
             plans += on_drive
             best, *rest = sorted(on_drive, key=lambda p: p.step)
-            return PlanReport(work, hw, plans, best, rest[0] if rest else None, ranking, [_NVME_NOTE], duplex, recipe)
+            return PlanReport(
+                work,
+                hw,
+                plans,
+                best,
+                rest[0] if rest else None,
+                ranking,
+                [_NVME_NOTE],
+                duplex,
+                recipe,
+            )
     chosen = fitting[0] if fitting else None
     others = sorted((p for p in fitting[1:]), key=lambda p: p.step)
     runner_up = others[0] if others else None
@@ -58,46 +78,65 @@ def plan(work: Workload, hw: Hardware, *, duplex="full", recipe: str = memory.DE
         if hw.comm_fraction >= 0.3:
             warnings.append(_WRONG_TOOL.format(hw.comm_fraction))
         if chosen.t_transfer > 2 * chosen.t_compute:
-            warnings.append("offload makes this run bandwidth-bound: a larger batch, a faster link or more GPUs "
-                            "(sharding instead of offloading) would serve it better")
+            warnings.append(
+                "offload makes this run bandwidth-bound: a larger batch, a faster link or more "
+                "GPUs (sharding instead of offloading) would serve it better"
+            )
     return PlanReport(work, hw, plans, chosen, runner_up, ranking, warnings, duplex, recipe)
 
 
-_WRONG_TOOL = ("offload is the wrong tool here: the run already spends {:.0%} of its step on communication; offload "
-               "adds traffic — move less instead")
+_WRONG_TOOL = (
+    "offload is the wrong tool here: the run already spends {:.0%} of its step on communication; "
+    "offload adds traffic — move less instead"
+)
 
 
-def _nothing_fits_on_one_gpu(work: Workload, hw: Hardware, plans: list[Plan], duplex: str, recipe: str) -> list[str]:
+def _nothing_fits_on_one_gpu(
+    work: Workload, hw: Hardware, plans: list[Plan], duplex: str, recipe: str
+) -> list[str]:
     warnings = []
     most = min(plans, key=lambda p: p.gpu_bytes)
     if not most.fits_gpu:
-        warnings.append(f"nothing fits: even with everything offloaded and activations recomputed the GPU needs "
-                        f"{format_size(most.gpu_bytes)}; what binds is "
-                        f"{gpu_binding(most.gpu_terms, most.gpu_usable)}")
+        warnings.append(
+            "nothing fits: even with everything offloaded and activations recomputed the GPU "
+            f"needs {format_size(most.gpu_bytes)}; what binds is "
+            f"{gpu_binding(most.gpu_terms, most.gpu_usable)}"
+        )
         return warnings
     least = min((p for p in plans if p.fits_gpu), key=lambda p: p.host_bytes)
-    warnings.append(f"nothing fits: the GPU holds it once {least.offload} are offloaded "
-                    f"({format_size(least.gpu_bytes)} of {format_size(least.gpu_usable)}), but host memory "
-                    f"does not: that needs {format_size(least.host_bytes)} of host memory against "
-                    f"the {format_size(hw.usable_host_memory)} usable of {format_size(hw.host_memory)}; the next tier, NVMe, can hold it at a lower speed"
-                    + ("" if hw.nvme else " (give the drive's bandwidth, --nvme, to plan on it)"))
+    warnings.append(
+        f"nothing fits: the GPU holds it once {least.offload} are offloaded "
+        f"({format_size(least.gpu_bytes)} of {format_size(least.gpu_usable)}), but host memory "
+        f"does not: that needs {format_size(least.host_bytes)} of host memory against "
+        f"the {format_size(hw.usable_host_memory)} usable of {format_size(hw.host_memory)}; the "
+        "next tier, NVMe, can hold it at a lower speed"
+        + ("" if hw.nvme else " (give the drive's bandwidth, --nvme, to plan on it)")
+    )
     if not hw.nvme:  # what the next tier would give, at an assumed rate
-        on_drive = [p for p in nvme_plans(work, hw.replaced(nvme=ASSUMED_NVME), duplex, recipe) if p.fits]
+        on_drive = [
+            p for p in nvme_plans(work, hw.replaced(nvme=ASSUMED_NVME), duplex, recipe) if p.fits
+        ]
         if on_drive:
             best = min(on_drive, key=lambda p: p.step)
-            warnings.append(f"on an NVMe drive sustaining {format_bandwidth(ASSUMED_NVME)} (an assumption) it "
-                            f"would fit, at {format_duration(best.step)} a step ({best.name}); pass --nvme with "
-                            f"your drive's rate (`offloadlab probe --disk FOLDER` measures it) to plan on it")
+            warnings.append(
+                f"on an NVMe drive sustaining {format_bandwidth(ASSUMED_NVME)} (an assumption) it "
+                f"would fit, at {format_duration(best.step)} a step ({best.name}); pass --nvme "
+                "with your drive's rate (`offloadlab probe --disk FOLDER` measures it) to plan on "
+                "it"
+            )
     return warnings
 
 
-def _plan_node(work: Workload, hw: Hardware, duplex: str, recipe: str, recompute="auto") -> tuple[
-        list[NodePlan], NodePlan | None, NodePlan | None, list[str]]:
-    """Every sharding and offload choice on the node; the fastest that fits (the simpler on a tie)."""
+def _plan_node(
+    work: Workload, hw: Hardware, duplex: str, recipe: str, recompute="auto"
+) -> tuple[list[NodePlan], NodePlan | None, NodePlan | None, list[str]]:
+    """Every sharding and offload choice on the node; the fastest that fits (the simpler on a
+    tie)."""
     plans = node_plans(work, hw, duplex, recipe, recompute)
     fitting = sorted((p for p in plans if p.fits), key=lambda p: p.step)
     warnings = []
-    if not fitting and hw.nvme and any(p.fits_gpu for p in plans):  # the next tier: NVMe, at its speed
+    # the next tier: NVMe, at its speed
+    if not fitting and hw.nvme and any(p.fits_gpu for p in plans):
         plans += nvme_plans(work, hw, duplex, recipe, recompute)
         fitting = sorted((p for p in plans if p.fits), key=lambda p: p.step)
         if fitting:
@@ -109,13 +148,17 @@ def _plan_node(work: Workload, hw: Hardware, duplex: str, recipe: str, recompute
     else:
         alone = [p for p in fitting if p.strategy == "ddp" and p.offload != "none"]
         if alone and chosen.strategy != "ddp":
-            warnings.append(f"offloading alone ({alone[0].name}) would take {format_duration(alone[0].step)} a step "
-                            f"and {format_size(alone[0].host_bytes * hw.gpus_per_node)} of host memory: every GPU "
-                            f"keeps and updates a whole copy")
+            warnings.append(
+                f"offloading alone ({alone[0].name}) would take {format_duration(alone[0].step)} a "
+                f"step and {format_size(alone[0].host_bytes * hw.gpus_per_node)} of host memory: "
+                f"every GPU keeps and updates a whole copy"
+            )
         if chosen.t_cpu:
-            warnings.append("each rank's CPU update runs on its Nth of the cores: bind its threads and its pinned "
-                            "buffers to the NUMA node next to its GPU (numactl, or DeepSpeed's --bind_cores_to_rank); "
-                            "across sockets both slow down")
+            warnings.append(
+                "each rank's CPU update runs on its Nth of the cores: bind its threads and its "
+                "pinned buffers to the NUMA node next to its GPU (numactl, or DeepSpeed's "
+                "--bind_cores_to_rank); across sockets both slow down"
+            )
         if hw.comm_fraction >= 0.3 and chosen.offload != "none":
             warnings.append(_WRONG_TOOL.format(hw.comm_fraction))
     return plans, chosen, runner_up, warnings
@@ -127,8 +170,12 @@ def _nothing_fits_on_a_node(hw: Hardware, plans: list[NodePlan]) -> str:
     n = hw.gpus_per_node
     if on_gpus:  # host memory binds: more nodes or the NVMe tier hold the state
         least = min(on_gpus, key=lambda p: p.host_need)
-        return (f"nothing fits on {n} GPUs: {least.binding} even with {least.name}; add nodes (more host "
-                f"memory for the state), or offload to NVMe (--nvme)")
+        return (
+            f"nothing fits on {n} GPUs: {least.binding} even with {least.name}; add nodes (more "
+            f"host memory for the state), or offload to NVMe (--nvme)"
+        )
     least = min(plans, key=lambda p: p.gpu_bytes)
-    return f"nothing fits on {n} GPUs: even {least.name} needs {format_size(least.gpu_bytes)} a GPU; what binds is " \
-           f"{gpu_binding(least.gpu_terms, least.gpu_usable)}"
+    return (
+        f"nothing fits on {n} GPUs: even {least.name} needs {format_size(least.gpu_bytes)} a GPU; "
+        f"what binds is {gpu_binding(least.gpu_terms, least.gpu_usable)}"
+    )

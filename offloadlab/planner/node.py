@@ -29,14 +29,33 @@ from dataclasses import dataclass, field
 from .. import budget, memory, sharding
 from ..units import format_duration, format_size
 from .single import HIDDEN_FRACTION, recompute_choices
-from .workload import ASSUMED_COMPUTE, ASSUMED_CPU_ADAM, ASSUMED_INTERCONNECT, Hardware, Workload, usable_host
+from .workload import (
+    ASSUMED_COMPUTE,
+    ASSUMED_CPU_ADAM,
+    ASSUMED_INTERCONNECT,
+    Hardware,
+    Workload,
+    usable_host,
+)
 
-__all__ = ["NodePlan", "NODE_CANDIDATES", "node_plans", "nvme_plans", "engine_of", "LOAD_BYTES_PER_PARAM"]
+__all__ = [
+    "NodePlan",
+    "NODE_CANDIDATES",
+    "node_plans",
+    "nvme_plans",
+    "engine_of",
+    "LOAD_BYTES_PER_PARAM",
+]
 
 # The node's candidates, simplest first: on a tie the simpler one is chosen.
-NODE_CANDIDATES = [(strategy, offload) for strategy in sharding.STRATEGIES for offload in sharding.OFFLOADS
-                   if sharding.valid(strategy, offload)]
-LOAD_BYTES_PER_PARAM = 4  # a process that builds the model in fp32 before sharding it holds this much
+NODE_CANDIDATES = [
+    (strategy, offload)
+    for strategy in sharding.STRATEGIES
+    for offload in sharding.OFFLOADS
+    if sharding.valid(strategy, offload)
+]
+# a process that builds the model in fp32 before sharding it holds this much
+LOAD_BYTES_PER_PARAM = 4
 
 
 def engine_of(strategy: str) -> str:
@@ -117,10 +136,13 @@ class NodePlan:
 
     @property
     def step(self) -> float:
-        """Predicted seconds per step: the overlapped passes, then the update and what follows it."""
+        """Predicted seconds per step: the overlapped passes, then the update and what follows
+        it."""
         passes = max(self.t_compute, self.t_interconnect, self.t_transfer, self.t_nvme_passes)
         update = self.t_cpu + self.t_nvme_after
-        after = update + self.t_upload_after if self.serial_upload else max(update, self.t_upload_after)
+        after = (
+            update + self.t_upload_after if self.serial_upload else max(update, self.t_upload_after)
+        )
         return passes + after + self.t_interconnect_after
 
     @property
@@ -132,28 +154,50 @@ class NodePlan:
         """What limits this plan: the memory it does not fit, or what its step waits on."""
         gpus = self.layout.gpus
         if not self.fits_gpu:
-            return f"GPU memory: needs {format_size(self.gpu_bytes)} of the {format_size(self.gpu_usable)} usable"
+            return (
+                f"GPU memory: needs {format_size(self.gpu_bytes)} of the "
+                f"{format_size(self.gpu_usable)} usable"
+            )
         if not self.fits_host:
             whose = "by DeepSpeed's estimate" if self.estimate else "for the node"
-            return (f"host memory: needs {format_size(self.host_need)} {whose} ({format_size(self.host_bytes)} "
-                    f"per GPU of state) of the {format_size(usable_host(self.host_memory))} usable of the "
-                    f"node's {format_size(self.host_memory)}"
-                    + (f", {format_size(self.host_memory / gpus)} a GPU" if gpus > 1 else ""))
+            return (
+                f"host memory: needs {format_size(self.host_need)} {whose} "
+                f"({format_size(self.host_bytes)} per GPU of state) of the "
+                f"{format_size(usable_host(self.host_memory))} usable of the node's "
+                f"{format_size(self.host_memory)}"
+                + (f", {format_size(self.host_memory / gpus)} a GPU" if gpus > 1 else "")
+            )
         if self.waiting <= HIDDEN_FRACTION * self.step:
             return "compute: collectives and transfers hide behind it"
-        share = f"of a {format_duration(self.step)} step, {format_duration(self.t_compute)} of it compute"
-        waits = {"the interconnect": max(0.0, self.t_interconnect - self.t_compute) + self.t_interconnect_after,
-                 "the link": max(0.0, self.t_transfer - max(self.t_compute, self.t_interconnect))
-                 + (self.t_upload_after if self.serial_upload else max(0.0, self.t_upload_after - self.t_cpu)),
-                 "the CPU": self.t_cpu,
-                 "the NVMe drive": max(0.0, self.t_nvme_passes - max(self.t_compute, self.t_interconnect,
-                                                                      self.t_transfer)) + self.t_nvme_after}
+        share = (
+            f"of a {format_duration(self.step)} step, {format_duration(self.t_compute)} of it "
+            "compute"
+        )
+        waits = {
+            "the interconnect": max(0.0, self.t_interconnect - self.t_compute)
+            + self.t_interconnect_after,
+            "the link": max(0.0, self.t_transfer - max(self.t_compute, self.t_interconnect))
+            + (
+                self.t_upload_after
+                if self.serial_upload
+                else max(0.0, self.t_upload_after - self.t_cpu)
+            ),
+            "the CPU": self.t_cpu,
+            "the NVMe drive": max(
+                0.0, self.t_nvme_passes - max(self.t_compute, self.t_interconnect, self.t_transfer)
+            )
+            + self.t_nvme_after,
+        }
         worst = max(waits, key=waits.get)
-        what = {"the interconnect": f"collectives take {format_duration(self.t_interconnect + self.t_interconnect_after)}",
-                "the link": f"transfers take {format_duration(self.t_transfer + self.t_upload_after)}",
-                "the CPU": f"its update of this GPU's shard takes {format_duration(self.t_cpu)} on an Nth of the cores",
-                "the NVMe drive": f"reading and writing the state takes "
-                                  f"{format_duration(self.t_nvme_passes + self.t_nvme_after)}"}
+        what = {
+            "the interconnect": "collectives take "
+            + format_duration(self.t_interconnect + self.t_interconnect_after),
+            "the link": f"transfers take {format_duration(self.t_transfer + self.t_upload_after)}",
+            "the CPU": f"its update of this GPU's shard takes {format_duration(self.t_cpu)} on an "
+            "Nth of the cores",
+            "the NVMe drive": f"reading and writing the state takes "
+            f"{format_duration(self.t_nvme_passes + self.t_nvme_after)}",
+        }
         return f"{worst}: {what[worst]} {share}"
 
     @property
@@ -169,49 +213,92 @@ class NodePlan:
         return f"{self.layout.name}, {self.activations_name}"
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "engine": self.engine, "strategy": self.strategy, "offload": self.offload,
-                "recompute": self.recompute, "checkpointed_layers": self.checkpointed,
-                "gpus": self.layout.gpus, "gpu_bytes": self.gpu_bytes, "gpu_terms": self.gpu_terms,
-                "host_bytes_per_gpu": self.host_bytes, "host_bytes_per_node": self.host_bytes * self.layout.gpus,
-                "host_need_per_node": self.host_need, "deepspeed_estimate": self.estimate,
-                "bytes_per_direction": {"h2d": self.h2d_bytes, "d2h": self.d2h_bytes},
-                "interconnect_bytes_per_gpu": self.layout.interconnect_bytes,
-                "t_compute_s": self.t_compute, "t_interconnect_s": self.t_interconnect + self.t_interconnect_after,
-                "t_transfer_s": self.t_transfer + self.t_upload_after, "t_cpu_s": self.t_cpu,
-                "nvme_bytes_per_gpu": self.layout.nvme_bytes, "t_nvme_s": self.t_nvme_passes + self.t_nvme_after,
-                "step_s": self.step,
-                "waiting_s": self.waiting, "fits": self.fits, "fits_gpu": self.fits_gpu, "fits_host": self.fits_host,
-                "binding": self.binding}
+        return {
+            "name": self.name,
+            "engine": self.engine,
+            "strategy": self.strategy,
+            "offload": self.offload,
+            "recompute": self.recompute,
+            "checkpointed_layers": self.checkpointed,
+            "gpus": self.layout.gpus,
+            "gpu_bytes": self.gpu_bytes,
+            "gpu_terms": self.gpu_terms,
+            "host_bytes_per_gpu": self.host_bytes,
+            "host_bytes_per_node": self.host_bytes * self.layout.gpus,
+            "host_need_per_node": self.host_need,
+            "deepspeed_estimate": self.estimate,
+            "bytes_per_direction": {"h2d": self.h2d_bytes, "d2h": self.d2h_bytes},
+            "interconnect_bytes_per_gpu": self.layout.interconnect_bytes,
+            "t_compute_s": self.t_compute,
+            "t_interconnect_s": self.t_interconnect + self.t_interconnect_after,
+            "t_transfer_s": self.t_transfer + self.t_upload_after,
+            "t_cpu_s": self.t_cpu,
+            "nvme_bytes_per_gpu": self.layout.nvme_bytes,
+            "t_nvme_s": self.t_nvme_passes + self.t_nvme_after,
+            "step_s": self.step,
+            "waiting_s": self.waiting,
+            "fits": self.fits,
+            "fits_gpu": self.fits_gpu,
+            "fits_host": self.fits_host,
+            "binding": self.binding,
+        }
 
 
-def _parts(work: Workload, gpus: int, strategy: str, offload: str, recipe: str, nvme: bool) -> sharding.Layout:
+def _parts(
+    work: Workload, gpus: int, strategy: str, offload: str, recipe: str, nvme: bool
+) -> sharding.Layout:
     if nvme:
-        return sharding.nvme_layout(work.params, gpus, largest_module=work.largest_module_params(),
-                                    largest_weight=work.largest_weight_params(), recipe=recipe)
-    return sharding.layout(strategy, offload, work.params, gpus, largest_module=work.largest_module_params(),
-                           block_params=work.layer_params(), root_params=work.root_params(), recipe=recipe,
-                           shapes=work.weight_shapes())
+        return sharding.nvme_layout(
+            work.params,
+            gpus,
+            largest_module=work.largest_module_params(),
+            largest_weight=work.largest_weight_params(),
+            recipe=recipe,
+        )
+    return sharding.layout(
+        strategy,
+        offload,
+        work.params,
+        gpus,
+        largest_module=work.largest_module_params(),
+        block_params=work.layer_params(),
+        root_params=work.root_params(),
+        recipe=recipe,
+        shapes=work.weight_shapes(),
+    )
 
 
 def _estimate(work: Workload, parts: sharding.Layout) -> dict | None:
-    """DeepSpeed's own estimate for a ZeRO plan (ZeRO-1 by ZeRO-2's, which has the same host state)."""
+    """DeepSpeed's own estimate for a ZeRO plan (ZeRO-1 by ZeRO-2's, which has the same host
+    state)."""
     if engine_of(parts.strategy) != "deepspeed" or parts.nvme_bytes:
         return None
     stage = 3 if parts.strategy == "zero3" else 2
-    return sharding.deepspeed_estimate(stage, parts.offload, work.params, work.largest_module_params(), parts.gpus)
+    return sharding.deepspeed_estimate(
+        stage, parts.offload, work.params, work.largest_module_params(), parts.gpus
+    )
 
 
 def _host_need(work: Workload, parts: sharding.Layout, estimate: dict | None) -> float:
     node = parts.host_bytes * parts.gpus
     if estimate is not None:
         return max(node, estimate["host_bytes_per_node"])
-    if parts.strategy == "ddp":  # each process builds the whole fp32 model before moving it to its GPU
+    # each process builds the whole fp32 model before moving it to its GPU
+    if parts.strategy == "ddp":
         return max(node, LOAD_BYTES_PER_PARAM * work.params * parts.gpus)
     return node
 
 
-def _node_plan(work: Workload, hw: Hardware, strategy: str, offload: str, checkpointed: int, duplex="full",
-               recipe: str = memory.DEFAULT_RECIPE, nvme: bool = False) -> NodePlan:
+def _node_plan(
+    work: Workload,
+    hw: Hardware,
+    strategy: str,
+    offload: str,
+    checkpointed: int,
+    duplex="full",
+    recipe: str = memory.DEFAULT_RECIPE,
+    nvme: bool = False,
+) -> NodePlan:
     """One GPU's plan on an N-GPU node (data parallel: each GPU its own micro-batch of ``work``);
     with ``nvme``, ZeRO-Infinity's layout on the node's NVMe drive (shared by its GPUs)."""
     n, mine = hw.gpus_per_node, hw.share()
@@ -221,8 +308,11 @@ def _node_plan(work: Workload, hw: Hardware, strategy: str, offload: str, checkp
     element = int(memory.get_recipe(recipe).weight_bytes)
     activations = work.activations(checkpointed, element)
     gpu = state + activations.total
-    terms = {"model state": state - parts.gathered_bytes, "gathered weights": parts.gathered_bytes,
-             **activations.terms()}
+    terms = {
+        "model state": state - parts.gathered_bytes,
+        "gathered weights": parts.gathered_bytes,
+        **activations.terms(),
+    }
     net = hw.interconnect or ASSUMED_INTERCONNECT
     both, _ = budget.both_directions_rate(mine.link, duplex)
     # With only the optimizer offloaded the new weights go up after the update; with parameters
@@ -230,31 +320,68 @@ def _node_plan(work: Workload, hw: Hardware, strategy: str, offload: str, checkp
     after_update = parts.upload_after
     t_compute = work.compute_flops(checkpointed) / (hw.compute or ASSUMED_COMPUTE)
     drive = (hw.nvme or float("inf")) / n  # the drive's sustained rate, shared by the node's GPUs
-    return NodePlan(parts, checkpointed > 0, gpu, t_compute, parts.interconnect_overlapped / net,
-                    parts.interconnect_after / net,
-                    budget.link_seconds(parts.h2d_bytes - after_update, parts.d2h_bytes, mine.link, both),
-                    after_update / mine.link, parts.cpu_params / (mine.cpu_adam or ASSUMED_CPU_ADAM),
-                    hw.usable_gpu_memory, hw.host_memory, parts.nvme_during_passes / drive,
-                    parts.nvme_after / drive, checkpointed, work.layers, _host_need(work, parts, estimate), estimate,
-                    serial_upload=engine_of(strategy) == "deepspeed", gpu_terms=terms)
+    return NodePlan(
+        parts,
+        checkpointed > 0,
+        gpu,
+        t_compute,
+        parts.interconnect_overlapped / net,
+        parts.interconnect_after / net,
+        budget.link_seconds(parts.h2d_bytes - after_update, parts.d2h_bytes, mine.link, both),
+        after_update / mine.link,
+        parts.cpu_params / (mine.cpu_adam or ASSUMED_CPU_ADAM),
+        hw.usable_gpu_memory,
+        hw.host_memory,
+        parts.nvme_during_passes / drive,
+        parts.nvme_after / drive,
+        checkpointed,
+        work.layers,
+        _host_need(work, parts, estimate),
+        estimate,
+        serial_upload=engine_of(strategy) == "deepspeed",
+        gpu_terms=terms,
+    )
 
 
-def _variants(work: Workload, hw: Hardware, strategy: str, offload: str, duplex: str, recipe: str,
-              nvme: bool = False, recompute="auto") -> list[NodePlan]:
+def _variants(
+    work: Workload,
+    hw: Hardware,
+    strategy: str,
+    offload: str,
+    duplex: str,
+    recipe: str,
+    nvme: bool = False,
+    recompute="auto",
+) -> list[NodePlan]:
     def fits_with(k):
         return _node_plan(work, hw, strategy, offload, k, duplex, recipe, nvme).fits_gpu
-    return [_node_plan(work, hw, strategy, offload, k, duplex, recipe, nvme)
-            for k in recompute_choices(work, fits_with, recompute)]
+
+    return [
+        _node_plan(work, hw, strategy, offload, k, duplex, recipe, nvme)
+        for k in recompute_choices(work, fits_with, recompute)
+    ]
 
 
-def nvme_plans(work: Workload, hw: Hardware, duplex: str, recipe: str, recompute="auto") -> list[NodePlan]:
+def nvme_plans(
+    work: Workload, hw: Hardware, duplex: str, recipe: str, recompute="auto"
+) -> list[NodePlan]:
     """ZeRO-Infinity on NVMe, activations kept or recomputed: the tier after host memory."""
-    return _variants(work, hw, "zero3", "optimizer+parameters", duplex, recipe, nvme=True, recompute=recompute)
+    return _variants(
+        work, hw, "zero3", "optimizer+parameters", duplex, recipe, nvme=True, recompute=recompute
+    )
 
 
-def node_plans(work: Workload, hw: Hardware, duplex: str = "full", recipe: str = memory.DEFAULT_RECIPE,
-               recompute="auto") -> list[NodePlan]:
-    """Every (strategy, offload) on the node, with its activation choices (see ``recompute_choices``)."""
-    return [plan for strategy, offload in NODE_CANDIDATES
-            for plan in _variants(work, hw, strategy, offload, duplex, recipe, recompute=recompute)]
-
+def node_plans(
+    work: Workload,
+    hw: Hardware,
+    duplex: str = "full",
+    recipe: str = memory.DEFAULT_RECIPE,
+    recompute="auto",
+) -> list[NodePlan]:
+    """Every (strategy, offload) on the node, with its activation choices (see
+    ``recompute_choices``)."""
+    return [
+        plan
+        for strategy, offload in NODE_CANDIDATES
+        for plan in _variants(work, hw, strategy, offload, duplex, recipe, recompute=recompute)
+    ]

@@ -1,4 +1,5 @@
-"""The planner's report: the chosen plan, the runner-up, every plan considered, in prose and as JSON."""
+"""The planner's report: the chosen plan, the runner-up, every plan considered, in prose and as
+JSON."""
 
 from __future__ import annotations
 
@@ -31,12 +32,17 @@ class PlanReport:
         c = self.chosen
         element = int(memory.get_recipe(self.recipe).weight_bytes)
         kept = self.work.activations(c.checkpointed if c else 0, element)
-        attention = "SDPA (no seq × seq scores kept)" if self.work.attention == "sdpa" else \
-            "eager (the seq × seq scores kept)"
-        return (f"  activations {format_size(kept.total)} at their peak: layers {format_size(kept.layers)}, "
-                f"logits and loss {format_size(kept.logits)}"
-                + (f", a recomputed layer {format_size(kept.rebuilt)}" if kept.rebuilt else "")
-                + f"; attention {attention}, {element}-byte activations")
+        attention = (
+            "SDPA (no seq × seq scores kept)"
+            if self.work.attention == "sdpa"
+            else "eager (the seq × seq scores kept)"
+        )
+        return (
+            f"  activations {format_size(kept.total)} at their peak: layers "
+            f"{format_size(kept.layers)}, logits and loss {format_size(kept.logits)}"
+            + (f", a recomputed layer {format_size(kept.rebuilt)}" if kept.rebuilt else "")
+            + f"; attention {attention}, {element}-byte activations"
+        )
 
     def explain(self) -> str:
         if self.duplex in ("full", "half"):
@@ -44,18 +50,25 @@ class PlanReport:
         else:
             both, _ = budget.both_directions_rate(self.hardware.link, self.duplex)
             sharing = f"{format_bandwidth(both)} each way while both run (measured)"
-        lines = [f"model: {self.work.params / 1e9:g} B parameters ({self.recipe}), batch {self.work.batch} × "
-                 f"seq {self.work.seq}; GPU {format_size(self.hardware.gpu_memory)} "
-                 f"({format_size(self.hardware.gpu_memory, binary=True)}); link "
-                 f"{format_bandwidth(self.hardware.link)} per direction, {sharing}"]
+        lines = [
+            f"model: {self.work.params / 1e9:g} B parameters ({self.recipe}), batch "
+            f"{self.work.batch} × seq {self.work.seq}; GPU {format_size(self.hardware.gpu_memory)} "
+            f"({format_size(self.hardware.gpu_memory, binary=True)}); link "
+            f"{format_bandwidth(self.hardware.link)} per direction, {sharing}"
+        ]
         if self.work.shape_assumed:
-            lines.append(f"assumed: a GPT-like shape of {self.work.layers} layers, hidden {self.work.hidden}, "
-                         f"{self.work.heads} heads, vocabulary {self.work.vocab:,} (pass --layers/--hidden/--heads, "
-                         f"or --model)")
+            lines.append(
+                f"assumed: a GPT-like shape of {self.work.layers} layers, hidden "
+                f"{self.work.hidden}, {self.work.heads} heads, vocabulary {self.work.vocab:,} "
+                f"(pass --layers/--hidden/--heads, or --model)"
+            )
         lines += [f"assumed: {a}" for a in self.hardware.assumptions]
         lines.append("candidates in the natural order (bytes freed; traffic added each step):")
-        lines += [f"  {c.name:<22} frees {format_size(c.frees_bytes):>9}, adds {format_size(c.traffic_bytes):>9}"
-                  f"/step — {c.note}" for c in self.ranking]
+        lines += [
+            f"  {c.name:<22} frees {format_size(c.frees_bytes):>9}, adds "
+            f"{format_size(c.traffic_bytes):>9}/step — {c.note}"
+            for c in self.ranking
+        ]
         if self.chosen is None:
             lines.append("plan: nothing fits")
         else:
@@ -65,49 +78,74 @@ class PlanReport:
 
     def _chosen_lines(self) -> list[str]:
         c = self.chosen
-        lines = [f"plan: {c.name}",
-                 f"  GPU {format_size(c.gpu_bytes)} of {format_size(c.gpu_usable)} usable, "
-                 f"host {format_size(c.host_bytes)}, traffic {format_size(c.h2d_bytes)} up and "
-                 f"{format_size(c.d2h_bytes)} down per step",
-                 self._activation_line()]
+        lines = [
+            f"plan: {c.name}",
+            f"  GPU {format_size(c.gpu_bytes)} of {format_size(c.gpu_usable)} usable, "
+            f"host {format_size(c.host_bytes)}, traffic {format_size(c.h2d_bytes)} up and "
+            f"{format_size(c.d2h_bytes)} down per step",
+            self._activation_line(),
+        ]
         nvme_s = getattr(c, "t_nvme_passes", 0.0) + getattr(c, "t_nvme_after", 0.0)
         nvme = f", NVMe {format_duration(nvme_s)}" if nvme_s else ""
-        lines.append(f"  step ≈ {format_duration(c.step)}: compute {format_duration(c.t_compute)}, then the GPU "
-                     f"waits {format_duration(c.waiting)} (link {format_duration(c.t_transfer)}, "
-                     f"CPU update {format_duration(c.t_cpu)}{nvme}, overlapped where the order allows)")
+        lines.append(
+            f"  step ≈ {format_duration(c.step)}: compute {format_duration(c.t_compute)}, then the "
+            f"GPU waits {format_duration(c.waiting)} (link {format_duration(c.t_transfer)}, "
+            f"CPU update {format_duration(c.t_cpu)}{nvme}, overlapped where the order allows)"
+        )
         if isinstance(c, NodePlan):
             n, net = c.layout.gpus, self.hardware.interconnect or ASSUMED_INTERCONNECT
             if n > 1:
-                lines.append(f"  each of the {n} GPUs: collectives carry {format_size(c.layout.interconnect_bytes)} "
-                             f"per step ((N−1)/N of each gathered or reduced tensor) over {format_bandwidth(net)}: "
-                             f"{format_duration(c.t_interconnect + c.t_interconnect_after)}; host "
-                             f"{format_size(c.host_bytes * n)} for the node")
+                lines.append(
+                    f"  each of the {n} GPUs: collectives carry "
+                    f"{format_size(c.layout.interconnect_bytes)} per step ((N−1)/N of each "
+                    f"gathered or reduced tensor) over {format_bandwidth(net)}: "
+                    f"{format_duration(c.t_interconnect + c.t_interconnect_after)}; host "
+                    f"{format_size(c.host_bytes * n)} for the node"
+                )
             if c.estimate is not None:
-                lines.append(f"  DeepSpeed's own estimate: GPU {format_size(c.estimate['gpu_bytes'])} of model "
-                             f"state, host {format_size(c.estimate['host_bytes_per_node'])} for the node "
-                             f"({'; '.join(c.estimate['terms'])}); the plan is fitted against it")
+                lines.append(
+                    f"  DeepSpeed's own estimate: GPU {format_size(c.estimate['gpu_bytes'])} of "
+                    f"model state, host {format_size(c.estimate['host_bytes_per_node'])} for the "
+                    f"node ({'; '.join(c.estimate['terms'])}); the plan is fitted against it"
+                )
             if c.layout.nvme_bytes:
-                lines.append(f"  NVMe: {format_size(c.layout.nvme_bytes * n)} on the drive, "
-                             f"{format_duration(c.t_nvme_passes + c.t_nvme_after)} of reads and writes per step")
+                lines.append(
+                    f"  NVMe: {format_size(c.layout.nvme_bytes * n)} on the drive, "
+                    f"{format_duration(c.t_nvme_passes + c.t_nvme_after)} of reads and writes per "
+                    "step"
+                )
         if c.t_step_delayed is not None:
-            lines.append(f"  with a delayed parameter update (weights one step old): step ≈ "
-                         f"{format_duration(c.t_step_delayed)}")
+            lines.append(
+                f"  with a delayed parameter update (weights one step old): step ≈ "
+                f"{format_duration(c.t_step_delayed)}"
+            )
         lines.append(f"  binding constraint: {c.binding}")
         if self.runner_up is not None:
             r = self.runner_up
-            lines.append(f"runner-up: {r.name}: step ≈ {format_duration(r.step)} "
-                         f"({r.step / c.step:.2f}× the plan), GPU {format_size(r.gpu_bytes)}")
+            lines.append(
+                f"runner-up: {r.name}: step ≈ {format_duration(r.step)} "
+                f"({r.step / c.step:.2f}× the plan), GPU {format_size(r.gpu_bytes)}"
+            )
         return lines
 
     def to_dict(self) -> dict:
         element = int(memory.get_recipe(self.recipe).weight_bytes)
         kept = self.work.activations(self.chosen.checkpointed if self.chosen else 0, element)
-        return {"chosen": self.chosen.to_dict() if self.chosen else None,
-                "runner_up": self.runner_up.to_dict() if self.runner_up else None,
-                "plans": [p.to_dict() for p in self.plans],
-                "ranking": [c.__dict__ for c in self.ranking],
-                "activations": {"attention": self.work.attention, "element_bytes": element,
-                                "peak_bytes": kept.total, "layers_bytes": kept.layers,
-                                "logits_bytes": kept.logits, "rebuilt_layer_bytes": kept.rebuilt},
-                "duplex": self.duplex, "recipe": self.recipe,
-                "assumptions": self.hardware.assumptions, "warnings": self.warnings}
+        return {
+            "chosen": self.chosen.to_dict() if self.chosen else None,
+            "runner_up": self.runner_up.to_dict() if self.runner_up else None,
+            "plans": [p.to_dict() for p in self.plans],
+            "ranking": [c.__dict__ for c in self.ranking],
+            "activations": {
+                "attention": self.work.attention,
+                "element_bytes": element,
+                "peak_bytes": kept.total,
+                "layers_bytes": kept.layers,
+                "logits_bytes": kept.logits,
+                "rebuilt_layer_bytes": kept.rebuilt,
+            },
+            "duplex": self.duplex,
+            "recipe": self.recipe,
+            "assumptions": self.hardware.assumptions,
+            "warnings": self.warnings,
+        }

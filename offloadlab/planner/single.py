@@ -22,10 +22,22 @@ from .. import budget, memory, overlap
 from ..units import check_integer, format_duration, format_size
 from .workload import ASSUMED_COMPUTE, ASSUMED_CPU_ADAM, Hardware, Workload, usable_host
 
-__all__ = ["Candidate", "candidates", "Plan", "schedule", "single_gpu_plans", "OFFLOAD_LEVELS", "HIDDEN_FRACTION",
-           "MAX_SIMULATED_LAYERS", "RECOMPUTE_CHOICES", "recompute_choices", "gpu_binding"]
+__all__ = [
+    "Candidate",
+    "candidates",
+    "Plan",
+    "schedule",
+    "single_gpu_plans",
+    "OFFLOAD_LEVELS",
+    "HIDDEN_FRACTION",
+    "MAX_SIMULATED_LAYERS",
+    "RECOMPUTE_CHOICES",
+    "recompute_choices",
+    "gpu_binding",
+]
 
-HIDDEN_FRACTION = 0.10      # a plan whose GPU waits less than this share of its step counts as hidden
+# a plan whose GPU waits less than this share of its step counts as hidden
+HIDDEN_FRACTION = 0.10
 MAX_SIMULATED_LAYERS = 128  # schedule simulates deeper models as this many groups of layers
 OFFLOAD_LEVELS = ("nothing", "optimizer", "optimizer+gradients", "optimizer+gradients+parameters")
 
@@ -41,7 +53,8 @@ class Candidate:
 
     @property
     def payoff_per_traffic(self) -> float:
-        """Bytes of GPU memory freed per byte it adds to each step's traffic (inf when it adds none)."""
+        """Bytes of GPU memory freed per byte it adds to each step's traffic (inf when it adds
+        none)."""
         return self.frees_bytes / self.traffic_bytes if self.traffic_bytes else float("inf")
 
 
@@ -55,35 +68,63 @@ def candidates(work: Workload, recipe: str = memory.DEFAULT_RECIPE) -> list[Cand
     moves nothing.
     """
     p, r = work.params, memory.get_recipe(recipe)
-    levels = [budget.traffic(["optimizer", "gradients", "parameters"][:n], recipe).per_param for n in (1, 2, 3)]
+    levels = [
+        budget.traffic(["optimizer", "gradients", "parameters"][:n], recipe).per_param
+        for n in (1, 2, 3)
+    ]
     element = int(r.weight_bytes)
-    act_kept, act_recomputed = work.activation_bytes(False, element), work.activation_bytes(True, element)
+    act_kept, act_recomputed = (
+        work.activation_bytes(False, element),
+        work.activation_bytes(True, element),
+    )
     return [
-        Candidate("optimizer states", r.optimizer_bytes * p, levels[0] * p,
-                  "master weights and moments, touched once per step; updated on the CPU"),
-        Candidate("gradients", r.gradient_bytes * p, (levels[1] - levels[0]) * p,
-                  "they go down for the CPU update anyway: offloading them moves nothing more"),
-        Candidate("parameters", r.weight_bytes * p, (levels[2] - levels[1]) * p,
-                  "each layer comes up for forward and again for backward instead of once after the update"),
-        # Offloading activations moves what recomputation would rebuild: down in forward, up in backward.
-        Candidate("activations (offload)", act_kept - act_recomputed, 2 * (act_kept - act_recomputed),
-                  "recomputing them instead costs one extra forward (+1/3 compute) and no traffic"),
+        Candidate(
+            "optimizer states",
+            r.optimizer_bytes * p,
+            levels[0] * p,
+            "master weights and moments, touched once per step; updated on the CPU",
+        ),
+        Candidate(
+            "gradients",
+            r.gradient_bytes * p,
+            (levels[1] - levels[0]) * p,
+            "they go down for the CPU update anyway: offloading them moves nothing more",
+        ),
+        Candidate(
+            "parameters",
+            r.weight_bytes * p,
+            (levels[2] - levels[1]) * p,
+            "each layer comes up for forward and again for backward instead of once after the "
+            "update",
+        ),
+        # Offloading activations moves what recomputation would rebuild: down in forward, up in
+        # backward.
+        Candidate(
+            "activations (offload)",
+            act_kept - act_recomputed,
+            2 * (act_kept - act_recomputed),
+            "recomputing them instead costs one extra forward (+1/3 compute) and no traffic",
+        ),
     ]
 
 
 def gpu_binding(terms: dict[str, float], usable: float) -> str:
-    """What a plan that does not fit on the GPU runs out on: its largest term, and what acts on it."""
+    """What a plan that does not fit on the GPU runs out on: its largest term, and what acts on
+    it."""
     worst = max(terms, key=terms.get)
     levers = {
-        "activations of the layers": "recompute them (activation checkpointing), a smaller micro-batch "
-                                     "(--batch), or shorter sequences per GPU (sequence or context parallelism)",
-        "logits and loss": "a smaller micro-batch, or a loss computed in chunks (a fused linear cross-entropy) "
-                           "that never holds the whole logits",
+        "activations of the layers": "recompute them (activation checkpointing), a smaller "
+        "micro-batch (--batch), or shorter sequences per GPU (sequence or context parallelism)",
+        "logits and loss": "a smaller micro-batch, or a loss computed in chunks (a fused linear "
+        "cross-entropy) that never holds the whole logits",
         "model state": "offload more of it, or shard it across more GPUs",
         "gathered weights": "smaller modules to gather, or more GPUs to shard across",
     }[worst]
     spelled = ", ".join(f"{name} {format_size(size)}" for name, size in terms.items() if size)
-    return f"{worst} ({format_size(terms[worst])} of {spelled}) against {format_size(usable)} usable: {levers}"
+    return (
+        f"{worst} ({format_size(terms[worst])} of {spelled}) against {format_size(usable)} "
+        f"usable: {levers}"
+    )
 
 
 @dataclass(frozen=True)
@@ -150,16 +191,24 @@ class Plan:
     def binding(self) -> str:
         """What limits this plan: the memory it does not fit, or what its step waits on."""
         if not self.fits_gpu:
-            return (f"GPU memory: needs {format_size(self.gpu_bytes)} of the "
-                    f"{format_size(self.gpu_usable)} usable")
+            return (
+                f"GPU memory: needs {format_size(self.gpu_bytes)} of the "
+                f"{format_size(self.gpu_usable)} usable"
+            )
         if not self.fits_host:
-            return (f"host memory: needs {format_size(self.host_bytes)} of the "
-                    f"{format_size(usable_host(self.host_memory))} usable of {format_size(self.host_memory)}")
+            return (
+                f"host memory: needs {format_size(self.host_bytes)} of the "
+                f"{format_size(usable_host(self.host_memory))} usable of "
+                f"{format_size(self.host_memory)}"
+            )
         if self.level == 0:
             return "nothing: it fits on the GPU without offload"
         if self.waiting <= HIDDEN_FRACTION * self.t_step:
             return "GPU memory: offload is hidden behind compute"
-        share = f"of a {format_duration(self.t_step)} step, {format_duration(self.t_compute)} of it compute"
+        share = (
+            f"of a {format_duration(self.t_step)} step, {format_duration(self.t_compute)} of "
+            "it compute"
+        )
         if self.t_transfer >= self.t_cpu:
             return f"the link: transfers take {format_duration(self.t_transfer)} {share}"
         return f"the CPU: its update takes {format_duration(self.t_cpu)} {share}"
@@ -177,22 +226,48 @@ class Plan:
         return f"offload {self.offload}, {self.activations_name}"
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "offload": self.offload, "recompute": self.recompute,
-                "checkpointed_layers": self.checkpointed, "gpu_bytes": self.gpu_bytes,
-                "gpu_terms": self.gpu_terms, "host_bytes": self.host_bytes, "traffic_bytes": self.traffic_bytes,
-                "bytes_per_direction": {"h2d": self.h2d_bytes, "d2h": self.d2h_bytes},
-                "t_compute_s": self.t_compute, "t_transfer_s": self.t_transfer, "t_cpu_s": self.t_cpu,
-                "step_s": self.step, "step_delayed_update_s": self.t_step_delayed, "waiting_s": self.waiting,
-                "fits": self.fits, "fits_gpu": self.fits_gpu, "fits_host": self.fits_host,
-                "binding": self.binding}
+        return {
+            "name": self.name,
+            "offload": self.offload,
+            "recompute": self.recompute,
+            "checkpointed_layers": self.checkpointed,
+            "gpu_bytes": self.gpu_bytes,
+            "gpu_terms": self.gpu_terms,
+            "host_bytes": self.host_bytes,
+            "traffic_bytes": self.traffic_bytes,
+            "bytes_per_direction": {"h2d": self.h2d_bytes, "d2h": self.d2h_bytes},
+            "t_compute_s": self.t_compute,
+            "t_transfer_s": self.t_transfer,
+            "t_cpu_s": self.t_cpu,
+            "step_s": self.step,
+            "step_delayed_update_s": self.t_step_delayed,
+            "waiting_s": self.waiting,
+            "fits": self.fits,
+            "fits_gpu": self.fits_gpu,
+            "fits_host": self.fits_host,
+            "binding": self.binding,
+        }
 
 
-_STREAMED = {0: [], 1: ["optimizer"], 2: ["optimizer", "gradients"], 3: ["optimizer", "gradients", "parameters"]}
+_STREAMED = {
+    0: [],
+    1: ["optimizer"],
+    2: ["optimizer", "gradients"],
+    3: ["optimizer", "gradients", "parameters"],
+}
 
 
-def schedule(work: Workload, hw: Hardware, offload: str, recompute=False, *, duplex="full",
-             recipe: str = memory.DEFAULT_RECIPE, delayed: bool = False,
-             clipping: bool = False) -> overlap.OffloadStep:
+def schedule(
+    work: Workload,
+    hw: Hardware,
+    offload: str,
+    recompute=False,
+    *,
+    duplex="full",
+    recipe: str = memory.DEFAULT_RECIPE,
+    delayed: bool = False,
+    clipping: bool = False,
+) -> overlap.OffloadStep:
     """The step of one plan laid out layer by layer (:func:`offloadlab.overlap.offload_step`).
 
     Each of the workload's layers gets an equal share of the parameters and of the compute
@@ -212,8 +287,14 @@ def schedule(work: Workload, hw: Hardware, offload: str, recompute=False, *, dup
     layers = min(work.layers, MAX_SIMULATED_LAYERS)
     share = work.checkpointed(recompute) / work.layers
     per_token = work.active_params * work.tokens / rate / layers
-    per_layer = dict(layers=layers, forward=2 * per_token, backward=(4 + 2 * share) * per_token,
-                     duplex="half" if label == "half" else "full", delayed=delayed, after_backward=clipping)
+    per_layer = dict(
+        layers=layers,
+        forward=2 * per_token,
+        backward=(4 + 2 * share) * per_token,
+        duplex="half" if label == "half" else "full",
+        delayed=delayed,
+        after_backward=clipping,
+    )
     if level:
         moved = budget.traffic(_STREAMED[level], recipe)
         layer = work.params / layers
@@ -237,8 +318,15 @@ def recompute_choices(work: Workload, fits_with, recompute="auto") -> list[int]:
     if recompute != "auto":
         if recompute in ("none", "all"):
             return [0 if recompute == "none" else everything]
-        return [check_integer(recompute, "recompute", 0, everything,
-                              expected=f"'auto', 'none', 'all' or a number of layers from 0 to {everything}")]
+        return [
+            check_integer(
+                recompute,
+                "recompute",
+                0,
+                everything,
+                expected=f"'auto', 'none', 'all' or a number of layers from 0 to {everything}",
+            )
+        ]
     choices = [0, everything]
     if not fits_with(0) and fits_with(everything):
         low, high = 0, everything  # fits_with(high) holds, fits_with(low) does not
@@ -259,11 +347,21 @@ def _gpu(work: Workload, level: int, checkpointed: int, recipe: str) -> tuple[fl
     # two layers of weights in flight: the one computing, the one arriving.
     in_flight = (g * layer if level >= 2 else 0.0) + (2 * w * layer if level == 3 else 0.0)
     activations = work.activations(checkpointed, int(w))
-    return state + in_flight + activations.total, {"model state": state + in_flight, **activations.terms()}
+    return state + in_flight + activations.total, {
+        "model state": state + in_flight,
+        **activations.terms(),
+    }
 
 
-def _plan(work: Workload, hw: Hardware, offload: str, checkpointed: int, duplex="full",
-          recipe: str = memory.DEFAULT_RECIPE, clipping: bool = False) -> Plan:
+def _plan(
+    work: Workload,
+    hw: Hardware,
+    offload: str,
+    checkpointed: int,
+    duplex="full",
+    recipe: str = memory.DEFAULT_RECIPE,
+    clipping: bool = False,
+) -> Plan:
     p, r = work.params, memory.get_recipe(recipe)
     level = OFFLOAD_LEVELS.index(offload)
     w, g = r.weight_bytes, r.gradient_bytes
@@ -279,21 +377,49 @@ def _plan(work: Workload, hw: Hardware, offload: str, checkpointed: int, duplex=
     t_cpu = p / (hw.cpu_adam or ASSUMED_CPU_ADAM) if level else 0.0
     laid_out = dict(duplex=duplex, recipe=recipe, clipping=clipping)
     t_step = schedule(work, hw, offload, checkpointed, **laid_out).step if level else t_compute
-    t_delayed = schedule(work, hw, offload, checkpointed, delayed=True, **laid_out).step if level in (1, 2) \
+    t_delayed = (
+        schedule(work, hw, offload, checkpointed, delayed=True, **laid_out).step
+        if level in (1, 2)
         else None
-    return Plan(offload, checkpointed > 0, gpu, host, h2d, d2h, t_compute,
-                budget.link_seconds(h2d, d2h, hw.link, both), t_cpu, t_step, t_delayed, hw.usable_gpu_memory,
-                hw.host_memory, checkpointed, work.layers, terms)
+    )
+    return Plan(
+        offload,
+        checkpointed > 0,
+        gpu,
+        host,
+        h2d,
+        d2h,
+        t_compute,
+        budget.link_seconds(h2d, d2h, hw.link, both),
+        t_cpu,
+        t_step,
+        t_delayed,
+        hw.usable_gpu_memory,
+        hw.host_memory,
+        checkpointed,
+        work.layers,
+        terms,
+    )
 
 
-def single_gpu_plans(work: Workload, hw: Hardware, duplex="full", recipe: str = memory.DEFAULT_RECIPE,
-                     clipping: bool = False, recompute="auto") -> list[Plan]:
-    """Every offload level with activations kept, recomputed, and recomputed in the fewest layers that fit
-    (or only as ``recompute`` says: see :func:`recompute_choices`)."""
+def single_gpu_plans(
+    work: Workload,
+    hw: Hardware,
+    duplex="full",
+    recipe: str = memory.DEFAULT_RECIPE,
+    clipping: bool = False,
+    recompute="auto",
+) -> list[Plan]:
+    """Every offload level with activations kept, recomputed, and recomputed in the fewest layers
+    that fit (or only as ``recompute`` says: see :func:`recompute_choices`)."""
     plans = []
     for index, level in enumerate(OFFLOAD_LEVELS):
+
         def fits_with(k, index=index):
             return _gpu(work, index, k, recipe)[0] <= hw.usable_gpu_memory
-        plans += [_plan(work, hw, level, k, duplex, recipe, clipping)
-                  for k in recompute_choices(work, fits_with, recompute)]
+
+        plans += [
+            _plan(work, hw, level, k, duplex, recipe, clipping)
+            for k in recompute_choices(work, fits_with, recompute)
+        ]
     return plans

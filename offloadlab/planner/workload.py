@@ -13,24 +13,45 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..architectures import Architecture, LayerShape
-from ..units import (check_integer, check_positive, format_bandwidth, format_size, is_integer,
-                     is_number, parse_bandwidth, parse_count, parse_size)
+from ..units import (
+    check_integer,
+    check_positive,
+    format_bandwidth,
+    format_size,
+    is_integer,
+    is_number,
+    parse_bandwidth,
+    parse_count,
+    parse_size,
+)
 
-__all__ = ["Workload", "Hardware", "Activations", "typical_shape", "ATTENTIONS", "ASSUMED_COMPUTE",
-           "ASSUMED_CPU_ADAM", "ASSUMED_INTERCONNECT", "ASSUMED_NVME", "ASSUMED_VOCAB", "WORKSPACE_FRACTION",
-           "HOST_RESERVE_FRACTION",
-           "BYTES_MOVED_PER_ADAM_PARAM"]
+__all__ = [
+    "Workload",
+    "Hardware",
+    "Activations",
+    "typical_shape",
+    "ATTENTIONS",
+    "ASSUMED_COMPUTE",
+    "ASSUMED_CPU_ADAM",
+    "ASSUMED_INTERCONNECT",
+    "ASSUMED_NVME",
+    "ASSUMED_VOCAB",
+    "WORKSPACE_FRACTION",
+    "HOST_RESERVE_FRACTION",
+    "BYTES_MOVED_PER_ADAM_PARAM",
+]
 
 # Used only when the reader gives no measurement; every report names them as assumptions.
-ASSUMED_COMPUTE = 200e12    # FLOP/s a modern training GPU sustains on bf16 matrix products
+ASSUMED_COMPUTE = 200e12  # FLOP/s a modern training GPU sustains on bf16 matrix products
 ASSUMED_CPU_ADAM = 100e9 / 28  # params/s: 100 GB/s of host memory at 28 B moved per parameter
-ASSUMED_INTERCONNECT = 450e9  # bytes/s each way per GPU: NVLink inside a node, from the book's link table
-# Sustained bytes/s of a data-centre NVMe drive, the lower of read and write (writes sustain less than
-# the 7 GB/s read figure drives are sold on; chapter 8): used only to say what the next tier would
-# give when nothing fits in host memory and no drive was given.
+# bytes/s each way per GPU: NVLink inside a node, from the book's link table
+ASSUMED_INTERCONNECT = 450e9
+# Sustained bytes/s of a data-centre NVMe drive, the lower of read and write (writes sustain less
+# than the 7 GB/s read figure drives are sold on; chapter 8): used only to say what the next tier
+# would give when nothing fits in host memory and no drive was given.
 ASSUMED_NVME = 2e9
 ASSUMED_VOCAB = 50257  # GPT-2's vocabulary, for the logits of a model known only by its size
-WORKSPACE_FRACTION = 0.10   # of GPU memory kept back for the framework, kernels and fragmentation
+WORKSPACE_FRACTION = 0.10  # of GPU memory kept back for the framework, kernels and fragmentation
 # Of host memory kept back (an assumption, as the GPU's workspace is): the OS and page cache, each
 # rank's Python and CUDA context, data-loader workers. A plan whose state fills host memory exactly
 # does not fit.
@@ -63,7 +84,10 @@ class Activations:
         return self.layers + max(self.logits, self.rebuilt) + self.other
 
     def terms(self) -> dict[str, float]:
-        return {"activations of the layers": self.layers + self.rebuilt, "logits and loss": self.logits}
+        return {
+            "activations of the layers": self.layers + self.rebuilt,
+            "logits and loss": self.logits,
+        }
 
 
 @dataclass(frozen=True)
@@ -88,18 +112,30 @@ class Workload:
     shape_assumed: bool = field(default=False, init=False)
 
     @classmethod
-    def of_model(cls, architecture: Architecture, batch: int = 1, seq: int = 2048,
-                 attention: str = "sdpa") -> "Workload":
-        """A workload of a real model's exact parameter count and shape (see :mod:`offloadlab.architectures`)."""
-        return cls(architecture.params, architecture.layers, architecture.hidden, architecture.heads, batch, seq,
-                   architecture, attention)
+    def of_model(
+        cls, architecture: Architecture, batch: int = 1, seq: int = 2048, attention: str = "sdpa"
+    ) -> "Workload":
+        """A workload of a real model's exact parameter count and shape (see
+        :mod:`offloadlab.architectures`)."""
+        return cls(
+            architecture.params,
+            architecture.layers,
+            architecture.hidden,
+            architecture.heads,
+            batch,
+            seq,
+            architecture,
+            attention,
+        )
 
     def __post_init__(self):
         object.__setattr__(self, "params", parse_count(self.params, "params"))
         for name in ("batch", "seq"):
             check_integer(getattr(self, name), name)
         if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention: expected one of {', '.join(ATTENTIONS)}; got {self.attention!r}")
+            raise ValueError(
+                f"attention: expected one of {', '.join(ATTENTIONS)}; got {self.attention!r}"
+            )
         if self.architecture is not None:
             object.__setattr__(self, "vocab", self.architecture.vocab)
         elif self.vocab is None:
@@ -112,11 +148,15 @@ class Workload:
             for name, value in zip(("layers", "hidden", "heads"), typical_shape(self.params)):
                 object.__setattr__(self, name, value)
         elif not all(is_integer(v) and v > 0 for v in shape):
-            raise ValueError(f"layers: expected layers, hidden and heads given together as positive integers; "
-                             f"got {shape}")
+            raise ValueError(
+                f"layers: expected layers, hidden and heads given together as positive integers; "
+                f"got {shape}"
+            )
         elif self.hidden % self.heads:
-            raise ValueError(f"heads: expected a divisor of hidden={self.hidden} (each head gets an equal slice); "
-                             f"got {self.heads}")
+            raise ValueError(
+                f"heads: expected a divisor of hidden={self.hidden} (each head gets an equal "
+                f"slice); got {self.heads}"
+            )
 
     @property
     def tokens(self) -> int:
@@ -124,26 +164,31 @@ class Workload:
 
     @property
     def active_params(self) -> float:
-        """Parameters each token passes through: for a mixture of experts, only its routed experts'."""
+        """Parameters each token passes through: for a mixture of experts, only its routed
+        experts'."""
         return self.architecture.active_params if self.architecture else self.params
 
     def layer_shapes(self) -> tuple[LayerShape, ...]:
-        """Each layer's computation: the real model's, or a GPT-like layer (LayerNorm, 4 h GELU MLP)."""
+        """Each layer's computation: the real model's, or a GPT-like layer (LayerNorm, 4 h GELU
+        MLP)."""
         if self.architecture is not None and self.architecture.layer_shapes:
             return self.architecture.layer_shapes
         h = self.hidden
         return (LayerShape(h, 2, "layer", h, h, h, h, self.heads, 4 * h, False),) * self.layers
 
     def checkpointed(self, recompute) -> int:
-        """How many layers ``recompute`` checkpoints: True is every layer, False none, an int that many."""
+        """How many layers ``recompute`` checkpoints: True is every layer, False none, an int
+        that many."""
         if recompute is True:
             return self.layers
         if recompute is False or recompute is None:
             return 0
         if isinstance(recompute, int) and 0 <= recompute <= self.layers:
             return recompute
-        raise ValueError(f"recompute: expected True, False or a number of layers from 0 to {self.layers}; "
-                         f"got {recompute!r}")
+        raise ValueError(
+            f"recompute: expected True, False or a number of layers from 0 to {self.layers}; "
+            f"got {recompute!r}"
+        )
 
     def activations(self, recompute=False, element: int = 2) -> Activations:
         """Activation memory of one step on one GPU, at its peak, with ``element``-byte activations.
@@ -173,24 +218,26 @@ class Workload:
         return (6 + 2 * share) * self.active_params * self.tokens
 
     def layer_params(self) -> float:
-        """Parameters of one transformer layer: exact (the largest) for a real model, else an equal share."""
+        """Parameters of one transformer layer: exact (the largest) for a real model, else an
+        equal share."""
         return self.architecture.layer_params if self.architecture else self.params / self.layers
 
     def root_params(self) -> float:
-        """Parameters outside the layers (embeddings, final norm, head): 0 when only a count is known."""
+        """Parameters outside the layers (embeddings, final norm, head): 0 when only a count is
+        known."""
         return self.architecture.root_params if self.architecture else 0.0
 
     def largest_module_params(self) -> float:
         """The largest single module (ZeRO-3 gathers one at a time): exact for a real model, else a
         layer's MLP input projection, 4 h² of the GPT-like shape."""
-        return self.architecture.largest_module_params if self.architecture else 4 * self.hidden ** 2
+        return self.architecture.largest_module_params if self.architecture else 4 * self.hidden**2
 
     def largest_weight_params(self) -> float:
         """The largest single tensor: exact for a real model, else the larger of the assumed
         vocabulary's embedding and a 4 h² projection."""
         if self.architecture:
             return self.architecture.largest_weight_params
-        return max(self.vocab * self.hidden, 4 * self.hidden ** 2)
+        return max(self.vocab * self.hidden, 4 * self.hidden**2)
 
     def weight_shapes(self) -> list[tuple[int, ...]] | None:
         """Every distinct weight tensor's shape (a real model), else None."""
@@ -217,16 +264,20 @@ def typical_shape(params: float) -> tuple[int, int, int]:
 def _memory(value, name: str) -> float:
     size = parse_size(value, name)
     if not isinstance(value, str) and size < _SMALLEST_BARE_BYTES:
-        raise ValueError(f"{name}: expected bytes; got {value!r}, which is {format_size(size)}: did you mean "
-                         f"'{value:g} GB'?")
+        raise ValueError(
+            f"{name}: expected bytes; got {value!r}, which is {format_size(size)}: did you mean "
+            f"'{value:g} GB'?"
+        )
     return size
 
 
 def _rate(value, name: str) -> float:
     rate = parse_bandwidth(value, name)
     if not isinstance(value, str) and rate < _SMALLEST_BARE_BYTES:
-        raise ValueError(f"{name}: expected bytes per second; got {value!r}, which is {format_bandwidth(rate)}: did "
-                         f"you mean '{value:g} GB/s'?")
+        raise ValueError(
+            f"{name}: expected bytes per second; got {value!r}, which is {format_bandwidth(rate)}: "
+            f"did you mean '{value:g} GB/s'?"
+        )
     return rate
 
 
@@ -248,7 +299,8 @@ class Hardware:
     gpus_per_node: int = 1
     interconnect: float | None = None
     gpus_per_link: int = 1
-    nvme: float | None = None  # sustained NVMe bandwidth (the lower of read and write); None: no NVMe tier
+    # sustained NVMe bandwidth (the lower of read and write); None: no NVMe tier
+    nvme: float | None = None
     sources: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -260,12 +312,16 @@ class Hardware:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, check_positive(getattr(self, name), name))
         if not (isinstance(self.comm_fraction, (int, float)) and 0 <= self.comm_fraction < 1):
-            raise ValueError(f"comm_fraction: expected a fraction in [0, 1); got {self.comm_fraction!r}")
+            raise ValueError(
+                f"comm_fraction: expected a fraction in [0, 1); got {self.comm_fraction!r}"
+            )
         for name in ("gpus_per_node", "gpus_per_link"):
             check_integer(getattr(self, name), name)
         if self.gpus_per_node % self.gpus_per_link:
-            raise ValueError(f"gpus_per_link: expected a divisor of gpus_per_node={self.gpus_per_node} (GPUs share "
-                             f"links in equal groups); got {self.gpus_per_link}")
+            raise ValueError(
+                f"gpus_per_link: expected a divisor of gpus_per_node={self.gpus_per_node} (GPUs "
+                f"share links in equal groups); got {self.gpus_per_link}"
+            )
         if self.interconnect is not None:
             object.__setattr__(self, "interconnect", _rate(self.interconnect, "interconnect"))
         if self.nvme is not None:
@@ -278,10 +334,14 @@ class Hardware:
         n = self.gpus_per_node
         if n == 1 and self.gpus_per_link == 1:
             return self
-        return self._derived(gpu_memory=self.gpu_memory, link=self.link / self.gpus_per_link,
-                             host_memory=None if self.host_memory is None else self.host_memory / n,
-                             cpu_adam=(self.cpu_adam or ASSUMED_CPU_ADAM) / n, compute=self.compute,
-                             comm_fraction=self.comm_fraction)
+        return self._derived(
+            gpu_memory=self.gpu_memory,
+            link=self.link / self.gpus_per_link,
+            host_memory=None if self.host_memory is None else self.host_memory / n,
+            cpu_adam=(self.cpu_adam or ASSUMED_CPU_ADAM) / n,
+            compute=self.compute,
+            comm_fraction=self.comm_fraction,
+        )
 
     def replaced(self, **changes) -> "Hardware":
         """This hardware with ``changes`` (figures already in bytes, bytes/s), not read again."""
@@ -290,7 +350,8 @@ class Hardware:
 
     @classmethod
     def _derived(cls, **values) -> "Hardware":
-        """A Hardware of figures already checked (a share of this one): no second reading of them."""
+        """A Hardware of figures already checked (a share of this one): no second reading of
+        them."""
         hardware = object.__new__(cls)
         for f in dataclasses.fields(cls):
             object.__setattr__(hardware, f.name, values.get(f.name, f.default))
@@ -318,45 +379,69 @@ class Hardware:
             machine, ladder = record["machine"], record["ladder"]
             links = {row["name"]: row for row in ladder["links"]}
             tiers = {row["name"]: row for row in ladder["tiers"]}
-            if not isinstance(machine, dict) or not all(isinstance(r, dict) for r in (*links.values(), *tiers.values())):
+            if not isinstance(machine, dict) or not all(
+                isinstance(r, dict) for r in (*links.values(), *tiers.values())
+            ):
                 raise TypeError
         except (KeyError, TypeError):
-            raise ValueError("measured: expected an `offloadlab probe --json` record with 'machine' and 'ladder'; "
-                             "got something else") from None
+            raise ValueError(
+                "measured: expected an `offloadlab probe --json` record with 'machine' and "
+                "'ladder'; got something else"
+            ) from None
         values, sources = {}, {}
 
         def number(value, what: str, low: float, high: float) -> float:
-            """A figure of the record, refused unless a number in [low, high] (a damaged or hand-edited file)."""
+            """A figure of the record, refused unless a number in [low, high] (a damaged or
+            hand-edited file)."""
             if not is_number(value) or not low <= value <= high:
-                raise ValueError(f"measured: expected {what} between {low:g} and {high:g} in the record; got {value!r}")
+                raise ValueError(
+                    f"measured: expected {what} between {low:g} and {high:g} in the record; got "
+                    f"{value!r}"
+                )
             return float(value)
 
         up = links.get("host → GPU")
         if up and up.get("bandwidth_bytes_per_s") is not None:
-            values["link"] = number(up["bandwidth_bytes_per_s"], "the host → GPU bandwidth (B/s)", 1, 1e15)
-            sources["link"] = f"link {format_bandwidth(values['link'])} ({up['source']}: α–β fit of the probe's sweep)"
+            values["link"] = number(
+                up["bandwidth_bytes_per_s"], "the host → GPU bandwidth (B/s)", 1, 1e15
+            )
+            sources["link"] = (
+                f"link {format_bandwidth(values['link'])} ({up['source']}: α–β fit of the probe's "
+                "sweep)"
+            )
         gpu = (machine.get("accelerator") or {}).get("memory_bytes")
         if gpu is not None:
             values["gpu_memory"] = gpu = number(gpu, "the GPU memory (bytes)", 1, 1e18)
             sources["gpu_memory"] = f"GPU memory {format_size(gpu)} (as the card reports it)"
         if machine.get("host_memory_bytes") is not None:
-            values["host_memory"] = number(machine["host_memory_bytes"], "the host memory (bytes)", 1, 1e18)
-            sources["host_memory"] = f"host memory {format_size(values['host_memory'])} (the probed machine's)"
+            values["host_memory"] = number(
+                machine["host_memory_bytes"], "the host memory (bytes)", 1, 1e18
+            )
+            sources["host_memory"] = (
+                f"host memory {format_size(values['host_memory'])} (the probed machine's)"
+            )
         host = tiers.get("host memory") or {}
         if host.get("bandwidth_bytes_per_s") is not None:
-            values["cpu_adam"] = number(host["bandwidth_bytes_per_s"], "the host memory bandwidth (B/s)", 1, 1e15) \
+            values["cpu_adam"] = (
+                number(host["bandwidth_bytes_per_s"], "the host memory bandwidth (B/s)", 1, 1e15)
                 / BYTES_MOVED_PER_ADAM_PARAM
-            sources["cpu_adam"] = (f"CPU Adam {values['cpu_adam'] / 1e9:.2f} G params/s (derived: measured host "
-                                   f"memory bandwidth ÷ {BYTES_MOVED_PER_ADAM_PARAM} B per parameter)")
+            )
+            sources["cpu_adam"] = (
+                f"CPU Adam {values['cpu_adam'] / 1e9:.2f} G params/s (derived: measured host "
+                f"memory bandwidth ÷ {BYTES_MOVED_PER_ADAM_PARAM} B per parameter)"
+            )
         for name, value in given.items():
             if value is not None:
                 values[name] = value
                 sources.pop(name, None)  # given explicitly: not from the record
         for name in ("gpu_memory", "link"):
             if name not in values:
-                raise ValueError(f"measured: the record has no {name.replace('_', ' ')}; "
-                                 f"pass --{name.replace('_', '-')}")
-        for name in ("gpu_memory", "host_memory", "link"):  # a record's figures are bytes, whatever their size
+                raise ValueError(
+                    f"measured: the record has no {name.replace('_', ' ')}; "
+                    f"pass --{name.replace('_', '-')}"
+                )
+        # a record's figures are bytes, whatever their size
+        for name in ("gpu_memory", "host_memory", "link"):
             if name in values and not isinstance(values[name], str):
                 values[name] = f"{values[name]!r} {'B/s' if name == 'link' else 'B'}"
         return cls(**values, sources=tuple(sources.values()))
@@ -366,12 +451,19 @@ class Hardware:
         """What the plan assumed because it was not given."""
         said = []
         if self.compute is None:
-            said.append(f"compute {ASSUMED_COMPUTE / 1e12:.0f} TFLOP/s (assumed; measure yours or pass --compute)")
+            said.append(
+                f"compute {ASSUMED_COMPUTE / 1e12:.0f} TFLOP/s (assumed; measure yours or pass "
+                "--compute)"
+            )
         if self.cpu_adam is None:
-            said.append(f"CPU Adam {ASSUMED_CPU_ADAM / 1e9:.1f} G params/s (assumed; pass --cpu-adam)")
+            said.append(
+                f"CPU Adam {ASSUMED_CPU_ADAM / 1e9:.1f} G params/s (assumed; pass --cpu-adam)"
+            )
         if self.host_memory is None:
             said.append("host memory unlimited (not given)")
         if self.gpus_per_node > 1 and self.interconnect is None:
-            said.append(f"interconnect {format_bandwidth(ASSUMED_INTERCONNECT)} each way per GPU (assumed: NVLink; "
-                        f"pass --interconnect)")
+            said.append(
+                f"interconnect {format_bandwidth(ASSUMED_INTERCONNECT)} each way per GPU (assumed: "
+                f"NVLink; pass --interconnect)"
+            )
         return said

@@ -30,7 +30,17 @@ FORMAT = "offloadlab-reference/1"
 USER_FOLDER_VARIABLE = "OFFLOADLAB_REFERENCE_DIR"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
-__all__ = ["FOLDER", "FORMAT", "user_folder", "available", "origin", "load", "target", "save", "write"]
+__all__ = [
+    "FOLDER",
+    "FORMAT",
+    "user_folder",
+    "available",
+    "origin",
+    "load",
+    "target",
+    "save",
+    "write",
+]
 
 
 def user_folder() -> Path:
@@ -42,18 +52,24 @@ def user_folder() -> Path:
 
 
 def _names(folder: Path) -> set[str]:
-    return {p.stem for p in folder.glob("*.json") if _NAME.fullmatch(p.stem)} if folder.is_dir() else set()
+    return (
+        {p.stem for p in folder.glob("*.json") if _NAME.fullmatch(p.stem)}
+        if folder.is_dir()
+        else set()
+    )
 
 
 def available(folder: Path | None = None) -> list[str]:
-    """Names (without .json) of the packaged and the user's references, or of those in ``folder``."""
+    """Names (without .json) of the packaged and the user's references, or of those in
+    ``folder``."""
     if folder is not None:
         return sorted(_names(Path(folder)))
     return sorted(_names(FOLDER) | _names(user_folder()))
 
 
 def origin(name: str) -> str:
-    """'packaged' for a reference shipped with offloadlab, 'user' for one written on this machine."""
+    """'packaged' for a reference shipped with offloadlab, 'user' for one written on this
+    machine."""
     return "packaged" if _path(name, None).parent == FOLDER else "user"
 
 
@@ -64,7 +80,9 @@ def _path(name: str, folder: Path | None) -> Path:
         for place in places:
             if (place / f"{name}.json").is_file():
                 return place / f"{name}.json"
-    raise ValueError(f"name: expected one of {', '.join(available(folder)) or 'no references'}; got {name!r}")
+    raise ValueError(
+        f"name: expected one of {', '.join(available(folder)) or 'no references'}; got {name!r}"
+    )
 
 
 def load(name: str, folder: Path | None = None) -> dict:
@@ -79,20 +97,32 @@ def load(name: str, folder: Path | None = None) -> dict:
     return data
 
 
-def target(name: str, folder: Path | None = None, overwrite: bool = False,
-           how_to_replace: str = "overwrite=True") -> Path:
-    """The file :func:`save` would write for ``name``, checked now so a long measurement can be refused
-    before it starts. ValueError for a bad or taken name, OSError for a folder that refuses files."""
+def target(
+    name: str,
+    folder: Path | None = None,
+    overwrite: bool = False,
+    how_to_replace: str = "overwrite=True",
+) -> Path:
+    """The file :func:`save` would write for ``name``, checked now so a long measurement can be
+    refused before it starts. ValueError for a bad or taken name, OSError for a folder that
+    refuses files."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"name: expected letters, digits, '.', '_' or '-', starting with a letter or digit; "
-                         f"got {name!r}")
+        raise ValueError(
+            f"name: expected letters, digits, '.', '_' or '-', starting with a letter or digit; "
+            f"got {name!r}"
+        )
     made_here = folder is None
     folder = user_folder() if made_here else Path(folder)
     if folder.resolve() != FOLDER and name in _names(FOLDER):
-        raise ValueError(f"name: {name!r} is a reference shipped with offloadlab; choose another name")
+        raise ValueError(
+            f"name: {name!r} is a reference shipped with offloadlab; choose another name"
+        )
     path = folder / f"{name}.json"
     if path.is_file() and _kind(path) == "nominal":
-        raise ValueError(f"name: {name!r} is nominal reference data, which is never replaced; choose another name")
+        raise ValueError(
+            f"name: {name!r} is nominal reference data, which is never replaced; choose another "
+            "name"
+        )
     if made_here:  # only once the name is accepted
         folder.mkdir(parents=True, exist_ok=True)
     return check_target(path, replace=overwrite, name="name", how_to_replace=how_to_replace)
@@ -105,9 +135,17 @@ def _kind(path: Path) -> str | None:
         return None
 
 
-def save(name: str, kind: str, label: str, provenance: dict, records: list[dict],
-         folder: Path | None = None, overwrite: bool = False) -> Path:
-    """Write a reference file from measured ``records`` into ``folder`` (default: :func:`user_folder`).
+def save(
+    name: str,
+    kind: str,
+    label: str,
+    provenance: dict,
+    records: list[dict],
+    folder: Path | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a reference file from measured ``records`` into ``folder`` (default:
+    :func:`user_folder`).
 
     Refuses to replace an existing file unless ``overwrite``; never replaces nominal data, and
     never takes a packaged reference's name outside the package. Returns the path written.
@@ -117,11 +155,26 @@ def save(name: str, kind: str, label: str, provenance: dict, records: list[dict]
     return write(target(name, folder, overwrite), kind, label, provenance, records, overwrite)
 
 
-def write(path: Path, kind: str, label: str, provenance: dict, records: list[dict], overwrite: bool = False) -> Path:
+def write(
+    path: Path,
+    kind: str,
+    label: str,
+    provenance: dict,
+    records: list[dict],
+    overwrite: bool = False,
+) -> Path:
     """Write a reference to ``path``, which :func:`target` returned (before a long measurement).
 
     Only OSError can happen here: FileExistsError if, without ``overwrite``, a file appeared at
     ``path`` meanwhile (it is left as it is), or what the disk says.
     """
-    payload = {"format": FORMAT, "kind": kind, "label": label, "provenance": provenance, "records": records}
-    return write_atomically(path, json.dumps(payload, indent=1, allow_nan=False) + "\n", replace=overwrite)
+    payload = {
+        "format": FORMAT,
+        "kind": kind,
+        "label": label,
+        "provenance": provenance,
+        "records": records,
+    }
+    return write_atomically(
+        path, json.dumps(payload, indent=1, allow_nan=False) + "\n", replace=overwrite
+    )

@@ -22,6 +22,8 @@ PYODIDE_NPM := pyodide@0.29.5
 
 # nbgrader's server side, off for a reader alone (Lab's side: etc/self-study/labconfig).
 NO_NBGRADER := {$(foreach e,formgrader course_list assignment_list validate_assignment,"nbgrader.server_extensions.$(e)": False,)"jupyterlab": True}
+# What ruff lints and formats (pyproject.toml's [tool.ruff]); the notebooks are `make format`'s.
+PYTHON_SOURCES := offloadlab tests tools
 STUDENT_DIR ?= build/student
 NBGRADER_DIR ?= build/nbgrader/source
 
@@ -62,8 +64,11 @@ lab: env
 	JUPYTER_CONFIG_PATH=$(CURDIR)/etc/self-study $(VENV)/bin/jupyter lab $(LAB_ROOT) \
 		--config=etc/jupyter_server_config.json '--ServerApp.jpserver_extensions=$(NO_NBGRADER)'
 
-## test: unit tests, every chapter and lab through nbval, the static site and its browser checks
+## test: ruff's lint and format check, unit tests, every chapter and lab through nbval, the
+## static site and its browser checks
 test: env $(MATHJAX)/tex-chtml.js $(PYODIDE)/pyodide.asm.wasm
+	$(PY) -m ruff check $(PYTHON_SOURCES)
+	$(PY) -m ruff format --check $(PYTHON_SOURCES)
 	$(PY) -m pytest
 
 ## book: build the static site into book/_build/html (executes every notebook), with the book as
@@ -105,11 +110,14 @@ gpu-check:
 	@test -x $(PY) || { echo "gpu-check: no environment in $(VENV); make one first: make env TORCH=<the torch build for this GPU's driver>"; exit 2; }
 	$(PY) -m offloadlab gpu-check --out build/gpu-check $(GPU_CHECK)
 
-## format: rewrite every chapter and lab to the exact text Jupytext writes for it, so that saving
+## format: format the package, the tests and the tools with ruff (`make test` checks them: ruff
+## check and ruff format --check, lines of at most 100 characters); rewrite every chapter and lab
+## to the exact text Jupytext writes for it, so that saving
 ## in JupyterLab changes nothing (metadata and wrapping only; cells of checks and lab answers
 ## folded), and write citations and references to other chapters as links that Lab shows as
 ## "(Ren et al., 2021)" and the chapter's title (the site renders them as before)
 format: env
+	$(PY) -m ruff format $(PYTHON_SOURCES)
 	$(PY) tools/format_notebooks.py
 	$(PY) tools/lab_references.py
 

@@ -68,7 +68,9 @@ def test_rows_for_the_best_and_the_baseline_variant_and_deepspeed_absent_with_it
 
 
 def test_deepspeed_not_installed_says_so(monkeypatch):
-    # import deepspeed raises ModuleNotFoundError
+    # import deepspeed raises ModuleNotFoundError, and so does a submodule an earlier test imported
+    for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
+        monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     step, why = bench._deepspeed_step(None)
     assert step is None and why == "not installed: pip install deepspeed to compare"

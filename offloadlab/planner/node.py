@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from .. import budget, memory, sharding
 from ..units import format_duration, format_size
-from .single import HIDDEN_FRACTION, recompute_choices
+from .single import HIDDEN_FRACTION, activations_name, recompute_choices
 from .workload import (
     ASSUMED_COMPUTE,
     ASSUMED_CPU_ADAM,
@@ -201,16 +201,8 @@ class NodePlan:
         return f"{worst}: {what[worst]} {share}"
 
     @property
-    def activations_name(self) -> str:
-        if not self.checkpointed:
-            return "activations kept"
-        if self.checkpointed == self.layers:
-            return "activations recomputed"
-        return f"activations recomputed in {self.checkpointed} of {self.layers} layers"
-
-    @property
     def name(self) -> str:
-        return f"{self.layout.name}, {self.activations_name}"
+        return f"{self.layout.name}, {activations_name(self.checkpointed, self.layers)}"
 
     def to_dict(self) -> dict:
         return {

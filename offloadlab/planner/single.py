@@ -214,16 +214,8 @@ class Plan:
         return f"the CPU: its update takes {format_duration(self.t_cpu)} {share}"
 
     @property
-    def activations_name(self) -> str:
-        if not self.checkpointed:
-            return "activations kept"
-        if self.checkpointed == self.layers:
-            return "activations recomputed"
-        return f"activations recomputed in {self.checkpointed} of {self.layers} layers"
-
-    @property
     def name(self) -> str:
-        return f"offload {self.offload}, {self.activations_name}"
+        return f"offload {self.offload}, {activations_name(self.checkpointed, self.layers)}"
 
     def to_dict(self) -> dict:
         return {
@@ -308,6 +300,15 @@ def schedule(
 
 
 RECOMPUTE_CHOICES = ("auto", "none", "all")
+
+
+def activations_name(checkpointed: int, layers: int) -> str:
+    """How a plan keeps its activations, for its name: ``checkpointed`` of ``layers`` recomputed."""
+    if not checkpointed:
+        return "activations kept"
+    if checkpointed == layers:
+        return "activations recomputed"
+    return f"activations recomputed in {checkpointed} of {layers} layers"
 
 
 def recompute_choices(work: Workload, fits_with, recompute="auto") -> list[int]:

@@ -450,7 +450,6 @@ def lab03_challenge(
     """
     import time
 
-    from . import experiment
     from .link import EmulatedLink
 
     if link.emulated:
@@ -475,15 +474,7 @@ def lab03_challenge(
                 share,
                 steps,
             )
-    products = experiment.overlap_work(link, 0.004 if work_seconds is None else work_seconds)
-    timed = []
-    for _ in range(3):
-        begin = link.mark()
-        link.launch(products)
-        timed.append(link.mark().time - begin.time)
-    host, device = link.host_buffer(2**22), link.device_buffer(2**22)
-    copies = [link.to_device(device, host, after=None) for _ in range(3)]
-    rate = 4 * 2**22 / sorted(c.elapsed for c in copies)[1]
+    products, products_seconds, rate = _gpu_work_and_rate(link, work_seconds)
     marks = []
 
     def marked():  # on a GPU the kernels run later: events around them time them
@@ -497,7 +488,7 @@ def lab03_challenge(
         marked,
         lambda: [(begin.time, end.time) for begin, end in marks],
         marks.clear,
-        sorted(timed)[1],
+        products_seconds,
         rate,
         copy_share,
         share,
@@ -624,7 +615,6 @@ def lab05_challenge(
     """
     import time
 
-    from . import experiment
     from .link import EmulatedLink
 
     if link.emulated:
@@ -640,6 +630,16 @@ def lab05_challenge(
                 share,
                 items,
             )
+    work, seconds, rate = _gpu_work_and_rate(link, work_seconds)
+    return _lab05_pass(prefetch, link, work, seconds, rate, budget, share, items)
+
+
+def _gpu_work_and_rate(link, work_seconds: float | None) -> tuple:
+    """For a challenge on a GPU: a chain of matrix products of about ``work_seconds`` (default
+    4 ms), the seconds it takes (median of 3, by events around it) and the link's host-to-device
+    rate in bytes/s (median of 3 copies of 16 MiB)."""
+    from . import experiment
+
     work = experiment.overlap_work(link, 0.004 if work_seconds is None else work_seconds)
     timed = []
     for _ in range(3):
@@ -648,8 +648,7 @@ def lab05_challenge(
         timed.append(link.mark().time - begin.time)
     host, device = link.host_buffer(2**22), link.device_buffer(2**22)
     copies = [link.to_device(device, host, after=None) for _ in range(3)]
-    rate = 4 * 2**22 / sorted(c.elapsed for c in copies)[1]
-    return _lab05_pass(prefetch, link, work, sorted(timed)[1], rate, budget, share, items)
+    return work, sorted(timed)[1], 4 * 2**22 / sorted(c.elapsed for c in copies)[1]
 
 
 def _lab05_pass(

@@ -615,6 +615,23 @@ def _save(saves: list[tuple[str, Path, object, str]], text: str) -> tuple[list[s
     return notes, faults
 
 
+def _show_and_save_json(shown: str, text: str, target: Path | None, force: bool, what: str) -> int:
+    """Write ``text`` (``what``, as JSON) to ``--json``'s ``target`` when one is given, print
+    ``shown``, then say what was written; a write the machine refused is a fault (exit 1)."""
+
+    def write(path):
+        files.write_atomically(path, text, force)
+
+    saves = [] if target is None else [("--json", target, write, f"wrote {what} to {target}")]
+    notes, faults = _save(saves, text)
+    print(shown)
+    for note in notes:
+        print(note)
+    if faults:
+        raise Fault("; ".join(faults))
+    return 0
+
+
 def _cmd_probe(args) -> int:
     from . import ladder, reference
 
@@ -712,25 +729,7 @@ def _cmd_bench(args) -> int:
     else:
         result = getattr(bench, args.name)(quick=args.quick)
     text = _dumps(result, indent=1) + "\n"
-    saves = (
-        []
-        if target is None
-        else [
-            (
-                "--json",
-                target,
-                lambda path: files.write_atomically(path, text, args.force),
-                f"wrote the result to {target}",
-            )
-        ]
-    )
-    notes, faults = _save(saves, text)
-    print(bench.format_result(result))
-    for note in notes:
-        print(note)
-    if faults:
-        raise Fault("; ".join(faults))
-    return 0
+    return _show_and_save_json(bench.format_result(result), text, target, args.force, "the result")
 
 
 def _cmd_gpu_check(args) -> int:
@@ -752,25 +751,7 @@ def _cmd_gpu_check(args) -> int:
         profile = gpucheck.profile_for(args.profile)
     planned = gpucheck.plan(profile, quick=not args.full)
     text = _dumps(planned, indent=1) + "\n"
-    saves = (
-        []
-        if target is None
-        else [
-            (
-                "--json",
-                target,
-                lambda path: files.write_atomically(path, text, args.force),
-                f"wrote the plan to {target}",
-            )
-        ]
-    )
-    notes, faults = _save(saves, text)
-    print(gpucheck.format_plan(planned))
-    for note in notes:
-        print(note)
-    if faults:
-        raise Fault("; ".join(faults))
-    return 0
+    return _show_and_save_json(gpucheck.format_plan(planned), text, target, args.force, "the plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

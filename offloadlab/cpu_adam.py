@@ -371,6 +371,20 @@ def _check_threads(threads) -> int:
     return check_integer(threads, "threads", expected="a positive number of threads")
 
 
+def _check_arrays(master, exp_avg, exp_avg_sq, grad, out) -> int:
+    """The element count of a step's arrays, once each is checked (contiguous CPU tensors of one
+    length: fp32 state, an fp32/bf16/fp16 gradient and ``out``) and none overlaps another."""
+    _check("master", master, (torch.float32,), None)
+    n = master.numel()
+    _check("exp_avg", exp_avg, (torch.float32,), n)
+    _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    _check("grad", grad, _DTYPES, n)
+    if out is not None:
+        _check("out", out, _DTYPES, n)
+    _check_disjoint(master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad, out=out)
+    return n
+
+
 def _raise_for(status: int, function: str) -> None:
     if status:
         raise RuntimeError(
@@ -402,20 +416,13 @@ def adamw_step(
     count used for bias correction; ``threads`` the OpenMP threads (default: all cores but
     one); ``variant`` the step to run (see :func:`load`; default: the best this CPU runs).
     """
-    n = master.numel()
-    _check("master", master, (torch.float32,), None)
-    _check("exp_avg", exp_avg, (torch.float32,), n)
-    _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
-    _check("grad", grad, _DTYPES, n)
-    if out is not None:
-        _check("out", out, _DTYPES, n)
+    n = _check_arrays(master, exp_avg, exp_avg_sq, grad, out)
     check_integer(step, "step", expected="the 1-based step count")
     beta1, beta2 = betas
     if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
         raise ValueError(f"betas: expected two numbers in [0, 1); got {betas!r}")
     if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and math.isfinite(grad_scale)):
         raise ValueError("lr: expected lr, eps and weight_decay ≥ 0 and a finite grad_scale")
-    _check_disjoint(master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad, out=out)
     threads = _check_threads(threads)
     # The scalars as torch.optim.AdamW computes them, in double precision (the kernel rounds each to
     # float once).
@@ -481,14 +488,7 @@ def floor_pass(
     ``threads`` and the same ``variant`` (the three arrays end up holding sums, not a state).
     ValueError without a compiled kernel: a floor needs the kernel's own build.
     """
-    n = master.numel()
-    _check("master", master, (torch.float32,), None)
-    _check("exp_avg", exp_avg, (torch.float32,), n)
-    _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
-    _check("grad", grad, _DTYPES, n)
-    if out is not None:
-        _check("out", out, _DTYPES, n)
-    _check_disjoint(master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, grad=grad, out=out)
+    n = _check_arrays(master, exp_avg, exp_avg_sq, grad, out)
     threads = _check_threads(threads)
     kernel = load(variant)
     if not kernel.compiled:

@@ -507,6 +507,8 @@ def test_a_missing_compiler_is_one_clear_error(tmp_path):
 
 def test_bad_arguments():
     x = torch.zeros(4)
+    with pytest.raises(ValueError, match="^master: expected a torch.Tensor; got list"):
+        cpu_adam.adamw_step([0.0] * 4, x, x, x, step=1, lr=0.1)
     with pytest.raises(ValueError, match="^exp_avg: expected 4 elements"):
         cpu_adam.adamw_step(x, torch.zeros(3), torch.zeros(4), torch.zeros(4), step=1, lr=0.1)
     with pytest.raises(ValueError, match="^master: expected dtype torch.float32"):

@@ -28,6 +28,9 @@ NOTEBOOKS = sorted(
 )
 
 
+REPLY_AFTER_INTERRUPT = 60  # seconds to wait for a reply after the kernel went idle
+
+
 class Kernel:
     """A real IPython kernel, started in the notebook's folder, that runs cells one at a time."""
 
@@ -58,7 +61,7 @@ class Kernel:
                     and message["content"]["execution_state"] == "idle"
                 ):
                     break
-            reply = self.client.get_shell_msg(timeout=timeout)
+            status = self.reply_status(timeout, interrupted=timer is not None)
         except queue.Empty:
             pytest.fail(f"a cell ran longer than {timeout} s:\n{code[:300]}")
         finally:
@@ -66,7 +69,19 @@ class Kernel:
                 timer.join()  # the interrupt is sent even if the cell finished first
         if timer is not None:
             self.settle()
-        return reply["content"]["status"], error, time.monotonic() - start
+        return status, error, time.monotonic() - start
+
+    def reply_status(self, timeout: float, interrupted: bool) -> str:
+        """The status of the cell's reply, once the kernel has said it is idle again. An interrupt
+        that lands while ipykernel sends the reply loses it (the kernel lives on, and says idle):
+        after an interrupt, a reply that does not come is "interrupted"."""
+        wait = min(timeout, REPLY_AFTER_INTERRUPT) if interrupted else timeout
+        try:
+            return self.client.get_shell_msg(timeout=wait)["content"]["status"]
+        except queue.Empty:
+            if interrupted:
+                return "interrupted"
+            raise
 
     def settle(self):
         """After an interrupt, run empty cells until one runs: an interrupt that arrived late, or

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -407,6 +408,49 @@ def test_weights_changed_while_a_delayed_update_runs_keep_their_values_with_a_wa
     ):
         opt.step()
     assert edited and all(torch.equal(p, value) for p, value in edited)
+    opt.close()
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["after the new weights", "in a race"])
+@pytest.mark.parametrize("edit", list(EDITS), ids=list(EDITS))
+def test_weights_changed_between_backward_and_step_with_accumulation_steps_are_named(
+    link, edit, landed
+):
+    """accumulation_steps: the update starts in the last backward pass, so a change made between
+    backward and step() comes too late for it (AdamW would update the changed weights). Made
+    once the new weights are in, it is kept and named; made at once, it races with them: an
+    in-place change is named whichever wins; one through .data only when it lands after them."""
+    model = mlp()
+    opt = CPUOffloadAdam(
+        model.parameters(), lr=1e-2, link=link, accumulation_steps=1, bucket_bytes=4096
+    )
+    batches = data(3, 1)
+    for micro in batches[:2]:  # a normal step says nothing
+        opt.zero_grad()
+        backward(model, micro)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.step()
+    opt.zero_grad()
+    backward(model, batches[2])
+    if landed:
+        for bucket in opt.buckets:
+            bucket.updated.wait()
+            bucket.upload.synchronize()
+    before = [p.detach().clone() for p in model.parameters()]
+    EDITS[edit](model, other_weights())
+    changed = any(not torch.equal(p, old) for p, old in zip(model.parameters(), before))
+    # (vector_to_parameters assigns .data; load_state_dict copies in place under no_grad)
+    through_data = edit not in ("no_grad in-place clamp_", "model.load_state_dict")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    named = [w for w in caught if "changed by hand between backward and step()" in str(w.message)]
+    if changed and (landed or not through_data):
+        assert len(named) == 1, [str(w.message) for w in caught]
+    if landed and changed:
+        edited = [p for p, old in zip(model.parameters(), before) if not torch.equal(p, old)]
+        assert "kept without this step's update" in str(named[0].message) and edited
     opt.close()
 
 

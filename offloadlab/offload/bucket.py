@@ -56,7 +56,8 @@ class Bucket:
 
     Progress: ``received`` (this step's gradients so far), ``submitted`` (handed to the worker;
     ``updated`` is set whenever no update of the bucket runs), ``steps`` (AdamW's step count per
-    parameter) and ``upload`` (the copy taking the newest weights up).
+    parameter), ``upload`` (the copy taking the newest weights up) and ``versions`` (the
+    parameters' version counters when their update was announced).
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class Bucket:
         self.steps = [0] * len(params)
         self.received = Received(len(params))
         self.upload = None
+        self.versions: list[int] = []
         self.submitted = False
         self.updated = threading.Event()
         self.updated.set()
@@ -149,6 +151,10 @@ class Bucket:
         """The new weights have been written: into the parameters' host memory (``upload`` None) or
         on their way up in the copy ``upload``."""
         self.upload = upload
+
+    def announced(self, versions: list[int]) -> None:
+        """The parameters' version counters just after their update was announced."""
+        self.versions = versions
 
     def update_done(self) -> None:
         self.updated.set()

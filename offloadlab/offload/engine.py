@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from .. import cpu_adam, ownership
+from .. import _torch_compat, cpu_adam, ownership
 from ..link import CudaLink, Link, open_link
 from ..ownership import streamer_of
 from . import schedule
@@ -504,7 +504,7 @@ class OffloadEngine:
             bucket.updated.wait()
         if self.worker.error is not None:
             self._fail()
-        edited = 0
+        edited, late = 0, {"overwritten": 0, "kept": 0}
         for bucket in buckets:
             if upload:
                 # (delayed update: weights set by hand while it ran win)
@@ -513,9 +513,22 @@ class OffloadEngine:
                 self.worker.upload(bucket, after="compute", step=self.step_count)
             if bucket.upload is not None:
                 bucket.upload.wait()
+            if self.schedule.eager_after is not None and bucket.streamed is None:
+                self._count_late_edits(bucket, late)
             bucket.settle()
         if buckets:
             self.timeline.close(self.step_count)
+        if late["overwritten"] or late["kept"]:
+            warnings.warn(
+                f"CPUOffloadAdam: weights were changed by hand between backward and step() with "
+                f"accumulation_steps={self.schedule.eager_after}: their update had started in the "
+                f"last backward pass, from the weights as they were then ({late['overwritten']} "
+                f"change(s) overwritten by it, {late['kept']} kept without this step's update; a "
+                f"change through .data before the new weights land goes unseen). Change weights "
+                f"before the last backward pass, or leave accumulation_steps unset (the update "
+                f"then runs in step(), as torch.optim.AdamW's does)",
+                stacklevel=8,
+            )
         if edited:
             warnings.warn(
                 f"CPUOffloadAdam: {edited} parameter(s) were changed outside the optimizer while a "
@@ -523,6 +536,17 @@ class OffloadEngine:
                 f"for them (call optimizer.synchronize() before changing weights by hand)",
                 stacklevel=8,
             )
+
+    def _count_late_edits(self, bucket, late: dict) -> None:
+        """Eager: count the bucket's parameters changed by hand after their update was announced
+        (in backward), once the new weights are in: a change that lands later differs from them
+        and is kept (the master takes it); an in-place change that the new weights overwrote
+        shows in the version counter."""
+        moved = [_torch_compat.version(p) != v for p, v in zip(bucket.params, bucket.versions)]
+        kept = self.host.refresh(bucket)
+        late["kept"] += kept
+        late["overwritten"] += max(0, sum(moved) - kept)
+        bucket.announced([_torch_compat.version(p) for p in bucket.params])
 
     def _grad_scale(self, ready: list) -> float | None:
         """1 / loss scale × clipping factor; None when an fp16 overflow means skip the step."""

@@ -40,8 +40,11 @@ at once that it cannot:
   ``vector_to_parameters``): the next update starts from them. Each parameter is compared, bit
   for bit, with the weights last sent to it when its update is handed over (on a GPU, one copy
   of the weights down per step). With ``accumulation_steps`` that is during backward: change
-  weights before it, not between backward and step(). With ``delayed_update``, weights changed
-  while an update is pending keep their values, and a warning says that update is dropped;
+  weights before it. A change between backward and step() comes too late for the update, and
+  step() warns: one that lands after the new weights is kept (without that step's update), an
+  in-place one they overwrote is counted; one through ``.data`` that they overwrote goes
+  unseen. With ``delayed_update``, weights changed while an update is pending keep their
+  values, and a warning says that update is dropped;
 - Ctrl-C during :meth:`~CPUOffloadAdam.step` waits for the step to be whole, then raises
   KeyboardInterrupt: the optimizer is never left between steps;
 - a new optimizer over the same parameters (a reload mid-accumulation) finds the gradients

@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from .. import cpu_adam
+from .. import _torch_compat, cpu_adam
 from ..link import Link
 from .bucket import Bucket, Received
 from .host_state import HostState
@@ -138,6 +138,7 @@ class UpdateWorker:
         lands, instead of computing with a mix of old and new values."""
         if bucket.streamed is None:
             torch.autograd.graph.increment_version(bucket.params)
+            bucket.announced([_torch_compat.version(p) for p in bucket.params])
 
     def upload(
         self, bucket: Bucket, after="compute", step: int | None = None, announced: bool = False

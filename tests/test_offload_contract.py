@@ -195,6 +195,10 @@ def test_a_real_ctrl_c_during_step_is_held_until_the_step_is_whole(tmp_path, dec
         from offloadlab.offload import CPUOffloadAdam
         from tests.test_offload import data, mlp
 
+        # Ctrl-C raises KeyboardInterrupt, as in a terminal or a notebook, even when this test
+        # runs in the background (a shell starts background jobs with SIGINT ignored)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
         def backward(model, micro):
             for x, y in micro:
                 (nn.functional.mse_loss(model(x), y) / len(micro)).backward()

@@ -7,7 +7,7 @@ they arrive, into their places in a flat device buffer laid out like the group's
 copy once its last gradient is in. A *group* is whatever the caller sends together: a streamed
 block (:class:`~offloadlab.streaming.StreamedModel`) or an optimizer bucket
 (:class:`~offloadlab.offload.CPUOffloadAdam`). Each arriving gradient costs the same whatever the
-size of its group: one view, one device copy.
+size of its group: one lookup of its view (built once per group and buffer), one device copy.
 
 A group that is still incomplete when :meth:`GradientGather.flush` is called (the end of a
 backward pass: some parameters got no gradient), or when every gather buffer is busy, goes down
@@ -45,6 +45,9 @@ class GradientGather:
         self._sent: list[list] = [[] for _ in range(buffers)]
         # group → (buffer, positions gathered there)
         self._gathering: dict[int, tuple[int, set]] = {}
+        # (buffer, group) → the group's tensors as views into that buffer, built on first use:
+        # a gradient then costs one lookup and one device copy
+        self._views: dict[tuple[int, int], tuple] = {}
 
     @property
     def buffer_bytes(self) -> int:
@@ -66,6 +69,7 @@ class GradientGather:
                 self.link.device_buffer(self.buffer_bytes, torch.uint8) for _ in self._buffers
             ]
             self._sent = [[] for _ in self._buffers]
+            self._views = {}
 
     def add(self, group: int, position: int, grad: torch.Tensor) -> None:
         """Gather the gradient of tensor ``position`` of ``group``; send the group once complete.
@@ -89,11 +93,14 @@ class GradientGather:
         if group not in self._gathering:
             self._gathering[group] = (self._free_buffer(), set())
         buffer, positions = self._gathering[group]
-        view = layout.view(self._buffers[buffer], position)
+        views = self._views.get((buffer, group))
+        if views is None:
+            views = self._views[buffer, group] = layout.views(self._buffers[buffer])
+        view = views[position]
         if position in positions:
-            view.add_(grad.reshape(view.shape))
+            view.add_(grad)
         else:
-            view.copy_(grad.reshape(view.shape))
+            view.copy_(grad)
             positions.add(position)
         if len(positions) == len(layout):
             self._send(group)

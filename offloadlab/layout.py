@@ -1,9 +1,10 @@
 """Where each of a group of tensors sits in one flat byte buffer, so the group moves as one copy.
 
 A :class:`Layout` is computed once per group (a streamed block's weights, an optimizer bucket's
-gradients) and then asked for one tensor's place at a time: :meth:`Layout.view` builds the view
-of one tensor in O(1), which is what a gradient hook may afford — it runs once per gradient,
-inside backward, and real decoders have hundreds of tensors.
+gradients); :meth:`Layout.views` gives every tensor's place in a flat buffer as a view. Building
+a view costs a few microseconds (a slice and two reinterpretations), so code that runs once per
+gradient, inside backward, builds a buffer's views once and keeps them: real decoders have
+hundreds of tensors.
 """
 
 from __future__ import annotations

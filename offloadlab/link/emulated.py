@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from .. import cores
+from .. import _torch_compat, cores
 from ..units import is_number, parse_bandwidth, parse_duration
 from .base import Link, Marker, Transfer, _nbytes, poison
 
@@ -325,9 +325,9 @@ class EmulatedLink(Link):
             end = min(offset + _CHUNK_BYTES, data.size)
             out[offset:end] = data[offset:end]
             _sleep_until(started + self.latency + end / bandwidth)
-        with torch.no_grad():  # device-to-device copies: at device memory speed, not paced
-            for target, view in scatter:
-                target.copy_(view)
+        if scatter:  # device-to-device copies: at device memory speed, not paced
+            with torch.no_grad():
+                _torch_compat.foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])
         transfer._end = time.perf_counter() - self._epoch
 
 

@@ -79,10 +79,28 @@ class Bucket:
         self.submitted = False
         self.updated = threading.Event()
         self.updated.set()
+        self._weights: tuple = ((), [], [])  # (what they were built for, .data, flattened)
 
     @property
     def end(self) -> int:
         return self.start + self.numel
+
+    def weights(self) -> tuple[list, list]:
+        """(each parameter's ``.data``, the same flattened): tensors over the parameters' memory
+        that autograd does not track, built once and rebuilt only when a parameter's memory or
+        its layout was swapped (``p.data = …``). Building them costs a few microseconds per
+        parameter, which a step of hundreds of small tensors feels; a non-contiguous ``.data``
+        is flattened into a fresh copy at every call (good for reading only)."""
+        key = [(p.data_ptr(), p.stride(), p.shape) for p in self.params]
+        built, data, flat = self._weights
+        if key != built:
+            data = [p.data for p in self.params]
+            # (None: not contiguous, so not cached)
+            flat = [d.view(-1) if d.is_contiguous() else None for d in data]
+            self._weights = (key, data, flat)
+        if any(f is None for f in flat):  # (`None in flat` would compare tensors with None)
+            flat = [d.reshape(-1) if f is None else f for d, f in zip(data, flat)]
+        return data, flat
 
     def span(self, first: int, stop: int) -> tuple[int, int]:
         """Elements of the host buffers that parameters ``first`` … ``stop - 1`` occupy."""

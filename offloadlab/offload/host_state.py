@@ -121,7 +121,7 @@ class HostState:
         if bucket.upload is not None:
             bucket.upload.synchronize()  # the weights last sent have reached the parameters
         sent = self.outgoing() if self.sent is None else self.sent
-        current = [p.detach().reshape(-1) for p in bucket.params]
+        current = bucket.weights()[1]
         whole = torch.cat(current) if len(current) > 1 else current[0]
         if whole.device != sent.device:  # one copy down for the bucket, not one per tensor
             whole = whole.to(sent.device)

@@ -103,6 +103,45 @@ def test_weights_changed_outside_the_optimizer_are_the_ones_it_updates(link, edi
     assert_matches(ref, mine)
 
 
+# (a delayed update pending when the weights are changed is dropped for them, and says so)
+@pytest.mark.filterwarnings("ignore:CPUOffloadAdam. 1 parameter.s. were changed outside")
+@pytest.mark.parametrize("bucket_bytes", [4096, 2**20], ids=["alone in its bucket", "shared"])
+@pytest.mark.parametrize("delayed", [False, True], ids=["at step", "delayed"])
+def test_a_parameter_made_non_contiguous_is_refused_with_its_fix(link, bucket_bytes, delayed):
+    """``p.data = p.data.t()`` (a square weight: the same memory, other strides) is refused at the
+    next step() — and by synchronize() with a delayed update pending — before anything happens,
+    as the constructor refuses such a parameter; once the user makes it contiguous again,
+    training goes on as it would have (AdamW, or for a delayed update the same optimizer given
+    the contiguous weights at once). Alone in its bucket such a parameter used to close the
+    optimizer with torch's view error from inside the update, and its state was lost."""
+    ref, mine = mlp(), mlp()
+    if delayed:
+        reference = CPUOffloadAdam(ref.parameters(), lr=1e-2, link=link, delayed_update=True)
+    else:
+        reference = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = CPUOffloadAdam(
+        mine.parameters(), lr=1e-2, link=link, bucket_bytes=bucket_bytes, delayed_update=delayed
+    )
+    for step, micro in enumerate(data(6, 2)):
+        if step == 3:
+            mine[2].weight.data = mine[2].weight.data.t()
+            ref[2].weight.data = ref[2].weight.data.t()
+            if delayed:
+                ref[2].weight.data = ref[2].weight.data.contiguous()
+        for model, optimizer in ((ref, reference), (mine, opt)):
+            optimizer.zero_grad()
+            backward(model, micro)
+            if step == 3 and optimizer is opt:
+                with pytest.raises(RuntimeError, match=r"no longer contiguous.*data\.contiguous"):
+                    (opt.synchronize if delayed else opt.step)()
+                mine[2].weight.data = mine[2].weight.data.contiguous()
+            optimizer.step()
+    for optimizer in (opt, reference):
+        if isinstance(optimizer, CPUOffloadAdam):
+            optimizer.close()
+    assert_matches(ref, mine)
+
+
 # ---------------------------------------------------------------------- interrupting step()
 
 # Each stage of the engine's step (and the update worker's hand-over), interrupted on entry or

@@ -342,17 +342,30 @@ class OffloadEngine:
         self.check_usable()
         for i, group in enumerate(self.param_groups):  # a scheduler's bad value is refused, not run
             check_group(group, f"param_groups[{i}]: ")
-        for bucket in self.host.buckets:
-            for p in bucket.params:
-                check_unconverted(
-                    p, self.dtype, self.device if bucket.streamed is None else p.device
-                )
+        self._check_params_as_made()
         with interrupts_held():
             try:
                 self._step()
             except KeyboardInterrupt:
                 self._to_step_boundary()
                 raise
+
+    def _check_params_as_made(self) -> None:
+        """RuntimeError, before anything is done, for a parameter whose weights can no longer be
+        copied as they were when the optimizer was made: converted (``model.to(…)``), or made
+        non-contiguous (``p.data = p.data.t()``; its new weights go up as one flat block)."""
+        for bucket in self.host.buckets:
+            for p in bucket.params:
+                check_unconverted(
+                    p, self.dtype, self.device if bucket.streamed is None else p.device
+                )
+                if not p.is_contiguous():
+                    raise RuntimeError(
+                        f"CPUOffloadAdam: a parameter of shape {tuple(p.shape)} is no longer "
+                        f"contiguous (its .data was set to a transposed or strided view since the "
+                        f"optimizer was made), and its new weights are copied up as one flat "
+                        f"block; make it contiguous again first: p.data = p.data.contiguous()"
+                    )
 
     def _step(self) -> None:
         # buckets whose parameters were compared with their weights this step
@@ -652,6 +665,8 @@ class OffloadEngine:
     def synchronize(self) -> None:
         """Finish every pending update and weight copy (for a delayed update: apply it now)."""
         self.check_usable()
+        if self.schedule.pending_upload() and self._submitted():
+            self._check_params_as_made()
         self._finish(self._submitted(), upload=self.schedule.pending_upload())
         for bucket in self.host.buckets:
             if bucket.upload is not None:

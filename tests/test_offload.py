@@ -74,6 +74,74 @@ def assert_matches(reference, model):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+def _device_ops(fn) -> int:
+    """How many aten operations ``fn()`` runs on this thread (autograd's hooks included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.ops
+
+
+@pytest.mark.parametrize("layers", [50, 200])
+def test_each_gradient_costs_one_device_copy_whatever_its_bucket(layers):
+    """Once a bucket has been gathered, its gradient hook runs one operation per gradient: the copy
+    into its place in the gather buffer, whatever the bucket's size. (It used to build that place
+    — a slice and two views — and reshape the gradient every time: 61 % of TinyGPT's profiled
+    step, issue 23.)"""
+    from offloadlab.link import EmulatedLink
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    x = torch.randn(2, 4)
+    model.zero_grad(set_to_none=True)
+    plain = _device_ops(model(x).sum().backward)
+    with EmulatedLink(bandwidth=1e12, latency=0) as link:
+        opt = CPUOffloadAdam(model.parameters(), link=link)
+        assert len(opt.buckets) == 1
+        for _ in range(2):  # the first step builds the views
+            opt.zero_grad()
+            hooked = _device_ops(model(x).sum().backward)
+            opt.step()
+        opt.close()
+    tensors = 2 * layers
+    # (the end of backward: a few operations for the whole bucket)
+    assert tensors <= hooked - plain <= tensors + 8
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["at step", "delayed"])
+def test_a_step_costs_the_same_device_operations_whatever_the_bucket_holds(delayed):
+    """step(), on the training thread, runs a fixed number of device operations per bucket once
+    the bucket has been through a step: comparing its weights with those last sent (one
+    concatenation, one comparison) and, for a delayed update, the copy up. (It built each
+    parameter's flat view and its place in the staging buffer at every step: four to seven
+    operations per tensor, issue 23.)"""
+    from offloadlab.link import EmulatedLink
+
+    counts = []
+    for layers in (50, 200):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+        x = torch.randn(2, 4)
+        with EmulatedLink(bandwidth=1e12, latency=0) as link:
+            opt = CPUOffloadAdam(model.parameters(), link=link, delayed_update=delayed)
+            assert len(opt.buckets) == 1
+            for _ in range(3):
+                opt.zero_grad()
+                model(x).sum().backward()
+                ops = _device_ops(opt.step)
+            opt.close()
+        counts.append(ops)
+    assert counts[0] == counts[1] <= 20, counts
+
+
 @pytest.mark.parametrize(
     "declared", [None, 2], ids=["accumulation undeclared", "accumulation_steps=2"]
 )

@@ -553,7 +553,7 @@ def _offload_models(gpu: bool) -> list[tuple]:
 
 def _offload_rounds(gpu: bool, quick: bool) -> tuple[int, int]:
     """(rounds, timed steps per contender and round) of :func:`offload`."""
-    return (3, 2) if quick else (5, 4)
+    return (7, 2) if quick else (11, 3)
 
 
 def _offload_contenders(torchao: bool) -> int:
@@ -611,14 +611,14 @@ def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footpri
 def _offload_rounds_timed(
     runs: dict, rounds: int, per_round: int, threads: int, device: str
 ) -> dict:
-    """{contender: seconds of each timed step}: ``rounds`` rounds in which every contender of
-    ``runs`` ({name: (model, optimizer or None, batches)}) takes 1 + ``per_round`` steps in a
-    row."""
-    seconds = {name: [] for name in runs}
+    """{contender: [seconds of each timed step, round by round]}: ``rounds`` rounds in which every
+    contender of ``runs`` ({name: (model, optimizer or None, batches)}) takes 1 + ``per_round``
+    steps in a row."""
+    seconds = {name: [[] for _ in range(rounds)] for name in runs}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for _ in range(rounds):
+        for round_ in range(rounds):
             for name, (model, optimizer, data) in runs.items():
                 for step in range(1 + per_round):
                     inputs, labels = next(data)
@@ -630,7 +630,7 @@ def _offload_rounds_timed(
                     if device == "cuda":
                         torch.cuda.synchronize()
                     if step:
-                        seconds[name].append(time.perf_counter() - start)
+                        seconds[name][round_].append(time.perf_counter() - start)
                 if hasattr(optimizer, "synchronize"):
                     # (a delayed update: applied now, not in the next contender's turn)
                     optimizer.synchronize()
@@ -652,7 +652,10 @@ def offload(quick: bool = False) -> dict:
 
     A model's contenders are timed in rounds, each contender a few steps in a row in every round
     (the first untimed: the one where a delayed update has nothing pending yet), so that a slow
-    spell of a shared machine slows them all alike; the figure is the median of the timed steps.
+    spell of a shared machine slows them all alike. A step time shown is the median of a
+    contender's timed steps; a ratio is the median over rounds of the two contenders' ratio in
+    the same round (a shared machine's speed drifts by a third within a minute: pairing the
+    rounds takes that drift out of the ratio).
     Targets (emulated link, default rate): at step ≤ 1.30× AdamW's step, delayed ≤ 1.15×, and
     ≤ 2× on the fast link.
     """
@@ -692,7 +695,8 @@ def offload(quick: bool = False) -> dict:
     }
     note = (
         f"every contender: {threads} torch threads; CPUOffloadAdam's CPU update: {threads} OpenMP "
-        f"threads; median of {rounds} rounds × {per_round} steps"
+        f"threads; {rounds} rounds × {per_round} timed steps; ratios: median over rounds of the "
+        f"ratio within a round"
     )
     try:
         from torchao.optim import CPUOffloadOptimizer
@@ -730,7 +734,14 @@ def offload(quick: bool = False) -> dict:
                     optimizer.close()
             if fast_link is not None:
                 fast_link.close()
-        median = {name: statistics.median(values) for name, values in seconds.items()}
+        median = {
+            name: statistics.median(s for one in rounds_ for s in one)
+            for name, rounds_ in seconds.items()
+        }
+        # a contender's ratio to AdamW: the median over rounds of their ratio within each round
+        in_round = {
+            name: [statistics.median(one) for one in rounds_] for name, rounds_ in seconds.items()
+        }
         tensors = len(list(runs[alone][0].parameters()))
         for name, value in median.items():
             row = {
@@ -748,7 +759,9 @@ def offload(quick: bool = False) -> dict:
                 label = f"{model_name}: {name} / {adamw}"
                 if target and not gpu:
                     label += f" (target ≤ {OFFLOAD_TARGETS[target]:.2f})"
-                ratios[label] = value / median[adamw]
+                ratios[label] = statistics.median(
+                    mine / theirs for mine, theirs in zip(in_round[name], in_round[adamw])
+                )
     return {
         "benchmark": "offload",
         "source": "measured" if gpu else "emulated",

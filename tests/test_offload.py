@@ -120,10 +120,11 @@ def test_each_gradient_costs_one_device_copy_whatever_its_bucket(layers):
 def test_a_step_costs_the_same_device_operations_whatever_the_bucket_holds(delayed):
     """step(), on the training thread, runs a fixed number of device operations per bucket once
     the bucket has been through a step: comparing its weights with those last sent (one
-    concatenation, one comparison) and, for a delayed update, the copy up. (It built each
-    parameter's flat view and its place in the staging buffer at every step: four to seven
-    operations per tensor, issue 23.)"""
+    concatenation, one comparison) and, for a delayed update, the copies up (that, in each of
+    the bucket's runs). (It built each parameter's flat view and its place in the staging buffer
+    at every step: four to seven operations per tensor, issue 23.)"""
     from offloadlab.link import EmulatedLink
+    from offloadlab.offload.engine import UPLOAD_PIECES
 
     counts = []
     for layers in (50, 200):
@@ -139,7 +140,7 @@ def test_a_step_costs_the_same_device_operations_whatever_the_bucket_holds(delay
                 ops = _device_ops(opt.step)
             opt.close()
         counts.append(ops)
-    assert counts[0] == counts[1] <= 20, counts
+    assert counts[0] == counts[1] <= 20 * (UPLOAD_PIECES if delayed else 1), counts
 
 
 @pytest.mark.parametrize(
@@ -568,6 +569,60 @@ def test_delayed_update_keeps_one_timeline_and_never_waits_for_the_whole_device(
     assert len(opt._engine.timeline._open) <= 2
     assert set(opt.timeline) == {"D2H", "CPU", "H2D"} and all(opt.timeline.values())
     monkeypatch.undo()
+    opt.close()
+
+
+@pytest.mark.parametrize("sizes", [[10], [1, 1, 1], [1000, 1, 1, 1, 1000], [5] * 40])
+@pytest.mark.parametrize("count", [1, 4])
+def test_a_bucket_splits_into_runs_that_cover_it_once(sizes, count):
+    from offloadlab.offload.bucket import Bucket
+
+    params = [torch.zeros(n) for n in sizes]
+    runs = Bucket(0, params, [{}] * len(params), start=0).pieces(count)
+    assert [k for first, stop in runs for k in range(first, stop)] == list(range(len(params)))
+    assert all(stop > first for first, stop in runs) and len(runs) <= min(count, len(params))
+
+
+def test_a_delayed_update_compares_each_run_while_the_run_before_goes_up(link, monkeypatch):
+    """Applying a delayed update, step() compares the bucket's weights with those it last sent one
+    run of parameters at a time, and sends each run up before comparing the next without waiting
+    for that copy: the comparison of one run overlaps the copy of the one before. (It compared
+    the whole bucket, then sent it: the comparison and the copy one after the other.)"""
+    model = mlp()
+    opt = CPUOffloadAdam(model.parameters(), lr=1e-3, link=link, delayed_update=True)
+    engine, events = opt._engine, []
+    refresh, upload = engine.host.refresh, engine.worker.upload
+
+    def compare(bucket, first=0, stop=None):
+        events.append(("compare", first))
+        return refresh(bucket, first, stop)
+
+    def send(bucket, *args, **kwargs):
+        upload(bucket, *args, **kwargs)
+        events.append(("up", kwargs.get("first", 0), bucket.upload))
+
+    run(model, opt, data(1, 1))  # (the first step leaves an update pending)
+    monkeypatch.setattr(engine.host, "refresh", compare)
+    monkeypatch.setattr(engine.worker, "upload", send)
+    transfer_class = type(engine.link.to_host(torch.empty(1), torch.zeros(1)))
+    waited = []
+    for name in ("wait", "synchronize"):
+        original = getattr(transfer_class, name)
+        monkeypatch.setattr(
+            transfer_class,
+            name,
+            lambda self, original=original: (waited.append((self, len(events))), original(self)),
+        )
+    run(model, opt, data(1, 1))
+    monkeypatch.undo()
+    runs = [first for kind, first, *_ in events if kind == "compare"]
+    assert len(runs) >= 2 and runs[0] == 0
+    expected = [(kind, first) for first in runs for kind in ("compare", "up")]
+    assert [event[:2] for event in events] == expected
+    for k, event in enumerate(events[1:-1:2]):  # every copy up but the last
+        copy = event[2]
+        # not waited for before the next run's comparison and copy were issued
+        assert all(at > 2 * k + 3 for t, at in waited if t is copy), (k, waited)
     opt.close()
 
 

@@ -106,6 +106,17 @@ class Bucket:
         """Elements of the host buffers that parameters ``first`` … ``stop - 1`` occupy."""
         return self.ranges[first][0], self.ranges[stop - 1][1]
 
+    def pieces(self, count: int) -> list[tuple[int, int]]:
+        """The parameters in at most ``count`` runs of about equal bytes, as (first, stop): a
+        delayed update compares one run with what it was sent while the copy up of the run
+        before is under way."""
+        runs, first = [], 0
+        for k, (_, end) in enumerate(self.layout.ranges[:-1]):
+            if end >= self.layout.nbytes * (len(runs) + 1) / count:
+                runs.append((first, k + 1))
+                first = k + 1
+        return runs + [(first, len(self.params))]
+
     # ------------------------------------------------------------------ the training thread
 
     def receive(self, transfers: list, positions: list, marker) -> None:

@@ -37,6 +37,8 @@ from .worker import UpdateWorker
 __all__ = ["OffloadEngine", "StepTimeline", "check_disjoint", "managed", "owner", "DEVICE_DTYPES"]
 
 DEVICE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# runs of parameters a bucket's weights go up in when a delayed update is applied
+UPLOAD_PIECES = 4
 
 
 def managed(param: torch.Tensor) -> bool:
@@ -520,10 +522,16 @@ class OffloadEngine:
         edited, late = 0, {"overwritten": 0, "kept": 0}
         for bucket in buckets:
             if upload:
-                # (delayed update: weights set by hand while it ran win)
-                edited += self.host.refresh(bucket)
+                # (delayed update: weights set by hand while it ran win) A run of parameters is
+                # compared while the run before it is on its way up.
+                self.worker.announce(bucket)
+                pieces = bucket.pieces(UPLOAD_PIECES) if bucket.streamed is None else [(0, None)]
+                for first, stop in pieces:
+                    edited += self.host.refresh(bucket, first, stop)
+                    self.worker.upload(
+                        bucket, "compute", self.step_count, announced=True, first=first, stop=stop
+                    )
                 self._refreshed.add(bucket.index)
-                self.worker.upload(bucket, after="compute", step=self.step_count)
             if bucket.upload is not None:
                 bucket.upload.wait()
             if self.schedule.eager_after is not None and bucket.streamed is None:

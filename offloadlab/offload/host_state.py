@@ -106,7 +106,7 @@ class HostState:
         self.buckets += buckets
 
     @torch.no_grad()
-    def refresh(self, bucket: Bucket) -> int:
+    def refresh(self, bucket: Bucket, first: int = 0, stop: int | None = None) -> int:
         """Take weights changed outside the optimizer since it last wrote them into the master
         copy, as torch.optim.AdamW, which updates the parameters themselves, would see them.
 
@@ -116,20 +116,25 @@ class HostState:
         weights last sent to it (the outgoing copy), and that is what is compared: a version
         counter misses edits made through ``.data``. A parameter that still holds them keeps its
         fp32 master. On a GPU the comparison reads the bucket's weights down once per step.
-        Returns how many parameters had changed.
+
+        Only parameters ``first`` … ``stop - 1`` (default: all); the bucket's last copy up is
+        waited for when ``first`` is 0 (a later run is compared after the copies up of the runs
+        before it, which write other parameters). Returns how many parameters had changed.
         """
-        if bucket.upload is not None:
+        stop = len(bucket.params) if stop is None else stop
+        if first == 0 and bucket.upload is not None:
             bucket.upload.synchronize()  # the weights last sent have reached the parameters
         sent = self.outgoing() if self.sent is None else self.sent
-        current = bucket.weights()[1]
+        current = bucket.weights()[1][first:stop]
         whole = torch.cat(current) if len(current) > 1 else current[0]
-        if whole.device != sent.device:  # one copy down for the bucket, not one per tensor
+        if whole.device != sent.device:  # one copy down for the run, not one per tensor
             whole = whole.to(sent.device)
-            current = whole.split([p.numel() for p in bucket.params])
-        if whole.numel() == bucket.numel and same_bits(whole, sent[bucket.start : bucket.end]):
-            return 0  # (packed end to end: one comparison for the bucket, the usual answer)
+            current = whole.split([w.numel() for w in current])
+        start, end = bucket.span(first, stop)
+        if whole.numel() == end - start and same_bits(whole, sent[start:end]):
+            return 0  # (packed end to end: one comparison for the run, the usual answer)
         changed = 0
-        for weights, (s, e) in zip(current, bucket.ranges):
+        for weights, (s, e) in zip(current, bucket.ranges[first:stop]):
             if not same_bits(weights, sent[s:e]):
                 changed += 1
                 for buffer in (self.master, self.weights_out, self.sent):
@@ -137,10 +142,12 @@ class HostState:
                         buffer[s:e].copy_(weights)
         return changed
 
-    def weights_sent(self, bucket: Bucket) -> None:
-        """The bucket's outgoing weights have just been sent to its parameters (kept, if asked)."""
+    def weights_sent(self, bucket: Bucket, first: int = 0, stop: int | None = None) -> None:
+        """The outgoing weights of the bucket's parameters ``first`` … ``stop - 1`` (default: all)
+        have just been sent to them (kept, if asked)."""
         if self.sent is not None:
-            self.sent[bucket.start : bucket.end].copy_(self.outgoing()[bucket.start : bucket.end])
+            s, e = bucket.span(first, len(bucket.params) if stop is None else stop)
+            self.sent[s:e].copy_(self.outgoing()[s:e])
 
     def _grow(self, old, numel: int, dtype) -> torch.Tensor:
         new = self.link.host_buffer(max(numel, 1), dtype)

@@ -144,10 +144,19 @@ class UpdateWorker:
             bucket.announced([_torch_compat.version(p) for p in bucket.params])
 
     def upload(
-        self, bucket: Bucket, after="compute", step: int | None = None, announced: bool = False
+        self,
+        bucket: Bucket,
+        after="compute",
+        step: int | None = None,
+        announced: bool = False,
+        first: int = 0,
+        stop: int | None = None,
     ) -> None:
-        """Send the bucket's current weights to its parameters (device) or its block's host memory
-        (``announced``: :meth:`announce` was called for them when the update was handed over)."""
+        """Send the current weights of the bucket's parameters ``first`` … ``stop - 1`` (default:
+        all; a run of several device parameters) to them (device) or its block's host memory
+        (``announced``: :meth:`announce` was called for them when the update was handed over).
+        Copies up run in order, so the bucket's newest one finishing means all have."""
+        stop = len(bucket.params) if stop is None else stop
         outgoing = self.host.outgoing()
         if bucket.streamed is not None:
             bucket.streamed.write_host_weights(
@@ -166,15 +175,16 @@ class UpdateWorker:
             )
         else:
             staging = self._staging[: bucket.layout.nbytes]
+            s, e = bucket.span(first, stop)
             transfer = self.link.to_device_scattered(
-                self._scatter_targets(bucket, staging),
-                outgoing[bucket.start : bucket.end].view(torch.uint8),
-                staging,
+                self._scatter_targets(bucket, staging)[first:stop],
+                outgoing[s:e].view(torch.uint8),
+                staging[bucket.layout.ranges[first][0] : bucket.layout.ranges[stop - 1][1]],
                 after=after,
                 label=label,
             )
         bucket.weights_sent(transfer)
-        self.host.weights_sent(bucket)
+        self.host.weights_sent(bucket, first, stop)
         self._record("H2D", transfer, label, step)
 
     def _scatter_targets(self, bucket: Bucket, staging: torch.Tensor) -> list:

@@ -106,21 +106,28 @@ def test_weights_changed_outside_the_optimizer_are_the_ones_it_updates(link, edi
 # (a delayed update pending when the weights are changed is dropped for them, and says so)
 @pytest.mark.filterwarnings("ignore:CPUOffloadAdam. 1 parameter.s. were changed outside")
 @pytest.mark.parametrize("bucket_bytes", [4096, 2**20], ids=["alone in its bucket", "shared"])
-@pytest.mark.parametrize("delayed", [False, True], ids=["at step", "delayed"])
-def test_a_parameter_made_non_contiguous_is_refused_with_its_fix(link, bucket_bytes, delayed):
+@pytest.mark.parametrize("mode", ["at step", "eager", "delayed"])
+def test_a_parameter_made_non_contiguous_is_refused_with_its_fix(link, bucket_bytes, mode):
     """``p.data = p.data.t()`` (a square weight: the same memory, other strides) is refused at the
     next step() — and by synchronize() with a delayed update pending — before anything happens,
-    as the constructor refuses such a parameter; once the user makes it contiguous again,
-    training goes on as it would have (AdamW, or for a delayed update the same optimizer given
-    the contiguous weights at once). Alone in its bucket such a parameter used to close the
-    optimizer with torch's view error from inside the update, and its state was lost."""
+    as the constructor refuses such a parameter (the eager schedule leaves its bucket to step()
+    rather than send it up in backward); once the user makes it contiguous again, training goes
+    on as it would have (AdamW, or for a delayed update the same optimizer given the contiguous
+    weights at once). Alone in its bucket such a parameter used to close the optimizer with
+    torch's view error from inside the update, and its state was lost."""
+    delayed = mode == "delayed"
     ref, mine = mlp(), mlp()
     if delayed:
         reference = CPUOffloadAdam(ref.parameters(), lr=1e-2, link=link, delayed_update=True)
     else:
         reference = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = CPUOffloadAdam(
-        mine.parameters(), lr=1e-2, link=link, bucket_bytes=bucket_bytes, delayed_update=delayed
+        mine.parameters(),
+        lr=1e-2,
+        link=link,
+        bucket_bytes=bucket_bytes,
+        delayed_update=delayed,
+        accumulation_steps=2 if mode == "eager" else None,
     )
     for step, micro in enumerate(data(6, 2)):
         if step == 3:

@@ -447,7 +447,11 @@ class OffloadEngine:
         return [b for b in self.host.buckets if b.submitted]
 
     def _ready(self, bucket) -> None:  # eager: the bucket's last micro-batch is in
-        self.worker.submit(bucket, 1.0, self.step_count + 1)
+        # A parameter made non-contiguous cannot be sent up: its bucket waits for step(), which
+        # refuses it before anything happens (refused here, inside backward, the pass would stop
+        # half done).
+        if all(p.is_contiguous() for p in bucket.params):
+            self.worker.submit(bucket, 1.0, self.step_count + 1)
 
     def _record_arrival(self, lane, interval, label) -> None:
         self.timeline.record(lane, interval, label, self.step_count + 1)

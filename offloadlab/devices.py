@@ -16,7 +16,8 @@ would ask of an H100 before one is lent. The profiles here are datasheet figures
   a GPU usually sits in (a DGX gives 8 GPUs 1–2 TB), since the kit runs on one GPU of it.
 
 :func:`present` builds the profile of the GPU this machine has: the datasheet figures of the
-matching profile, with the real memory, host memory and PCIe link put in.
+matching profile, with the real memory, host memory (the smaller of the machine's and its cgroup's
+limit: :func:`offloadlab.machine.host_memory`) and PCIe link put in.
 
 Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM column); NVIDIA H200 Tensor Core GPU datasheet
 (SXM column); NVIDIA A100 Tensor Core GPU datasheet (40 GB); NVIDIA L4 Tensor Core GPU datasheet;
@@ -30,7 +31,6 @@ import dataclasses
 import os
 import re
 
-import psutil
 import torch
 
 from . import machine
@@ -233,15 +233,14 @@ def present() -> DeviceProfile | None:
     link = machine.pcie_link()
     generation = link.max_generation or known.pcie_generation
     width = link.max_width or known.pcie_width
-    basis = "this machine's memory" + (
-        "" if link.max_generation else "; PCIe link: the profile's (NVML unreadable)"
-    )
+    host_bytes, basis = machine.host_memory()
+    basis += "" if link.max_generation else "; PCIe link: the profile's (NVML unreadable)"
     return dataclasses.replace(
         known,
         name=f"{known.name} (this machine)",
         gpu=properties.name,
         memory_bytes=int(properties.total_memory),
-        host_memory_bytes=int(psutil.virtual_memory().total),
+        host_memory_bytes=host_bytes,
         host_memory_basis=basis,
         pcie_generation=generation,
         pcie_width=width,

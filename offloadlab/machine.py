@@ -31,6 +31,8 @@ __all__ = [
     "pcie_bandwidth",
     "disk",
     "last_level_cache_bytes",
+    "host_memory",
+    "cgroup_memory_limit",
     "describe",
     "provenance",
 ]
@@ -193,6 +195,49 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cgroup_memory_limit(root: str | os.PathLike = "/") -> int | None:
+    """The memory limit of this process's cgroup in bytes, the tightest of it and its parents
+    (cgroup v2's ``memory.max``, v1's ``memory.limit_in_bytes``), or None when there is none or it
+    cannot be read; ``root`` is where /proc and /sys are."""
+    base = Path(root)
+    try:
+        lines = (base / "proc/self/cgroup").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # cgroup v2: one unified hierarchy
+            mount, name = base / "sys/fs/cgroup", "memory.max"
+        elif "memory" in controllers.split(","):
+            mount, name = base / "sys/fs/cgroup" / controllers, "memory.limit_in_bytes"
+            if not mount.is_dir():
+                mount = base / "sys/fs/cgroup/memory"
+        else:
+            continue
+        for folder in cores._ancestors(mount, path):
+            try:
+                text = (folder / name).read_text(encoding="utf-8").strip()
+            except OSError:
+                continue
+            if text.isdigit():  # "max" (v2) or v1's huge number: no limit (min() drops it)
+                limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def host_memory(root: str | os.PathLike = "/") -> tuple[int, str]:
+    """(bytes, where from): the host memory this process may use, the smaller of the machine's
+    and its cgroup's limit (:func:`cgroup_memory_limit`)."""
+    physical = int(psutil.virtual_memory().total)
+    limit = cgroup_memory_limit(root)
+    if limit is not None and limit < physical:
+        return limit, "this process's cgroup memory limit"
+    return physical, "this machine's memory"
+
+
 def describe(disk_path: str | os.PathLike = ".") -> Machine:
     """Everything this module knows about the machine, with the disk that holds ``disk_path``."""
     acc = accelerator()
@@ -202,7 +247,7 @@ def describe(disk_path: str | os.PathLike = ".") -> Machine:
         logical_cores=os.cpu_count() or 1,
         physical_cores=psutil.cpu_count(logical=False),
         usable_cores=cores.usable_cores(),
-        host_memory_bytes=psutil.virtual_memory().total,
+        host_memory_bytes=host_memory()[0],
         accelerator=acc,
         pcie=pcie_link() if acc.kind == "cuda" else PCIeLink(source="unknown (no NVIDIA GPU)"),
         disk=disk(disk_path),

@@ -27,7 +27,7 @@ PYTHON_SOURCES := offloadlab tests tools
 STUDENT_DIR ?= build/student
 NBGRADER_DIR ?= build/nbgrader/source
 
-.PHONY: env course lab test book book-student pdf student gpu-check format clean
+.PHONY: env course lab test book book-student pdf student gpu-env gpu-check format clean
 
 ## env: create the environment if missing, install or update everything in it
 env:
@@ -100,14 +100,24 @@ student: | $(PY)
 	$(PY) -m offloadlab.student --force labs $(STUDENT_DIR)
 	$(PY) -m offloadlab.student --force --nbgrader labs $(NBGRADER_DIR)
 
+## gpu-env: the environment gpu-check runs in on a GPU machine: `make env` (TORCH=the CUDA build
+## of torch for the driver) and the peers its benchmarks compare against (torchao, accelerate,
+## deepspeed: the `peers` extra), installed beside that torch without replacing it
+gpu-env: env
+	$(PY) -m pip install --quiet -e ".[peers]"
+
 ## gpu-check: every GPU test, notebook (quick mode) and benchmark on a CUDA machine, results in
 ## build/gpu-check (and reference data in offloadlab/reference); without a GPU, the CPU parts only.
-## It runs in the environment `make env` made and installs nothing (a bare `pip install torch` could
-## replace the CUDA build that matches the driver). GPU_CHECK=--dry-run prints the plan instead:
-## each part's pinned and device memory and estimated time (add --profile NAME for another GPU).
+## It runs in the environment `make gpu-env` made and installs nothing (a bare `pip install torch`
+## could replace the CUDA build that matches the driver). DeepSpeed's CPU Adam is built first,
+## before anything is timed, and each part is killed at its own time limit.
+## GPU_CHECK=--dry-run prints the plan instead: each part's pinned and device memory, estimated
+## time and limit (add --profile NAME for another GPU). GPU_CHECK=--only PART runs one part (peers,
+## tests, book, labs, probe, bench-link, bench-overlap, bench-adam, bench-offload, bench-prefetch,
+## bench-nvme), each planned to fit a 10-minute command; the parts' results gather in one summary.
 GPU_CHECK ?=
 gpu-check:
-	@test -x $(PY) || { echo "gpu-check: no environment in $(VENV); make one first: make env TORCH=<the torch build for this GPU's driver>"; exit 2; }
+	@test -x $(PY) || { echo "gpu-check: no environment in $(VENV); make one first: make gpu-env TORCH=<the torch build for this GPU's driver>"; exit 2; }
 	$(PY) -m offloadlab gpu-check --out build/gpu-check $(GPU_CHECK)
 
 ## format: format the package, the tests and the tools with ruff (`make test` checks them: ruff

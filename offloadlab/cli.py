@@ -735,6 +735,9 @@ def _cmd_bench(args) -> int:
 def _cmd_gpu_check(args) -> int:
     from . import gpucheck
 
+    if args.only is not None:
+        with _arguments():
+            gpucheck.check_only(args.only)
     if not args.dry_run:
         for flag, given in (("--profile", args.profile), ("--json", args.json)):
             if given is not None:
@@ -744,12 +747,15 @@ def _cmd_gpu_check(args) -> int:
         if args.disk is not None and not Path(args.disk).is_dir():
             raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
         return gpucheck.run(
-            Path(args.out), quick=not args.full, disk=Path(args.disk) if args.disk else None
+            Path(args.out),
+            quick=not args.full,
+            disk=Path(args.disk) if args.disk else None,
+            only=args.only,
         )
     target = _output_target(args.json, args.force)
     with _arguments(profile="--profile"):
         profile = gpucheck.profile_for(args.profile)
-    planned = gpucheck.plan(profile, quick=not args.full)
+    planned = gpucheck.plan(profile, quick=not args.full, only=args.only)
     text = _dumps(planned, indent=1) + "\n"
     return _show_and_save_json(gpucheck.format_plan(planned), text, target, args.force, "the plan")
 
@@ -975,6 +981,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         help="with --dry-run: plan for this GPU instead of the one present: "
         "h100-sxm, h200, a100-40gb, l4 or rtx-4090",
+    )
+    check.add_argument(
+        "--only",
+        metavar="PART",
+        help="run (or plan) one part, each sized for a 10-minute command: peers, tests, book, "
+        "labs, probe, bench-link, bench-overlap, bench-adam, bench-offload, bench-prefetch or "
+        "bench-nvme",
     )
     check.add_argument("--json", metavar="FILE", help="with --dry-run: write the plan to FILE")
     check.add_argument("--force", action="store_true", help="replace an existing --json file")

@@ -1,18 +1,27 @@
-"""``offloadlab gpu-check``: prove the CUDA paths on a real GPU in one run, and keep the results.
+"""``offloadlab gpu-check``: prove the CUDA paths on a real GPU, and keep the results.
 
-The run has parts, in this order: the GPU-marked tests, every chapter and lab under nbval (in
-quick mode: ``OFFLOADLAB_QUICK=1``), the link probe (saved as reference data), and the
-benchmarks — link, overlap, CPU Adam, optimizer offload, prefetch and the NVMe tier. Each is
-planned before anything runs, from the GPU's :class:`~offloadlab.devices.DeviceProfile`: the
-pinned host bytes and device bytes it holds at most at once, and its estimated seconds.
+The run has parts, in this order: the peers' build (DeepSpeed's CPU Adam compiled before anything
+is timed), the GPU-marked tests, the chapters and then the labs under nbval (in quick mode:
+``OFFLOADLAB_QUICK=1``), the link probe (saved as reference data), and the benchmarks — link,
+overlap, CPU Adam, optimizer offload, prefetch and the NVMe tier. Each is planned before anything
+runs, from the GPU's :class:`~offloadlab.devices.DeviceProfile`: the pinned host bytes and device
+bytes it holds at most at once, its estimated seconds, and its own time limit (``timeout_s``:
+three times the estimate, at least a minute).
 
+- ``--only PART`` runs one part (``peers``, ``tests``, ``book``, ``labs``, ``probe``,
+  ``bench-link`` … ``bench-nvme``), each planned to fit one 10-minute command; its result joins
+  those of the parts run before into the same ``--out``. ``bench-adam`` builds the peers first.
+- Every part runs in a process group of its own, killed at its ``timeout_s`` (the part is then
+  failed, "timed out after N s"); inside the tests and notebooks, one test or cell past half of
+  it fails alone.
 - ``--dry-run`` prints that plan and runs nothing heavy, with or without a GPU; ``--profile
   NAME`` plans for a named profile (h100-sxm, h200, a100-40gb, l4, rtx-4090) instead of the GPU
   present, and ``--json FILE`` writes it: top-level ``pinned_bytes`` and ``device_bytes`` (the
   most any part holds: parts run one after another and each frees its memory), ``seconds`` (all
-  parts), ``limits`` and ``parts``, a list of objects with ``name``, ``pinned_bytes``,
-  ``device_bytes``, ``seconds`` and ``basis``. An instructor sees before running whether the kit
-  fits their server: at most a quarter of its host memory pinned, 80 % of the GPU's memory.
+  parts), ``limits`` and ``parts``, a list of objects with ``name``, ``key`` (what ``--only``
+  takes), ``pinned_bytes``, ``device_bytes``, ``seconds``, ``timeout_s`` and ``basis``. An
+  instructor sees before running whether the kit fits their server: at most a quarter of its host
+  memory (the smaller of the machine's and its cgroup's limit) pinned, 80 % of the GPU's memory.
 - The real run refuses to start when the plan does not fit, keeps to it (every benchmark sizes
   itself from the same profile and never beyond its plan), writes each part's result as JSON
   with its provenance into ``--out``, marks a part that fails as failed and never writes it as
@@ -22,20 +31,23 @@ pinned host bytes and device bytes it holds at most at once, and its estimated s
   emulated link), and exits 0. A machine whose GPU torch cannot use (a CPU build of torch, or a
   CUDA build newer than the driver) is a failure, exit 1: passing there would prove nothing.
 
-    offloadlab gpu-check [--out DIR] [--full] [--disk DIR]
-    offloadlab gpu-check --dry-run [--profile NAME] [--json FILE [--force]]
+    offloadlab gpu-check [--only PART] [--out DIR] [--full] [--disk DIR]
+    offloadlab gpu-check --dry-run [--only PART] [--profile NAME] [--json FILE [--force]]
 
-Run it from an environment made beforehand (``make env TORCH=...``): ``make gpu-check`` installs
-nothing.
+Run it from an environment made beforehand (``make gpu-env TORCH=...``: ``make env`` and the
+peers): ``make gpu-check`` installs nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -53,13 +65,35 @@ PEERS = ("torchao", "deepspeed", "accelerate")
 PINNED_SHARE = 0.25  # of host memory, at most, pinned by any part
 DEVICE_SHARE = 0.80  # of device memory, at most, held by any part
 BUDGET_SECONDS = 8 * 60  # what the whole run should take on one H200
+COMMAND_SECONDS = 10 * 60  # what one command may take on a lent GPU machine: one part must fit
+TIMEOUT_FACTOR = 3  # a part is killed at this many times its planned seconds ...
+TIMEOUT_FLOOR = 60  # ... and never sooner than this
+NO_GPU_TIMEOUT = 30 * 60  # a part's limit without a GPU (a CPU's work is not planned)
+PEERS_BUILD_SECONDS = 60.0  # DeepSpeed's CPU Adam compiled from source, assumed
+OFFLOAD_SCHEDULES = ("at step", "eager", "delayed")  # CPUOffloadAdam's, as bench offload runs them
+# The parts in the order they run, by the name --only takes: peers are built before anything is
+# timed; the chapters and the labs are two parts so that each fits one command.
+PARTS = {
+    "peers": "build peers (DeepSpeed's CPU Adam)",
+    "tests": "GPU-marked tests",
+    "book": "chapters (nbval, quick mode)",
+    "labs": "labs (nbval, quick mode)",
+    "probe": "link probe (reference data)",
+    **{f"bench-{name}": f"bench {name}" for name in BENCHMARKS},
+}
+GPU_ONLY = ("peers", "book", "labs", "probe")  # skipped by a run without a GPU
 
 __all__ = [
     "plan",
     "format_plan",
     "profile_for",
     "run",
+    "check_only",
+    "part_timeout",
+    "offload_host_bytes_per_param",
+    "build_peers",
     "BENCHMARKS",
+    "PARTS",
     "PINNED_SHARE",
     "DEVICE_SHARE",
     "BUDGET_SECONDS",
@@ -159,24 +193,118 @@ def _probe_footprint(profile: DeviceProfile, quick: bool) -> Footprint:
     )
 
 
-def plan(profile: DeviceProfile, quick: bool = True, root: Path = ROOT) -> dict:
-    """The plan of a gpu-check run on a GPU of ``profile`` (see the module docstring)."""
-    parts = [
-        ("GPU-marked tests", _tests_footprint(profile, root)),
-        ("chapters and labs (nbval, quick mode)", _notebooks_footprint(profile, root)),
-        ("link probe (reference data)", _probe_footprint(profile, quick)),
-    ]
+def _book_and_labs(root: Path) -> tuple[list[Path], list[Path]]:
+    notebooks = _notebooks(root)
+    return (
+        [p for p in notebooks if p.parent.name == "book"],
+        [p for p in notebooks if p.parent.name == "labs"],
+    )
+
+
+def _notebook_part(profile: DeviceProfile, root: Path, which: str) -> Footprint:
+    """The chapters' or the labs' share of :func:`_notebooks_footprint`: memory as the heaviest
+    cell of either (a bound), time by notebook, lab 4's runs with the labs, the 60 s of sweeps,
+    chapter 3 and lab 8 halved between them."""
+    whole = _notebooks_footprint(profile, root)
+    book, labs = _book_and_labs(root)
+    count = len(book if which == "book" else labs)
+    work = whole.seconds - len(book + labs) * ASSUMED["notebook_start"] - 60.0  # lab 4's runs
+    seconds = count * ASSUMED["notebook_start"] + 30.0 + (work if which == "labs" else 0.0)
+    if which == "book":
+        basis = f"{count} chapters, chapter 2's sweep and chapter 3 (30 s)"
+    else:
+        basis = f"{count} labs, lab 4's three runs of 40 steps, lab 2's sweep and lab 8 (30 s)"
+    basis += (
+        f"; {ASSUMED['notebook_start']:.0f} s each to start; chapters and labs apart, so that "
+        "each fits one 10-minute command"
+    )
+    return Footprint(whole.pinned_bytes, whole.device_bytes, seconds, basis)
+
+
+def _peers_footprint() -> Footprint:
+    """Building DeepSpeed's CPU Adam before anything is timed: host compile time only."""
+    return Footprint(
+        0,
+        0,
+        ASSUMED["process_start"] + (PEERS_BUILD_SECONDS if _present("deepspeed") else 0.0),
+        f"DeepSpeed's CPU Adam compiled once ({PEERS_BUILD_SECONDS:.0f} s assumed), "
+        "the peers imported",
+    )
+
+
+def offload_host_bytes_per_param(schedule: str, element_bytes: int = 2) -> int:
+    """Host bytes CPUOffloadAdam holds per parameter (``HostState.nbytes``, no gradient sum): fp32
+    master weights and both moments, the gradients as they land, the outgoing weights (below
+    fp32), and with the delayed update a copy of the weights last sent."""
+    if schedule not in OFFLOAD_SCHEDULES:
+        raise ValueError(
+            f"schedule: expected one of {', '.join(OFFLOAD_SCHEDULES)}; got {schedule!r}"
+        )
+    outgoing = element_bytes if element_bytes < 4 else 0
+    sent = element_bytes if schedule == "delayed" else 0
+    return 12 + element_bytes + outgoing + sent
+
+
+def _offload_footprint(profile: DeviceProfile, quick: bool) -> Footprint:
+    """``bench.offload_plan``, its pinned bytes counted buffer by buffer: every schedule's host
+    state (:func:`offload_host_bytes_per_param`, bf16), torchao's at 16 bytes per parameter."""
+    planned = bench.offload_plan(profile, quick)
+    per_param = sum(offload_host_bytes_per_param(s, 2) for s in OFFLOAD_SCHEDULES)
+    per_param += 16 if _present("torchao") else 0
+    largest = max(config.params for _, config, _ in bench._offload_models(True))
+    counted = per_param * largest
+    return Footprint(
+        max(planned.pinned_bytes, counted),
+        planned.device_bytes,
+        planned.seconds,
+        f"{planned.basis}; pinned: {per_param} bytes per parameter in all (the delayed update "
+        "keeps the weights last sent as well)",
+    )
+
+
+def part_timeout(seconds: float) -> int:
+    """A part's own time limit: :data:`TIMEOUT_FACTOR` times its planned seconds, at least
+    :data:`TIMEOUT_FLOOR`."""
+    return int(max(TIMEOUT_FLOOR, math.ceil(TIMEOUT_FACTOR * seconds)))
+
+
+def check_only(value: str) -> str:
+    """``value`` if it names a part (see :data:`PARTS`), else ValueError naming them."""
+    if value not in PARTS:
+        raise ValueError(f"--only: expected one of {', '.join(PARTS)}; got {value!r}")
+    return value
+
+
+def plan(
+    profile: DeviceProfile, quick: bool = True, root: Path = ROOT, only: str | None = None
+) -> dict:
+    """The plan of a gpu-check run on a GPU of ``profile`` (see the module docstring); with
+    ``only``, of that part alone."""
+    footprints = {
+        "peers": _peers_footprint(),
+        "tests": _tests_footprint(profile, root),
+        "book": _notebook_part(profile, root, "book"),
+        "labs": _notebook_part(profile, root, "labs"),
+        "probe": _probe_footprint(profile, quick),
+    }
     for name in BENCHMARKS:
-        parts.append((f"bench {name}", getattr(bench, f"{name}_plan")(profile, quick)))
+        footprints[f"bench-{name}"] = (
+            _offload_footprint(profile, quick)
+            if name == "offload"
+            else getattr(bench, f"{name}_plan")(profile, quick)
+        )
+    keys = list(PARTS) if only is None else [check_only(only)]
     listed = [
         {
-            "name": name,
-            "pinned_bytes": int(f.pinned_bytes),
-            "device_bytes": int(f.device_bytes),
-            "seconds": round(f.seconds, 1),
-            "basis": f.basis,
+            "name": PARTS[key],
+            "key": key,
+            "pinned_bytes": int(footprints[key].pinned_bytes),
+            "device_bytes": int(footprints[key].device_bytes),
+            "seconds": round(footprints[key].seconds, 1),
+            "timeout_s": part_timeout(round(footprints[key].seconds, 1)),
+            "basis": footprints[key].basis,
         }
-        for name, f in parts
+        for key in keys
     ]
     limits = {
         "pinned_bytes": int(PINNED_SHARE * profile.host_memory_bytes),
@@ -206,12 +334,13 @@ def format_plan(planned: dict) -> str:
         f"gpu-check plan for {p['gpu']} ({p['name']}): {format_size(p['memory_bytes'])} device "
         f"memory, {format_size(p['host_memory_bytes'])} host memory ({p['host_memory_basis']}), "
         f"PCIe {p['pcie_generation']} ×{p['pcie_width']}",
-        f"  {'part':<40} {'pinned':>10} {'device':>10} {'seconds':>8}",
+        f"  {'part':<40} {'pinned':>10} {'device':>10} {'seconds':>8} {'limit':>6}  --only",
     ]
     for part in planned["parts"]:
         lines.append(
             f"  {part['name']:<40} {format_size(part['pinned_bytes'], binary=True):>10} "
-            f"{format_size(part['device_bytes']):>10} {part['seconds']:8.0f}"
+            f"{format_size(part['device_bytes']):>10} {part['seconds']:8.0f} "
+            f"{part['timeout_s']:6d}  {part['key']}"
         )
     limits = planned["limits"]
     lines.append(
@@ -255,24 +384,73 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def _run(title: str, command: list[str], log: Path, env: dict | None = None) -> dict:
-    """Run a command, keep its output in ``log``, and report how it ended."""
+def _present(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _run(
+    title: str,
+    command: list[str],
+    log: Path,
+    env: dict | None = None,
+    timeout: int | None = None,
+) -> dict:
+    """Run a command in a process group of its own, keep its output in ``log``, and report how it
+    ended; past ``timeout`` seconds the whole group is killed and the step failed."""
     started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
-    log.write_text(result.stdout + result.stderr, encoding="utf-8")
-    tail = (result.stdout.strip().splitlines() or [""])[-1]
+    with open(log, "w", encoding="utf-8") as output:
+        process = subprocess.Popen(
+            command,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,  # its own group: what it starts is killed with it
+        )
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(process)
+            code = None
+        except BaseException:  # Ctrl-C: the part goes with gpu-check
+            _kill_group(process)
+            raise
+    lines = log.read_text(encoding="utf-8", errors="replace").strip().splitlines() or [""]
+    tail = re.sub(r"\x1b\[[0-9;]*m", "", lines[-1])[:90]
     return {
         "step": title,
-        "ok": result.returncode == 0,
+        "ok": code == 0,
         "seconds": time.perf_counter() - started,
-        "summary": re.sub(r"\x1b\[[0-9;]*m", "", tail)[:90],
+        "summary": tail if code is not None else f"timed out after {timeout} s",
         "log": str(log),
     }
 
 
-def _pytest(title: str, args: list[str], log: Path, env: dict | None = None) -> dict:
+def _kill_group(process: subprocess.Popen) -> None:
+    """Kill ``process`` and everything in its process group, and reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _pytest(
+    title: str, args: list[str], log: Path, env: dict | None = None, timeout: int | None = None
+) -> dict:
+    """pytest on ``args``; a test (or a notebook's cell) past half the part's ``timeout`` fails
+    alone, and the part is killed at ``timeout``."""
+    limits = []
+    if timeout is not None:
+        each = max(30, timeout // 2)
+        limits = [f"--timeout={each}", f"--nbval-cell-timeout={each}"]
     return _run(
-        title, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], log, env
+        title,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *limits, *args],
+        log,
+        env,
+        timeout,
     )
 
 
@@ -286,8 +464,18 @@ def _release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run(out: Path, quick: bool = True, disk: Path | None = None) -> int:
-    """The real run (see the module docstring); returns the exit status."""
+def run(
+    out: Path,
+    quick: bool = True,
+    disk: Path | None = None,
+    only: str | None = None,
+    isolate: bool = True,
+) -> int:
+    """The real run (see the module docstring), or with ``only`` that part alone; returns the
+    exit status. ``isolate=False`` runs the probe and the benchmarks in this process (for tests
+    that fake them), without their timeouts."""
+    if only is not None:
+        check_only(only)
     out.mkdir(parents=True, exist_ok=True)
     problem = _gpu_torch_cannot_see()
     if problem:
@@ -298,85 +486,209 @@ def run(out: Path, quick: bool = True, disk: Path | None = None) -> int:
         print(f"no tests/ beside the package ({ROOT}): run gpu-check from a checkout of the kit")
         return 2
     provenance = machine.provenance()
-    steps, results = [], {}
+    profile = devices.get("h200")  # planned seconds, hence timeouts, without a GPU
     if gpu:
         try:
             profile = profile_for(None)
         except ValueError as error:
             print(str(error).removeprefix("profile: "))
             return 2
-        planned = plan(profile, quick)
-        (out / "plan.json").write_text(json.dumps(planned, indent=1), encoding="utf-8")
+    planned = plan(profile, quick, only=only)
+    keys = [part["key"] for part in planned["parts"]]
+    if gpu:
+        (out / ("plan.json" if only is None else f"plan-{only}.json")).write_text(
+            json.dumps(planned, indent=1), encoding="utf-8"
+        )
         print(format_plan(planned))
         if not planned["fits"]:
             print("the plan does not fit this machine: nothing was run")
             return 1
+        if only == "bench-adam" and _present("deepspeed"):
+            keys.insert(0, "peers")  # DeepSpeed's CPU Adam is built before it is timed
     else:
+        skipped = [k for k in keys if k in GPU_ONLY]
+        keys = [k for k in keys if k not in GPU_ONLY]
         print(
-            "no CUDA GPU on this machine: running the CPU parts; the GPU tests, the GPU notebook "
-            "run and the reference measurement are skipped"
-        )
-    steps.append(
-        _pytest("GPU-marked tests", ["-m", "gpu", "tests"], out.resolve() / "gpu-tests.log")
-    )
-    if gpu:
-        quick_env = {**os.environ, "OFFLOADLAB_QUICK": "1"}
-        steps.append(
-            _pytest(
-                "chapters and labs on the GPU (nbval, quick mode)",
-                ["book", "labs"],
-                out.resolve() / "notebooks.log",
-                env=quick_env,
+            "no CUDA GPU on this machine: running the CPU parts; "
+            + (
+                f"{', '.join(skipped)} skipped (they need one)"
+                if only is not None
+                else "the peers' build, the GPU tests, the GPU notebook run and the reference "
+                "measurement are skipped"
             )
         )
-        steps.append(_probe(out, quick, provenance, disk or out))
-    for name in BENCHMARKS:
+    timeouts = {
+        # without a GPU the plan describes no part of the work: a guard against a hang only
+        part["key"]: part["timeout_s"] if gpu else NO_GPU_TIMEOUT
+        for part in plan(profile, quick)["parts"]
+    }
+    steps = []
+    for key in keys:
         _release_device_memory()
-        started = time.perf_counter()
-        try:
-            if name == "nvme":
-                results[name] = bench.nvme(quick=quick, folder=disk or out)
-            else:
-                results[name] = getattr(bench, name)(quick=quick)
-        # one failing benchmark must not hide the others; it is not reference data
-        except Exception as error:
-            steps.append(
-                {
-                    "step": f"bench {name}",
-                    "ok": False,
-                    "seconds": time.perf_counter() - started,
-                    "summary": f"{type(error).__name__}: {error}"[:90],
-                    "log": "",
-                }
-            )
-            continue
-        (out / f"bench-{name}.json").write_text(
-            json.dumps(results[name], indent=1), encoding="utf-8"
-        )
-        if gpu:
-            reference.save(
-                _reference_name(f"bench-{name}-", provenance["gpu"]),
-                "measured",
-                provenance["gpu"],
-                provenance,
-                [results[name]],
-                folder=reference.FOLDER,
-                overwrite=True,
-            )
-        steps.append(
-            {
-                "step": f"bench {name} ({results[name]['source']})",
-                "ok": True,
-                "seconds": time.perf_counter() - started,
-                "summary": _headline(results[name]),
-                "log": str(out / f"bench-{name}.json"),
-            }
-        )
-    peers = {p: importlib.util.find_spec(p) is not None for p in PEERS}
-    summary = {"provenance": provenance, "steps": steps, "peers": peers}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
-    _print_summary(summary)
+        step = _run_part(key, out.resolve(), quick, disk, timeouts[key], isolate)
+        steps.append({**step, "part": key})
+    _write_summary(out, steps, provenance, merge=only is not None)
     return 0 if all(s["ok"] for s in steps) else 1
+
+
+def _write_summary(out: Path, steps: list[dict], provenance: dict, merge: bool) -> None:
+    """summary.json, and the one-screen summary; one part at a time (``merge``), the parts run
+    before into the same folder stay in it."""
+    path = out / "summary.json"
+    listed = steps
+    if merge and path.is_file():
+        try:
+            before = json.loads(path.read_text(encoding="utf-8"))["steps"]
+        except (ValueError, KeyError, TypeError):
+            before = []
+        ran = {s["part"] for s in steps}
+        listed = [s for s in before if s.get("part") not in ran] + steps
+        listed.sort(key=lambda s: list(PARTS).index(s["part"]) if s.get("part") in PARTS else 0)
+    peers = {p: _present(p) for p in PEERS}
+    summary = {"provenance": provenance, "steps": listed, "peers": peers}
+    path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    _print_summary(summary)
+
+
+_CHILD = "--run-one-part"  # how run() starts a part in a process of its own
+
+
+def _run_part(key: str, out: Path, quick: bool, disk: Path | None, timeout: int, isolate: bool):
+    """One part, killed at ``timeout`` seconds: pytest for the tests and notebooks, this module in
+    a process of its own for the rest (its step read back from ``part-KEY.json``)."""
+    title = PARTS[key]
+    if key == "tests":
+        return _pytest(title, ["-m", "gpu", "tests"], out / "gpu-tests.log", timeout=timeout)
+    if key in ("book", "labs"):
+        quick_env = {**os.environ, "OFFLOADLAB_QUICK": "1"}
+        return _pytest(f"{title} on the GPU", [key], out / f"{key}.log", quick_env, timeout)
+    if not isolate:
+        return _part_here(key, out, quick, disk)
+    result_file = out / f"part-{key}.json"
+    result_file.unlink(missing_ok=True)
+    spec = {"key": key, "out": str(out), "quick": quick, "disk": str(disk) if disk else None}
+    command = [sys.executable, "-m", "offloadlab.gpucheck", _CHILD, json.dumps(spec)]
+    ran = _run(title, command, out / f"{key}.log", timeout=timeout)
+    if ran["ok"] and result_file.is_file():
+        step = json.loads(result_file.read_text(encoding="utf-8"))
+        return {**step, "seconds": ran["seconds"]}
+    return {**ran, "ok": False}
+
+
+def _child(argument: str) -> int:
+    """The process of one part (see :func:`_run_part`): runs it, writes its step."""
+    spec = json.loads(argument)
+    out = Path(spec["out"])
+    step = _part_here(spec["key"], out, spec["quick"], Path(spec["disk"]) if spec["disk"] else None)
+    (out / f"part-{spec['key']}.json").write_text(json.dumps(step, indent=1), encoding="utf-8")
+    return 0
+
+
+def _part_here(key: str, out: Path, quick: bool, disk: Path | None) -> dict:
+    """The peers' build, the probe or one benchmark, in this process."""
+    if key == "peers":
+        return build_peers(require=_has_gpu())
+    provenance = machine.provenance()
+    if key == "probe":
+        return _probe(out, quick, provenance, disk or out)
+    return _bench(key.removeprefix("bench-"), out, quick, disk, provenance)
+
+
+def _bench(name: str, out: Path, quick: bool, disk: Path | None, provenance: dict) -> dict:
+    """One benchmark: its result in ``bench-NAME.json`` and, measured on a GPU, as reference
+    data; one that fails is marked failed and is not reference data."""
+    started = time.perf_counter()
+    try:
+        if name == "nvme":
+            result = bench.nvme(quick=quick, folder=disk or out)
+        else:
+            result = getattr(bench, name)(quick=quick)
+    except Exception as error:
+        return {
+            "step": f"bench {name}",
+            "ok": False,
+            "seconds": time.perf_counter() - started,
+            "summary": f"{type(error).__name__}: {error}"[:90],
+            "log": "",
+        }
+    (out / f"bench-{name}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    if _has_gpu():
+        reference.save(
+            _reference_name(f"bench-{name}-", provenance["gpu"]),
+            "measured",
+            provenance["gpu"],
+            provenance,
+            [result],
+            folder=reference.FOLDER,
+            overwrite=True,
+        )
+    return {
+        "step": f"bench {name} ({result['source']})",
+        "ok": True,
+        "seconds": time.perf_counter() - started,
+        "summary": _headline(result),
+        "log": str(out / f"bench-{name}.json"),
+    }
+
+
+# ----------------------------------------------------------------------------- the peers
+
+
+def cpu_adam_build_folder() -> Path:
+    """Where torch builds DeepSpeed's CPU Adam (``torch.utils.cpp_extension.load`` of
+    ``cpu_adam``): ``$TORCH_EXTENSIONS_DIR/cpu_adam``, or torch's default build root with this
+    Python's and accelerator's folder."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        if torch.version.hip is not None:
+            accelerator = "rocm" + torch.version.hip.replace(".", "")
+        elif torch.version.cuda is not None:
+            accelerator = "cu" + torch.version.cuda.replace(".", "")
+        else:
+            accelerator = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(cpp_extension.get_default_build_root(), f"{python}_{accelerator}")
+    return Path(root) / "cpu_adam"
+
+
+def build_peers(require: bool = True) -> dict:
+    """The peers' step: DeepSpeed's CPU Adam built (or loaded) and run once, so that no benchmark
+    compiles it while it is timed. A ``lock`` left in its build folder by a killed build would
+    make torch wait forever: it is reported with its path instead. With ``require`` (on a GPU) an
+    absent peer fails the step: the comparison gpu-check exists for would not run."""
+    started = time.perf_counter()
+
+    def step(ok: bool, summary: str) -> dict:
+        return {
+            "step": PARTS["peers"],
+            "ok": ok,
+            "seconds": time.perf_counter() - started,
+            "summary": summary,
+            "log": "",
+        }
+
+    absent = [p for p in PEERS if not _present(p)]
+    if require and absent:
+        return step(False, f"absent: {', '.join(absent)}; install them: make gpu-env")
+    if "deepspeed" in absent:
+        return step(True, f"absent: {', '.join(absent)}")
+    lock = cpu_adam_build_folder() / "lock"
+    if lock.exists():
+        return step(False, f"a killed build left {lock}: delete it, then run again")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # its notices are not the result
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            weights = torch.zeros(16, requires_grad=True)
+            weights.grad = torch.ones(16)
+            DeepSpeedCPUAdam([weights], lr=1e-3, adamw_mode=True).step()
+    except Exception as error:  # its extension failed to build or load
+        lines = [line for line in str(error).splitlines() if line.strip()] or [""]
+        return step(False, f"DeepSpeedCPUAdam: {type(error).__name__}: {lines[-1].strip()}"[:90])
+    built = f"DeepSpeedCPUAdam ready ({time.perf_counter() - started:.0f} s)"
+    return step(True, built + (f"; absent: {', '.join(absent)}" if absent else ""))
 
 
 def _probe(out: Path, quick: bool, provenance: dict, disk: Path) -> dict:
@@ -475,6 +787,8 @@ def profile_for(name: str | None) -> DeviceProfile:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [_CHILD]:
+        sys.exit(_child(sys.argv[2]))
     from .cli import main
 
     sys.exit(main(["gpu-check", *sys.argv[1:]]))

@@ -7,7 +7,10 @@ plans every part for every shipped profile and holds it to the bounds a real ser
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -18,8 +21,10 @@ from tests.conftest import ROOT
 
 GiB = 2**30
 PARTS = [
+    "build peers (DeepSpeed's CPU Adam)",
     "GPU-marked tests",
-    "chapters and labs (nbval, quick mode)",
+    "chapters (nbval, quick mode)",
+    "labs (nbval, quick mode)",
     "link probe (reference data)",
     *(f"bench {name}" for name in ("link", "overlap", "adam", "offload", "prefetch", "nvme")),
 ]
@@ -42,6 +47,20 @@ def test_every_part_fits_every_profile(plans):
             assert part["seconds"] > 0 and part["basis"], (name, part)
         assert planned["fits"]
     assert plans["h200"]["seconds"] <= gpucheck.BUDGET_SECONDS
+
+
+def test_every_part_has_a_time_limit_of_its_own_and_fits_one_command(plans):
+    """A hung test used to cost pytest's 900 s, and the whole run was one command: each part now
+    has its limit (three times its plan, at least a minute), and on an H200 each part, killed at
+    its limit, still ends within a 10-minute command with a minute to spare."""
+    for name, planned in plans.items():
+        assert [p["key"] for p in planned["parts"]] == list(gpucheck.PARTS)
+        for part in planned["parts"]:
+            assert part["timeout_s"] == gpucheck.part_timeout(part["seconds"]), (name, part)
+            assert part["timeout_s"] >= max(60, 3 * part["seconds"]), (name, part)
+    for part in plans["h200"]["parts"]:
+        assert part["timeout_s"] <= gpucheck.COMMAND_SECONDS - 60, part
+    assert gpucheck.part_timeout(1.0) == 60 and gpucheck.part_timeout(100.0) == 300
 
 
 def test_done_when_figures(plans):
@@ -155,11 +174,22 @@ def test_dry_run_json_has_the_shape_the_instructions_give(tmp_path, capsys):
     planned = json.loads(out.read_text())
     assert {"pinned_bytes", "device_bytes", "seconds", "parts"} <= set(planned)
     assert all(
-        {"name", "pinned_bytes", "device_bytes", "seconds"} <= set(p) for p in planned["parts"]
+        {"name", "key", "pinned_bytes", "device_bytes", "seconds", "timeout_s"} <= set(p)
+        for p in planned["parts"]
     )
     assert planned["pinned_bytes"] <= 32 * GiB and planned["device_bytes"] <= 64e9
     text = capsys.readouterr().out
     assert "bench nvme" in text and "fits" in text and f"wrote the plan to {out}" in text
+    assert "bench-nvme" in text  # what --only takes, beside each part
+
+
+def test_dry_run_only_plans_that_part(tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["gpu-check", "--dry-run", "--profile", "h200", "--only", "labs", "--json", str(out)]
+    assert main(args) == 0
+    planned = json.loads(out.read_text())
+    assert [p["key"] for p in planned["parts"]] == ["labs"]
+    assert planned["seconds"] == planned["parts"][0]["seconds"]
 
 
 @pytest.mark.parametrize(
@@ -168,6 +198,8 @@ def test_dry_run_json_has_the_shape_the_instructions_give(tmp_path, capsys):
         (["--dry-run", "--profile", "h100"], "--profile: expected one of h100-sxm"),
         (["--json", "plan.json"], "--json: only with --dry-run"),
         (["--profile", "l4"], "--profile: only with --dry-run"),
+        (["--only", "notebooks"], "--only: expected one of peers, tests, book, labs, probe, "),
+        (["--dry-run", "--profile", "l4", "--only", "bench"], "got 'bench'"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(args, fragment, capsys, tmp_path, monkeypatch):
@@ -243,8 +275,15 @@ def test_a_failed_part_is_marked_failed_and_never_written_as_reference_data(tmp_
 
     for name in gpucheck.BENCHMARKS:
         monkeypatch.setattr(gpucheck.bench, name, broken if name == "prefetch" else fine)
-    assert gpucheck.run(tmp_path / "out") == 1
+    monkeypatch.setattr(
+        gpucheck,
+        "build_peers",
+        lambda require: {"step": "peers", "ok": True, "seconds": 0.0, "summary": "", "log": ""},
+    )
+    # (in this process, where the fakes are)
+    assert gpucheck.run(tmp_path / "out", isolate=False) == 1
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"][0]["part"] == "peers"  # built before anything is timed
     failed = {s["step"] for s in summary["steps"] if not s["ok"]}
     assert failed == {"link probe (reference data)", "bench prefetch"}
     assert not any("prefetch" in name for name in saved) and not any(
@@ -285,3 +324,169 @@ def test_gpu_check_runs_the_cpu_parts_and_exits_0(tmp_path):
         assert payload["provenance"]["torch"] == torch.__version__ and payload["ratios"]
     assert summary["provenance"]["accelerator"] == "none"
     assert "gpu-check on no GPU" in result.stdout
+
+
+# ----------------------------------------------------------------------------- one part at a time
+
+
+def test_a_part_past_its_limit_is_killed_with_what_it_started(tmp_path):
+    """A hung part used to wait for pytest's 900 s: its whole process group is killed at its
+    limit, and the part is failed, saying so."""
+    pid_file = tmp_path / "grandchild.pid"
+    # a shell starts its grandchild at once; the limit is reached while both sleep
+    script = f"sleep 600 & echo $! > {pid_file}; wait"
+    step = gpucheck._run("hangs", ["sh", "-c", script], tmp_path / "log", timeout=2)
+    assert not step["ok"] and step["summary"] == "timed out after 2 s"
+    grandchild = psutil.Process(int(pid_file.read_text()))
+    try:
+        for _ in range(600):  # SIGKILL is delivered asynchronously
+            if grandchild.status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.05)
+        assert grandchild.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        pass
+
+
+def test_a_part_is_run_in_its_own_process_and_failed_at_its_limit(tmp_path):
+    """The benchmarks and the probe run in a process of their own: one that has not finished by
+    its limit (here 1 s: not even torch is imported by then) is killed and failed."""
+    step = gpucheck._run_part("bench-link", tmp_path, True, None, timeout=1, isolate=True)
+    assert not step["ok"] and step["summary"] == "timed out after 1 s"
+    assert not (tmp_path / "bench-link.json").exists()
+
+
+def _faked(monkeypatch, ran):
+    monkeypatch.setattr(
+        gpucheck,
+        "_pytest",
+        lambda title, args, *a, **k: (
+            ran.append(args[-1])
+            or {"step": title, "ok": True, "seconds": 0.0, "summary": "", "log": ""}
+        ),
+    )
+    for name in gpucheck.BENCHMARKS:
+
+        def fake(quick=False, name=name, **kwargs):
+            ran.append(name)
+            return {"source": "emulated", "ratios": {name: 1.0}, "rows": []}
+
+        monkeypatch.setattr(gpucheck.bench, name, fake)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without a GPU")
+def test_only_runs_that_part_and_the_summary_gathers_the_parts(tmp_path, monkeypatch, capsys):
+    ran = []
+    _faked(monkeypatch, ran)
+    out = tmp_path / "out"
+    assert gpucheck.run(out, only="bench-link", isolate=False) == 0
+    assert ran == ["link"]
+    assert gpucheck.run(out, only="tests", isolate=False) == 0
+    assert ran == ["link", "tests"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["part"] for s in summary["steps"]] == ["tests", "bench-link"]
+    # a part that needs a GPU, without one: said so, nothing run, not a failure
+    assert gpucheck.run(out, only="labs", isolate=False) == 0
+    assert ran == ["link", "tests"] and "labs skipped (they need one)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="^--only: expected one of peers, tests, book, labs"):
+        gpucheck.run(out, only="lab")
+
+
+def test_bench_adam_alone_builds_the_peers_first(tmp_path, monkeypatch):
+    """On a GPU (faked), as in the whole run: DeepSpeed's CPU Adam is not compiled while timed."""
+    ran = []
+    _faked(monkeypatch, ran)
+    monkeypatch.setattr(gpucheck, "_has_gpu", lambda: True)
+    monkeypatch.setattr(gpucheck, "profile_for", lambda name: devices.get("h200"))
+    monkeypatch.setattr(gpucheck, "_present", lambda module: True)
+    monkeypatch.setattr(
+        gpucheck,
+        "build_peers",
+        lambda require: (
+            ran.append("peers")
+            or {"step": "peers", "ok": True, "seconds": 0.0, "summary": "", "log": ""}
+        ),
+    )
+    monkeypatch.setattr(gpucheck.reference, "save", lambda *a, **k: None)
+    assert gpucheck.run(tmp_path, only="bench-adam", isolate=False) == 0
+    assert ran == ["peers", "adam"]
+    assert [
+        p["key"] for p in json.loads((tmp_path / "plan-bench-adam.json").read_text())["parts"]
+    ] == ["bench-adam"]
+
+
+def test_a_stale_build_lock_is_reported_not_waited_on(tmp_path, monkeypatch):
+    """A build of DeepSpeed's CPU Adam killed midway leaves ``lock`` in torch's extension folder,
+    and torch waits for it forever: the peers' step names it instead, and builds nothing."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(gpucheck, "_present", lambda module: True)
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    step = gpucheck.build_peers(require=True)
+    assert not step["ok"] and str(lock) in step["summary"] and "delete it" in step["summary"]
+
+
+def test_absent_peers_fail_the_peers_step_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(gpucheck, "_present", lambda module: module == "deepspeed")
+    step = gpucheck.build_peers(require=True)
+    assert not step["ok"]
+    assert step["summary"] == "absent: torchao, accelerate; install them: make gpu-env"
+
+
+def test_the_build_folder_is_the_one_torch_locks(monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    torch_folder = cpp_extension._get_build_directory("cpu_adam", False)
+    assert gpucheck.cpu_adam_build_folder() == Path(torch_folder)
+
+
+def test_make_gpu_env_installs_the_peers_and_gpu_check_documents_only():
+    """torchao and accelerate were in no environment gpu-check ran in: the peer comparison it
+    exists for never ran."""
+    makefile = (ROOT / "Makefile").read_text()
+    target = makefile.split("\ngpu-env:")[1].split("\n\n")[0]
+    assert '-e ".[peers]"' in target
+    help_text = makefile.split("## gpu-env:")[1].split("\ngpu-check:")[0]
+    assert "GPU_CHECK=--only PART" in help_text
+    for key in gpucheck.PARTS:
+        assert key in help_text, key
+
+
+# ----------------------------------------------------------------------------- every buffer
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "schedule, options",
+    [("at step", {}), ("eager", {"accumulation_steps": 1}), ("delayed", {"delayed_update": True})],
+)
+def test_the_plan_counts_every_host_buffer_the_optimizer_holds(schedule, options, dtype):
+    from offloadlab.offload import CPUOffloadAdam
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)).to(dtype)
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = CPUOffloadAdam(model.parameters(), **options)
+    try:
+        held = optimizer.host_bytes()
+    finally:
+        optimizer.close()
+    held.pop("accumulated_gradients", None)  # only once a step accumulates; not in the bench
+    per_param = gpucheck.offload_host_bytes_per_param(
+        schedule, torch.empty(0, dtype=dtype).element_size()
+    )
+    assert sum(held.values()) == per_param * params
+
+
+def test_the_offload_part_counts_the_delayed_updates_copy_of_the_weights(plans):
+    """The delayed update keeps the weights last sent as well, 2 bytes per parameter in bf16: the
+    plan counted 16 bytes per parameter for every schedule."""
+    largest = max(config.params for _, config, _ in bench._offload_models(True))
+    per_param = sum(gpucheck.offload_host_bytes_per_param(s) for s in gpucheck.OFFLOAD_SCHEDULES)
+    assert per_param == 16 + 16 + 18
+    for planned in plans.values():
+        part = next(p for p in planned["parts"] if p["key"] == "bench-offload")
+        assert part["pinned_bytes"] >= per_param * largest
+    with pytest.raises(ValueError, match="^schedule: expected one of at step, eager, delayed"):
+        gpucheck.offload_host_bytes_per_param("late")

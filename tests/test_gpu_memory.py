@@ -4,6 +4,9 @@ Sizes come from the same places as lab 4's and the GPU kit's plan: the model and
 :mod:`offloadlab.offload.capacity`, checked against the GPU's profile before anything is allocated.
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -16,6 +19,34 @@ from offloadlab.streaming import StreamedModel
 CONFIG = capacity.LAB_CONFIG
 
 
+def release_device_memory() -> None:
+    """Tensors held only by reference cycles (an exception's traceback and the frames it keeps,
+    an autograd graph) are freed first: ``empty_cache`` returns only blocks nothing holds."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def test_release_frees_what_only_a_cycle_holds():
+    """The capped test's OOM leaves the plain model to the traceback's frames: without a
+    collection first, ``empty_cache`` kept its memory reserved under the cap."""
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.tensor, holder.me = torch.empty(1024), holder  # a cycle
+    alive = weakref.ref(holder)
+    gc.disable()  # (no collection may run before the one under test)
+    try:
+        del holder
+        assert alive() is not None
+        release_device_memory()
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
 @pytest.fixture
 def capped():
     """Cap this process's GPU memory at lab 4's cap: the offloaded run's need (weights, saved
@@ -24,13 +55,13 @@ def capped():
     profile = devices.present()
     if cap > 0.8 * profile.memory_bytes:
         pytest.skip(f"lab 4's cap of {cap} bytes does not fit this GPU's {profile.memory_bytes}")
-    torch.cuda.empty_cache()
+    release_device_memory()
     torch.cuda.set_per_process_memory_fraction(
         cap / torch.cuda.get_device_properties(0).total_memory
     )
     yield cap
     torch.cuda.set_per_process_memory_fraction(1.0)
-    torch.cuda.empty_cache()
+    release_device_memory()
 
 
 @pytest.mark.gpu
@@ -41,7 +72,7 @@ def test_plain_adamw_runs_out_of_memory_under_the_cap_and_offload_trains(capped)
         plain.append(TinyGPT(CONFIG).cuda())
         train(plain[0], torch.optim.AdamW(plain[0].parameters()), data, 2, "cuda")
     plain.clear()
-    torch.cuda.empty_cache()
+    release_device_memory()  # the model and AdamW's state, held by the OOM's frames till now
     torch.cuda.reset_peak_memory_stats()
     model = TinyGPT(CONFIG).to("cuda", torch.bfloat16)
     optimizer = CPUOffloadAdam(model.parameters(), lr=1e-3, bucket_bytes=16 * 2**20)
@@ -58,7 +89,7 @@ def test_parameter_streaming_keeps_device_memory_within_its_budget():
     model = TinyGPT(config).cuda()
     with CudaLink() as cuda:
         handle = StreamedModel(model, cuda, buffers=2)
-        torch.cuda.empty_cache()
+        release_device_memory()
         torch.cuda.reset_peak_memory_stats()
         resident = torch.cuda.memory_allocated()  # embeddings and head stay on the device
         x = torch.randint(0, 1024, (batch, 128), device="cuda")

@@ -30,6 +30,9 @@ emulation behave accordingly:
 
 - **pinning inside backward**: allocating pinned memory (``cudaHostRegister`` on a GPU) while a
   backward pass runs is a violation: it stalls the autograd thread; buffers are pinned when made.
+- **host synchronisation inside backward**: a copy's or the link's ``synchronize()``, or a
+  marker's ``time``, on the thread running a backward pass is a violation: on a GPU the autograd
+  thread would stop launching kernels until the device caught up.
 
 :meth:`CudaOrderLink.check` raises an AssertionError listing every violation; the test fixtures
 call it when a test ends. :meth:`unknown_reads_of` and :meth:`unknown_writes_into` answer, at a
@@ -45,6 +48,7 @@ import threading
 import torch
 
 from offloadlab.link import POISON_BYTE, EmulatedLink, Marker, poison
+from offloadlab.link.base import in_backward
 
 __all__ = ["CudaOrderLink"]
 
@@ -60,6 +64,7 @@ class _CheckedMarker(Marker):
 
     @property
     def time(self) -> float:
+        self._link._check_not_in_backward("a marker's time")
         when = Marker.time.fget(self)
         self._link._learn_point(self._stream_name, self._position)
         return when
@@ -68,8 +73,11 @@ class _CheckedMarker(Marker):
 class CudaOrderLink(EmulatedLink):
     """An EmulatedLink that holds the host to what CUDA lets it know (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, backward_syncs: str | None = None, **kwargs):
+        """``backward_syncs``: why host synchronisations inside backward are allowed here (None:
+        they are violations)."""
         super().__init__(*args, **kwargs)
+        self._backward_syncs_allowed = backward_syncs
         self._ledger_lock = threading.RLock()
         self._positions: dict[str, itertools.count] = {}  # per compute stream: order of its events
         self._waits: list = []  # (stream, position, transfer) of each Transfer.wait()
@@ -122,7 +130,7 @@ class CudaOrderLink(EmulatedLink):
 
     # ------------------------------------------------------------------ copies
 
-    def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()):
+    def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=(), then=None):
         if after == "compute":
             stream, position = self._stream(), None
         elif isinstance(after, Marker):
@@ -145,7 +153,9 @@ class CudaOrderLink(EmulatedLink):
                     )
             # where the engine really writes
             target = torch.empty_like(dst) if direction == "d2h" else dst
-        transfer = super()._issue(direction, target, src, nbytes, pinned, after, label, scatter)
+        transfer = super()._issue(
+            direction, target, src, nbytes, pinned, after, label, scatter, then
+        )
         with self._ledger_lock:
             transfer._host_range, transfer._known, transfer._order = (
                 host_range,
@@ -168,6 +178,7 @@ class CudaOrderLink(EmulatedLink):
         real_synchronize, real_done = transfer.synchronize, transfer.done
 
         def synchronize():
+            self._check_not_in_backward(f"synchronize() of copy {label!r}")
             real_synchronize()
             transfer._used = True
             self._learn([transfer])
@@ -179,7 +190,7 @@ class CudaOrderLink(EmulatedLink):
             return finished
 
         def wait():  # CUDA: the calling thread's compute stream waits; the host learns nothing
-            real_synchronize()  # (the emulated device's data must still be right)
+            transfer._block()  # (the emulated device's data must still be right)
             transfer._used = True
             stream = self._stream()
             with self._ledger_lock:
@@ -191,8 +202,14 @@ class CudaOrderLink(EmulatedLink):
         return transfer
 
     def synchronize(self):
+        self._check_not_in_backward("link.synchronize()")
         super().synchronize()
         self._learn(list(self.transfers))
+
+    def _check_not_in_backward(self, what: str) -> None:
+        # on a GPU: the autograd thread stops feeding the device until the wait is over
+        if in_backward() and self._backward_syncs_allowed is None:
+            self.violations.append(f"{what}: a host synchronisation inside a backward pass")
 
     # ------------------------------------------------------------------ what the host knows
 

@@ -15,6 +15,11 @@ from offloadlab.offload import CPUOffloadAdam
 from offloadlab.streaming import StreamedModel
 from tests.cuda_semantics import CudaOrderLink
 
+# A StreamedModel that puts gradients in .grad itself (no offload optimizer attached) waits on the
+# host inside backward when its landing buffers run out; the optimizer's path never does
+# (tests/test_offload.py). tests/cuda_semantics.py flags such waits everywhere else.
+BACKWARD_SYNCS = "a StreamedModel alone lands gradients in .grad during backward"
+
 
 @pytest.fixture(params=["emulated", "CUDA order checker"])
 def link(request):
@@ -25,7 +30,7 @@ def link(request):
             yield emulated
         return
     with (
-        CudaOrderLink(bandwidth="4 GB/s", latency=0) as checker,
+        CudaOrderLink(bandwidth="4 GB/s", latency=0, backward_syncs=BACKWARD_SYNCS) as checker,
         checker.compute_stream("training"),
     ):
         yield checker

@@ -24,6 +24,7 @@ __all__ = [
     "Transfer",
     "Marker",
     "Recording",
+    "Traffic",
     "POISON_BYTE",
     "poison",
     "pinned_allocation_bytes",
@@ -56,6 +57,42 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def in_backward() -> bool:
+    """True on the thread that runs a backward pass, while it runs (autograd's graph task)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Traffic:
+    """What a link has cost since it was made: bytes and copies each way, and the times the host
+    blocked on the device (a copy's or the link's ``synchronize()``, a marker's ``time``), counted
+    apart when they ran inside a backward pass, where they stall the thread that feeds the GPU.
+
+    :meth:`snapshot` reads the counters; subtract two to price a stretch of training.
+    """
+
+    FIELDS = ("h2d_bytes", "d2h_bytes", "h2d_copies", "d2h_copies", "syncs", "syncs_in_backward")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.FIELDS, 0)
+
+    def copied(self, direction: str, nbytes: int) -> None:
+        with self._lock:
+            self._counts[f"{direction}_bytes"] += nbytes
+            self._counts[f"{direction}_copies"] += 1
+
+    def blocked(self) -> None:
+        """The calling thread is about to wait for the device."""
+        with self._lock:
+            self._counts["syncs"] += 1
+            if in_backward():
+                self._counts["syncs_in_backward"] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
 class Marker:
     """A point in the compute stream, recorded by :meth:`Link.mark`."""
 
@@ -74,6 +111,7 @@ class Marker:
         """Seconds since the link was made at which compute reached this point (blocks until
         then)."""
         if self._when is None:
+            self._link.traffic.blocked()
             if self._event is not None:
                 self._event.synchronize()
                 self._when = self._anchor.seconds_to(self._event)
@@ -213,6 +251,7 @@ class Link(ABC):
 
     def __init__(self):
         self._ledger = _PinnedLedger()
+        self.traffic = Traffic()
         self._recordings: list[Recording] = []
         self._closed = False
 
@@ -265,15 +304,17 @@ class Link(ABC):
     # ------------------------------------------------------------------ copies and compute
 
     def to_device(
-        self, dst: torch.Tensor, src: torch.Tensor, after="compute", label: str = ""
+        self, dst: torch.Tensor, src: torch.Tensor, after="compute", label: str = "", then=None
     ) -> Transfer:
         """Start copying host tensor ``src`` into device tensor ``dst`` on the host→device engine.
 
         ``after`` says what the copy must wait for: ``"compute"`` (everything the compute
         stream has been given so far), a :class:`Marker`, or ``None`` (nothing). ``label``
-        names the copy in timelines.
+        names the copy in timelines. ``then``, if given, is called with no argument to queue
+        device work right behind the copy, in its order (it reads what landed); the transfer is
+        done once that work is.
         """
-        return self._copy("h2d", dst, src, after, label)
+        return self._copy("h2d", dst, src, after, label, then)
 
     def to_host(
         self, dst: torch.Tensor, src: torch.Tensor, after="compute", label: str = ""
@@ -283,7 +324,13 @@ class Link(ABC):
         return self._copy("d2h", dst, src, after, label)
 
     def to_device_scattered(
-        self, targets, src: torch.Tensor, staging: torch.Tensor, after="compute", label: str = ""
+        self,
+        targets,
+        src: torch.Tensor,
+        staging: torch.Tensor,
+        after="compute",
+        label: str = "",
+        then=None,
     ) -> Transfer:
         """Copy flat host ``src`` into device ``staging`` in one transfer, then scatter it.
 
@@ -292,7 +339,8 @@ class Link(ABC):
         once every target holds its bytes. Many small tensors (an optimizer bucket's weights)
         then cost one transfer's latency, not one each. ``after`` and ``label`` as in
         :meth:`to_device`; ``staging`` must not be reused before the transfer is done (copies on
-        one engine run in order, so a later scattered copy through it is safe).
+        one engine run in order, so a later scattered copy through it is safe); ``then`` as in
+        :meth:`to_device`, after the scatter.
         """
         self._check_open()
         self._check_after(after)
@@ -315,26 +363,40 @@ class Link(ABC):
                     "targets: expected tensors autograd does not track (a parameter's .data)"
                 )
         transfer = self._issue(
-            "h2d", staging, src, nbytes, self.is_pinned(src), after, str(label), list(targets)
+            "h2d",
+            staging,
+            src,
+            nbytes,
+            self.is_pinned(src),
+            after,
+            str(label),
+            list(targets),
+            then,
         )
+        self.traffic.copied("h2d", nbytes)
         for recording in self._recordings:
             recording.transfers.append(transfer)
         return transfer
 
-    def _copy(self, direction, dst, src, after, label) -> Transfer:
+    def _copy(self, direction, dst, src, after, label, then=None) -> Transfer:
         self._check_open()
         self._check_after(after)
         nbytes = self._check_pair(dst, src, direction)
         host = src if direction == "h2d" else dst
-        transfer = self._issue(direction, dst, src, nbytes, self.is_pinned(host), after, str(label))
+        transfer = self._issue(
+            direction, dst, src, nbytes, self.is_pinned(host), after, str(label), (), then
+        )
+        self.traffic.copied(direction, nbytes)
         for recording in self._recordings:
             recording.transfers.append(transfer)
         return transfer
 
     @abstractmethod
-    def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()) -> Transfer:
+    def _issue(
+        self, direction, dst, src, nbytes, pinned, after, label, scatter=(), then=None
+    ) -> Transfer:
         """Start one checked copy (then, for to_device_scattered, the scatter of ``dst`` into
-        targets)."""
+        targets, and ``then``'s device work)."""
 
     @abstractmethod
     def launch(self, fn, *args, **kwargs) -> None:

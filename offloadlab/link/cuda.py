@@ -98,6 +98,7 @@ class _CudaTransfer(Transfer):
         return False
 
     def synchronize(self) -> None:
+        self.link.traffic.blocked()
         self._finish.synchronize()
         self._tensors = None
 
@@ -218,11 +219,17 @@ class CudaLink(Link):
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and tensor.is_pinned()
 
-    def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()) -> Transfer:
+    def _issue(
+        self, direction, dst, src, nbytes, pinned, after, label, scatter=(), then=None
+    ) -> Transfer:
         with self._issuing:
-            return self._issue_locked(direction, dst, src, nbytes, pinned, after, label, scatter)
+            return self._issue_locked(
+                direction, dst, src, nbytes, pinned, after, label, scatter, then
+            )
 
-    def _issue_locked(self, direction, dst, src, nbytes, pinned, after, label, scatter) -> Transfer:
+    def _issue_locked(
+        self, direction, dst, src, nbytes, pinned, after, label, scatter, then
+    ) -> Transfer:
         stream = self._streams[direction]
         if after == "compute":
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -237,6 +244,9 @@ class CudaLink(Link):
             if scatter:
                 with torch.no_grad():
                     _torch_compat.foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])
+            if then is not None:
+                with torch.no_grad():
+                    then()
             transfer._finish.record(stream)
         (dst if direction == "h2d" else src).record_stream(stream)
         for target, _ in scatter:
@@ -264,6 +274,7 @@ class CudaLink(Link):
         return Marker(self, event=self._event_on(stream), stream=stream, anchor=anchor)
 
     def synchronize(self) -> None:
+        self.traffic.blocked()
         torch.cuda.synchronize(self.device)
         self._in_flight.clear()
 

@@ -42,22 +42,29 @@ class _EmulatedTransfer(Transfer):
         return self._landed.is_set()
 
     def synchronize(self) -> None:
+        self.link.traffic.blocked()
+        self._block()
+
+    def wait(self) -> None:
+        """See Transfer.wait: the emulation makes the host wait as well (uncounted: on a GPU only
+        the compute stream would)."""
+        self._block()
+
+    def _block(self) -> None:
         self._landed.wait()
         if self._error is not None:
             raise RuntimeError(
                 f"the {self.direction} copy {self.label!r} failed: {self._error!r}"
             ) from self._error
 
-    wait = synchronize  # see Transfer.wait: the emulation makes the host wait as well
-
     @property
     def start(self) -> float:
-        self.synchronize()
+        self._block()
         return self._start
 
     @property
     def end(self) -> float:
-        self.synchronize()
+        self._block()
         return self._end
 
 
@@ -255,6 +262,7 @@ class EmulatedLink(Link):
         return self._compute.mark()  # the emulation has one compute stream
 
     def synchronize(self) -> None:
+        self.traffic.blocked()
         self._compute.drain()
         for engine in self._engines.values():
             engine.drain()
@@ -276,17 +284,21 @@ class EmulatedLink(Link):
             self._closed = True
             self._shutdown()
 
-    def _issue(self, direction, dst, src, nbytes, pinned, after, label, scatter=()) -> Transfer:
+    def _issue(
+        self, direction, dst, src, nbytes, pinned, after, label, scatter=(), then=None
+    ) -> Transfer:
         transfer = _EmulatedTransfer(self, direction, nbytes, pinned, label)
         marker = self._compute.mark() if after == "compute" else after
         engine = self._engines[direction]
         if pinned:
-            engine.put(lambda: self._move(transfer, dst, src, self.bandwidth, marker, scatter))
+            engine.put(
+                lambda: self._move(transfer, dst, src, self.bandwidth, marker, scatter, then)
+            )
         else:
             # Pageable memory: the driver stages the copy, the caller waits, and it runs slower.
             engine.drain()
             self._move(
-                transfer, dst, src, self.bandwidth * self.pageable_fraction, marker, scatter
+                transfer, dst, src, self.bandwidth * self.pageable_fraction, marker, scatter, then
             )()
         return transfer
 
@@ -298,10 +310,11 @@ class EmulatedLink(Link):
         bandwidth: float,
         after: Marker | None,
         scatter=(),
+        then=None,
     ):
         """Run one copy; returns what announces it (landed or failed) to its waiters."""
         try:
-            self._paced_copy(transfer, dst, src, bandwidth, after, scatter)
+            self._paced_copy(transfer, dst, src, bandwidth, after, scatter, then)
         except BaseException as error:  # the copy's waiter gets it (as a failed CUDA copy raises)
             transfer._error = error
             transfer._start = transfer._end = self.now()
@@ -312,7 +325,14 @@ class EmulatedLink(Link):
         return transfer._landed.set
 
     def _paced_copy(
-        self, transfer: _EmulatedTransfer, dst, src, bandwidth: float, after: Marker | None, scatter
+        self,
+        transfer: _EmulatedTransfer,
+        dst,
+        src,
+        bandwidth: float,
+        after: Marker | None,
+        scatter,
+        then,
     ) -> None:
         if after is not None:
             # the engine does not start before the compute it is ordered after
@@ -328,6 +348,9 @@ class EmulatedLink(Link):
         if scatter:  # device-to-device copies: at device memory speed, not paced
             with torch.no_grad():
                 _torch_compat.foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])
+        if then is not None:  # (device work behind the copy, on its engine)
+            with torch.no_grad():
+                then()
         transfer._end = time.perf_counter() - self._epoch
 
 

@@ -150,10 +150,12 @@ _lock = threading.Lock()
 _opened: Library | None = None
 
 
-def default_threads() -> int:
-    """Every core this process may use but one (its affinity and cgroup CPU quota, see
-    :mod:`offloadlab.cores`): the remaining core drives the copies and the training loop."""
-    return cores.worker_threads()
+def default_threads(gpu: bool = False) -> int:
+    """Every core this process may use (its affinity and cgroup CPU quota, see
+    :mod:`offloadlab.cores`) but one, which drives the copies and the training loop; with a
+    ``gpu``, but two: backward's autograd thread launches kernels while the update runs, and a
+    starved launcher leaves the GPU idle."""
+    return max(1, cores.worker_threads() - (1 if gpu else 0))
 
 
 def bytes_per_param(grad_dtype=torch.bfloat16, out_dtype=torch.bfloat16) -> int:

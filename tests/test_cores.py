@@ -80,3 +80,11 @@ def test_a_16_core_slice_of_a_192_core_host(tmp_path, monkeypatch):
 def test_cpu_adam_and_the_link_leave_one_core(monkeypatch, usable):
     monkeypatch.setattr(cores, "usable_cores", lambda root="/": usable)
     assert cpu_adam.default_threads() == max(1, usable - 1)
+
+
+@pytest.mark.parametrize("usable", [1, 2, 3, 16])
+def test_cpu_adam_beside_a_gpu_leaves_the_launcher_and_autograd_a_core_each(monkeypatch, usable):
+    """The finding (issue 35): the kernel took every core but one beside a GPU too, where the
+    training loop and backward's autograd thread both launch kernels while the update runs."""
+    monkeypatch.setattr(cores, "usable_cores", lambda root="/": usable)
+    assert cpu_adam.default_threads(gpu=True) == max(1, usable - 2)

@@ -38,9 +38,9 @@ class Received:
     def any(self) -> bool:
         return any(self.counts)
 
-    def landed(self) -> None:
-        """Block until every copy has landed in host memory."""
-        for transfers, _ in self.copies:
+    def landed(self, copies: list | None = None) -> None:
+        """Block until every copy (or those of ``copies``) has landed in host memory."""
+        for transfers, _ in self.copies if copies is None else copies:
             for transfer in transfers:
                 transfer.synchronize()
 
@@ -79,7 +79,9 @@ class Bucket:
         self.submitted = False
         self.updated = threading.Event()
         self.updated.set()
+        self.folding: threading.Event | None = None  # a fold queued on the worker, set when done
         self._weights: tuple = ((), [], [])  # (what they were built for, .data, flattened)
+        self.generation = 0  # counts rebuilds of those: a parameter's memory was swapped
 
     @property
     def end(self) -> int:
@@ -94,6 +96,7 @@ class Bucket:
         key = [(p.data_ptr(), p.stride(), p.shape) for p in self.params]
         built, data, flat = self._weights
         if key != built:
+            self.generation += 1
             data = [p.data for p in self.params]
             # (None: not contiguous, so not cached)
             flat = [d.view(-1) if d.is_contiguous() else None for d in data]
@@ -105,17 +108,6 @@ class Bucket:
     def span(self, first: int, stop: int) -> tuple[int, int]:
         """Elements of the host buffers that parameters ``first`` … ``stop - 1`` occupy."""
         return self.ranges[first][0], self.ranges[stop - 1][1]
-
-    def pieces(self, count: int) -> list[tuple[int, int]]:
-        """The parameters in at most ``count`` runs of about equal bytes, as (first, stop): a
-        delayed update compares one run with what it was sent while the copy up of the run
-        before is under way."""
-        runs, first = [], 0
-        for k, (_, end) in enumerate(self.layout.ranges[:-1]):
-            if end >= self.layout.nbytes * (len(runs) + 1) / count:
-                runs.append((first, k + 1))
-                first = k + 1
-        return runs + [(first, len(self.params))]
 
     # ------------------------------------------------------------------ the training thread
 

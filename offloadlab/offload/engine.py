@@ -29,6 +29,7 @@ from ..link import CudaLink, Link, open_link
 from ..ownership import streamer_of
 from . import schedule
 from .bucket import make_buckets
+from .edits import EditWatch
 from .host_state import HostState, check_group
 from .intake import GradientIntake, check_unconverted
 from .loss_scaler import LossScaler
@@ -37,8 +38,6 @@ from .worker import UpdateWorker
 __all__ = ["OffloadEngine", "StepTimeline", "check_disjoint", "managed", "owner", "DEVICE_DTYPES"]
 
 DEVICE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# runs of parameters a bucket's weights go up in when a delayed update is applied
-UPLOAD_PIECES = 4
 
 
 def managed(param: torch.Tensor) -> bool:
@@ -200,7 +199,7 @@ class OffloadEngine:
         bucket_bytes,
         record_timeline,
     ) -> None:
-        self.threads = threads or cpu_adam.default_threads()
+        self.threads = threads or cpu_adam.default_threads(gpu=not self.link.emulated)
         self.max_grad_norm = max_grad_norm
         self.fp16 = self.dtype == torch.float16
         # checked whatever the dtype: a typo is a typo
@@ -229,17 +228,21 @@ class OffloadEngine:
         self.host = HostState(
             self.link, self.dtype, buckets, keep_sent=self.schedule.pending_upload()
         )
+        self.edits = EditWatch(self.link, self.host)
         self.intake = GradientIntake(
             self.link,
             self.host,
             self.schedule.eager_after,
+            accumulation_steps,
             ready=self._ready,
+            fold=lambda bucket, positions, copies: self.worker.fold(bucket, positions, copies),
             record=self._record_arrival,
             usable=self._usable,
         )
         self.worker = UpdateWorker(
             self.link,
             self.host,
+            self.edits,
             self.threads,
             upload_after_update=self.schedule.upload_after_update,
             record=self.timeline.record,
@@ -325,6 +328,7 @@ class OffloadEngine:
             only={id(p) for p in trainable},
         )
         self.host.extend(buckets)
+        self.edits.extend(buckets)
         self.intake.add(buckets)
         self.worker.resize()
         # gradients they got before they were ours (AdamW would use them)
@@ -524,17 +528,16 @@ class OffloadEngine:
         if self.worker.error is not None:
             self._fail()
         edited, late = 0, {"overwritten": 0, "kept": 0}
+        if upload:
+            # (delayed update: weights set by hand while it ran win) Every bucket's check is
+            # queued before the first answer is waited for.
+            for bucket in buckets:
+                self.edits.start(bucket)
         for bucket in buckets:
             if upload:
-                # (delayed update: weights set by hand while it ran win) A run of parameters is
-                # compared while the run before it is on its way up.
                 self.worker.announce(bucket)
-                pieces = bucket.pieces(UPLOAD_PIECES) if bucket.streamed is None else [(0, None)]
-                for first, stop in pieces:
-                    edited += self.host.refresh(bucket, first, stop)
-                    self.worker.upload(
-                        bucket, "compute", self.step_count, announced=True, first=first, stop=stop
-                    )
+                edited += self.edits.finish(bucket)
+                self.worker.upload(bucket, "compute", self.step_count, announced=True)
                 self._refreshed.add(bucket.index)
             if bucket.upload is not None:
                 bucket.upload.wait()
@@ -568,7 +571,8 @@ class OffloadEngine:
         and is kept (the master takes it); an in-place change that the new weights overwrote
         shows in the version counter."""
         moved = [_torch_compat.version(p) != v for p, v in zip(bucket.params, bucket.versions)]
-        kept = self.host.refresh(bucket)
+        self.edits.start(bucket)
+        kept = self.edits.finish(bucket)
         late["kept"] += kept
         late["overwritten"] += max(0, sum(moved) - kept)
         bucket.announced([_torch_compat.version(p) for p in bucket.params])

@@ -3,14 +3,14 @@ dict.
 
 Every trainable parameter has a place in one *bucket* (:mod:`~offloadlab.offload.bucket`) — a run of
 parameters whose gradients go down, whose CPU update runs and whose new weights go up together — and
-every bucket a range of the flat, exact-size, pinned host buffers: fp32 master weights and both
-moments, the gradients as they land (in the parameters' dtype), the outgoing low-precision weights;
-and (only once a step accumulates several micro-batches) an fp32 gradient sum, in ordinary memory:
-only the CPU touches it, and it is made in the middle of a backward pass, where pinning memory would
-stall it. A bucket's parameters sit end to end in it, in the same order and layout (a packed
-:class:`~offloadlab.layout.Layout`) as in the device buffers that gather and scatter them, so each
-bucket moves as one copy each way. Several micro-batches of one parameter are folded into the fp32
-sum before a newer one lands over the landed one (:meth:`HostState.fold`).
+every bucket a range of the flat, exact-size host buffers: fp32 master weights and both moments,
+the gradients as they land (in the parameters' dtype), the outgoing low-precision weights. Only
+what a copy engine touches is pinned: the gradients and the outgoing weights (the master, when it
+is itself what goes up, in fp32). The moments, a low-precision model's master, the fp32 gradient
+sum of several micro-batches and (with a delayed update) a copy of the weights last sent stay in
+ordinary memory: only the CPU reads them. A bucket's parameters sit end to end, in the same order
+and layout (a packed :class:`~offloadlab.layout.Layout`) as in the device buffers that gather and
+scatter them, so each bucket moves as one copy each way.
 
 :func:`export_state` and :func:`check_state` map this state to and from
 ``torch.optim.AdamW``'s state-dict layout (per parameter: ``step``, ``exp_avg``,
@@ -52,7 +52,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class HostState:
-    """The flat pinned host buffers of every bucket (see the module docstring); sizes in
+    """The flat host buffers of every bucket (see the module docstring); sizes in
     elements."""
 
     def __init__(
@@ -77,16 +77,17 @@ class HostState:
             name: getattr(self, name)
             for name in ("master", "exp_avg", "exp_avg_sq", "grads", "accumulated")
         }
-        self.master = self._grow(old["master"], numel, torch.float32)
-        self.exp_avg = self._grow(old["exp_avg"], numel, torch.float32)
-        self.exp_avg_sq = self._grow(old["exp_avg_sq"], numel, torch.float32)
+        low_precision = self.dtype != torch.float32
+        self.master = self._grow(old["master"], numel, torch.float32, pinned=not low_precision)
+        self.exp_avg = self._grow(old["exp_avg"], numel, torch.float32, pinned=False)
+        self.exp_avg_sq = self._grow(old["exp_avg_sq"], numel, torch.float32, pinned=False)
         self.grads = self._grow(old["grads"], numel, self.dtype)
         # fp32 weights go back straight from the master copy; low precision needs its own buffer.
         self.weights_out = (
-            None if self.dtype == torch.float32 else self._grow(self.weights_out, numel, self.dtype)
+            self._grow(self.weights_out, numel, self.dtype) if low_precision else None
         )
         if self._keep_sent:
-            self.sent = self._grow(self.sent, numel, self.dtype)
+            self.sent = self._grow(self.sent, numel, self.dtype, pinned=False)
         if old["accumulated"] is not None:
             self.accumulated = torch.empty(max(numel, 1), dtype=torch.float32)
             self.accumulated[: old["accumulated"].numel()].copy_(old["accumulated"])
@@ -106,51 +107,31 @@ class HostState:
         self.buckets += buckets
 
     @torch.no_grad()
-    def refresh(self, bucket: Bucket, first: int = 0, stop: int | None = None) -> int:
-        """Take weights changed outside the optimizer since it last wrote them into the master
-        copy, as torch.optim.AdamW, which updates the parameters themselves, would see them.
-
-        However they were changed — ``p.data.fill_(…)``, ``copy_`` from a checkpoint or an EMA,
-        an in-place op under ``torch.no_grad()``, ``p.data = …``, ``model.load_state_dict``,
-        ``torch.nn.utils.vector_to_parameters`` — the parameter no longer holds, bit for bit, the
-        weights last sent to it (the outgoing copy), and that is what is compared: a version
-        counter misses edits made through ``.data``. A parameter that still holds them keeps its
-        fp32 master. On a GPU the comparison reads the bucket's weights down once per step.
-
-        Only parameters ``first`` … ``stop - 1`` (default: all); the bucket's last copy up is
-        waited for when ``first`` is 0 (a later run is compared after the copies up of the runs
-        before it, which write other parameters). Returns how many parameters had changed.
-        """
-        stop = len(bucket.params) if stop is None else stop
-        if first == 0 and bucket.upload is not None:
-            bucket.upload.synchronize()  # the weights last sent have reached the parameters
+    def take_changed(self, bucket: Bucket, weights: list) -> int:
+        """Take parameters whose ``weights`` (host copies, flat, one per parameter) differ bit for
+        bit from what was last sent to them into the master copy, as torch.optim.AdamW, which
+        updates the parameters themselves, would see them. Returns how many had changed."""
         sent = self.outgoing() if self.sent is None else self.sent
-        current = bucket.weights()[1][first:stop]
-        whole = torch.cat(current) if len(current) > 1 else current[0]
-        if whole.device != sent.device:  # one copy down for the run, not one per tensor
-            whole = whole.to(sent.device)
-            current = whole.split([w.numel() for w in current])
-        start, end = bucket.span(first, stop)
-        if whole.numel() == end - start and same_bits(whole, sent[start:end]):
-            return 0  # (packed end to end: one comparison for the run, the usual answer)
         changed = 0
-        for weights, (s, e) in zip(current, bucket.ranges[first:stop]):
-            if not same_bits(weights, sent[s:e]):
+        for current, (s, e) in zip(weights, bucket.ranges):
+            if not same_bits(current, sent[s:e]):
                 changed += 1
                 for buffer in (self.master, self.weights_out, self.sent):
                     if buffer is not None:
-                        buffer[s:e].copy_(weights)
+                        buffer[s:e].copy_(current)
         return changed
 
-    def weights_sent(self, bucket: Bucket, first: int = 0, stop: int | None = None) -> None:
-        """The outgoing weights of the bucket's parameters ``first`` … ``stop - 1`` (default: all)
-        have just been sent to them (kept, if asked)."""
+    def weights_sent(self, bucket: Bucket) -> None:
+        """The bucket's outgoing weights have just been sent to its parameters (kept, if asked)."""
         if self.sent is not None:
-            s, e = bucket.span(first, len(bucket.params) if stop is None else stop)
-            self.sent[s:e].copy_(self.outgoing()[s:e])
+            self.sent[bucket.start : bucket.end].copy_(self.outgoing()[bucket.start : bucket.end])
 
-    def _grow(self, old, numel: int, dtype) -> torch.Tensor:
-        new = self.link.host_buffer(max(numel, 1), dtype)
+    def _grow(self, old, numel: int, dtype, pinned: bool = True) -> torch.Tensor:
+        new = (
+            self.link.host_buffer(max(numel, 1), dtype)
+            if pinned
+            else torch.empty(max(numel, 1), dtype=dtype)
+        )
         if old is not None:
             new[: old.numel()].copy_(old)
         return new
@@ -206,8 +187,8 @@ class HostState:
         return self.grads[bucket.start : bucket.end].view(torch.uint8)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes of host memory held, by buffer (all exact-size; pinned but for the gradient
-        sum)."""
+        """Bytes of host memory held, by buffer (all exact-size; see the module docstring for which
+        are pinned)."""
         buffers = {
             "master_weights": self.master,
             "first_moment": self.exp_avg,

@@ -46,13 +46,27 @@ class GradientIntake:
     """Hooks and gather buffers for the buckets of ``host``; the GradientSink their gradients go to.
 
     ``ready(bucket)`` is called when a bucket has all ``eager_after`` micro-batches' gradients
-    (only when ``eager_after`` is set); ``record(lane, interval, label)`` receives each copy for
-    the timeline; ``usable()`` says whether gradients should still be taken.
+    (only when ``eager_after`` is set); ``fold(bucket, positions, copies)`` queues the fold of
+    landed gradients into the fp32 sum on the update worker and sets ``bucket.folding``;
+    ``micro_batches`` is the number declared per step (None: unknown), which tells when a fold is
+    worth queuing ahead; ``record(lane, interval, label)`` receives each copy for the timeline;
+    ``usable()`` says whether gradients should still be taken.
     """
 
-    def __init__(self, link: Link, host: HostState, eager_after: int | None, ready, record, usable):
+    def __init__(
+        self,
+        link: Link,
+        host: HostState,
+        eager_after: int | None,
+        micro_batches: int | None,
+        ready,
+        fold,
+        record,
+        usable,
+    ):
         self.link, self.host, self.eager_after = link, host, eager_after
-        self._ready, self._record, self._usable = ready, record, usable
+        self.micro_batches = micro_batches
+        self._ready, self._fold, self._record, self._usable = ready, fold, record, usable
         self.buckets: list[Bucket] = []
         self._where: dict[int, tuple[Bucket, int]] = {}  # id(param) → (bucket, position)
         self._hooks: list = []
@@ -164,16 +178,34 @@ class GradientIntake:
     def gradient_destination(self, group: int, positions: list) -> torch.Tensor:
         """Where bucket ``group``'s gradients at ``positions`` land — once what is there is safe to
         overwrite: no (delayed) update reads it any more, and an earlier micro-batch's gradient of
-        the same parameter is in the fp32 sum."""
+        the same parameter is in the fp32 sum. The worker folds it, off this thread (usually
+        queued a whole micro-batch ahead, so this only finds it done)."""
         bucket = self.buckets[group]
         if bucket.streamed is not None:
             self._check_not_submitted(bucket)
         bucket.updated.wait()
         received = bucket.received
-        if any(received.counts[k] > received.folded[k] for k in positions):
-            received.landed()
-            self.host.fold(bucket, received, final=False, positions=positions)
+        while any(received.counts[k] > received.folded[k] for k in positions):
+            if bucket.folding is None:
+                self._queue_fold(bucket)
+            bucket.folding.wait()
+            bucket.folding = None
+            if not self._usable():
+                break  # (the fold failed: the optimizer raises at its next call)
         return self.host.gradient_bytes(bucket)
+
+    def _queue_fold(self, bucket: Bucket) -> None:
+        received = bucket.received
+        unfolded = [k for k, n in enumerate(received.counts) if n > received.folded[k]]
+        self._fold(bucket, unfolded, list(received.copies))
+
+    def _more_expected(self, bucket: Bucket) -> bool:
+        """Whether another micro-batch's gradients will land over the bucket's before its update
+        (declared, or seen: accumulation under way)."""
+        counts = bucket.received.counts
+        if self.micro_batches is not None:
+            return any(0 < n < self.micro_batches for n in counts)
+        return any(n > 1 for n in counts)
 
     def gradients_sent(self, group: int, transfers: list, positions: list) -> None:
         """Bucket ``group``'s gradients at ``positions`` are on their way down."""
@@ -186,3 +218,5 @@ class GradientIntake:
             n == self.eager_after for n in bucket.received.counts
         ):
             self._ready(bucket)
+        elif bucket.folding is None and self._more_expected(bucket):
+            self._queue_fold(bucket)  # (it runs while the next micro-batch computes)

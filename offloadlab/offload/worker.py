@@ -25,6 +25,7 @@ import torch
 from .. import _torch_compat, cpu_adam
 from ..link import Link
 from .bucket import Bucket, Received
+from .edits import EditWatch
 from .host_state import HostState
 
 __all__ = ["UpdateWorker"]
@@ -34,9 +35,15 @@ class UpdateWorker:
     """Runs bucket updates on a thread of its own with ``threads`` OpenMP threads for the kernel."""
 
     def __init__(
-        self, link: Link, host: HostState, threads: int, upload_after_update: bool, record
+        self,
+        link: Link,
+        host: HostState,
+        edits: EditWatch,
+        threads: int,
+        upload_after_update: bool,
+        record,
     ):
-        self.link, self.host, self.threads = link, host, threads
+        self.link, self.host, self.edits, self.threads = link, host, edits, threads
         self.upload_after_update, self._record = upload_after_update, record
         self.error: BaseException | None = None
         self.failed_step: int | None = None  # the step whose update raised
@@ -65,11 +72,11 @@ class UpdateWorker:
     def submit(self, bucket: Bucket, grad_scale: float, step: int, refresh: bool = True) -> None:
         """Hand this step's gradients of ``bucket`` to the thread (``grad_scale`` multiplies them
         first), with its groups' hyperparameters as they are now (a scheduler may change them
-        next). Weights changed by hand are taken in first, unless ``refresh`` is False (they
-        were, just now)."""
+        next). Weights changed by hand are taken in first (the device checks them now, the
+        thread takes them in), unless ``refresh`` is False (they were, just now)."""
         if refresh:
             # weights changed since the optimizer last wrote them are the ones to update
-            self.host.refresh(bucket)
+            self.edits.start(bucket)
         if self.upload_after_update:
             self.announce(bucket)  # (the copy up may land at any time from now on)
         hyper = {
@@ -84,6 +91,13 @@ class UpdateWorker:
         }
         self._jobs.put((bucket, bucket.hand_over(), grad_scale, step, hyper))
 
+    def fold(self, bucket: Bucket, positions: list, copies: list) -> None:
+        """Queue the fold of the bucket's gradients at ``positions`` (brought by ``copies``) into
+        the fp32 sum: the thread waits for the copies, not the autograd thread.
+        ``bucket.folding`` is set when it is done."""
+        bucket.folding = threading.Event()
+        self._jobs.put(("fold", bucket, bucket.received, positions, copies, bucket.folding))
+
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join()
@@ -93,6 +107,9 @@ class UpdateWorker:
             job = self._jobs.get()
             if job is None:
                 return
+            if job[0] == "fold":
+                self._fold(*job[1:])
+                continue
             bucket, step = job[0], job[3]
             try:
                 if self.error is None:
@@ -102,6 +119,16 @@ class UpdateWorker:
             finally:
                 bucket.update_done()
 
+    def _fold(self, bucket: Bucket, received: Received, positions, copies, done) -> None:
+        try:
+            if self.error is None:
+                received.landed(copies)
+                self.host.fold(bucket, received, final=False, positions=positions)
+        except BaseException as error:  # re-raised on the caller's thread by the optimizer
+            self.error, self.failed_step = error, None
+        finally:
+            done.set()
+
     def _update(
         self, bucket: Bucket, received: Received, grad_scale: float, step: int, hyper: dict
     ) -> None:
@@ -110,6 +137,7 @@ class UpdateWorker:
         if bucket.upload is not None:
             # the last copy of these weights up has read them: overwrite now
             bucket.upload.synchronize()
+        self.edits.finish(bucket)
         host, out = self.host, self.host.weights_out
         started = self.link.now()
         for first, stop in bucket.runs(received.counts):
@@ -144,19 +172,11 @@ class UpdateWorker:
             bucket.announced([_torch_compat.version(p) for p in bucket.params])
 
     def upload(
-        self,
-        bucket: Bucket,
-        after="compute",
-        step: int | None = None,
-        announced: bool = False,
-        first: int = 0,
-        stop: int | None = None,
+        self, bucket: Bucket, after="compute", step: int | None = None, announced: bool = False
     ) -> None:
-        """Send the current weights of the bucket's parameters ``first`` … ``stop - 1`` (default:
-        all; a run of several device parameters) to them (device) or its block's host memory
-        (``announced``: :meth:`announce` was called for them when the update was handed over).
-        Copies up run in order, so the bucket's newest one finishing means all have."""
-        stop = len(bucket.params) if stop is None else stop
+        """Send the bucket's current weights to its parameters (device) or its block's host memory
+        (``announced``: :meth:`announce` was called for them when the update was handed over);
+        the device fingerprints what landed, for the next check of weights changed by hand."""
         outgoing = self.host.outgoing()
         if bucket.streamed is not None:
             bucket.streamed.write_host_weights(
@@ -170,21 +190,27 @@ class UpdateWorker:
         label = f"b{bucket.index}"
         if len(bucket.params) == 1:
             s, e = bucket.ranges[0]
+            landed = bucket.params[0].data.view(-1)
             transfer = self.link.to_device(
-                bucket.params[0].data.view(-1), outgoing[s:e], after=after, label=label
+                landed,
+                outgoing[s:e],
+                after=after,
+                label=label,
+                then=lambda: self.edits.sent(bucket, landed),
             )
         else:
             staging = self._staging[: bucket.layout.nbytes]
-            s, e = bucket.span(first, stop)
+            landed = staging.view(self.host.dtype)
             transfer = self.link.to_device_scattered(
-                self._scatter_targets(bucket, staging)[first:stop],
-                outgoing[s:e].view(torch.uint8),
-                staging[bucket.layout.ranges[first][0] : bucket.layout.ranges[stop - 1][1]],
+                self._scatter_targets(bucket, staging),
+                outgoing[bucket.start : bucket.end].view(torch.uint8),
+                staging,
                 after=after,
                 label=label,
+                then=lambda: self.edits.sent(bucket, landed),
             )
         bucket.weights_sent(transfer)
-        self.host.weights_sent(bucket, first, stop)
+        self.host.weights_sent(bucket)
         self._record("H2D", transfer, label, step)
 
     def _scatter_targets(self, bucket: Bucket, staging: torch.Tensor) -> list:

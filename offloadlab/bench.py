@@ -599,10 +599,12 @@ def _offload_contenders(torchao: bool) -> int:
 
 def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
     """What :func:`offload` asks of a GPU of ``profile``, model by model (each model's contenders
-    are alive at once, the models one after the other): every offloaded contender's pinned state
-    (16 bytes per parameter with bf16 weights: fp32 master and moments, bf16 gradients and
-    weights), and on the device every contender's bf16 weights, AdamW's gradients and moments,
-    each offloaded contender's gather and staging buffers, and the saved activations of one step."""
+    are alive at once, the models one after the other): every offloaded contender's pinned
+    buffers (4 bytes per parameter with bf16 weights: the landing gradients and the outgoing
+    weights; master and moments are not pinned), and on the device every contender's bf16
+    weights, AdamW's gradients and moments, each offloaded contender's gather and staging buffers
+    and its check of weights changed by hand (a bucket joined end to end and widened to int64:
+    5 buckets' bytes), and the saved activations of one step."""
     import importlib.util
 
     from .offload.capacity import saved_activation_bytes
@@ -622,12 +624,12 @@ def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footpri
         build = 3.0  # a fresh model, and for the offloaded ones its pinned state
         steps = rounds * (1 + per_round)
         seconds += (2 + offloaded) * build + steps * (2 * device_step + offloaded * offloaded_step)
-        pinned = max(pinned, offloaded * 16 * params)
+        pinned = max(pinned, offloaded * 4 * params)
         device = max(
             device,
             (2 + offloaded) * 2 * params
             + 6 * params
-            + offloaded * 3 * DEFAULT_BUCKET_BYTES
+            + offloaded * (3 + 5) * DEFAULT_BUCKET_BYTES
             + activations,
         )
     models = " and ".join(

@@ -1146,3 +1146,31 @@ def test_a_fingerprint_sees_one_changed_element_and_any_swap(dtype, numel):
         for position, sign in ((0, 1), (1, -1), (WIDTH, -1), (WIDTH + 1, 1)):
             bits[position] += sign
         assert torch.equal(fingerprint(bits.view(dtype)), reference)
+
+
+@pytest.mark.parametrize(
+    "schedule", [{}, {"accumulation_steps": 1}, {"delayed_update": True}], ids=str
+)
+def test_no_weight_is_compared_on_the_host_unless_one_was_changed_by_hand(
+    link, schedule, monkeypatch
+):
+    """The finding (issue 35): every step read each bucket's weights down and compared them with
+    what was sent, on the host (twice with the eager schedule, half inside backward). Now the
+    device's fingerprint answers, and the host compares weights only for a bucket a user edited."""
+    from offloadlab.offload import host_state
+
+    compared = []
+    original = host_state.same_bits
+    monkeypatch.setattr(
+        host_state, "same_bits", lambda a, b: (compared.append(a.numel()), original(a, b))[1]
+    )
+    model = mlp()
+    opt = CPUOffloadAdam(model.parameters(), lr=1e-3, link=link, bucket_bytes=4096, **schedule)
+    run(model, opt, data(3, 1))
+    assert compared == []
+    opt.synchronize()
+    with torch.no_grad():
+        model[0].weight.data[0, 0] += 1.0  # (through .data: no version counter sees it)
+    run(model, opt, data(1, 1, seed=3))
+    assert 0 < len(compared) <= len(list(model.parameters()))
+    opt.close()

@@ -598,6 +598,15 @@ def _bench(name: str, out: Path, quick: bool, disk: Path | None, provenance: dic
     """One benchmark: its result in ``bench-NAME.json`` and, measured on a GPU, as reference
     data; one that fails is marked failed and is not reference data."""
     started = time.perf_counter()
+    lock = cpu_adam_build_folder() / "lock"
+    if name == "adam" and _present("deepspeed") and lock.exists():  # (without a GPU: no peers step)
+        return {
+            "step": f"bench {name}",
+            "ok": False,
+            "seconds": time.perf_counter() - started,
+            "summary": f"a killed build left {lock}: delete it, then run again",
+            "log": "",
+        }
     try:
         if name == "nvme":
             result = bench.nvme(quick=quick, folder=disk or out)

@@ -427,6 +427,19 @@ def test_a_stale_build_lock_is_reported_not_waited_on(tmp_path, monkeypatch):
     assert not step["ok"] and str(lock) in step["summary"] and "delete it" in step["summary"]
 
 
+def test_bench_adam_reports_a_stale_build_lock_too(tmp_path, monkeypatch):
+    """Without a GPU there is no peers' step: bench adam waited on a lock left by a build killed at
+    its limit, forever (found on this kit's own CPU run)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(gpucheck, "_present", lambda module: True)
+    monkeypatch.setattr(gpucheck.bench, "adam", lambda **k: pytest.fail("waited on the lock"))
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    step = gpucheck._bench("adam", tmp_path, True, None, {})
+    assert not step["ok"] and str(lock) in step["summary"]
+
+
 def test_absent_peers_fail_the_peers_step_on_a_gpu(monkeypatch):
     monkeypatch.setattr(gpucheck, "_present", lambda module: module == "deepspeed")
     step = gpucheck.build_peers(require=True)

@@ -8,7 +8,9 @@ counters, GradScaler's hand-over to an optimizer that scales its own gradients, 
 optimizer's state-dict hooks. Each is reached here and nowhere else, and each has a test on the
 pinned torch (``tests/test_torch_compat.py``). A torch that lacks one raises
 :class:`MissingTorchAPI`, naming what is missing, the torch found and the torch tested, the
-first time it is used (importing the package never fails for it).
+first time it is used (importing the package never fails for it). One public API is here too,
+as older torches lack a keyword of it: ``torch.compiler.disable``'s ``reason``
+(``tests/test_compile.py``).
 
 Supported: torch :data:`SUPPORTED` (tested: :data:`TESTED`). Other versions install (the package
 asks for torch ≥ 2.4, so that a GPU server's own CUDA build of torch is never replaced), and run
@@ -40,6 +42,7 @@ __all__ = [
     "accepts_grad_scaler",
     "grad_scaler_stepped",
     "optimizer_hooks",
+    "eager_under_compile",
 ]
 
 TESTED = "2.13.0"  # the torch CI pins, and every entry here is tested on
@@ -253,3 +256,16 @@ def optimizer_hooks(optimizer, which: str) -> list:
         raise MissingTorchAPI(
             f"Optimizer.{attribute}", f"the optimizer's {which.replace('_', ' ')} hooks"
         ) from None
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def eager_under_compile(reason: str, recursive: bool = True):
+    """Decorator: under torch.compile the function runs eagerly, a graph break that gives
+    ``reason`` where torch can; with ``recursive=False`` the functions it calls are still
+    compiled."""
+    try:
+        return torch.compiler.disable(recursive=recursive, reason=reason)
+    except TypeError:  # a torch whose disable() takes no reason
+        return torch.compiler.disable(recursive=recursive)

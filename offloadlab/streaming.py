@@ -35,6 +35,13 @@ What it does not do: streamed parameters' gradients reach ``.grad`` (or the opti
 ``backward()`` only — ``torch.autograd.grad`` with streamed parameters as inputs finds no path to
 them — and post-accumulate-grad hooks do not run for them, as their gradients never pass through
 autograd's accumulation. A frozen weight's cast copy under autocast is kept until backward.
+
+Under ``torch.compile`` each block's own forward is compiled, one graph for all the blocks of a
+class (they share its code), and the fetch, the hooks and the release around it run outside the
+graph: backward fetches the weights again as without compiling, and ``fullgraph=True`` is refused
+with that reason. Dynamo does not resume inside a loop, so a model that calls its blocks in a loop
+runs that loop and the layers around it uncompiled, and blocks under ``torch.utils.checkpoint``
+are not compiled (torch keeps dynamo out of checkpoint).
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ from .ownership import GradientSink
 from .units import check_integer
 
 __all__ = ["StreamedModel", "streamed_model_of"]
+
+_EAGER = "StreamedModel fetches and releases a block's weights outside the graph"
 
 
 def streamed_model_of(param: torch.Tensor) -> "StreamedModel | None":
@@ -311,8 +320,23 @@ class StreamedModel:
 
     # ------------------------------------------------------------------ forward
 
+    # torch.compile: this frame and the fetch and release it calls stay out of the graph, the
+    # block's own forward (called from here) is compiled (module docstring).
+    @_torch_compat.eager_under_compile(_EAGER, recursive=False)
     def _forward(self, index: int, *args, **kwargs):
         block = self.blocks[index]
+        buffer, fetched, hooks = self._enter(index, args, kwargs)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                with _torch_compat.reparametrize_module(block, fetched):
+                    return type(block).forward(block, *args, **kwargs)
+        finally:
+            self._release(buffer)
+
+    @_torch_compat.eager_under_compile(_EAGER)
+    def _enter(self, index: int, args: tuple, kwargs: dict):
+        """Block ``index``'s device buffer (held), its weights as the block will see them, and the
+        saved-tensor hooks that keep backward from holding them."""
         self._check_parameters(index)
         recomputed = _torch_compat.in_backward()  # a block recomputed by activation checkpointing
         buffer = self._acquire(index, -1 if recomputed else +1)
@@ -345,14 +369,14 @@ class StreamedModel:
             # Hooks already in force (activation checkpointing's) keep handling everything but the
             # streamed weights: ours would otherwise hide the block's activations from them.
             outer = _torch_compat.saved_tensors_default_hooks()
-            with torch.autograd.graph.saved_tensors_hooks(
+            hooks = (
                 functools.partial(self._pack, index, buffer, nodes, outer),
                 functools.partial(self._unpack, outer),
-            ):
-                with _torch_compat.reparametrize_module(block, fetched):
-                    return type(block).forward(block, *args, **kwargs)
-        finally:
+            )
+        except BaseException:
             self._release(buffer)
+            raise
+        return buffer, fetched, hooks
 
     def _check_parameters(self, index: int) -> None:
         block = self.blocks[index]
@@ -390,6 +414,7 @@ class StreamedModel:
             transfer.wait()
         return buffer
 
+    @_torch_compat.eager_under_compile(_EAGER)
     def _release(self, buffer: _Buffer) -> None:
         buffer.holds -= 1
         buffer.released = self.link.mark()  # its user's work is issued: refill once that is done

@@ -1,11 +1,17 @@
-"""Under torch.compile (CPU inductor): CPUOffloadAdam trains a compiled model as AdamW does
-(issue 35, item 6)."""
+"""Under torch.compile (CPU inductor): CPUOffloadAdam trains a compiled model as AdamW does, and a
+StreamedModel compiles each block's own forward, with its weight fetch and release left outside
+the graph (issue 35, item 6)."""
+
+import copy
 
 import pytest
 import torch
 from torch import nn
 
+from offloadlab import _torch_compat
+from offloadlab.models import GPTConfig, TinyGPT
 from offloadlab.offload import CPUOffloadAdam
+from offloadlab.streaming import StreamedModel
 from tests.test_offload import assert_matches, data, mlp
 
 
@@ -15,6 +21,23 @@ def fresh_dynamo():
     torch.compiler.reset()
     yield
     torch.compiler.reset()
+
+
+class Counter:
+    """A torch.compile backend that runs each graph as traced and counts its runs."""
+
+    def __init__(self):
+        self.runs: list[int] = []  # per graph compiled
+
+    def __call__(self, graph, example_inputs):
+        index = len(self.runs)
+        self.runs.append(0)
+
+        def run(*args):
+            self.runs[index] += 1
+            return graph.forward(*args)
+
+        return run
 
 
 def train(model, optimizer, steps):
@@ -73,3 +96,149 @@ def test_cpu_offload_adam_trains_a_compiled_model_as_adamw_does(link, schedule):
     opt.synchronize()
     opt.close()
     assert_matches(ref, mine)
+
+
+# ---------------------------------------------------------------------- keeping code out of graphs
+
+
+@pytest.mark.parametrize("recursive", [True, False])
+def test_a_function_kept_out_of_the_graph_runs_eagerly_and_says_why(recursive):
+    """_torch_compat.eager_under_compile: the function runs as written, outside the graph; what it
+    calls is compiled only when not recursive; fullgraph=True is refused with the reason."""
+
+    def inner(x):
+        return x * 3
+
+    @_torch_compat.eager_under_compile("kept out for a test", recursive=recursive)
+    def outside(x):
+        return inner(x + 1)
+
+    counter = Counter()
+    x = torch.arange(4.0)
+    assert torch.equal(torch.compile(lambda x: outside(x * 2), backend=counter)(x), (x * 2 + 1) * 3)
+    assert len(counter.runs) == (1 if recursive else 2)  # x * 2, and inner's x * 3 if compiled
+    with pytest.raises(Exception, match="kept out for a test"):
+        torch.compile(lambda x: outside(x * 2), fullgraph=True, backend=Counter())(x)
+
+
+def test_a_torch_whose_disable_takes_no_reason_still_keeps_the_function_out(monkeypatch):
+    """Older torches' torch.compiler.disable has no ``reason``: the decorator is made without it."""
+    real, calls = torch.compiler.disable, []
+
+    def disable(fn=None, recursive=True):
+        calls.append(recursive)
+        return real(fn, recursive=recursive)
+
+    monkeypatch.setattr(torch.compiler, "disable", disable)
+    decorator = _torch_compat.eager_under_compile("unused", recursive=False)
+    assert calls == [False] and decorator(abs)(-2) == 2
+
+
+# ---------------------------------------------------------------------- StreamedModel
+
+
+@pytest.fixture(params=["emulated", "CUDA order checker"])
+def landing_link(request):
+    """The links of tests/test_streaming.py: a StreamedModel with no optimizer lands gradients in
+    .grad, waiting on the host inside backward, which the checker then allows."""
+    from offloadlab.link import EmulatedLink
+    from tests.cuda_semantics import CudaOrderLink
+    from tests.test_streaming import BACKWARD_SYNCS
+
+    if request.param == "emulated":
+        with EmulatedLink(bandwidth="8 GB/s", latency=0) as emulated:
+            yield emulated
+        return
+    with (
+        CudaOrderLink(bandwidth="8 GB/s", latency=0, backward_syncs=BACKWARD_SYNCS) as checker,
+        checker.compute_stream("training"),
+    ):
+        yield checker
+        checker.check()
+
+
+def gpt_twins(layers=4):
+    torch.manual_seed(0)
+    plain = TinyGPT(GPTConfig(layers=layers, hidden=32, heads=2, vocab=64, seq=16))
+    return plain, copy.deepcopy(plain)
+
+
+def tokens():
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
+
+
+def test_a_compiled_streamed_model_runs_one_graph_per_block(landing_link):
+    """The blocks share one graph, compiled once; each forward runs it once per block, between
+    the fetch and the release of the block's weights, which stay out of the graph."""
+    _, streamed = gpt_twins(layers=4)
+    StreamedModel(streamed, landing_link)
+    counter = Counter()
+    compiled = torch.compile(streamed, backend=counter)
+    x, y = tokens()
+    for _ in range(2):
+        before = sum(counter.runs)
+        compiled(x, y).backward()
+        assert len(counter.runs) == 1 and sum(counter.runs) - before == 4
+
+
+def test_fullgraph_names_the_streaming_as_the_break(landing_link):
+    """fullgraph=True, which allows no break, is refused with the streaming's reason."""
+    _, streamed = gpt_twins(layers=1)
+    StreamedModel(streamed, landing_link)
+    with pytest.raises(Exception, match="StreamedModel fetches and releases a block's weights"):
+        torch.compile(streamed, fullgraph=True, backend=Counter())(*tokens())
+
+
+def fetches(recording) -> int:
+    return sum(t.direction == "h2d" for t in recording.transfers)
+
+
+def test_a_compiled_streamed_model_has_the_gradients_of_its_blocks_compiled(landing_link):
+    """With inductor, the streamed model's loss and gradients are those of the plain model whose
+    blocks are compiled one by one (bit for bit), and within rounding of the uncompiled model;
+    backward fetches the weights again as it does uncompiled (the graph keeps none of them)."""
+    plain, streamed = gpt_twins()
+    blockwise = copy.deepcopy(plain)
+    for block in blockwise.blocks:
+        block.compile()
+    StreamedModel(streamed, landing_link)
+    compiled = torch.compile(streamed)
+    x, y = tokens()
+    loss = streamed(x, y)
+    with landing_link.record() as uncompiled:
+        loss.backward()
+    for _ in range(2):  # the second pass reuses the buffers and the graph
+        for model in (plain, streamed, blockwise):
+            model.zero_grad()
+        loss = compiled(x, y)
+        with landing_link.record() as recording:
+            loss.backward()
+        # the blocks no longer in a buffer, fetched again
+        assert fetches(recording) == fetches(uncompiled) == len(streamed.blocks) - 2
+        expected = blockwise(x, y)
+        expected.backward()
+        plain(x, y).backward()
+        assert torch.equal(loss, expected)
+        for a, b, c in zip(blockwise.parameters(), streamed.parameters(), plain.parameters()):
+            assert torch.equal(a.grad, b.grad)
+            torch.testing.assert_close(b.grad, c.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_streamed_model_trains_with_cpu_offload_adam(link):
+    """Three steps of CPUOffloadAdam on the compiled streamed model give the weights of the plain
+    model with its blocks compiled, trained the same way."""
+    plain, streamed = gpt_twins(layers=2)
+    for block in plain.blocks:
+        block.compile()
+    StreamedModel(streamed, link)
+    x, y = tokens()
+    for model in (plain, torch.compile(streamed)):
+        optimizer = CPUOffloadAdam(model.parameters(), lr=1e-2, link=link)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(x, y).backward()
+            optimizer.step()
+        optimizer.close()
+    for a, b in zip(plain.parameters(), streamed.parameters()):
+        assert torch.equal(a, b)

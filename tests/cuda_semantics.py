@@ -48,7 +48,7 @@ import threading
 import torch
 
 from offloadlab.link import POISON_BYTE, EmulatedLink, Marker, poison
-from offloadlab.link.base import in_backward
+from offloadlab._torch_compat import in_backward
 
 __all__ = ["CudaOrderLink"]
 

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from .._torch_compat import in_backward
 from ..units import check_integer
 
 __all__ = [
@@ -55,11 +56,6 @@ def pinned_allocation_bytes(nbytes: int) -> int:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def in_backward() -> bool:
-    """True on the thread that runs a backward pass, while it runs (autograd's graph task)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class Traffic:

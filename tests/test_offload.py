@@ -1120,7 +1120,7 @@ def test_a_step_moves_each_weight_once_each_way_and_never_syncs_inside_backward(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("numel", [1, 1023, 1024, 5000])
+@pytest.mark.parametrize("numel", [1, 3, 1023, 1024, 5000])
 def test_a_fingerprint_sees_one_changed_element_and_any_swap(dtype, numel):
     """What tells a weight changed by hand without reading it back: one changed bit, a swap of
     two neighbours, a swap across rows; the same bytes give the same fingerprint however they
@@ -1131,6 +1131,8 @@ def test_a_fingerprint_sees_one_changed_element_and_any_swap(dtype, numel):
     flat = torch.randn(numel).to(dtype)
     reference = fingerprint(flat)
     assert torch.equal(reference, fingerprint(flat.clone()))
+    unaligned = torch.cat([torch.zeros(1, dtype=dtype), flat])[1:]  # (off an 8-byte boundary)
+    assert torch.equal(reference, fingerprint(unaligned))
     edits = [lambda t: t.view(torch.uint8)[0].bitwise_xor_(1)]
     if numel > 1:
         edits.append(lambda t: t[:2].copy_(t[:2].flip(0).clone()))  # neighbours swapped
@@ -1141,11 +1143,11 @@ def test_a_fingerprint_sees_one_changed_element_and_any_swap(dtype, numel):
         edit(edited)
         if not torch.equal(edited.view(torch.uint8), flat.view(torch.uint8)):
             assert not torch.equal(fingerprint(edited), reference)
-    if numel >= 2 * WIDTH:  # the documented miss: ±d at the corners of a rectangle
-        bits = flat.clone().view(torch.int16 if flat.element_size() == 2 else torch.int32)
+    if numel * flat.element_size() >= 2 * WIDTH * 8:  # the documented miss: ±d in four words
+        words = flat.clone().view(torch.int64)  # at the corners of a rectangle
         for position, sign in ((0, 1), (1, -1), (WIDTH, -1), (WIDTH + 1, 1)):
-            bits[position] += sign
-        assert torch.equal(fingerprint(bits.view(dtype)), reference)
+            words[position] += sign
+        assert torch.equal(fingerprint(words.view(dtype)), reference)
 
 
 @pytest.mark.parametrize(
@@ -1172,5 +1174,6 @@ def test_no_weight_is_compared_on_the_host_unless_one_was_changed_by_hand(
     with torch.no_grad():
         model[0].weight.data[0, 0] += 1.0  # (through .data: no version counter sees it)
     run(model, opt, data(1, 1, seed=3))
+    opt.synchronize()  # (a delayed update takes the edit in on its worker, behind step())
     assert 0 < len(compared) <= len(list(model.parameters()))
     opt.close()

@@ -99,6 +99,9 @@ class CudaOrderLink(EmulatedLink):
         finally:
             self._current.name = previous
 
+    def on_stream_of(self, marker):
+        return self.compute_stream(getattr(marker, "_stream_name", "default"))
+
     def _stream(self) -> str:
         return getattr(self._current, "name", "default")
 
@@ -189,10 +192,11 @@ class CudaOrderLink(EmulatedLink):
                 self._learn([transfer])
             return finished
 
-        def wait():  # CUDA: the calling thread's compute stream waits; the host learns nothing
+        def wait(on=None):  # CUDA: a compute stream waits (the calling thread's current one, or
+            # ``on``'s); the host learns nothing
             transfer._block()  # (the emulated device's data must still be right)
             transfer._used = True
-            stream = self._stream()
+            stream = self._stream() if on is None else getattr(on, "_stream_name", "default")
             with self._ledger_lock:
                 self._waits.append((stream, self._next(stream), transfer))
 

@@ -137,8 +137,9 @@ class Transfer:
         """Block the calling thread until the bytes have landed."""
         raise NotImplementedError
 
-    def wait(self) -> None:
-        """Order the compute that follows after this copy.
+    def wait(self, on: "Marker | None" = None) -> None:
+        """Order the compute that follows after this copy: on the calling thread's current
+        stream, or on the stream ``on`` (a :class:`Marker`) was recorded on.
 
         On a GPU the compute stream waits and the host goes on; on the emulated link the calling
         thread waits too, so host code that reads the data right after ``wait()`` is also safe.
@@ -426,6 +427,12 @@ class Link(ABC):
     @abstractmethod
     def synchronize(self) -> None:
         """Block until every copy and all compute issued so far have finished."""
+
+    def on_stream_of(self, marker: Marker):
+        """``with link.on_stream_of(marker):`` makes the stream ``marker`` was recorded on the
+        calling thread's current stream inside the block (the emulation has one compute
+        stream)."""
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def record(self):

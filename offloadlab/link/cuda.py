@@ -102,8 +102,9 @@ class _CudaTransfer(Transfer):
         self._finish.synchronize()
         self._tensors = None
 
-    def wait(self) -> None:
-        torch.cuda.current_stream(self.link.device).wait_event(self._finish)
+    def wait(self, on=None) -> None:
+        stream = torch.cuda.current_stream(self.link.device) if on is None else on._stream
+        stream.wait_event(self._finish)
 
     @property
     def elapsed(self) -> float:
@@ -268,6 +269,9 @@ class CudaLink(Link):
 
     def mark_on(self, marker: Marker) -> Marker:
         return self._record(marker._stream)
+
+    def on_stream_of(self, marker: Marker):
+        return torch.cuda.stream(marker._stream)
 
     def _record(self, stream) -> Marker:
         anchor = self._clock.anchor()

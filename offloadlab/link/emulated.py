@@ -45,9 +45,9 @@ class _EmulatedTransfer(Transfer):
         self.link.traffic.blocked()
         self._block()
 
-    def wait(self) -> None:
-        """See Transfer.wait: the emulation makes the host wait as well (uncounted: on a GPU only
-        the compute stream would)."""
+    def wait(self, on=None) -> None:
+        """See Transfer.wait: the emulation (one compute stream) makes the host wait as well
+        (uncounted: on a GPU only the compute stream would)."""
         self._block()
 
     def _block(self) -> None:

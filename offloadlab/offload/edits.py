@@ -12,6 +12,8 @@ exactly, parameter by parameter.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..link import Link
@@ -61,13 +63,15 @@ class EditWatch:
     the device), and the check in flight.
 
     :meth:`start` (on the training thread, where the weights are current) queues the device's
-    comparison and its one-byte copy down; :meth:`finish` (on any thread) waits for that byte and,
-    only if it says so, reads the bucket down and takes changed parameters into the master copy.
+    comparison and its one-byte copy down on the training stream (``training()``: a marker on
+    it, or None for the caller's current stream); :meth:`finish` (on any thread) waits for that
+    byte and, only if it says so, reads the bucket down and takes changed parameters into the
+    master copy.
     :meth:`sent` is called by the copy engine, right after a bucket's weights land.
     """
 
-    def __init__(self, link: Link, host: HostState):
-        self.link, self.host = link, host
+    def __init__(self, link: Link, host: HostState, training=lambda: None):
+        self.link, self.host, self._training = link, host, training
         self._sent = None  # (buckets, 3) int64 on the device
         self._flags = None  # one pinned byte per bucket: the device's answer
         self._pending: dict[int, tuple] = {}  # bucket index → (copy of the byte, or "swapped")
@@ -101,12 +105,13 @@ class EditWatch:
         if bucket.streamed is not None or bucket.generation != self._generation[bucket.index]:
             self._pending[bucket.index] = "exact"  # (host memory, or swapped: compare exactly)
             return
-        i = bucket.index
-        now = fingerprint(_joined(flat))
-        changed = (now != self._sent[i]).any().to(torch.uint8).view(1)
-        self._sent[i].copy_(now)  # (what the master copy holds once the check is finished)
-        flag = self._flags[i : i + 1]
-        self._pending[i] = (self.link.to_host(flag, changed, label=f"b{i} edits"), flag)
+        i, training = bucket.index, self._training()
+        with contextlib.nullcontext() if training is None else self.link.on_stream_of(training):
+            now = fingerprint(_joined(flat))
+            changed = (now != self._sent[i]).any().to(torch.uint8).view(1)
+            self._sent[i].copy_(now)  # (what the master copy holds once the check is finished)
+            flag = self._flags[i : i + 1]
+            self._pending[i] = (self.link.to_host(flag, changed, label=f"b{i} edits"), flag)
 
     def finish(self, bucket: Bucket) -> int:
         """Wait for the bucket's check and take changed weights in; how many parameters changed."""

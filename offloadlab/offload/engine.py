@@ -228,7 +228,7 @@ class OffloadEngine:
         self.host = HostState(
             self.link, self.dtype, buckets, keep_sent=self.schedule.pending_upload()
         )
-        self.edits = EditWatch(self.link, self.host)
+        self.edits = EditWatch(self.link, self.host, training=lambda: self.intake.training)
         self.intake = GradientIntake(
             self.link,
             self.host,
@@ -537,10 +537,10 @@ class OffloadEngine:
             if upload:
                 self.worker.announce(bucket)
                 edited += self.edits.finish(bucket)
-                self.worker.upload(bucket, "compute", self.step_count, announced=True)
+                self.worker.upload(bucket, self._after_training(), self.step_count, announced=True)
                 self._refreshed.add(bucket.index)
             if bucket.upload is not None:
-                bucket.upload.wait()
+                bucket.upload.wait(on=self.intake.training)
             if self.schedule.eager_after is not None and bucket.streamed is None:
                 self._count_late_edits(bucket, late)
             bucket.settle()
@@ -564,6 +564,12 @@ class OffloadEngine:
                 f"for them (call optimizer.synchronize() before changing weights by hand)",
                 stacklevel=8,
             )
+
+    def _after_training(self):
+        """What a copy up is ordered after: everything the training stream (the one backward ran
+        on, wherever step() is called from) has been given so far."""
+        training = self.intake.training
+        return "compute" if training is None else self.link.mark_on(training)
 
     def _count_late_edits(self, bucket, late: dict) -> None:
         """Eager: count the bucket's parameters changed by hand after their update was announced

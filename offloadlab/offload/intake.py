@@ -23,7 +23,7 @@ import torch
 from .. import _torch_compat
 from ..gather import GradientGather
 from ..layout import Layout
-from ..link import Link
+from ..link import Link, Marker
 from .bucket import Bucket
 from .host_state import HostState
 
@@ -68,6 +68,9 @@ class GradientIntake:
         self.micro_batches = micro_batches
         self._ready, self._fold, self._record, self._usable = ready, fold, record, usable
         self.buckets: list[Bucket] = []
+        # the training stream at the newest gradient's arrival (None before the first backward):
+        # the stream a step's copies up must be ordered against, wherever step() is called from
+        self.training: Marker | None = None
         self._where: dict[int, tuple[Bucket, int]] = {}  # id(param) → (bucket, position)
         self._hooks: list = []
         self._gather = GradientGather(link, [], sink=self, names=lambda i: f"bucket {i}")
@@ -211,7 +214,8 @@ class GradientIntake:
         """Bucket ``group``'s gradients at ``positions`` are on their way down."""
         bucket = self.buckets[group]
         # (the backward that produced them is issued)
-        bucket.receive(transfers, positions, marker=self.link.mark())
+        self.training = self.link.mark()
+        bucket.receive(transfers, positions, marker=self.training)
         for transfer in transfers:
             self._record("D2H", transfer, f"b{group}")
         if self.eager_after is not None and all(

@@ -571,3 +571,25 @@ def test_small_host_buffers_each_register_on_pages_of_their_own(monkeypatch):
     del buffers, b
     gc.collect()
     assert runtime.registered == {} and cuda.pinned_bytes == 0
+
+
+def test_one_cuda_link_per_device_for_whoever_was_given_none(monkeypatch):
+    """The finding (issue 35): every CPUOffloadAdam made without link= made a CudaLink of its own,
+    three of torch's 32 pooled streams each, a notebook cell run again taking three more."""
+    import torch
+
+    from offloadlab.link import cuda
+
+    made = []
+
+    class Made:
+        def __init__(self, device):
+            made.append(device)
+
+    monkeypatch.setattr(cuda, "CudaLink", Made)
+    monkeypatch.setattr(cuda, "_SHARED", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    first = cuda.shared_cuda_link("cuda")
+    assert cuda.shared_cuda_link("cuda:0") is first
+    assert cuda.shared_cuda_link(torch.device("cuda", 1)) is not first
+    assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]

@@ -19,7 +19,7 @@ import torch
 from .. import _torch_compat
 from .base import Link, Marker, Transfer, _nbytes, pinned_allocation_bytes, poison
 
-__all__ = ["CudaLink"]
+__all__ = ["CudaLink", "shared_cuda_link"]
 
 _PAGE = mmap.PAGESIZE  # bytes: what cudaHostRegister locks, a page at a time
 
@@ -281,6 +281,23 @@ class CudaLink(Link):
         self.traffic.blocked()
         torch.cuda.synchronize(self.device)
         self._in_flight.clear()
+
+
+_SHARED: dict = {}  # device → the CudaLink every optimizer made without link= uses
+_SHARING = threading.Lock()
+
+
+def shared_cuda_link(device) -> CudaLink:
+    """The one CudaLink of ``device`` for whoever was given none: each link takes three streams
+    from torch's pool of 32 per device, and the caching allocator keeps a pool per stream, so an
+    optimizer made in every re-run of a cell must not make its own. Never closed."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _SHARING:
+        if device not in _SHARED:
+            _SHARED[device] = CudaLink(device)
+        return _SHARED[device]
 
 
 def _cuda_error_text(cudart, status) -> str:

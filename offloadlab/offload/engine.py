@@ -25,7 +25,8 @@ import warnings
 import torch
 
 from .. import _torch_compat, cpu_adam, ownership
-from ..link import CudaLink, Link, open_link
+from ..link import Link, open_link
+from ..link.cuda import shared_cuda_link
 from ..ownership import streamer_of
 from . import schedule
 from .bucket import make_buckets
@@ -164,11 +165,16 @@ class OffloadEngine:
                 f"link: expected a link to {self.device.type} for parameters there; "
                 f"got one to {link.device.type}"
             )
-        self._own_link = link is None
+        # (a GPU's link is shared by every optimizer given none; an emulated one is its own)
+        self._own_link = link is None and self.device.type != "cuda"
         self.link = (
             link
             if link is not None
-            else (CudaLink(self.device) if self.device.type == "cuda" else open_link(emulated=True))
+            else (
+                shared_cuda_link(self.device)
+                if self.device.type == "cuda"
+                else open_link(emulated=True)
+            )
         )
         try:
             self._build(

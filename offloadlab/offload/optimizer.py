@@ -120,8 +120,9 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     """AdamW (torch.optim.AdamW's semantics and arguments) with state and update on the CPU.
 
     Extra keyword arguments: ``link`` (a :class:`~offloadlab.link.Link`; default: the
-    StreamedModel's link for streamed parameters, a CUDA link for CUDA parameters, else an
-    emulated one, which keeps a core for its copy threads until :meth:`close`), ``threads``
+    StreamedModel's link for streamed parameters, the device's shared CUDA link for CUDA
+    parameters, else an emulated one, which keeps a core for its copy threads until
+    :meth:`close`), ``threads``
     (OpenMP threads of the CPU update), ``max_grad_norm`` (global-norm clipping),
     ``accumulation_steps`` (declare micro-batches per step for the eager update),
     ``delayed_update``, ``bucket_bytes`` (gradient bytes per bucket, default 32 MiB), and for
@@ -299,8 +300,8 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         self._engine.synchronize()
 
     def close(self) -> None:
-        """Finish pending work, remove the hooks, stop the worker, free the host memory and close a
-        link made here. Using the optimizer afterwards raises."""
+        """Finish pending work, remove the hooks, stop the worker, free the host memory and close an
+        emulated link made here. Using the optimizer afterwards raises."""
         self._finalizer.detach()
         self._engine.close()
 

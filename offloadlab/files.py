@@ -5,11 +5,13 @@ surprise.
 later; :func:`write_atomically` writes it: into a new temporary file beside the target, flushed to
 the disk, then renamed onto the target, so a reader (or a crash) sees the old file or the new one,
 never a mixture. Without ``replace`` an existing file is never overwritten, even one that appeared
-while the measurement ran. A symbolic link is followed (the file it names is written; the link
-stays), and a target that is not a regular file — a pipe, ``/dev/stdout``, a terminal — is written
-to as the stream it is, never renamed over. Where a link or a pipe at the path is not the user's
-own doing (files written into a shared folder, such as a course's release), ``follow=False``
-writes a new regular file in its place instead, and nothing it pointed to is touched.
+while the measurement ran, and a symbolic link at the name (dangling or not) is refused; with
+``replace`` it is followed (the file it names is written; the link stays). A target that is not a
+regular file — a pipe, ``/dev/stdout``, a terminal — is written to as the stream it is, never
+renamed over (a disk's block device is refused). Where a link or a pipe at the path is not the
+user's own doing (files written into a shared folder, such as a course's release),
+``follow=False`` writes a new regular file in its place instead, and nothing it pointed to is
+touched.
 """
 
 from __future__ import annotations
@@ -32,18 +34,27 @@ def check_target(
     """``path`` as a Path if a file can be written there later.
 
     ValueError (naming ``name``) for what the caller asked wrongly: an empty name, a folder, a
-    missing parent folder, an existing file without ``replace`` (the message suggests
-    ``how_to_replace``). OSError when the folder exists but refuses a new file (read-only file
-    system, no permission, no free inodes): found by creating and removing a temporary file in it,
-    which also works for root, whom permission bits do not stop.
+    missing parent folder, an existing file or a symbolic link (dangling or not) without
+    ``replace`` (the message suggests ``how_to_replace``). OSError when the folder exists but
+    refuses a new file (read-only file system, no permission, no free inodes): found by creating
+    and removing a temporary file in it, which also works for root, whom permission bits do not
+    stop.
     """
     if not str(path):
         raise ValueError(f"{name}: expected a file name; got ''")
     target = _followed(Path(path))
     if _is_stream(target):
+        if stat.S_ISBLK(os.stat(target).st_mode):
+            raise ValueError(f"{name}: expected a file name; got {str(path)!r}, a disk's device")
         if not os.access(target, os.W_OK):
             raise OSError(errno.EACCES, f"cannot write to {str(path)!r}")
         return target
+    # a link, dangling or not, is something at the name: followed only when replacing is allowed
+    if Path(path).is_symlink() and not replace:
+        raise ValueError(
+            f"{name}: {str(path)!r} is a symbolic link (to {os.readlink(path)!r}); choose another "
+            f"name or pass {how_to_replace} to write where it points"
+        )
     if target.is_dir():
         raise ValueError(f"{name}: expected a file name; got {str(path)!r}, which is a folder")
     if not target.parent.is_dir():
@@ -127,6 +138,10 @@ def write_atomically(path, data: bytes | str, replace: bool = False, follow: boo
         with open(target, "wb") as stream:
             stream.write(payload)
         return target
+    if not replace and Path(path).is_symlink():  # a link planted since check_target
+        raise FileExistsError(
+            errno.EEXIST, f"{str(path)!r} is a symbolic link now; it was left as it is"
+        )
     fd, scratch = _create_scratch(target)
     try:
         try:

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from . import bench, devices, ladder, machine, probe, reference
+from . import bench, devices, files, ladder, machine, probe, reference
 from .devices import ASSUMED, DeviceProfile, Footprint
 from .units import format_duration, format_size
 
@@ -398,7 +398,10 @@ def _run(
     """Run a command in a process group of its own, keep its output in ``log``, and report how it
     ended; past ``timeout`` seconds the whole group is killed and the step failed."""
     started = time.perf_counter()
-    with open(log, "w", encoding="utf-8") as output:
+    if log.is_symlink():  # planted: replaced, never written through
+        log.unlink()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with open(fd, "w", encoding="utf-8") as output:
         process = subprocess.Popen(
             command,
             stdout=output,
@@ -454,6 +457,12 @@ def _pytest(
     )
 
 
+def _write(path: Path, text: str) -> None:
+    """A file of the run's folder, replaced whole: a link planted at its name is replaced, never
+    written through."""
+    files.write_atomically(path, text, replace=True, follow=False)
+
+
 def _reference_name(prefix: str, gpu: str | None) -> str:
     return prefix + re.sub(r"[^A-Za-z0-9]+", "-", gpu or "unknown").strip("-").lower()
 
@@ -496,8 +505,9 @@ def run(
     planned = plan(profile, quick, only=only)
     keys = [part["key"] for part in planned["parts"]]
     if gpu:
-        (out / ("plan.json" if only is None else f"plan-{only}.json")).write_text(
-            json.dumps(planned, indent=1), encoding="utf-8"
+        _write(
+            out / ("plan.json" if only is None else f"plan-{only}.json"),
+            json.dumps(planned, indent=1),
         )
         print(format_plan(planned))
         if not planned["fits"]:
@@ -546,7 +556,7 @@ def _write_summary(out: Path, steps: list[dict], provenance: dict, merge: bool) 
         listed.sort(key=lambda s: list(PARTS).index(s["part"]) if s.get("part") in PARTS else 0)
     peers = {p: _present(p) for p in PEERS}
     summary = {"provenance": provenance, "steps": listed, "peers": peers}
-    path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    _write(path, json.dumps(summary, indent=1))
     _print_summary(summary)
 
 
@@ -580,7 +590,7 @@ def _child(argument: str) -> int:
     spec = json.loads(argument)
     out = Path(spec["out"])
     step = _part_here(spec["key"], out, spec["quick"], Path(spec["disk"]) if spec["disk"] else None)
-    (out / f"part-{spec['key']}.json").write_text(json.dumps(step, indent=1), encoding="utf-8")
+    _write(out / f"part-{spec['key']}.json", json.dumps(step, indent=1))
     return 0
 
 
@@ -620,7 +630,7 @@ def _bench(name: str, out: Path, quick: bool, disk: Path | None, provenance: dic
             "summary": f"{type(error).__name__}: {error}"[:90],
             "log": "",
         }
-    (out / f"bench-{name}.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    _write(out / f"bench-{name}.json", json.dumps(result, indent=1))
     if _has_gpu():
         reference.save(
             _reference_name(f"bench-{name}-", provenance["gpu"]),
@@ -714,7 +724,8 @@ def _probe(out: Path, quick: bool, provenance: dict, disk: Path) -> dict:
             "log": "",
         }
     records = [r.to_dict() for r in measured["records"]]
-    (out / "probe.json").write_text(
+    _write(
+        out / "probe.json",
         json.dumps(
             {
                 "machine": measured["machine"].to_dict(),
@@ -724,7 +735,6 @@ def _probe(out: Path, quick: bool, provenance: dict, disk: Path) -> dict:
             },
             indent=1,
         ),
-        encoding="utf-8",
     )
     if measured["faults"]:
         return {

@@ -442,6 +442,48 @@ def test_json_is_written_whole_and_replaced_only_with_force(tmp_path, quick_benc
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["bench", "link"],
+        ["probe", "--quick"],
+        ["gpu-check", "--dry-run", "--profile", "h200"],
+        ["probe", "--quick", "--reference", "mine", "--reference-dir", "{dir}"],
+    ],
+    ids=["bench --json", "probe --json", "gpu-check --json", "probe --reference-dir"],
+)
+def test_a_dangling_link_planted_at_an_output_is_refused_before_the_run(
+    tmp_path, quick_bench, monkeypatch, command, capsys
+):
+    """Each used to create the file where the link pointed, without --force."""
+    from offloadlab import probe
+
+    monkeypatch.setattr(probe, "link_sweep", lambda *a, **k: pytest.fail("the probe ran"))
+    victim = tmp_path / "elsewhere.json"
+    planted = tmp_path / ("mine.json" if "--reference" in command else "out.json")
+    planted.symlink_to(victim)
+    args = [a.replace("{dir}", str(tmp_path)) for a in command]
+    if "--reference" not in command:
+        args += ["--json", str(planted)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a symbolic link (to " in err and "--force" in err
+    assert not victim.exists() and quick_bench == []
+
+
+def test_gpu_check_replaces_a_link_planted_in_its_folder_never_writes_through(tmp_path):
+    from offloadlab import gpucheck
+
+    victim = tmp_path / "victim.json"
+    victim.write_text("precious")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").symlink_to(victim)
+    provenance = {"gpu": None, "torch": "2", "cpu": "cpu", "date": "today"}
+    gpucheck._write_summary(out, [], provenance, merge=False)
+    assert victim.read_text() == "precious" and not (out / "summary.json").is_symlink()
+
+
 @pytest.fixture
 def user_references(tmp_path, monkeypatch):
     from offloadlab import reference
@@ -736,3 +778,17 @@ def test_a_model_is_counted_by_transformers_when_it_can_and_by_the_formula_when_
     )
     assert main([*command, "--count", "transformers"]) == 2
     assert "cannot build this qwen3 config" in capsys.readouterr().err
+
+
+def test_a_reference_folder_that_is_a_dangling_link_is_one_line(tmp_path, monkeypatch, capsys):
+    """The kit makes the reference folder: a dangling link there said only 'File exists'."""
+    from offloadlab import probe, reference
+
+    monkeypatch.setattr(probe, "link_sweep", lambda *a, **k: pytest.fail("the probe ran"))
+    folder = tmp_path / "references"
+    folder.symlink_to(tmp_path / "missing")
+    monkeypatch.setenv(reference.USER_FOLDER_VARIABLE, str(folder))
+    assert main(["probe", "--quick", "--reference", "mine"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a symbolic link to a missing folder" in err
+    assert not (tmp_path / "missing").exists()

@@ -82,3 +82,21 @@ def test_pipes_are_written_through_and_links_followed(tmp_path):
     link.symlink_to(real)
     files.write_atomically(link, "new", replace=True)
     assert link.is_symlink() and real.read_text() == "new"
+
+
+@pytest.mark.parametrize("dangling", [True, False], ids=["dangling", "to a file"])
+def test_a_link_planted_at_the_name_is_refused_unless_replacing(tmp_path, dangling):
+    """A dangling link used to pass check_target (its target did not exist) and be written
+    through: the file appeared wherever the link pointed."""
+    victim, planted = tmp_path / "victim.json", tmp_path / "out.json"
+    if not dangling:
+        victim.write_text("precious")
+    planted.symlink_to(victim)
+    with pytest.raises(ValueError, match=r"^out: .*out\.json' is a symbolic link \(to .*--force"):
+        files.check_target(planted, name="out", how_to_replace="--force")
+    with pytest.raises(FileExistsError, match="is a symbolic link now"):  # planted after the check
+        files.write_atomically(planted, "new")
+    assert victim.exists() != dangling and planted.is_symlink()
+    files.check_target(planted, replace=True)  # asked for: written where it points
+    files.write_atomically(planted, "new", replace=True)
+    assert victim.read_text() == "new" and planted.is_symlink()

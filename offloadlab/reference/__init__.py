@@ -124,6 +124,11 @@ def target(
             "name"
         )
     if made_here:  # only once the name is accepted
+        if folder.is_symlink() and not folder.exists():
+            raise ValueError(
+                f"name: the reference folder {str(folder)!r} is a symbolic link to a missing "
+                f"folder ({os.readlink(folder)!r}); create that folder or remove the link"
+            )
         folder.mkdir(parents=True, exist_ok=True)
     return check_target(path, replace=overwrite, name="name", how_to_replace=how_to_replace)
 

@@ -326,7 +326,7 @@ def write_sources(
         )
         for path in find_labs(source_dir)
     }
-    return _write(notebooks, overwrite, keep)
+    return _write(notebooks, overwrite, keep, made_below=Path(target_dir))
 
 
 class _Links:
@@ -373,12 +373,21 @@ class _Links:
         return f"[{text}]({url})" if url else f"*{text}*"
 
 
-def _write(notebooks: dict, overwrite: bool, keep: bool = False) -> list[Path]:
+def _write(
+    notebooks: dict, overwrite: bool, keep: bool = False, made_below: Path | None = None
+) -> list[Path]:
     """Write every notebook, or none: an existing file (a student's work, an instructor's edits)
     is replaced only with ``overwrite``, or left as it is with ``keep``. Each is written whole,
-    and whatever lies at its name (a link planted there, say) is replaced, never written through."""
+    and whatever lies at its name (a link planted there, say) is replaced, never written through.
+    The folders below ``made_below`` are this module's (an assignment's): a link in place of one
+    is refused, whatever the options, rather than followed."""
     import nbformat
 
+    if made_below is not None:
+        for out in notebooks:
+            for folder in reversed(out.parent.relative_to(made_below).parents[:-1]):
+                _refuse_link(made_below / folder)
+            _refuse_link(out.parent)
     existing = [out for out in notebooks if out.exists() or out.is_symlink()]
     if keep:
         notebooks = {out: notebook for out, notebook in notebooks.items() if out not in existing}
@@ -390,6 +399,14 @@ def _write(notebooks: dict, overwrite: bool, keep: bool = False) -> list[Path]:
         out.parent.mkdir(parents=True, exist_ok=True)
         files.write_atomically(out, nbformat.writes(notebook) + "\n", replace=True, follow=False)
     return list(notebooks)
+
+
+def _refuse_link(folder: Path) -> None:
+    if folder.is_symlink():
+        raise ValueError(
+            f"target_dir: {folder} is a symbolic link (to {os.readlink(folder)!r}), where an "
+            "assignment's folder is made; remove it, or choose another target folder"
+        )
 
 
 def _nbgrader(

@@ -409,3 +409,26 @@ def test_bad_arguments(arguments, complaint, tmp_path):
     assert (
         result.returncode == 2 and complaint in result.stderr and "Traceback" not in result.stderr
     )
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]], ids=["plain", "--force"])
+@pytest.mark.parametrize("dangling", [False, True], ids=["to a folder", "dangling"])
+def test_nbgrader_refuses_a_link_planted_as_an_assignment_folder(tmp_path, dangling, force):
+    """Issue 37, item 6: the instructor's notebook, solutions included, landed where a link
+    planted in place of `lab01` pointed."""
+    elsewhere = tmp_path / "elsewhere"
+    if not dangling:
+        elsewhere.mkdir()
+    target = tmp_path / "source"
+    target.mkdir()
+    (target / assignment_name(LABS[0])).symlink_to(elsewhere)
+    result = subprocess.run(
+        [sys.executable, "-m", "offloadlab.student", "--nbgrader", *force, "labs", str(target)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "is a symbolic link" in result.stderr and "Traceback" not in result.stderr
+    assert not any(elsewhere.rglob("*")) if not dangling else not elsewhere.exists()
+    assert sorted(p.name for p in target.iterdir()) == [assignment_name(LABS[0])]  # none written

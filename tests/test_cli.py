@@ -650,8 +650,22 @@ def test_duplex_refusals_name_the_flag_and_what_was_typed(capsys):
         lambda r: r["ladder"]["links"][0].update(bandwidth_bytes_per_s=1e-300),
         lambda r: r["machine"].update(host_memory_bytes=True),
         lambda r: r.update(machine="a string"),
+        # issue 37, item 8: AttributeError and KeyError tracebacks, exit 1
+        lambda r: r["machine"].update(accelerator="none"),
+        lambda r: r["ladder"]["links"][0].pop("source"),
+        lambda r: r["ladder"]["links"][0].update(source=None),
+        lambda r: r["ladder"].update(links="host → GPU"),
     ],
-    ids=["text", "tiny", "bool", "not a dict"],
+    ids=[
+        "text",
+        "tiny",
+        "bool",
+        "not a dict",
+        "accelerator a string",
+        "no source",
+        "source null",
+        "links a string",
+    ],
 )
 def test_a_damaged_measured_record_is_one_line(tmp_path, damage):
     record = {

@@ -383,7 +383,7 @@ class Hardware:
                 isinstance(r, dict) for r in (*links.values(), *tiers.values())
             ):
                 raise TypeError
-        except (KeyError, TypeError):
+        except (KeyError, TypeError, AttributeError):
             raise ValueError(
                 "measured: expected an `offloadlab probe --json` record with 'machine' and "
                 "'ladder'; got something else"
@@ -405,11 +405,22 @@ class Hardware:
             values["link"] = number(
                 up["bandwidth_bytes_per_s"], "the host → GPU bandwidth (B/s)", 1, 1e15
             )
+            source = up.get("source")
+            if not isinstance(source, str):
+                raise ValueError(
+                    "measured: expected the host → GPU link's 'source' (measured, emulated …) in "
+                    f"the record; got {source!r}"
+                )
             sources["link"] = (
-                f"link {format_bandwidth(values['link'])} ({up['source']}: α–β fit of the probe's "
-                "sweep)"
+                f"link {format_bandwidth(values['link'])} ({source}: α–β fit of the probe's sweep)"
             )
-        gpu = (machine.get("accelerator") or {}).get("memory_bytes")
+        accelerator = machine.get("accelerator") or {}
+        if not isinstance(accelerator, dict):
+            raise ValueError(
+                "measured: expected the record's 'accelerator' to be an object with "
+                f"'memory_bytes'; got {accelerator!r}"
+            )
+        gpu = accelerator.get("memory_bytes")
         if gpu is not None:
             values["gpu_memory"] = gpu = number(gpu, "the GPU memory (bytes)", 1, 1e18)
             sources["gpu_memory"] = f"GPU memory {format_size(gpu)} (as the card reports it)"

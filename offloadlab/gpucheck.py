@@ -235,14 +235,15 @@ def _peers_footprint() -> Footprint:
 def offload_host_bytes_per_param(schedule: str, element_bytes: int = 2) -> int:
     """Host bytes CPUOffloadAdam holds per parameter (``HostState.nbytes``, no gradient sum): fp32
     master weights and both moments, the gradients as they land, the outgoing weights (below
-    fp32), and with the delayed update a copy of the weights last sent."""
+    fp32), and with the delayed update a second landing buffer and a copy of the weights last
+    sent."""
     if schedule not in OFFLOAD_SCHEDULES:
         raise ValueError(
             f"schedule: expected one of {', '.join(OFFLOAD_SCHEDULES)}; got {schedule!r}"
         )
     outgoing = element_bytes if element_bytes < 4 else 0
-    sent = element_bytes if schedule == "delayed" else 0
-    return 12 + element_bytes + outgoing + sent
+    delayed = 2 * element_bytes if schedule == "delayed" else 0
+    return 12 + element_bytes + outgoing + delayed
 
 
 def _offload_footprint(profile: DeviceProfile, quick: bool) -> Footprint:

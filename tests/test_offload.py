@@ -1205,3 +1205,44 @@ def test_training_on_a_side_stream_with_step_outside_it_is_ordered(schedule):
         assert "side" in waited.values() and "default" not in waited.values()
         opt.close()
         link.check()
+
+
+def test_a_delayed_update_still_running_never_holds_up_the_next_backward(link, monkeypatch):
+    """The finding (issue 35): with a delayed update, each bucket's gradients waited inside
+    backward for the last step's update of that bucket to finish (it read the one landing
+    buffer). Now alternate steps land in two buffers: backward finishes while every update of the
+    last step is still held on the worker."""
+    import threading
+
+    release, running = threading.Event(), threading.Event()
+    original = cpu_adam.adamw_step
+
+    def held(*args, **kwargs):
+        running.set()
+        release.wait()
+        return original(*args, **kwargs)
+
+    model = mlp()
+    opt = CPUOffloadAdam(
+        model.parameters(), lr=1e-3, link=link, bucket_bytes=4096, delayed_update=True
+    )
+    run(model, opt, data(1, 1))
+    opt.synchronize()
+    monkeypatch.setattr(cpu_adam, "adamw_step", held)
+    ((x, y),) = data(1, 1, seed=2)[0]
+    opt.zero_grad()
+    nn.functional.mse_loss(model[:5](x), y).backward()
+    opt.step()  # (hands the update over and returns: it now runs, and is held)
+    assert running.wait(timeout=60)
+    finished = []
+    watchdog = threading.Timer(10, release.set)  # (before the fix: backward waited for this)
+    watchdog.start()
+    opt.zero_grad()
+    nn.functional.mse_loss(model[:5](x), y).backward()
+    finished.append(not release.is_set())
+    release.set()
+    watchdog.cancel()
+    opt.step()
+    monkeypatch.undo()
+    opt.close()
+    assert finished == [True]

@@ -23,7 +23,8 @@ class Received:
     (``counts``) and how many of those are in the fp32 sum (``folded``), the copies bringing them
     down, and the compute-stream point after the backward that produced the newest."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, slot: int = 0):
+        self.slot = slot  # which landing buffer they land in (HostState.landing)
         self.counts = [0] * n
         self.folded = [0] * n
         self.copies: list[tuple[list, list]] = []  # (transfers, positions) of each copy down
@@ -74,6 +75,7 @@ class Bucket:
         self.streamed, self.block = streamed, block
         self.steps = [0] * len(params)
         self.received = Received(len(params))
+        self._buffers = 1  # landing buffers its steps alternate between
         self.upload = None
         self.versions: list[int] = []
         self.submitted = False
@@ -120,9 +122,15 @@ class Bucket:
         place)."""
         self.received.counts[k], self.received.folded[k] = 1, 0
 
+    def use_landing_buffers(self, count: int) -> None:
+        """Alternate steps' gradients between ``count`` landing buffers."""
+        self._buffers = count
+
     def hand_over(self) -> Received:
-        """This step's gradients, for the worker; the bucket starts receiving the next step's."""
-        taken, self.received = self.received, Received(len(self.params))
+        """This step's gradients, for the worker; the bucket starts receiving the next step's (in
+        the next landing buffer)."""
+        taken = self.received
+        self.received = Received(len(self.params), (taken.slot + 1) % self._buffers)
         self.submitted = True
         self.updated.clear()
         return taken
@@ -130,7 +138,8 @@ class Bucket:
     def discard(self) -> None:
         """Forget this step's gradients (once their copies have landed: nothing writes there
         after)."""
-        taken, self.received = self.received, Received(len(self.params))
+        taken = self.received
+        self.received = Received(len(self.params), taken.slot)
         taken.landed()
 
     def settle(self) -> None:

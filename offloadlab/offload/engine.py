@@ -232,7 +232,7 @@ class OffloadEngine:
         self._take_over(trainable, stacklevel=5)
         self.timeline = StepTimeline(record_timeline)
         self.host = HostState(
-            self.link, self.dtype, buckets, keep_sent=self.schedule.pending_upload()
+            self.link, self.dtype, buckets, delayed=self.schedule.pending_upload()
         )
         self.edits = EditWatch(self.link, self.host, training=lambda: self.intake.training)
         self.intake = GradientIntake(
@@ -508,7 +508,7 @@ class OffloadEngine:
                     self._zero_grad.discard(id(p))
                 elif id(p) in self._zero_grad:
                     s, e = bucket.ranges[k]
-                    self.host.grads[s:e].zero_()
+                    self.host.gradients(bucket)[s - bucket.start : e - bucket.start].zero_()
                     bucket.give_zero_gradient(k)
 
     def _note_zero_grad(self, params, set_to_none: bool) -> None:
@@ -620,7 +620,7 @@ class OffloadEngine:
             received.landed()
             self.host.fold(bucket, received, final=True)
             for first, stop in bucket.runs(received.counts):
-                grad = self.host.gradient(bucket, first, stop, received.counts)
+                grad = self.host.gradient(bucket, first, stop, received)
                 total += cpu_adam.grad_sum_of_squares(grad, self.threads)
         return math.sqrt(total) / (self.scaler.scale if self.scaler is not None else 1.0)
 
@@ -745,7 +745,7 @@ class OffloadEngine:
             self.host.fold(bucket, received, final=True)
             for k, p in enumerate(bucket.params):
                 if received.counts[k]:
-                    grad = self.host.gradient(bucket, k, k + 1, received.counts)
+                    grad = self.host.gradient(bucket, k, k + 1, received)
                     grad = grad.view(p.shape).to(device=p.device, dtype=p.dtype)
                 elif id(p) in self._zero_grad:
                     grad = torch.zeros_like(p)

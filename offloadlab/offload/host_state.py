@@ -4,13 +4,17 @@ dict.
 Every trainable parameter has a place in one *bucket* (:mod:`~offloadlab.offload.bucket`) — a run of
 parameters whose gradients go down, whose CPU update runs and whose new weights go up together — and
 every bucket a range of the flat, exact-size host buffers: fp32 master weights and both moments,
-the gradients as they land (in the parameters' dtype), the outgoing low-precision weights. Only
-what a copy engine touches is pinned: the gradients and the outgoing weights (the master, when it
-is itself what goes up, in fp32). The moments, a low-precision model's master, the fp32 gradient
-sum of several micro-batches and (with a delayed update) a copy of the weights last sent stay in
-ordinary memory: only the CPU reads them. A bucket's parameters sit end to end, in the same order
-and layout (a packed :class:`~offloadlab.layout.Layout`) as in the device buffers that gather and
-scatter them, so each bucket moves as one copy each way.
+the gradients as they land (in the parameters' dtype), the outgoing low-precision weights. A
+bucket's parameters sit end to end, in the same order and layout (a packed
+:class:`~offloadlab.layout.Layout`) as in the device buffers that gather and scatter them, so
+each bucket moves as one copy each way.
+
+Only what a copy engine touches is pinned: the landing gradients and the outgoing weights (the
+master, when it is itself what goes up, in fp32). With a delayed update gradients land in two
+buffers, alternate steps in each, so that a step's land while the last step's update reads its
+own. The moments, a low-precision model's master, the fp32 sum of several micro-batches and (with
+a delayed update) a copy of the weights last sent stay in ordinary memory: only the CPU reads
+them.
 
 :func:`export_state` and :func:`check_state` map this state to and from
 ``torch.optim.AdamW``'s state-dict layout (per parameter: ``step``, ``exp_avg``,
@@ -56,16 +60,19 @@ class HostState:
     elements."""
 
     def __init__(
-        self, link: Link, dtype: torch.dtype, buckets: list[Bucket], keep_sent: bool = False
+        self, link: Link, dtype: torch.dtype, buckets: list[Bucket], delayed: bool = False
     ):
         self.link, self.dtype = link, dtype
         self.buckets: list[Bucket] = []
         self.numel = 0
-        self.master = self.exp_avg = self.exp_avg_sq = self.grads = self.weights_out = None
+        self.master = self.exp_avg = self.exp_avg_sq = self.weights_out = None
+        # Where gradients land: with a delayed update, two buffers taken in turn by alternate
+        # steps, so that a step's gradients land while the last step's update still reads its own.
+        self.landing: list = [None] * (2 if delayed else 1)
         # With a delayed update the outgoing copy runs a step ahead of the parameters: a copy of
-        # what they were last sent is kept (``keep_sent``) to tell a change made by hand.
+        # what they were last sent is kept to tell a change made by hand.
         self.sent = None
-        self._keep_sent = keep_sent
+        self._keep_sent = delayed
         self.accumulated = None  # fp32 gradient sums, allocated by the first step that accumulates
         self._allocating = threading.Lock()
         self.extend(buckets)
@@ -74,14 +81,13 @@ class HostState:
         """Give new buckets their places: larger buffers, the existing state copied over."""
         numel = buckets[-1].end if buckets else self.numel
         old = {
-            name: getattr(self, name)
-            for name in ("master", "exp_avg", "exp_avg_sq", "grads", "accumulated")
+            name: getattr(self, name) for name in ("master", "exp_avg", "exp_avg_sq", "accumulated")
         }
         low_precision = self.dtype != torch.float32
         self.master = self._grow(old["master"], numel, torch.float32, pinned=not low_precision)
         self.exp_avg = self._grow(old["exp_avg"], numel, torch.float32, pinned=False)
         self.exp_avg_sq = self._grow(old["exp_avg_sq"], numel, torch.float32, pinned=False)
-        self.grads = self._grow(old["grads"], numel, self.dtype)
+        self.landing = [self._grow(buffer, numel, self.dtype) for buffer in self.landing]
         # fp32 weights go back straight from the master copy; low precision needs its own buffer.
         self.weights_out = (
             self._grow(self.weights_out, numel, self.dtype) if low_precision else None
@@ -94,6 +100,7 @@ class HostState:
         self.numel = numel
         with torch.no_grad():
             for bucket in buckets:
+                bucket.use_landing_buffers(len(self.landing))
                 for p, (s, e) in zip(bucket.params, bucket.ranges):
                     self.master[s:e].copy_(p.detach().reshape(-1))
                     # A bucket's weights go up whole: a parameter without a gradient this step goes
@@ -161,30 +168,36 @@ class HostState:
         pending = [k for k in candidates if folded[k] < counts[k] and (counts[k] > 1 or not final)]
         if not pending:
             return
-        total = self.accumulation()
+        total, landed = self.accumulation(), self.landing[received.slot]
         for k in pending:
             s, e = bucket.ranges[k]
             if folded[k] == 0:
-                total[s:e].copy_(self.grads[s:e])
+                total[s:e].copy_(landed[s:e])
             else:
-                total[s:e].add_(self.grads[s:e])
+                total[s:e].add_(landed[s:e])
             folded[k] = counts[k]
 
-    def gradient(self, bucket: Bucket, first: int, stop: int, counts: list) -> torch.Tensor:
-        """The host gradient of parameters ``first`` … ``stop - 1`` (a run): landed, or the fp32
-        sum."""
+    def gradient(self, bucket: Bucket, first: int, stop: int, received: Received) -> torch.Tensor:
+        """The host gradient of parameters ``first`` … ``stop - 1`` (a run) in ``received``:
+        landed, or the fp32 sum."""
         s, e = bucket.span(first, stop)
-        return self.accumulated[s:e] if counts[first] > 1 else self.grads[s:e]
+        if received.counts[first] > 1:
+            return self.accumulated[s:e]
+        return self.landing[received.slot][s:e]
 
     def outgoing(self) -> torch.Tensor:
         """The buffer the device's new weights are copied from: the low-precision copy, or the
         fp32 master."""
         return self.master if self.weights_out is None else self.weights_out
 
+    def gradients(self, bucket: Bucket) -> torch.Tensor:
+        """Where the bucket's gradients of the step under way land (elements)."""
+        return self.landing[bucket.received.slot][bucket.start : bucket.end]
+
     def gradient_bytes(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's landing gradients as a flat byte tensor (where its device→host copy
         goes)."""
-        return self.grads[bucket.start : bucket.end].view(torch.uint8)
+        return self.gradients(bucket).view(torch.uint8)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of host memory held, by buffer (all exact-size; see the module docstring for which
@@ -193,7 +206,10 @@ class HostState:
             "master_weights": self.master,
             "first_moment": self.exp_avg,
             "second_moment": self.exp_avg_sq,
-            "gradients": self.grads,
+            **{
+                "gradients" if i == 0 else f"gradients ({i + 1})": buffer
+                for i, buffer in enumerate(self.landing)
+            },
             "weights_out": self.weights_out,
             "weights_sent": self.sent,
             "accumulated_gradients": self.accumulated,
@@ -228,9 +244,8 @@ class HostState:
 
     def release(self) -> None:
         """Drop every buffer (the pinned memory is freed once no view of it is left)."""
-        self.master = self.exp_avg = self.exp_avg_sq = self.grads = self.weights_out = (
-            self.accumulated
-        ) = None
+        self.master = self.exp_avg = self.exp_avg_sq = self.weights_out = self.accumulated = None
+        self.landing = [None] * len(self.landing)
         self.sent = None
 
     def entry(self, bucket: Bucket, k: int) -> dict:

@@ -148,9 +148,9 @@ class GradientIntake:
                 self._gather.add(bucket.index, k, p.grad)
             else:  # a streamed parameter's .grad is a host tensor: it goes straight into its place
                 s, e = bucket.ranges[k]
-                self.gradient_destination(bucket.index, [k])
+                landing = self.gradient_destination(bucket.index, [k]).view(self.host.dtype)
                 with torch.no_grad():
-                    self.host.grads[s:e].copy_(p.grad.reshape(-1))
+                    landing[s - bucket.start : e - bucket.start].copy_(p.grad.reshape(-1))
                 self.gradients_sent(bucket.index, [], [k])
             p.grad = None
         self._gather.flush()
@@ -186,7 +186,8 @@ class GradientIntake:
         bucket = self.buckets[group]
         if bucket.streamed is not None:
             self._check_not_submitted(bucket)
-        bucket.updated.wait()
+        if len(self.host.landing) == 1:  # (else the update in flight reads the other buffer)
+            bucket.updated.wait()
         received = bucket.received
         while any(received.counts[k] > received.folded[k] for k in positions):
             if bucket.folding is None:

@@ -148,7 +148,7 @@ class UpdateWorker:
                 host.master[s:e],
                 host.exp_avg[s:e],
                 host.exp_avg_sq[s:e],
-                host.gradient(bucket, first, stop, received.counts),
+                host.gradient(bucket, first, stop, received),
                 None if out is None else out[s:e],
                 step=count,
                 lr=lr,

@@ -2,15 +2,15 @@
 written for.
 
 Parameter streaming and the optimizer need a few things torch has no public API for: whether a
-backward pass is running and a callback at its end, the saved-tensor hooks already in force, a
-module run with other tensors in place of its parameters, autocast's cast node, tensors' version
-counters, GradScaler's hand-over to an optimizer that scales its own gradients, and the
-optimizer's state-dict hooks. Each is reached here and nowhere else, and each has a test on the
-pinned torch (``tests/test_torch_compat.py``). A torch that lacks one raises
-:class:`MissingTorchAPI`, naming what is missing, the torch found and the torch tested, the
-first time it is used (importing the package never fails for it). One public API is here too,
-as older torches lack a keyword of it: ``torch.compiler.disable``'s ``reason``
-(``tests/test_compile.py``).
+backward pass is running and a callback at its end, whether ``torch.autograd.grad`` is capturing a
+leaf's gradient, the saved-tensor hooks already in force, a module run with other tensors in place
+of its parameters, autocast's cast node, tensors' version counters, GradScaler's hand-over to an
+optimizer that scales its own gradients, and the optimizer's state-dict hooks. Each is reached
+here and nowhere else, and each has a test on the pinned torch (``tests/test_torch_compat.py``).
+A torch that lacks one raises :class:`MissingTorchAPI`, naming what is missing, the torch found
+and the torch tested, the first time it is used (importing the package never fails for it). One
+public API is here too, as older torches lack a keyword of it: ``torch.compiler.disable``'s
+``reason`` (``tests/test_compile.py``).
 
 Supported: torch :data:`SUPPORTED` (tested: :data:`TESTED`). Other versions install (the package
 asks for torch ≥ 2.4, so that a GPU server's own CUDA build of torch is never replaced), and run
@@ -30,6 +30,7 @@ __all__ = [
     "MissingTorchAPI",
     "EndOfBackward",
     "in_backward",
+    "grad_captures",
     "saved_tensors_default_hooks",
     "reparametrize_module",
     "is_cast_node",
@@ -100,6 +101,25 @@ _queue_callback = _find(
     "torch.autograd.Variable._execution_engine.queue_callback",
     "a callback at the end of a backward pass",
 )
+
+
+_will_engine_execute_node = _find(
+    "torch._C._will_engine_execute_node", "whether torch.autograd.grad captures a leaf's gradient"
+)
+
+
+def grad_captures(node) -> bool:
+    """True inside ``torch.autograd.grad`` when it captures the gradient that ``node`` (a leaf's
+    AccumulateGrad) would receive: torch refuses to say whether such a node runs there."""
+    try:
+        _will_engine_execute_node(node)
+    except MissingTorchAPI:
+        raise
+    except RuntimeError as error:
+        if "autograd.grad" in str(error):
+            return True
+        raise
+    return False
 
 
 def in_backward() -> bool:

@@ -32,9 +32,9 @@ any pinned buffer a copy may still read. Under autocast, backward keeps where to
 weight's cast copy instead of the copy.
 
 What it does not do: streamed parameters' gradients reach ``.grad`` (or the optimizer) through
-``backward()`` only — ``torch.autograd.grad`` with streamed parameters as inputs finds no path to
-them — and post-accumulate-grad hooks do not run for them, as their gradients never pass through
-autograd's accumulation. A frozen weight's cast copy under autocast is kept until backward.
+``backward()`` only — ``torch.autograd.grad`` with a streamed parameter as an input is refused,
+naming it — and post-accumulate-grad hooks do not run for them, as their gradients never pass
+through autograd's accumulation. A frozen weight's cast copy under autocast is kept until backward.
 
 Under ``torch.compile`` each block's own forward is compiled, one graph for all the blocks of a
 class (they share its code), and the fetch, the hooks and the release around it run outside the
@@ -113,6 +113,8 @@ class _Fetch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if _torch_compat.grad_captures(ctx.next_functions[0][0]):
+            ctx.streamed._refuse_autograd_grad(ctx.block, ctx.which)
         ctx.streamed._gradient(ctx.block, ctx.which, grad)
         return None, None, None, None, None
 
@@ -553,6 +555,14 @@ class StreamedModel:
         buffer = self._backward_holds.pop(index, None)
         if buffer is not None:
             self._release(buffer)
+
+    def _refuse_autograd_grad(self, index: int, which: int) -> None:
+        raise RuntimeError(
+            f"StreamedModel: torch.autograd.grad cannot return the gradient of "
+            f"{self._params[index][which][0]!r} of block {self.names[index]!r}: a streamed "
+            "weight's gradient goes to .grad (or its optimizer) through backward(), never back "
+            "to autograd; call loss.backward() and read .grad, or remove() the streaming first"
+        )
 
     def _gradient(self, index: int, which: int, grad: torch.Tensor) -> None:
         self._backward.arm()

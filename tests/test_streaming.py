@@ -640,3 +640,27 @@ def test_a_block_on_the_meta_device_is_refused_in_words(link):
         ValueError, match=r"^blocks: 'blocks.0' has parameters on the meta device .* materialise"
     ):
         StreamedModel(model, link)
+
+
+def test_autograd_grad_of_a_streamed_weight_is_refused_by_name_and_training_goes_on(link):
+    """Issue 37, item 11: torch said the weight 'appears to not have been used in the graph' and
+    advised allow_unused=True (which gave None), while the gradients landed in .grad anyway."""
+    plain, streamed = twins()
+    StreamedModel(streamed, link, buffers=2)
+    x, y = batch()
+    weights = list(streamed.blocks[1].parameters())
+    for allow_unused in (False, True):
+        with pytest.raises(
+            RuntimeError,
+            match=r"torch\.autograd\.grad cannot return the gradient "
+            r"of '.*' of block 'blocks\.1'.*call loss\.backward\(\) and read \.grad",
+        ):
+            torch.autograd.grad(streamed(x, y), weights, allow_unused=allow_unused)
+        assert all(p.grad is None for p in streamed.parameters())
+    # what is not streamed is torch's as ever
+    head = streamed.head.weight
+    (got,) = torch.autograd.grad(streamed(x, y), [head])
+    (expected,) = torch.autograd.grad(plain(x, y), [plain.head.weight])
+    assert torch.equal(got, expected) and all(p.grad is None for p in streamed.parameters())
+    plain(x, y).backward(), streamed(x, y).backward()
+    assert same_gradients(plain, streamed)

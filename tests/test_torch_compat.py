@@ -54,6 +54,29 @@ def test_a_backward_that_raised_is_ended_by_settle_or_the_next_pass():
     assert ends == [1, 1, 1]
 
 
+def test_autograd_grad_capturing_a_leafs_gradient_is_told_from_backward():
+    seen = []
+
+    class Fetch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, leaf, copy):
+            return copy
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(compat.grad_captures(ctx.next_functions[0][0]))
+            return None, None
+
+    w, other = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    for run in (
+        lambda y: y.backward(),
+        lambda y: y.backward(inputs=[w]),
+        lambda y: torch.autograd.grad(y, [w], allow_unused=True),
+    ):
+        run((Fetch.apply(w, w.detach() * 2) * other).sum())
+    assert seen == [False, False, True]
+
+
 def test_the_saved_tensor_hooks_in_force_are_found():
     assert compat.saved_tensors_default_hooks() is None
     pack, unpack = (lambda t: t), (lambda t: t)
@@ -176,6 +199,7 @@ def test_a_missing_api_names_itself_and_the_torch_versions(use):
 def test_the_module_finds_every_api_it_names_on_this_torch():
     for name in (
         "_current_graph_task_id",
+        "_will_engine_execute_node",
         "_queue_callback",
         "_top_saved_tensors_default_hooks",
         "reparametrize_module",
@@ -190,7 +214,8 @@ def test_the_module_finds_every_api_it_names_on_this_torch():
 _PRIVATE = re.compile(
     r"torch\._(?!_version__)|\._version\b|\._base\b|\._cdata\b|_reparametrize_module|queue_callback|"
     r"_execution_engine|ToCopyBackward|found_inf|_step_supports_amp_scaling|WeakIdKeyDictionary|"
-    r"_optimizer_(load_)?state_dict_(pre|post)_hooks|_top_saved_tensors|_current_graph_task_id"
+    r"_optimizer_(load_)?state_dict_(pre|post)_hooks|_top_saved_tensors|_current_graph_task_id|"
+    r"_will_engine_execute_node"
 )
 
 

@@ -943,7 +943,9 @@ def prefetch(quick: bool = False) -> dict:
         ):
             prefetcher = Prefetcher(sources, chosen, **variant)
             one_pass(prefetcher)  # warm-up
-            seconds = statistics.median(one_pass(prefetcher) for _ in range(5))
+            before, passes = chosen.traffic.snapshot(), 5
+            seconds = statistics.median(one_pass(prefetcher) for _ in range(passes))
+            spent = {k: v - before[k] for k, v in chosen.traffic.snapshot().items()}
             copies = prefetcher.timeline()["H2D"]
             busy = sum(end - start for start, end, _ in copies)
             result_rows.append(
@@ -952,6 +954,15 @@ def prefetch(quick: bool = False) -> dict:
                     "seconds": seconds,
                     "ratio_to_bound": seconds / bound,
                     "link_percent_of_peak": 100 * layers * layer_bytes / busy / peak,
+                    # per pass: bytes over the weights' bytes (1: each weight up once), waits
+                    "traffic": {
+                        "h2d_bytes_per_weight_byte": spent["h2d_bytes"]
+                        / (passes * layers * layer_bytes),
+                        "d2h_bytes_per_weight_byte": spent["d2h_bytes"]
+                        / (passes * layers * layer_bytes),
+                        "host_syncs_per_pass": spent["syncs"] / passes,
+                        "pinned_staging_bytes": prefetcher.host_staging_bytes,
+                    },
                 }
             )
             ratios[
@@ -1173,10 +1184,13 @@ def format_result(result: dict) -> str:
                 f"{format_bandwidth(row['bytes_per_s']):>10}{of_floor}"
             )
         elif "ratio_to_bound" in row:
+            t = row["traffic"]
             lines.append(
                 f"  {row['contender']:<22} {format_duration(row['seconds']):>10}  "
                 f"{row['ratio_to_bound']:.2f}× max(compute, transfer)  "
-                f"link {row['link_percent_of_peak']:.0f}% of pinned peak"
+                f"link {row['link_percent_of_peak']:.0f}% of pinned peak  "
+                f"{t['h2d_bytes_per_weight_byte']:.2f}× the weights up, "
+                f"{t['host_syncs_per_pass']:.0f} host waits a pass"
             )
         elif "model" in row:
             overhead = (

@@ -593,3 +593,33 @@ def test_one_cuda_link_per_device_for_whoever_was_given_none(monkeypatch):
     assert cuda.shared_cuda_link("cuda:0") is first
     assert cuda.shared_cuda_link(torch.device("cuda", 1)) is not first
     assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
+def test_the_ledger_counts_bytes_copies_and_host_waits_as_a_gpu_would():
+    """Link.traffic: bytes and copies each way; synchronize() (a copy's, the link's) and a copy of
+    pageable memory hold the host; wait() does not (on a GPU only a stream waits); a wait on the
+    thread running backward is counted apart."""
+    import torch
+
+    from offloadlab.link import EmulatedLink
+
+    with EmulatedLink(bandwidth="8 GB/s", latency=0) as link:
+        pinned = link.host_buffer(1024, torch.float32)
+        device = link.device_buffer(1024, torch.float32)
+        start = link.traffic.snapshot()
+        link.to_device(device, pinned).wait()
+        link.to_host(pinned, device).synchronize()
+        link.to_host(torch.empty(256), device[:256])  # pageable: the host waits
+        y = torch.ones(2, requires_grad=True)
+        y.register_hook(lambda g: link.to_host(pinned, device).synchronize())
+        (y * 2).sum().backward()
+        link.synchronize()
+        spent = {k: v - start[k] for k, v in link.traffic.snapshot().items()}
+    assert spent == {
+        "h2d_bytes": 4096,
+        "d2h_bytes": 4096 + 1024 + 4096,
+        "h2d_copies": 1,
+        "d2h_copies": 3,
+        "syncs": 4,
+        "syncs_in_backward": 1,
+    }

@@ -60,8 +60,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class Traffic:
     """What a link has cost since it was made: bytes and copies each way, and the times the host
-    blocked on the device (a copy's or the link's ``synchronize()``, a marker's ``time``), counted
-    apart when they ran inside a backward pass, where they stall the thread that feeds the GPU.
+    blocked on the device (a copy's or the link's ``synchronize()``, a marker's ``time``, a copy
+    of pageable memory), counted apart when they ran inside a backward pass, where they stall the
+    thread that feeds the GPU.
 
     :meth:`snapshot` reads the counters; subtract two to price a stretch of training.
     """
@@ -72,10 +73,13 @@ class Traffic:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(self.FIELDS, 0)
 
-    def copied(self, direction: str, nbytes: int) -> None:
+    def copied(self, direction: str, nbytes: int, pinned: bool = True) -> None:
+        """A copy was issued; one from or to pageable memory holds the host until it is done."""
         with self._lock:
             self._counts[f"{direction}_bytes"] += nbytes
             self._counts[f"{direction}_copies"] += 1
+        if not pinned:
+            self.blocked()
 
     def blocked(self) -> None:
         """The calling thread is about to wait for the device."""
@@ -370,7 +374,7 @@ class Link(ABC):
             list(targets),
             then,
         )
-        self.traffic.copied("h2d", nbytes)
+        self.traffic.copied("h2d", nbytes, pinned=self.is_pinned(src))
         for recording in self._recordings:
             recording.transfers.append(transfer)
         return transfer
@@ -383,7 +387,7 @@ class Link(ABC):
         transfer = self._issue(
             direction, dst, src, nbytes, self.is_pinned(host), after, str(label), (), then
         )
-        self.traffic.copied(direction, nbytes)
+        self.traffic.copied(direction, nbytes, pinned=self.is_pinned(host))
         for recording in self._recordings:
             recording.transfers.append(transfer)
         return transfer

@@ -623,3 +623,26 @@ def test_the_ledger_counts_bytes_copies_and_host_waits_as_a_gpu_would():
         "syncs": 4,
         "syncs_in_backward": 1,
     }
+
+
+def test_host_times_stay_on_the_event_clock_as_the_two_clocks_drift():
+    """The finding (issue 35): the CUDA link joined the host's clock to the GPU's once, when it
+    was made; the two drift apart, so an hour on the CPU's lanes slid against the copies'. Host
+    times are now placed from the newest anchor: with a GPU clock 100 ppm fast, two hours on, a
+    host instant and an event recorded at it agree to within the drift of one anchor's second."""
+    from offloadlab.link import _EventClock
+
+    fake = {"now": 0.0}
+
+    class DriftingEvent(FakeEvent):
+        def __init__(self, clock):
+            self.t = clock["now"] * (1 + 1e-4)  # the GPU's clock
+
+    clock = _EventClock(lambda: DriftingEvent(fake), every=1.0, now=lambda: fake["now"])
+    while fake["now"] < 7200:
+        fake["now"] += 0.5
+        clock.anchor()
+    host = clock.host_seconds()
+    event = clock.anchor().seconds_to(DriftingEvent(fake))
+    assert abs(host - event) < 2e-4  # (joined once: 0.72 s apart)
+    assert abs(host - 7200 * (1 + 1e-4)) < 2e-3

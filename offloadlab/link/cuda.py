@@ -34,6 +34,7 @@ class _Anchor:
 
     def __init__(self, event, previous: "_Anchor | None", offset: float | None = None):
         self.event, self._previous, self._offset = event, previous, offset
+        self.host = 0.0  # the host's time when it was recorded (the clock's own ``now``)
 
     def offset(self) -> float:
         chain, anchor = [], self
@@ -62,6 +63,11 @@ class _EventClock:
     *anchor* recorded just before it: a new anchor is recorded, on an idle stream of the clock's
     own (so it completes at once), when the last is ``every`` seconds old in host time.
     ``record()`` records and returns an event on that stream.
+
+    Host times (:meth:`host_seconds`, for work the CPU does) are placed on the same clock from the
+    newest anchor, whose host time was noted when it was recorded: the GPU's clock and the host's
+    drift apart (parts per million; a millisecond an hour at 0.3 ppm), so joining them once, when
+    the link is made, would slide the CPU's lanes against the copies' as the link ages.
     """
 
     def __init__(self, record, every: float = 1.0, now=time.perf_counter):
@@ -69,6 +75,8 @@ class _EventClock:
         epoch = record()
         epoch.synchronize()
         self._latest, self._when = _Anchor(epoch, None, 0.0), now()
+        self._latest.host = self._when
+        self._resolved = self._latest  # the newest anchor whose offset is known, for host times
         self._lock = threading.Lock()
 
     def anchor(self) -> _Anchor:
@@ -78,9 +86,21 @@ class _EventClock:
             if now - self._when >= self._every:
                 previous = self._latest
                 self._latest, self._when = _Anchor(self._record(), previous), now
+                self._latest.host = now
                 if previous.event.query():
                     previous.offset()  # keep the chain short while nobody asks for times
+                    self._resolved = previous
             return self._latest
+
+    def host_seconds(self) -> float:
+        """The host's present moment on the clock: the newest resolved anchor's time plus the host
+        time since it was recorded."""
+        anchor = self.anchor()
+        if anchor is not self._resolved and anchor.event.query():
+            anchor.offset()
+            self._resolved = anchor
+        resolved = self._resolved
+        return resolved.offset() + self._now() - resolved.host
 
 
 class _CudaTransfer(Transfer):
@@ -168,8 +188,6 @@ class CudaLink(Link):
         self._warned_fallback = False
         clock_stream = torch.cuda.Stream(self.device)  # idle but for the clock's anchors
         self._clock = _EventClock(lambda: self._event_on(clock_stream))
-        # host time of the epoch, to place CPU work on the same clock
-        self._epoch_host = time.perf_counter()
 
     def __repr__(self) -> str:
         return f"CudaLink({torch.cuda.get_device_name(self.device)})"
@@ -262,7 +280,7 @@ class CudaLink(Link):
         fn(*args, **kwargs)
 
     def now(self) -> float:
-        return time.perf_counter() - self._epoch_host
+        return self._clock.host_seconds()
 
     def mark(self) -> Marker:
         return self._record(torch.cuda.current_stream(self.device))

@@ -575,7 +575,7 @@ def test_small_host_buffers_each_register_on_pages_of_their_own(monkeypatch):
 
 def test_one_cuda_link_per_device_for_whoever_was_given_none(monkeypatch):
     """The finding (issue 35): every CPUOffloadAdam made without link= made a CudaLink of its own,
-    three of torch's 32 pooled streams each, a notebook cell run again taking three more."""
+    four of torch's 32 pooled streams each, a notebook cell run again taking four more."""
     import torch
 
     from offloadlab.link import cuda
@@ -646,3 +646,26 @@ def test_host_times_stay_on_the_event_clock_as_the_two_clocks_drift():
     event = clock.anchor().seconds_to(DriftingEvent(fake))
     assert abs(host - event) < 2e-4  # (joined once: 0.72 s apart)
     assert abs(host - 7200 * (1 + 1e-4)) < 2e-3
+
+
+@pytest.mark.gpu
+def test_cuda_a_copy_queued_behind_a_scatter_is_not_held_by_its_kernel():
+    """The finding (issue 35): the scatter ran on the copy stream, so a scatter kernel waiting for
+    SMs (behind a saturating GEMM) held every copy queued after it. Kernels behind a copy now run
+    on the link's kernel stream: here that stream is held, and a later copy lands anyway; a copy
+    into the staging buffer the scatter still reads waits for it."""
+    with CudaLink() as cuda:
+        n = 2**20
+        host, staging = cuda.host_buffer(2 * n), cuda.device_buffer(2 * n)
+        targets = [cuda.device_buffer(n), cuda.device_buffer(n)]
+        with torch.cuda.stream(cuda.kernel_stream):
+            torch.cuda._sleep(2_000_000_000)  # the kernel stream busy, as behind a GEMM
+        pairs = list(zip(targets, staging.split(n)))
+        scattered = cuda.to_device_scattered(pairs, host, staging, after=None)
+        other = cuda.to_device(cuda.device_buffer(n), cuda.host_buffer(n), after=None)
+        other.synchronize()
+        assert not scattered.done()
+        again = cuda.to_device_scattered(pairs, host, staging, after=None)
+        scattered.synchronize()
+        again.synchronize()
+        assert all(torch.equal(t.cpu(), v) for t, v in zip(targets, host.split(n)))

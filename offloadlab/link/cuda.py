@@ -149,6 +149,8 @@ class CudaLink(Link):
     ``d2h_stream``; both persistent, so the caching allocator keeps one pool per stream, not one
     per step), after what ``after`` names, and device tensors it touches are recorded on that
     stream so the caching allocator does not hand their memory out while the copy still uses it.
+    Kernels behind a copy (a scatter, ``then``) run on ``kernel_stream``, so they never hold up the
+    copies queued after theirs; only a copy into memory such a kernel still reads waits for it.
     The link keeps the host tensors of a copy alive until the copy is done. The consumer orders
     its compute after a copy with :meth:`Transfer.wait`; the host buffer a copy reads must not be
     rewritten until the copy is :meth:`Transfer.done`.
@@ -182,6 +184,10 @@ class CudaLink(Link):
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
         self._streams = {"h2d": self.h2d_stream, "d2h": self.d2h_stream}
+        # the scatter and other kernels behind a copy (to_device's ``then``), off the copy queue
+        self.kernel_stream = torch.cuda.Stream(self.device)
+        # storage address → the event after which no such kernel reads it (a staging buffer)
+        self._read_by_kernels: dict[int, object] = {}
         self._in_flight: collections.deque = collections.deque()
         # copies are issued from several threads (an optimizer's worker)
         self._issuing = threading.Lock()
@@ -254,22 +260,35 @@ class CudaLink(Link):
             stream.wait_stream(torch.cuda.current_stream(self.device))
         elif isinstance(after, Marker):
             stream.wait_event(after._event)
+        device_side = dst if direction == "h2d" else src
+        busy = self._read_by_kernels.pop(device_side.untyped_storage().data_ptr(), None)
+        if busy is not None:  # a scatter may still be reading this staging buffer
+            stream.wait_event(busy)
         transfer = _CudaTransfer(
             self, direction, nbytes, pinned, label, (dst, src, scatter), self._clock.anchor()
         )
         with torch.cuda.stream(stream):
             transfer._begin.record(stream)
             dst.copy_(src, non_blocking=True)
-            if scatter:
-                with torch.no_grad():
-                    _torch_compat.foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])
-            if then is not None:
-                with torch.no_grad():
-                    then()
+        device_side.record_stream(stream)
+        if not scatter and then is None:
             transfer._finish.record(stream)
-        (dst if direction == "h2d" else src).record_stream(stream)
-        for target, _ in scatter:
-            target.record_stream(stream)
+        else:
+            # Kernels behind the copy run on a stream of their own: in the copy stream's queue a
+            # kernel waits for free SMs (behind a saturating GEMM), and every copy after it too.
+            landed = torch.cuda.Event()
+            landed.record(stream)
+            self.kernel_stream.wait_event(landed)
+            with torch.cuda.stream(self.kernel_stream), torch.no_grad():
+                if scatter:
+                    _torch_compat.foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])
+                if then is not None:
+                    then()
+                transfer._finish.record(self.kernel_stream)
+            device_side.record_stream(self.kernel_stream)
+            for target, _ in scatter:
+                target.record_stream(self.kernel_stream)
+            self._read_by_kernels[device_side.untyped_storage().data_ptr()] = transfer._finish
         while self._in_flight and self._in_flight[0].done():
             self._in_flight.popleft()
         self._in_flight.append(transfer)
@@ -306,7 +325,7 @@ _SHARING = threading.Lock()
 
 
 def shared_cuda_link(device) -> CudaLink:
-    """The one CudaLink of ``device`` for whoever was given none: each link takes three streams
+    """The one CudaLink of ``device`` for whoever was given none: each link takes four streams
     from torch's pool of 32 per device, and the caching allocator keeps a pool per stream, so an
     optimizer made in every re-run of a cell must not make its own. Never closed."""
     device = torch.device(device)

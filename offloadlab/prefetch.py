@@ -43,13 +43,15 @@ class Prefetcher:
     ``buffers`` items however many items there are, and is released with the prefetcher);
     with ``pinned=False`` it is copied straight from pageable memory, synchronously.
 
-    An item is a view into one of the ``buffers`` device staging buffers, valid until the item
-    ``buffers`` places after it is delivered into the same buffer: use it (issue the work that
-    reads it) before asking for that one, or ``.clone()`` it to keep it. ``list(prefetcher)``
-    would hold every item past its buffer's reuse, so it is refused: when an item is delivered
-    into a buffer whose last item is still referenced, iteration raises, and the refilled
-    buffer's earlier views have their version counters bumped, so that autograd refuses a
-    backward that saved one (its in-place check) instead of reading the new item's data.
+    An item is a view into one of the ``buffers`` device staging buffers, valid until you ask for
+    the item ``buffers - depth`` places after it: with the default depth, the next one. Its
+    buffer starts refilling then, while the work on the next item runs: that overlap is the
+    double buffer. Use an item (issue the work that reads it) before asking for the next, or
+    ``.clone()`` it to keep it. Each refill bumps the buffer's version counter, so autograd refuses
+    a backward that saved an earlier item there (its in-place check) instead of reading the new
+    item's data; and an item still referenced when the item that refilled its buffer is delivered
+    (and the consumer has moved past it) makes iteration raise: ``list(prefetcher)`` would keep
+    every item, so it is refused.
 
     Iterating again starts a new pass over the same buffers, once the last pass is over: run to its
     end, or left with a ``break`` (its iterator dropped). Two passes at once would share the
@@ -174,16 +176,25 @@ class Prefetcher:
         # weak refs to the views of items delivered, and of those since overwritten
         served, stale = {}, []
         try:
-            for index in range(min(self.depth + 1, count)):
+
+            def issue(index: int) -> None:
+                # a backward that saved an earlier item of this buffer (of this pass or the last)
+                # is refused from now on: the buffer is being refilled
+                torch.autograd.graph.increment_version(self._slots[index % self.buffers])
                 pending[index] = self._issue(index)
+
+            for index in range(min(self.depth + 1, count)):
+                issue(index)
             for index in range(count):
                 if index not in pending:
-                    pending[index] = self._issue(index)
+                    issue(index)
                 slot, transfers = pending.pop(index)
                 for transfer in transfers:
                     transfer.synchronize() if self.synchronous else transfer.wait()
                 views = self.layouts[index].views(self._slots[slot])
-                if index >= self.buffers:  # the item that had this buffer now shows this one's data
+                # Only now is the work issued on the item that had this buffer surely done (this
+                # copy waited for it), so a reference to it is the consumer's, not queued work's.
+                if index >= self.buffers:
                     stale.append((index - self.buffers, index, served.pop(index - self.buffers)))
                 stale = self._check_stale(stale, index)
                 served[index] = [weakref.ref(v) for v in views]
@@ -197,7 +208,7 @@ class Prefetcher:
                 records.append((index, transfers, begin, end))
                 ahead = index + self.depth + 1
                 if self.depth and ahead < count:
-                    pending[ahead] = self._issue(ahead)
+                    issue(ahead)
         finally:
             # closed mid-item (break, or a new pass): release what it held
             if self._in_use is not None:
@@ -208,17 +219,15 @@ class Prefetcher:
         """Refuse a consumer that still holds an item whose buffer was refilled (``stale``: (item,
         the item that refilled it, weak refs to its views)), now that item ``index`` is delivered;
         the item just before ``index`` may still be the consumer's loop variable, and is checked
-        at the next delivery. Bumps a held view's version counter, so a backward that saved it
-        fails too. Returns the entries left to check."""
+        at the next delivery. Returns the entries left to check."""
         left = []
         for earlier, refill, refs in stale:
             held = [v for v in (r() for r in refs) if v is not None]
             if held and earlier < index - 1:
-                torch.autograd.graph.increment_version(held)
                 raise RuntimeError(
                     f"Prefetcher: item {earlier} is still referenced, but its device buffer has "
-                    f"held item {refill} since; an item is valid only until the item "
-                    f"{self.buffers} places after it is delivered: use it before asking for the "
+                    f"held item {refill} since; an item is valid only until you ask for the item "
+                    f"{self.buffers - self.depth} places after it: use it before asking for the "
                     f"next, or .clone() it to keep it (list(prefetcher) keeps every item)"
                 )
             if held:

@@ -254,8 +254,9 @@ def test_two_passes_at_once_are_refused(link):
 
 @pytest.mark.parametrize("buffers", [1, 2, 3])
 def test_an_item_kept_past_its_buffers_reuse_is_refused_not_changed(link, buffers):
-    """Each item is a view into a staging buffer, valid until the item ``buffers`` places later
-    is delivered there. list(Prefetcher(...)) used to give [4, 3, 4, 3, 4] for items 0 … 4."""
+    """Each item is a view into a staging buffer, refilled when the item ``buffers - depth``
+    places later is asked for. list(Prefetcher(...)) used to give [4, 3, 4, 3, 4] for items 0 to
+    4."""
     source = [torch.full((4,), float(i)) for i in range(5)]
     with pytest.raises(
         RuntimeError, match=r"item 0 is still referenced, but its device buffer has held item"
@@ -270,3 +271,39 @@ def test_an_item_kept_past_its_buffers_reuse_is_refused_not_changed(link, buffer
     # kept the right way
     cloned = [item.clone() for item in Prefetcher(source, link, buffers=buffers)]
     assert all(torch.equal(a, b) for a, b in zip(cloned, source))
+
+
+@pytest.mark.parametrize(
+    "buffers, depth", [(b, d) for b in (1, 2, 3) for d in range(b)], ids=lambda v: str(v)
+)
+def test_an_item_holds_its_own_data_until_the_one_buffers_minus_depth_after_it_is_asked_for(
+    link, buffers, depth
+):
+    """The documented lifetime (issue 37, item 4: the docstring promised until the item
+    ``buffers`` places later was delivered, and item 0 showed item 2's data one item later)."""
+    source = [torch.full((4,), float(i)) for i in range(6)]
+    passes = iter(Prefetcher(source, link, buffers=buffers, depth=depth))
+    first = next(passes)
+    for _ in range(1, buffers - depth):
+        next(passes)
+        link.synchronize()
+        assert torch.equal(first, source[0])
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_a_backward_that_saved_an_item_whose_buffer_was_refilled_is_refused(link, buffers):
+    """Issue 37, item 4: the gradient was computed from the item that refilled the buffer."""
+    source = [torch.full((4, 4), float(i)) for i in range(buffers + 2)]
+    x = torch.ones(4, requires_grad=True)
+    passes = iter(Prefetcher(source, link, buffers=buffers))
+    y = x @ next(passes)  # saves item 0 for x's gradient
+    next(passes)  # item 0's buffer refills (the next item's, for one buffer)
+    link.synchronize()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    del passes
+    # used before the next item is asked for, it is right
+    for i, weight in enumerate(Prefetcher(source, link, buffers=buffers)):
+        x.grad = None
+        (x @ weight).sum().backward()
+        assert torch.equal(x.grad, torch.full((4,), 4.0 * i))

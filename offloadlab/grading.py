@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import ast
 import math
+import numbers
 
-from .units import is_number
+from .units import check_integer, check_non_negative, check_positive, is_number
 
 __all__ = [
     "recomputed",
@@ -44,23 +45,62 @@ __all__ = [
 ADAM_STATE_BYTES = 12
 
 
+def _number(value, name: str, zero: bool = False) -> float:
+    """``value`` as a float: a finite number > 0 (≥ 0 with ``zero``; numpy's scalars too), else
+    ValueError naming ``name``."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        expected = "a number ≥ 0" if zero else "a positive number"
+        raise ValueError(f"{name}: expected {expected}; got {value!r}")
+    value = value if type(value) in (int, float) else float(value)  # as typed, in the message
+    return float((check_non_negative if zero else check_positive)(value, name))
+
+
+def _whole(value, name: str, low: int = 1, expected: str | None = None) -> int:
+    """``value`` as an int ≥ ``low`` (numpy's integers too), else ValueError naming ``name``."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)
+    return check_integer(value, name, low, expected=expected)
+
+
+def _share(value, name: str) -> float:
+    """A fraction in (0, 1]."""
+    if _number(value, name) > 1:
+        raise ValueError(f"{name}: expected a fraction in (0, 1]; got {value!r}")
+    return float(value)
+
+
+def _unanswered(answer, name: str, call: str):
+    """A failed challenge saying what is missing when ``answer`` is not a function, else None."""
+    if callable(answer):
+        return None
+    return Outcome(
+        False,
+        f"✗ challenge: {name}: expected your function {call} (run its answer cell first); got "
+        f"{answer!r}",
+    )
+
+
 def exchange_seconds(nbytes: float, h2d_rate: float, d2h_rate: float) -> float:
     """Seconds to send ``nbytes`` each way when both directions run at once, each at its own rate
     (bytes/s, measured while the other direction ran): the slower direction sets the time."""
+    nbytes = _number(nbytes, "nbytes", zero=True)
+    h2d_rate, d2h_rate = _number(h2d_rate, "h2d_rate"), _number(d2h_rate, "d2h_rate")
     return max(nbytes / h2d_rate, nbytes / d2h_rate)
 
 
 def one_buffer_pass_seconds(items: int, copy_seconds: float, work_seconds: float) -> float:
     """Seconds for one pass of a prefetcher with a single buffer: nothing overlaps, each item's
     copy waits for the work on the one before."""
-    return items * (copy_seconds + work_seconds)
+    items = _whole(items, "items", 0, expected="a whole number of items ≥ 0")
+    copy_seconds = _number(copy_seconds, "copy_seconds", zero=True)
+    return items * (copy_seconds + _number(work_seconds, "work_seconds", zero=True))
 
 
 def disk_step_seconds(params: float, read_rate: float, write_rate: float) -> float:
     """Seconds of disk transfer in one AdamW step on state kept in files, reads and writes taking
     turns on the drive, at the rates (bytes/s) measured for each."""
-    state = ADAM_STATE_BYTES * params
-    return state / read_rate + state / write_rate
+    state = ADAM_STATE_BYTES * _number(params, "params", zero=True)
+    return state / _number(read_rate, "read_rate") + state / _number(write_rate, "write_rate")
 
 
 class Outcome:
@@ -86,6 +126,11 @@ def lab01_challenge(
     import torch
 
     from .models import TinyGPT
+
+    missing = _unanswered(trainer, "trainer", "trainer(model) -> (step, optimizers)")
+    if missing is not None:
+        return missing
+    _number(budget, "budget"), _whole(steps, "steps"), _number(rel_tol, "rel_tol")
 
     torch.manual_seed(0)
     reference = TinyGPT(config).to(device)
@@ -167,6 +212,12 @@ def lab04_challenge(
     device→host copies (each pays the link's fixed cost): counted by the link, not timed."""
     import torch
 
+    missing = _unanswered(offload, "offload", "offload(model, link) -> optimizer")
+    if missing is not None:
+        return missing
+    _number(budget, "budget"), _whole(copies, "copies"), _whole(steps, "steps")
+    _number(rel_tol, "rel_tol")
+
     from .link import open_link
     from .models import TinyGPT
 
@@ -245,6 +296,17 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
     when every answer is right."""
     from .sharding import ring_bytes
 
+    missing = _unanswered(
+        choose, "choose", "choose(tensor_bytes, ranks, down, up, interconnect, host_link, duplex)"
+    )
+    if missing is not None:
+        return missing
+    tensor_bytes = _number(tensor_bytes, "tensor_bytes")
+    ranks = _whole(ranks, "ranks", 2, expected="a whole number of ranks ≥ 2 (a ring to shard on)")
+    down, up = _number(down, "down", zero=True), _number(up, "up", zero=True)
+    if down == up == 0:
+        raise ValueError("down, up: expected the bytes the host link carried; got 0 both ways")
+
     # a rank's share; reduce-scatter's is the same
     sent = ring_bytes("all-gather", tensor_bytes, ranks)
     link_bytes = {"full": max(down, up), "half": down + up}
@@ -291,6 +353,11 @@ def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
     and the recorded step's host→device copies carry no more bytes than those of a StreamedModel
     with as many weight buffers as ``budget`` holds, run by the grader the same way."""
     import torch
+
+    missing = _unanswered(stream, "stream", "stream(model, link, budget) -> StreamedModel")
+    if missing is not None:
+        return missing
+    budget = _whole(budget, "budget", expected="a whole number of bytes ≥ 1")
 
     from .link import open_link
     from .models import TinyGPT
@@ -366,6 +433,11 @@ def lab07_challenge(
     disk slowed by other work slows both: a rate taken earlier (``reference_rate``, bytes/s: the
     lab's step 1) is only shown beside them."""
     import tempfile
+
+    block_bytes = _whole(block_bytes, "block_bytes", expected="a whole number of bytes ≥ 1")
+    queue_depth = _whole(queue_depth, "queue_depth")
+    _number(reference_rate, "reference_rate"), _share(share, "share")
+    _whole(params, "params"), _whole(repeats, "repeats")
     import time
     from pathlib import Path
 
@@ -411,6 +483,11 @@ def lab02_challenge(
     bandwidth β in bytes/s, while the link records every copy; it passes when the copies moved
     ``budget`` bytes or fewer (both directions, warm-ups included) and β is within ``rel_tol``
     of ``reference`` (bytes/s: the lab's full sweep, or the emulated link's own rate)."""
+    missing = _unanswered(probe, "probe", "probe(link) -> bytes/s")
+    if missing is not None:
+        return missing
+    reference = _number(reference, "reference")
+    _whole(budget, "budget", expected="a whole number of bytes ≥ 1"), _number(rel_tol, "rel_tol")
     with link.record() as recording:
         beta = probe(link)
     moved = sum(t.nbytes for t in recording.transfers)
@@ -458,6 +535,12 @@ def lab03_challenge(
 
     from .link import EmulatedLink
 
+    missing = _unanswered(step, "step", "step(link, work, host, device)")
+    if missing is not None:
+        return missing
+    _number(copy_share, "copy_share"), _share(share, "share"), _whole(steps, "steps")
+    if work_seconds is not None:
+        _number(work_seconds, "work_seconds")
     if link.emulated:
         seconds = 0.02 if work_seconds is None else work_seconds
         with EmulatedLink(bandwidth=0.5e9, latency=20e-6) as own:
@@ -623,6 +706,12 @@ def lab05_challenge(
 
     from .link import EmulatedLink
 
+    missing = _unanswered(prefetch, "prefetch", "prefetch(items, link)")
+    if missing is not None:
+        return missing
+    _whole(budget, "budget"), _share(share, "share"), _whole(items, "items")
+    if work_seconds is not None:
+        _number(work_seconds, "work_seconds")
     if link.emulated:
         seconds = 0.025 if work_seconds is None else work_seconds
         with EmulatedLink(bandwidth=0.5e9, latency=20e-6) as own:

@@ -267,3 +267,65 @@ def test_lab06_something_else_than_a_streamed_model_gets_one_line(capsys):
         lambda model, link, budget: None, LAB06_MODEL, "cpu", torch.float32, 5 * LAB06_BLOCK
     )
     assert not outcome and "returned NoneType; expected a StreamedModel" in outcome.line
+
+
+# Issue 37, items 7 and 10: the helpers gave -6.0, ZeroDivisionError or "unsupported operand".
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: grading.one_buffer_pass_seconds(-3, 1.0, 1.0), "items: expected a whole number"),
+        (lambda: grading.one_buffer_pass_seconds(3, -1.0, 1.0), "copy_seconds: expected"),
+        (lambda: grading.one_buffer_pass_seconds(2.5, 1.0, 1.0), "items: expected"),
+        (
+            lambda: grading.exchange_seconds(1e9, 0, 1e9),
+            "h2d_rate: expected a positive number; got 0 ",
+        ),
+        (lambda: grading.exchange_seconds("1e9", 1e9, 1e9), "nbytes: expected a number ≥ 0"),
+        (lambda: grading.exchange_seconds(1e9, 1e9, float("nan")), "d2h_rate: expected"),
+        (
+            lambda: grading.disk_step_seconds(None, 1e9, 1e9),
+            "params: expected a number ≥ 0; got None",
+        ),
+        (lambda: grading.disk_step_seconds(1e6, 1e9, -1), "write_rate: expected"),
+        (lambda: grading.lab08_challenge(lambda *a: "shard", 6e6, 0, 4e6, 4e6), "ranks: expected"),
+        (lambda: grading.lab08_challenge(lambda *a: "shard", 6e6, 2, 0, 0), "down, up: expected"),
+        (lambda: grading.lab08_challenge(lambda *a: "shard", "6e6", 2, 4e6, 4e6), "tensor_bytes:"),
+        (lambda: grading.lab07_challenge(".", None, 8, 1e9), "block_bytes: expected a whole"),
+        (
+            lambda: grading.lab06_challenge(
+                streamed_with(2), LAB06_MODEL, "cpu", torch.float32, -1
+            ),
+            "budget: expected a whole number of bytes",
+        ),
+    ],
+)
+def test_a_helper_given_a_wrong_argument_names_it_in_one_line(call, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        call()
+    assert "\n" not in str(refused.value)
+
+
+def test_the_helpers_take_numpys_numbers():
+    import numpy as np
+
+    assert grading.one_buffer_pass_seconds(np.int64(3), np.float32(1.0), 1.0) == 6.0
+    assert grading.exchange_seconds(np.float64(2e9), 1e9, np.int64(10**9)) == 2.0
+
+
+@pytest.mark.parametrize(
+    "challenge, name",
+    [
+        (lambda: grading.lab01_challenge(None, LAB06_MODEL, "cpu"), "trainer"),
+        (lambda: grading.lab04_challenge(None, LAB06_MODEL, "cpu"), "offload"),
+        (lambda: grading.lab06_challenge(None, LAB06_MODEL, "cpu", torch.float32, 10**8), "stream"),
+        (lambda: grading.lab08_challenge(None, 6e6, 2, 4e6, 4e6), "choose"),
+        (lambda: grading.lab02_challenge(None, None, 1e9), "probe"),
+        (lambda: grading.lab03_challenge(None, None), "step"),
+        (lambda: grading.lab05_challenge(None, None), "prefetch"),
+    ],
+)
+def test_an_unanswered_challenge_says_what_is_missing(challenge, name, capsys):
+    """lab05_challenge(None, link) said "'NoneType' object is not callable"."""
+    outcome = challenge()
+    assert not outcome and outcome.line.startswith(f"✗ challenge: {name}: expected your function")
+    assert outcome.line.endswith("got None") and capsys.readouterr().out == outcome.line + "\n"

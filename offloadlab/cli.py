@@ -727,9 +727,21 @@ def _cmd_bench(args) -> int:
             bench.check_nvme_folder(args.disk or ".", quick=args.quick)
         result = bench.nvme(quick=args.quick, folder=args.disk or ".")
     else:
+        if args.name == "adam":
+            _refuse_a_stale_peer_build()
         result = getattr(bench, args.name)(quick=args.quick)
     text = _dumps(result, indent=1) + "\n"
     return _show_and_save_json(bench.format_result(result), text, target, args.force, "the result")
+
+
+def _refuse_a_stale_peer_build() -> None:
+    """bench adam builds DeepSpeed's CPU Adam at first use; a lock left by a killed build made it
+    wait forever (issue 37, item 13). The other peers (torchao, Accelerate) build nothing."""
+    from . import gpucheck
+
+    lock = gpucheck.cpu_adam_build_folder() / "lock"
+    if gpucheck._present("deepspeed") and lock.exists():
+        raise Fault(f"bench adam: a killed DeepSpeed build left {lock}: delete it, then run again")
 
 
 def _cmd_gpu_check(args) -> int:

@@ -806,3 +806,21 @@ def test_a_reference_folder_that_is_a_dangling_link_is_one_line(tmp_path, monkey
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a symbolic link to a missing folder" in err
     assert not (tmp_path / "missing").exists()
+
+
+def test_bench_adam_reports_a_stale_deepspeed_build_lock_instead_of_waiting(
+    tmp_path, monkeypatch, capsys
+):
+    """Issue 37, item 13: `offloadlab bench adam` itself (d425690 covered gpu-check's) waited
+    forever on torch's lock, left by a DeepSpeed CPU Adam build killed midway."""
+    from offloadlab import bench, gpucheck
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(gpucheck, "_present", lambda module: True)
+    monkeypatch.setattr(bench, "adam", lambda **k: pytest.fail("waited on the lock"))
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    assert main(["bench", "adam", "--quick"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(lock) in err and "delete it" in err

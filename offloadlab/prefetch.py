@@ -80,6 +80,11 @@ class Prefetcher:
         )
         self.link, self.buffers, self.depth = link, buffers, 0 if synchronous else depth
         self.synchronous, self.pinned = bool(synchronous), bool(pinned)
+        if not hasattr(items, "__iter__"):
+            raise ValueError(
+                "items: expected a sequence of host tensors or of tuples of them; got "
+                f"{type(items).__name__}"
+            )
         items = list(items)
         if not items:
             raise ValueError("items: expected at least one tensor or group of tensors")

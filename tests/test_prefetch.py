@@ -307,3 +307,10 @@ def test_a_backward_that_saved_an_item_whose_buffer_was_refilled_is_refused(link
         x.grad = None
         (x @ weight).sum().backward()
         assert torch.equal(x.grad, torch.full((4,), 4.0 * i))
+
+
+@pytest.mark.parametrize("items", [None, 5])
+def test_items_that_are_not_a_sequence_are_named(link, items):
+    """They were "'NoneType' object is not iterable"."""
+    with pytest.raises(ValueError, match="^items: expected a sequence of host tensors"):
+        Prefetcher(items, link)

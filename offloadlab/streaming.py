@@ -183,7 +183,7 @@ class StreamedModel:
             _Buffer(link.device_buffer(self.block_bytes, torch.uint8)) for _ in range(buffers)
         ]
         # the first fill of each buffer waits for what used its memory before
-        allocated = link.mark()
+        allocated = link.mark(timed=False)
         for buffer in self._weights:
             buffer.released = allocated
         self._gather = GradientGather(
@@ -419,7 +419,9 @@ class StreamedModel:
     @_torch_compat.eager_under_compile(_EAGER)
     def _release(self, buffer: _Buffer) -> None:
         buffer.holds -= 1
-        buffer.released = self.link.mark()  # its user's work is issued: refill once that is done
+        buffer.released = self.link.mark(
+            timed=False
+        )  # its user's work is issued: refill once that is done
 
     def _resident(self, index: int) -> _Buffer | None:
         """The buffer holding block ``index``'s current weights (None if none, or if an optimizer

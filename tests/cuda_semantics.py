@@ -114,11 +114,13 @@ class CudaOrderLink(EmulatedLink):
         marker._stream_name, marker._position = stream, self._next(stream)
         return marker
 
-    def mark(self):
-        return self._checked(super().mark(), self._stream())
+    def mark(self, timed=True):
+        return self._checked(super().mark(timed), self._stream())
 
-    def mark_on(self, marker):
-        return self._checked(super().mark_on(marker), getattr(marker, "_stream_name", "default"))
+    def mark_on(self, marker, timed=True):
+        return self._checked(
+            super().mark_on(marker, timed), getattr(marker, "_stream_name", "default")
+        )
 
     # ------------------------------------------------------------------ memory
 

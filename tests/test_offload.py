@@ -1246,3 +1246,32 @@ def test_a_delayed_update_still_running_never_holds_up_the_next_backward(link, m
     monkeypatch.undo()
     opt.close()
     assert finished == [True]
+
+
+@pytest.mark.parametrize(
+    "schedule", [{}, {"accumulation_steps": 1}, {"delayed_update": True}], ids=str
+)
+def test_the_optimizer_records_no_timing_event_it_never_reads(link, schedule, monkeypatch):
+    """The finding (issue 35): every point the optimizer recorded to order a copy was a timing
+    event with an anchor; on a GPU a timing event costs more to record and to wait on. The
+    optimizer reads no time from them, so it asks for ordering-only points."""
+    asked = []
+    for name in ("mark", "mark_on"):
+        original = getattr(link, name)
+        monkeypatch.setattr(
+            link,
+            name,
+            lambda *a, original=original, **k: (
+                asked.append(k.get("timed", True)),
+                original(*a, **k),
+            )[1],
+        )
+    model = mlp()
+    opt = CPUOffloadAdam(model.parameters(), lr=1e-3, link=link, **schedule)
+    run(model, opt, data(3, 1))
+    opt.synchronize()
+    monkeypatch.undo()
+    opt.close()
+    assert asked and not any(asked)
+    with pytest.raises(RuntimeError, match="recorded for ordering only"):
+        link.mark(timed=False).time

@@ -96,8 +96,9 @@ class Traffic:
 class Marker:
     """A point in the compute stream, recorded by :meth:`Link.mark`."""
 
-    def __init__(self, link: "Link", event=None, stream=None, anchor=None):
+    def __init__(self, link: "Link", event=None, stream=None, anchor=None, timed: bool = True):
         self._link, self._event, self._stream, self._anchor = link, event, stream, anchor
+        self.timed = timed  # (False: for ordering only; on a GPU its event keeps no time)
         self._when: float | None = None
         self._reached = threading.Event()  # the emulated compute stream sets it
 
@@ -110,6 +111,11 @@ class Marker:
     def time(self) -> float:
         """Seconds since the link was made at which compute reached this point (blocks until
         then)."""
+        if not self.timed:
+            raise RuntimeError(
+                "Marker.time: this marker was recorded for ordering only (timed=False); record "
+                "one with mark() to time a point"
+            )
         if self._when is None:
             self._link.traffic.blocked()
             if self._event is not None:
@@ -412,13 +418,15 @@ class Link(ABC):
         """
 
     @abstractmethod
-    def mark(self) -> Marker:
+    def mark(self, timed: bool = True) -> Marker:
         """Record the current point of the compute stream (on a GPU: the calling thread's current
-        stream)."""
+        stream); ``timed=False`` for a point only ever ordered against, never timed (on a GPU a
+        cheaper event, and no anchor)."""
 
     @abstractmethod
-    def mark_on(self, marker: Marker) -> Marker:
-        """Record the current point of the stream ``marker`` was recorded on, from any thread.
+    def mark_on(self, marker: Marker, timed: bool = True) -> Marker:
+        """Record the current point of the stream ``marker`` was recorded on, from any thread
+        (``timed`` as in :meth:`mark`).
 
         A worker thread's own current stream is not the one training runs on; this is how it
         orders a copy after everything training has issued so far.

@@ -301,16 +301,20 @@ class CudaLink(Link):
     def now(self) -> float:
         return self._clock.host_seconds()
 
-    def mark(self) -> Marker:
-        return self._record(torch.cuda.current_stream(self.device))
+    def mark(self, timed: bool = True) -> Marker:
+        return self._record(torch.cuda.current_stream(self.device), timed)
 
-    def mark_on(self, marker: Marker) -> Marker:
-        return self._record(marker._stream)
+    def mark_on(self, marker: Marker, timed: bool = True) -> Marker:
+        return self._record(marker._stream, timed)
 
     def on_stream_of(self, marker: Marker):
         return torch.cuda.stream(marker._stream)
 
-    def _record(self, stream) -> Marker:
+    def _record(self, stream, timed: bool = True) -> Marker:
+        if not timed:  # (ordering only: an event without timing, no anchor)
+            event = torch.cuda.Event()
+            event.record(stream)
+            return Marker(self, event=event, stream=stream, timed=False)
         anchor = self._clock.anchor()
         return Marker(self, event=self._event_on(stream), stream=stream, anchor=anchor)
 

@@ -94,9 +94,9 @@ class _EmulatedStream:
             self._pending += 1
         self._jobs.put(job)
 
-    def mark(self) -> Marker:
+    def mark(self, timed: bool = True) -> Marker:
         link = self._link()  # (alive: its caller holds it)
-        marker = Marker(link)
+        marker = Marker(link, timed=timed)
         with self._lock:
             if self._pending == 0:
                 marker._reach(link.now())
@@ -255,11 +255,11 @@ class EmulatedLink(Link):
         threads = torch.get_num_threads()
         self._compute.put(lambda: _with_threads(threads, fn, *args, **kwargs))
 
-    def mark(self) -> Marker:
-        return self._compute.mark()
+    def mark(self, timed: bool = True) -> Marker:
+        return self._compute.mark(timed)
 
-    def mark_on(self, marker: Marker) -> Marker:
-        return self._compute.mark()  # the emulation has one compute stream
+    def mark_on(self, marker: Marker, timed: bool = True) -> Marker:
+        return self._compute.mark(timed)  # the emulation has one compute stream
 
     def synchronize(self) -> None:
         self.traffic.blocked()

@@ -575,7 +575,7 @@ class OffloadEngine:
         """What a copy up is ordered after: everything the training stream (the one backward ran
         on, wherever step() is called from) has been given so far."""
         training = self.intake.training
-        return "compute" if training is None else self.link.mark_on(training)
+        return "compute" if training is None else self.link.mark_on(training, timed=False)
 
     def _count_late_edits(self, bucket, late: dict) -> None:
         """Eager: count the bucket's parameters changed by hand after their update was announced

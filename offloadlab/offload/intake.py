@@ -215,7 +215,7 @@ class GradientIntake:
         """Bucket ``group``'s gradients at ``positions`` are on their way down."""
         bucket = self.buckets[group]
         # (the backward that produced them is issued)
-        self.training = self.link.mark()
+        self.training = self.link.mark(timed=False)
         bucket.receive(transfers, positions, marker=self.training)
         for transfer in transfers:
             self._record("D2H", transfer, f"b{group}")

@@ -161,7 +161,12 @@ class UpdateWorker:
             bucket.advance(first, stop, count)
         self._record("CPU", (started, self.link.now()), f"b{bucket.index}", step)
         if self.upload_after_update:
-            self.upload(bucket, after=self.link.mark_on(received.marker), step=step, announced=True)
+            self.upload(
+                bucket,
+                after=self.link.mark_on(received.marker, timed=False),
+                step=step,
+                announced=True,
+            )
 
     def announce(self, bucket: Bucket) -> None:
         """Say, on the caller's thread, that the bucket's weights change from now on: a graph that

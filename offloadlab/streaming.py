@@ -419,9 +419,8 @@ class StreamedModel:
     @_torch_compat.eager_under_compile(_EAGER)
     def _release(self, buffer: _Buffer) -> None:
         buffer.holds -= 1
-        buffer.released = self.link.mark(
-            timed=False
-        )  # its user's work is issued: refill once that is done
+        # its user's work is issued: refill once that is done
+        buffer.released = self.link.mark(timed=False)
 
     def _resident(self, index: int) -> _Buffer | None:
         """The buffer holding block ``index``'s current weights (None if none, or if an optimizer

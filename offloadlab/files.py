@@ -42,13 +42,14 @@ def check_target(
     """
     if not str(path):
         raise ValueError(f"{name}: expected a file name; got ''")
-    target = _followed(Path(path))
-    if _is_stream(target):
-        if stat.S_ISBLK(os.stat(target).st_mode):
+    # (os.stat follows every link, /proc's for /dev/stdout on a pipe too, which realpath cannot)
+    if _is_stream(Path(path)):
+        if stat.S_ISBLK(os.stat(path).st_mode):
             raise ValueError(f"{name}: expected a file name; got {str(path)!r}, a disk's device")
-        if not os.access(target, os.W_OK):
+        if not os.access(path, os.W_OK):
             raise OSError(errno.EACCES, f"cannot write to {str(path)!r}")
-        return target
+        return Path(path)
+    target = _followed(Path(path))
     # a link, dangling or not, is something at the name: followed only when replacing is allowed
     if Path(path).is_symlink() and not replace:
         raise ValueError(
@@ -132,12 +133,12 @@ def write_atomically(path, data: bytes | str, replace: bool = False, follow: boo
     ``follow=False`` a symbolic link, pipe or device at ``path`` is replaced by the new file (with
     ``replace``), never written through.
     """
-    target = _followed(Path(path)) if follow else Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-    if follow and _is_stream(target):  # nothing to replace: write through it
-        with open(target, "wb") as stream:
+    if follow and _is_stream(Path(path)):  # nothing to replace: write through it
+        with open(path, "wb") as stream:
             stream.write(payload)
-        return target
+        return Path(path)
+    target = _followed(Path(path)) if follow else Path(path)
     if not replace and Path(path).is_symlink():  # a link planted since check_target
         raise FileExistsError(
             errno.EEXIST, f"{str(path)!r} is a symbolic link now; it was left as it is"

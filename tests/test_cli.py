@@ -824,3 +824,11 @@ def test_bench_adam_reports_a_stale_deepspeed_build_lock_instead_of_waiting(
     assert main(["bench", "adam", "--quick"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(lock) in err and "delete it" in err
+
+
+def test_json_to_dev_stdout_on_a_pipe_is_written_there():
+    """/dev/stdout on a pipe resolves to '/proc/PID/fd/pipe:[N]', which is no path: it was
+    refused ('cannot create a file in /proc/PID/fd')."""
+    result = run("gpu-check", "--dry-run", "--profile", "h200", "--json", "/dev/stdout")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout[: result.stdout.index("\n}\n") + 2])["profile"]

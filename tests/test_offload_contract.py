@@ -609,3 +609,75 @@ def test_after_one_backward_too_many_the_first_ones_step_stands_and_training_goe
             optimizer.step()
     opt.close()
     assert_matches(ref, mine)
+
+
+def test_adamws_own_flags_at_their_defaults_are_taken_and_others_refused_by_name():
+    """The finding (issue 37, 12): AdamW's flags at their defaults raised TypeError in the
+    constructor, though the class takes AdamW's arguments (and accepts them in a param group)."""
+    model = nn.Linear(4, 4)
+    opt = CPUOffloadAdam(
+        model.parameters(),
+        1e-3,
+        (0.9, 0.999),
+        1e-8,
+        1e-2,
+        False,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+    )
+    opt.close()
+    for flag, value, message in (
+        ("amsgrad", True, "amsgrad: CPUOffloadAdam does not implement it; got True"),
+        ("maximize", True, "maximize: CPUOffloadAdam does not implement it; got True"),
+        ("capturable", True, "capturable: CPUOffloadAdam does not implement it; got True"),
+        ("differentiable", True, "differentiable: CPUOffloadAdam does not implement"),
+        ("foreach", "yes", "foreach: expected True, False or None; got 'yes'"),
+        ("fused", 1, "fused: expected True, False or None; got 1"),
+    ):
+        with pytest.raises(ValueError, match=f"^{message}"):
+            CPUOffloadAdam(model.parameters(), **{flag: value})
+
+
+def test_a_link_that_is_not_a_link_is_refused_by_name():
+    """The finding (issue 37, 9): link="emulated" raised AttributeError: 'str' object has no
+    attribute 'device'."""
+    with pytest.raises(
+        ValueError, match="^link: expected an offloadlab.link.Link .* got 'emulated'"
+    ):
+        CPUOffloadAdam(nn.Linear(4, 4).parameters(), link="emulated")
+
+
+def test_a_state_dict_without_state_is_refused_not_taken_as_fresh(link):
+    """The finding (issue 37, 1): a dict without "state" reset every moment and step count to
+    zero; torch.optim.AdamW raises (KeyError). It is refused, and nothing changes."""
+    model = nn.Linear(4, 4)
+    opt = CPUOffloadAdam(model.parameters(), link=link)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    with pytest.raises(ValueError, match="^state_dict: expected a dict with 'param_groups'"):
+        opt.load_state_dict({"param_groups": saved["param_groups"]})
+    assert all(int(s["step"]) == 1 for s in opt.state_dict()["state"].values())
+    opt.close()
+
+
+def test_a_second_step_without_backward_or_zero_grad_says_what_adamw_would_do(link):
+    """The finding (issue 37, 2): step() twice after one backward; AdamW applies the same .grad a
+    second time, this optimizer (its gradients consumed) did nothing, in silence."""
+    model = nn.Linear(4, 4)
+    opt = CPUOffloadAdam(model.parameters(), link=link)
+    opt.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    weights = model.weight.detach().clone()
+    with pytest.warns(UserWarning, match="would apply the last step's gradients a second time"):
+        opt.step()
+    assert torch.equal(model.weight.detach(), weights)
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # (zero_grad() said there are none: AdamW does nothing either)
+    opt.close()

@@ -402,6 +402,14 @@ class OffloadEngine:
                 "optimizer)",
                 stacklevel=6,
             )
+        if not self._zeroed_since_step and not ready and not self._submitted() and self.step_count:
+            warnings.warn(
+                "CPUOffloadAdam: step() again with no backward and no zero_grad() since the last "
+                "step: torch.optim.AdamW would apply the last step's gradients a second time (they "
+                "stay in .grad until zero_grad()), but this optimizer consumed them, so this step "
+                "changes nothing",
+                stacklevel=6,
+            )
         self._zeroed_since_step = False
         if scale is None:  # fp16 overflow: this step is skipped
             self._unfinished = lambda: self._skip(ready)

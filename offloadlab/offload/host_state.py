@@ -344,8 +344,9 @@ def check_state(state_dict, param_groups) -> tuple[list[dict], dict]:
     if (
         not isinstance(state_dict, dict)
         or not isinstance(state_dict.get("param_groups"), list)
-        or not isinstance(state_dict.get("state", {}), dict)
+        or not isinstance(state_dict.get("state"), dict)
     ):
+        # (a dict without 'state' would reset every moment: AdamW refuses it with a KeyError)
         raise ValueError(
             "state_dict: expected a dict with 'param_groups' (a list) and 'state' (a dict), as "
             "state_dict() returns"
@@ -391,7 +392,7 @@ def check_state(state_dict, param_groups) -> tuple[list[dict], dict]:
         hyper.append(values)
         param_of.update(zip(saved["params"], own["params"]))
     entries = {}
-    for key, saved in state_dict.get("state", {}).items():
+    for key, saved in state_dict["state"].items():
         where = f"state_dict: state[{key!r}]: "
         if key not in param_of:
             raise ValueError(

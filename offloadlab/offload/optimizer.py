@@ -71,6 +71,7 @@ from collections.abc import Mapping
 import torch
 
 from .. import _torch_compat
+from ..link import Link
 from ..units import check_integer, is_number
 from .engine import OffloadEngine, managed
 from .host_state import check_group, check_hyperparameters, check_state, export_state
@@ -140,7 +141,13 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         betas=(0.9, 0.999),
         eps=1e-8,
         weight_decay=1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         link=None,
         threads: int | None = None,
         max_grad_norm: float | None = None,
@@ -151,6 +158,23 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         record_timeline: bool = False,
     ):
         check_hyperparameters(lr, betas, eps, weight_decay)
+        # AdamW's own flags: at their defaults they ask for AdamW's update, which this is; the
+        # variants they switch on are not implemented, and foreach/fused pick torch's kernels,
+        # which this optimizer does not run.
+        flags = dict(
+            amsgrad=amsgrad, maximize=maximize, capturable=capturable, differentiable=differentiable
+        )
+        for flag, value in flags.items():
+            if value:
+                raise ValueError(f"{flag}: CPUOffloadAdam does not implement it; got {value!r}")
+        for flag, value in (("foreach", foreach), ("fused", fused)):
+            if not (value is None or isinstance(value, bool)):
+                raise ValueError(f"{flag}: expected True, False or None; got {value!r}")
+        if link is not None and not isinstance(link, Link):
+            raise ValueError(
+                f"link: expected an offloadlab.link.Link (open_link(), EmulatedLink(...), "
+                f"CudaLink()) or None; got {link!r}"
+            )
         if max_grad_norm is not None and not (is_number(max_grad_norm) and max_grad_norm > 0):
             raise ValueError(
                 f"max_grad_norm: expected a positive number or None; got {max_grad_norm!r}"

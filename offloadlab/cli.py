@@ -373,9 +373,10 @@ def _plan_workload(args):
             f"--model-config: expected a config.json file or the folder of a model snapshot; got "
             f"{args.model_config!r}"
         )
-    config, name, notes = architectures.read_config(
-        source if args.model is not None else Path(source)
-    )
+    with _arguments(model="--model", model_config="--model-config"):
+        config, name, notes = architectures.read_config(
+            source if args.model is not None else Path(source)
+        )
     if args.count == "transformers" and not model_count.available():
         raise UsageError(
             "--count: transformers is not installed here (pip install transformers), so it cannot "

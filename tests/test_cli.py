@@ -832,3 +832,11 @@ def test_json_to_dev_stdout_on_a_pipe_is_written_there():
     result = run("gpu-check", "--dry-run", "--profile", "h200", "--json", "/dev/stdout")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout[: result.stdout.index("\n}\n") + 2])["profile"]
+
+
+def test_an_unknown_model_names_the_flag():
+    """It said 'model: expected one of …', not the flag typed."""
+    line = _one_line_error(
+        run("plan", "--model", "nope", "--gpu-memory", "80 GB", "--link", "25 GB/s"), 2
+    )
+    assert line.startswith("offloadlab: error: --model: expected one of")

@@ -669,6 +669,7 @@ class _WatchedLink:
     link's."""
 
     def __init__(self, link):
+        _register_watched_link()  # (here: importing this module loads no torch)
         self._link, self.device_bytes, self.storages = link, 0, set()
 
     def device_buffer(self, *args, **kwargs):
@@ -679,6 +680,13 @@ class _WatchedLink:
 
     def __getattr__(self, name):
         return getattr(self._link, name)
+
+
+def _register_watched_link() -> None:
+    """A watched link is a link to the optimizers that check (CPUOffloadAdam refuses a non-link)."""
+    from .link import Link
+
+    Link.register(_WatchedLink)
 
 
 def lab05_challenge(

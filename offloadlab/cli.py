@@ -333,9 +333,10 @@ def _plan_workload(args):
     """The workload of ``plan``: a shipped model, a local config.json or snapshot folder, or a bare
     count.
 
-    A model is counted by transformers' own code on the meta device when transformers is installed
-    (``--count auto``, the default, or ``transformers``), else — or with ``--count formula`` — by
-    :mod:`offloadlab.architectures`' formulas."""
+    A model of a family :mod:`offloadlab.architectures` has a formula for is counted by it
+    (``--count auto``, the default: the same count, checked against transformers in the tests, in
+    a fraction of a second); any other, or with ``--count transformers``, by transformers' own
+    code on the meta device, where transformers is installed."""
     from . import architectures, model_count, planner
 
     given = [
@@ -382,26 +383,11 @@ def _plan_workload(args):
             "--count: transformers is not installed here (pip install transformers), so it cannot "
             "count the model; use --count formula"
         )
-    if args.count == "formula" or not model_count.available():
+    known = config.get("model_type") in architectures.FAMILIES
+    if args.count == "formula" or (args.count == "auto" and known) or not model_count.available():
         architecture = dataclasses.replace(architectures.from_config(config, name), notes=notes)
     else:
-        try:
-            architecture = model_count.architecture(config, name, notes)
-        # this transformers cannot build it: the formula, if it has one, can
-        except ValueError as error:
-            if (
-                args.count == "transformers"
-                or config.get("model_type") not in architectures.FAMILIES
-            ):
-                raise
-            architecture = dataclasses.replace(
-                architectures.from_config(config, name),
-                notes=notes
-                + (
-                    f"transformers could not build it ({str(error).removeprefix(name + ': ')}): "
-                    f"counted by the formula",
-                ),
-            )
+        architecture = model_count.architecture(config, name, notes)
     if architecture.params > _MAX_PARAMS:  # the bound --params has, so no derived figure overflows
         raise UsageError(
             f"--model-config: expected a model of at most {_MAX_PARAMS:.0e} parameters; "
@@ -849,8 +835,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--count",
         choices=["auto", "transformers", "formula"],
         default="auto",
-        help="how a model is counted: auto (default: transformers' meta-device build when "
-        "installed, else the formula), transformers, or formula",
+        help="how a model is counted: auto (default: the formula for a family it knows, else "
+        "transformers' meta-device build when installed), transformers, or formula",
     )
     plan.add_argument(
         "--attention",

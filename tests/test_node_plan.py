@@ -245,7 +245,8 @@ def test_a_local_config_beyond_the_params_bound_is_refused(tmp_path):
         result.returncode == 2
         and "expected 'num_hidden_layers' to be at most 100,000 layers" in result.stderr
     )
-    config["num_hidden_layers"], config["hidden_size"] = 80, 10**9
+    # (a width its 28 heads divide: the formula, which counts a known family, checks that first)
+    config["num_hidden_layers"], config["hidden_size"] = 80, 28 * 2**25
     (tmp_path / "config.json").write_text(json.dumps(config))
     result = offloadlab(
         "plan",

@@ -2,8 +2,9 @@
 
 :class:`CPUOffloadAdam` is the optimizer (a ``torch.optim.Optimizer``); the modules behind it
 each do one job — :mod:`~offloadlab.offload.bucket` (parameters that move and update together,
-and how far each bucket has got), :mod:`~offloadlab.offload.host_state` (the flat pinned buffers
-and the state-dict mapping), :mod:`~offloadlab.offload.intake` (gradients down),
+and how far each bucket has got), :mod:`~offloadlab.offload.host_state` (the flat host buffers
+and the state-dict mapping), :mod:`~offloadlab.offload.edits` (weights changed by hand, found by a
+fingerprint on the device), :mod:`~offloadlab.offload.intake` (gradients down),
 :mod:`~offloadlab.offload.worker` (the CPU update and the weights back up),
 :mod:`~offloadlab.offload.schedule` (when the update runs), :mod:`~offloadlab.offload.loss_scaler`
 (fp16 loss scaling) and :mod:`~offloadlab.offload.engine` (what ties them together and owns

@@ -220,7 +220,7 @@ class OffloadEngine:
         self.step_count = 0
         self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
         self._unfinished = None  # the rest of a step taken but not yet done (see _to_step_boundary)
-        self._refreshed: set[int] = set()
+        self._checked_edits: set[int] = set()
         # Whether zero_grad() came since the last step: AdamW's next step would add that step's
         # gradients to its own without it; this optimizer's step consumes them, and says so once.
         self._zeroed_since_step, self._said_not_zeroed = True, False
@@ -380,8 +380,8 @@ class OffloadEngine:
                     )
 
     def _step(self) -> None:
-        # buckets whose parameters were compared with their weights this step
-        self._refreshed = set()
+        # buckets whose weights were checked for edits by hand this step (before their upload)
+        self._checked_edits = set()
         self._take_in_gradients()
         self.schedule.before_update(self._finish, self._submitted())
         self._take_zero_gradients()
@@ -428,7 +428,7 @@ class OffloadEngine:
                     remaining[0],
                     scale,
                     self.step_count,
-                    refresh=remaining[0].index not in self._refreshed,
+                    check_edits=remaining[0].index not in self._checked_edits,
                 )
             remaining.pop(0)
         self.schedule.after_handing_over(self._finish, self._submitted())
@@ -552,7 +552,7 @@ class OffloadEngine:
                 self.worker.announce(bucket)
                 edited += self.edits.finish(bucket)
                 self.worker.upload(bucket, self._after_training(), self.step_count, announced=True)
-                self._refreshed.add(bucket.index)
+                self._checked_edits.add(bucket.index)
             if bucket.upload is not None:
                 bucket.upload.wait(on=self.intake.training)
             if self.schedule.eager_after is not None and bucket.streamed is None:

@@ -69,12 +69,14 @@ class UpdateWorker:
             self._staging = self.link.device_buffer(max(sizes), torch.uint8)
             self._staging_views = {}
 
-    def submit(self, bucket: Bucket, grad_scale: float, step: int, refresh: bool = True) -> None:
+    def submit(
+        self, bucket: Bucket, grad_scale: float, step: int, check_edits: bool = True
+    ) -> None:
         """Hand this step's gradients of ``bucket`` to the thread (``grad_scale`` multiplies them
         first), with its groups' hyperparameters as they are now (a scheduler may change them
         next). Weights changed by hand are taken in first (the device checks them now, the
-        thread takes them in), unless ``refresh`` is False (they were, just now)."""
-        if refresh:
+        thread takes them in), unless ``check_edits`` is False (they were, just now)."""
+        if check_edits:
             # weights changed since the optimizer last wrote them are the ones to update
             self.edits.start(bucket)
         if self.upload_after_update:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["usable_cores", "worker_threads", "cgroup_cpu_limit"]
+__all__ = ["usable_cores", "worker_threads", "cgroup_cpu_limit", "cgroup_folders"]
 
 
 def usable_cores(root: str | os.PathLike = "/") -> int:
@@ -41,25 +41,35 @@ def worker_threads(root: str | os.PathLike = "/") -> int:
 def cgroup_cpu_limit(root: str | os.PathLike = "/") -> int | None:
     """The cgroup CPU quota of this process in whole cores (rounded down, at least 1), or None
     when there is none or it cannot be read."""
+    limits = []
+    for version, folder in cgroup_folders("cpu", root):
+        limits += (_v2_limits if version == 2 else _v1_limits)(folder)
+    return min(limits) if limits else None
+
+
+def cgroup_folders(controller: str, root: str | os.PathLike = "/") -> list[tuple[int, Path]]:
+    """(cgroup version, folder) of this process's cgroup and its parents that hold
+    ``controller``'s files ("cpu", "memory"); [] when /proc cannot be read. ``root`` is where /proc
+    and /sys are."""
     base = Path(root)
     try:
         lines = (base / "proc/self/cgroup").read_text(encoding="utf-8").splitlines()
     except OSError:
-        return None
-    limits = []
+        return []
+    found = []
     for line in lines:
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _, controllers, path = parts
         if controllers == "":  # cgroup v2: one unified hierarchy
-            limits += _v2_limits(base / "sys/fs/cgroup", path)
-        elif "cpu" in controllers.split(","):
+            found += [(2, f) for f in _ancestors(base / "sys/fs/cgroup", path)]
+        elif controller in controllers.split(","):
             mount = base / "sys/fs/cgroup" / controllers
             if not mount.is_dir():
-                mount = base / "sys/fs/cgroup/cpu"
-            limits += _v1_limits(mount, path)
-    return min(limits) if limits else None
+                mount = base / "sys/fs/cgroup" / controller
+            found += [(1, f) for f in _ancestors(mount, path)]
+    return found
 
 
 def _ancestors(mount: Path, path: str) -> list[Path]:
@@ -70,29 +80,21 @@ def _ancestors(mount: Path, path: str) -> list[Path]:
     return [f for f in folders if f.is_dir()] or [mount]
 
 
-def _v2_limits(mount: Path, path: str) -> list[int]:
-    limits = []
-    for folder in _ancestors(mount, path):
-        try:
-            quota, period = (folder / "cpu.max").read_text(encoding="utf-8").split()[:2]
-        except (OSError, ValueError):
-            continue
-        if quota != "max":
-            limits.append(_whole_cores(int(quota), int(period)))
-    return limits
+def _v2_limits(folder: Path) -> list[int]:
+    try:
+        quota, period = (folder / "cpu.max").read_text(encoding="utf-8").split()[:2]
+    except (OSError, ValueError):
+        return []
+    return [] if quota == "max" else [_whole_cores(int(quota), int(period))]
 
 
-def _v1_limits(mount: Path, path: str) -> list[int]:
-    limits = []
-    for folder in _ancestors(mount, path):
-        try:
-            quota = int((folder / "cpu.cfs_quota_us").read_text(encoding="utf-8"))
-            period = int((folder / "cpu.cfs_period_us").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if quota > 0:
-            limits.append(_whole_cores(quota, period))
-    return limits
+def _v1_limits(folder: Path) -> list[int]:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text(encoding="utf-8"))
+        period = int((folder / "cpu.cfs_period_us").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return [_whole_cores(quota, period)] if quota > 0 else []
 
 
 def _whole_cores(quota: int, period: int) -> int:

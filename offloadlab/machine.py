@@ -199,32 +199,15 @@ def cgroup_memory_limit(root: str | os.PathLike = "/") -> int | None:
     """The memory limit of this process's cgroup in bytes, the tightest of it and its parents
     (cgroup v2's ``memory.max``, v1's ``memory.limit_in_bytes``), or None when there is none or it
     cannot be read; ``root`` is where /proc and /sys are."""
-    base = Path(root)
-    try:
-        lines = (base / "proc/self/cgroup").read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None
     limits = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
+    for version, folder in cores.cgroup_folders("memory", root):
+        name = "memory.max" if version == 2 else "memory.limit_in_bytes"
+        try:
+            text = (folder / name).read_text(encoding="utf-8").strip()
+        except OSError:
             continue
-        _, controllers, path = parts
-        if controllers == "":  # cgroup v2: one unified hierarchy
-            mount, name = base / "sys/fs/cgroup", "memory.max"
-        elif "memory" in controllers.split(","):
-            mount, name = base / "sys/fs/cgroup" / controllers, "memory.limit_in_bytes"
-            if not mount.is_dir():
-                mount = base / "sys/fs/cgroup/memory"
-        else:
-            continue
-        for folder in cores._ancestors(mount, path):
-            try:
-                text = (folder / name).read_text(encoding="utf-8").strip()
-            except OSError:
-                continue
-            if text.isdigit():  # "max" (v2) or v1's huge number: no limit (min() drops it)
-                limits.append(int(text))
+        if text.isdigit():  # "max" (v2) or v1's huge number: no limit (min() drops it)
+            limits.append(int(text))
     return min(limits) if limits else None
 
 

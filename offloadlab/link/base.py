@@ -380,10 +380,7 @@ class Link(ABC):
             list(targets),
             then,
         )
-        self.traffic.copied("h2d", nbytes, pinned=self.is_pinned(src))
-        for recording in self._recordings:
-            recording.transfers.append(transfer)
-        return transfer
+        return self._enter_copy(transfer)
 
     def _copy(self, direction, dst, src, after, label, then=None) -> Transfer:
         self._check_open()
@@ -393,7 +390,11 @@ class Link(ABC):
         transfer = self._issue(
             direction, dst, src, nbytes, self.is_pinned(host), after, str(label), (), then
         )
-        self.traffic.copied(direction, nbytes, pinned=self.is_pinned(host))
+        return self._enter_copy(transfer)
+
+    def _enter_copy(self, transfer: Transfer) -> Transfer:
+        """Enter a copy just issued in the ledger and in every recording under way."""
+        self.traffic.copied(transfer.direction, transfer.nbytes, pinned=transfer.pinned)
         for recording in self._recordings:
             recording.transfers.append(transfer)
         return transfer

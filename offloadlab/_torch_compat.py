@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import threading
 
 import torch
 
@@ -30,6 +31,7 @@ __all__ = [
     "MissingTorchAPI",
     "EndOfBackward",
     "in_backward",
+    "issuing_backward",
     "grad_captures",
     "saved_tensors_default_hooks",
     "reparametrize_module",
@@ -128,6 +130,15 @@ def in_backward() -> bool:
     return _current_graph_task_id() != -1
 
 
+_closing = threading.local()  # .active: this thread runs an EndOfBackward at its pass's end
+
+
+def issuing_backward() -> bool:
+    """True inside a backward pass that may still issue work: not in the callbacks that close it,
+    which run once autograd has issued everything (a host wait there stalls no backward kernel)."""
+    return in_backward() and not getattr(_closing, "active", False)
+
+
 class EndOfBackward:
     """Calls ``fn`` once at the end of every backward pass that :meth:`arm` was called in.
 
@@ -145,7 +156,7 @@ class EndOfBackward:
         if self._armed is not None and self._armed != task:
             self._end()  # an earlier pass raised before its end: close it now
         if self._armed is None:
-            _queue_callback(self._end)
+            _queue_callback(self._at_end)
             self._armed = task
 
     def settle(self) -> None:
@@ -156,6 +167,13 @@ class EndOfBackward:
     @property
     def armed(self) -> bool:
         return self._armed is not None
+
+    def _at_end(self) -> None:
+        _closing.active = True
+        try:
+            self._end()
+        finally:
+            _closing.active = False
 
     def _end(self) -> None:
         self._armed = None

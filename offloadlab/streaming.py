@@ -15,10 +15,11 @@ holds ``buffers`` block-sized weight buffers and two gradient buffers, allocated
 - **gradients**: each block's weight gradients are gathered on the device into a gradient
   buffer and sent to pinned host memory in one copy on the device→host engine. With a
   :class:`~offloadlab.offload.CPUOffloadAdam` over the streamed parameters they land straight
-  in the optimizer's host gradient buffer (one trip); otherwise they land in one of two pinned
-  landing buffers, allocated with the model (never inside backward, where pinning memory would
-  stall it), and are put in ``.grad`` (host tensors) once the buffer is needed again or at the
-  end of backward.
+  in the optimizer's host gradient buffer (one trip); otherwise they land in a pinned landing
+  buffer with room for every block's gradients, allocated with the model (never inside backward,
+  where pinning memory would stall it), and are put in ``.grad`` (host tensors) at the end of
+  backward, once autograd has issued all its work: the host waits for the copies there and
+  nowhere earlier (a block run twice in one forward waits once for its first gradients).
 
 Blocks may run in any order — skipped (LayerDrop), recomputed (activation checkpointing, whose own
 saved-tensor hooks keep handling the activations), or twice in one forward (their gradients add up)
@@ -55,7 +56,7 @@ from torch import nn
 
 from . import _torch_compat, ownership
 from .gather import GradientGather
-from .layout import Layout
+from .layout import ALIGN, Layout
 from .link import Link, Marker
 from .ownership import GradientSink
 from .units import check_integer
@@ -192,9 +193,11 @@ class StreamedModel:
             sink=self,
             names=lambda index: f"block {self.names[index]!r}",
         )
-        self._landing_bytes = max(layout.nbytes for layout in self.gradient_layouts)
-        # pinned, for blocks whose gradients go to .grad
-        self._landing_buffers: list[torch.Tensor] = []
+        # pinned, a region per block for the gradients that go to .grad
+        self._landing_at = [0]
+        for layout in self.gradient_layouts:
+            self._landing_at.append(self._landing_at[-1] + -(-layout.nbytes // ALIGN) * ALIGN)
+        self._landing_buffer: torch.Tensor | None = None
         self._allocate_landing()
         # block → the sink attached to it, and its group there
         self._sinks: dict[int, tuple[GradientSink, int]] = {}
@@ -236,8 +239,10 @@ class StreamedModel:
 
     @property
     def host_bytes(self) -> int:
-        """Pinned host bytes of the streamed weights (plus gradient landing buffers once used)."""
-        return sum(h.numel() for h in self._host) + sum(g.numel() for g in self._landing_buffers)
+        """Pinned host bytes of the streamed weights, and of the gradients' landing buffer while
+        some block's gradients go to ``.grad``."""
+        landing = 0 if self._landing_buffer is None else self._landing_buffer.numel()
+        return sum(h.numel() for h in self._host) + landing
 
     def remove(self) -> None:
         """Give the blocks back their own forward; the weights stay in (pinned) host memory.
@@ -297,14 +302,14 @@ class StreamedModel:
         they are laid out as :meth:`gradient_layout`.
 
         Gradients already landed here go to ``.grad`` (where the sink's owner finds them), and once
-        every block has a sink the landing buffers are freed.
+        every block has a sink the landing buffer is freed.
         """
         if block in self._landing:
             self._land(block)  # (waits for their copies)
         self._sinks[block] = (sink, group)
         if all(self._sinks.get(i) is not None for i, ks in enumerate(self._trainable) if ks):
-            # every gradient goes to a sink: the landing buffers are not needed
-            self._landing_buffers = []
+            # every gradient goes to a sink: the landing buffer is not needed
+            self._landing_buffer = None
 
     def detach_sink(self, block: int, sink: GradientSink) -> None:
         """Put block ``block``'s gradients in ``.grad`` again (``sink`` is closing)."""
@@ -313,12 +318,15 @@ class StreamedModel:
             self._allocate_landing()  # (outside backward: an optimizer is being closed)
 
     def _allocate_landing(self) -> None:
-        """The two pinned landing buffers, if they are not there (a model with nothing to train
-        needs none)."""
-        if not self._landing_buffers and any(self._trainable):
-            self._landing_buffers = [
-                self.link.host_buffer(self._landing_bytes, torch.uint8) for _ in range(2)
-            ]
+        """The pinned landing buffer, if it is not there (a model with nothing to train needs
+        none)."""
+        if self._landing_buffer is None and any(self._trainable):
+            self._landing_buffer = self.link.host_buffer(self._landing_at[-1], torch.uint8)
+
+    def _landing_region(self, index: int) -> torch.Tensor:
+        """Block ``index``'s part of the landing buffer."""
+        start = self._landing_at[index]
+        return self._landing_buffer[start : start + self.gradient_layouts[index].nbytes]
 
     # ------------------------------------------------------------------ forward
 
@@ -476,9 +484,8 @@ class StreamedModel:
 
     def _reset_backward(self) -> None:
         self._backward_holds: dict[int, _Buffer] = {}
-        # block → [(transfers, positions)] sent to a landing buffer
+        # block → [(transfers, positions)] sent to its landing region
         self._landing: dict[int, list] = {}
-        self._landing_slot: dict[int, int] = {}  # block → the landing buffer its gradients are in
 
     def _pack(self, index: int, buffer: _Buffer, nodes: dict, outer, t: torch.Tensor):
         cast = self._cast_of_weight(index, nodes, t)
@@ -569,7 +576,7 @@ class StreamedModel:
         self._backward.arm()
         self._gather.add(index, self._gradient_position[index][which], grad)
 
-    # The GradientSink its gather delivers to: the block's attached sink, or a landing buffer.
+    # The GradientSink its gather delivers to: the block's attached sink, or the landing buffer.
 
     def gradient_destination(self, index: int, positions: list) -> torch.Tensor:
         """Where block ``index``'s gradients at ``positions`` go (see
@@ -579,18 +586,10 @@ class StreamedModel:
             sink, group = attached
             return sink.gradient_destination(group, positions)
         if any(p in sent for _, sent in self._landing.get(index, []) for p in positions):
-            # a block run twice: take in the first gradients before the next land on them
+            # a block run twice: take in the first gradients before the next land on them (the
+            # one host wait inside backward left)
             self._land(index)
-        if index not in self._landing_slot:
-            taken = set(self._landing_slot.values())
-            # both hold gradients: put the older ones in .grad
-            if len(taken) == len(self._landing_buffers):
-                self._land(next(iter(self._landing_slot)))
-                taken = set(self._landing_slot.values())
-            self._landing_slot[index] = next(
-                i for i in range(len(self._landing_buffers)) if i not in taken
-            )
-        return self._landing_buffers[self._landing_slot[index]]
+        return self._landing_region(index)
 
     def gradients_sent(self, index: int, transfers: list, positions: list) -> None:
         """Block ``index``'s gradients at ``positions`` are on their way down."""
@@ -609,9 +608,7 @@ class StreamedModel:
         for transfers, _ in parts:
             for transfer in transfers:
                 transfer.synchronize()
-        landed = self.gradient_layouts[index].views(
-            self._landing_buffers[self._landing_slot.pop(index)]
-        )
+        landed = self.gradient_layouts[index].views(self._landing_region(index))
         for position in sorted(p for _, positions in parts for p in positions):
             p = self._params[index][self._trainable[index][position]][1]
             if p.grad is None:

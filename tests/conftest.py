@@ -85,8 +85,7 @@ def link(request):
     """The optimizer's tests (test_offload*.py) run on the emulated link, and on the same under
     CUDA's ordering rules with training on a stream of its own (tests/cuda_semantics.py): any
     violation fails the test when it ends. (A module with a ``link`` fixture of its own uses
-    that; one whose ``BACKWARD_SYNCS`` names why it may wait inside backward is not held to
-    that rule.)"""
+    that.)"""
     from offloadlab.link import EmulatedLink
     from tests.cuda_semantics import CudaOrderLink
 
@@ -94,9 +93,8 @@ def link(request):
         with EmulatedLink(bandwidth="8 GB/s", latency=0) as emulated:
             yield emulated
         return
-    allowed = getattr(request.module, "BACKWARD_SYNCS", None)
     with (
-        CudaOrderLink(bandwidth="8 GB/s", latency=0, backward_syncs=allowed) as checker,
+        CudaOrderLink(bandwidth="8 GB/s", latency=0) as checker,
         checker.compute_stream("training"),
     ):
         yield checker

@@ -32,7 +32,8 @@ emulation behave accordingly:
   backward pass runs is a violation: it stalls the autograd thread; buffers are pinned when made.
 - **host synchronisation inside backward**: a copy's or the link's ``synchronize()``, or a
   marker's ``time``, on the thread running a backward pass is a violation: on a GPU the autograd
-  thread would stop launching kernels until the device caught up.
+  thread would stop launching kernels until the device caught up. The callbacks that close a pass
+  run once every kernel of it is issued, and may wait.
 
 :meth:`CudaOrderLink.check` raises an AssertionError listing every violation; the test fixtures
 call it when a test ends. :meth:`unknown_reads_of` and :meth:`unknown_writes_into` answer, at a
@@ -48,7 +49,7 @@ import threading
 import torch
 
 from offloadlab.link import POISON_BYTE, EmulatedLink, Marker, poison
-from offloadlab._torch_compat import in_backward
+from offloadlab._torch_compat import issuing_backward
 
 __all__ = ["CudaOrderLink"]
 
@@ -214,7 +215,7 @@ class CudaOrderLink(EmulatedLink):
 
     def _check_not_in_backward(self, what: str) -> None:
         # on a GPU: the autograd thread stops feeding the device until the wait is over
-        if in_backward() and self._backward_syncs_allowed is None:
+        if issuing_backward() and self._backward_syncs_allowed is None:
             self.violations.append(f"{what}: a host synchronisation inside a backward pass")
 
     # ------------------------------------------------------------------ what the host knows

@@ -140,17 +140,16 @@ def test_a_torch_whose_disable_takes_no_reason_still_keeps_the_function_out(monk
 @pytest.fixture(params=["emulated", "CUDA order checker"])
 def landing_link(request):
     """The links of tests/test_streaming.py: a StreamedModel with no optimizer lands gradients in
-    .grad, waiting on the host inside backward, which the checker then allows."""
+    .grad, waiting for them on the host only once backward has issued all its work."""
     from offloadlab.link import EmulatedLink
     from tests.cuda_semantics import CudaOrderLink
-    from tests.test_streaming import BACKWARD_SYNCS
 
     if request.param == "emulated":
         with EmulatedLink(bandwidth="8 GB/s", latency=0) as emulated:
             yield emulated
         return
     with (
-        CudaOrderLink(bandwidth="8 GB/s", latency=0, backward_syncs=BACKWARD_SYNCS) as checker,
+        CudaOrderLink(bandwidth="8 GB/s", latency=0) as checker,
         checker.compute_stream("training"),
     ):
         yield checker

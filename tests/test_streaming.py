@@ -15,22 +15,21 @@ from offloadlab.offload import CPUOffloadAdam
 from offloadlab.streaming import StreamedModel
 from tests.cuda_semantics import CudaOrderLink
 
-# A StreamedModel that puts gradients in .grad itself (no offload optimizer attached) waits on the
-# host inside backward when its landing buffers run out; the optimizer's path never does
-# (tests/test_offload.py). tests/cuda_semantics.py flags such waits everywhere else.
-BACKWARD_SYNCS = "a StreamedModel alone lands gradients in .grad during backward"
-
 
 @pytest.fixture(params=["emulated", "CUDA order checker"])
 def link(request):
     """The emulated link, and the same under CUDA's ordering rules with training on a stream of
-    its own (tests/cuda_semantics.py): any violation fails the test when it ends."""
+    its own (tests/cuda_semantics.py): any violation fails the test when it ends (a test marked
+    ``backward_syncs`` says why it may wait inside backward)."""
     if request.param == "emulated":
         with EmulatedLink(bandwidth="4 GB/s", latency=0) as emulated:
             yield emulated
         return
+    allowed = request.node.get_closest_marker("backward_syncs")
     with (
-        CudaOrderLink(bandwidth="4 GB/s", latency=0, backward_syncs=BACKWARD_SYNCS) as checker,
+        CudaOrderLink(
+            bandwidth="4 GB/s", latency=0, backward_syncs=allowed and allowed.args[0]
+        ) as checker,
         checker.compute_stream("training"),
     ):
         yield checker
@@ -156,15 +155,32 @@ def test_gradients_go_down_in_one_copy_per_block_into_pinned_memory(link):
     assert counting.copies["d2h"] == len(handle.blocks)
     # every copy, either way, from or into pinned memory
     assert all(t.pinned for t in recording.transfers)
-    # two landing buffers, made with the model: no memory is pinned inside backward, whatever the
-    # depth
+    # one landing buffer for every block's gradients, made with the model: no memory is pinned
+    # inside backward, and no copy is waited for there
     assert (
-        link.pinned_bytes
-        == pinned
-        == sum(h.numel() for h in handle._host) + 2 * handle._landing_bytes
+        link.pinned_bytes == pinned == sum(h.numel() for h in handle._host) + handle._landing_at[-1]
     )
     plain(x, y).backward()
-    assert same_gradients(plain, streamed)  # four blocks through two landing buffers, all in .grad
+    assert same_gradients(plain, streamed)  # four blocks through the landing buffer, all in .grad
+
+
+def test_backward_waits_for_the_gradients_only_once_its_work_is_issued(link):
+    """The finding (issue 35): with no optimizer attached, the third block's gradients waited on
+    the host, inside backward, for the first's to leave one of two landing buffers. Every block
+    has its region now: the ledger shows no wait while backward issues work, a wait per block
+    in the callback that closes it, and each gradient byte down once."""
+    plain, streamed = twins(GPTConfig(layers=6, hidden=64, heads=4, vocab=128, seq=32))
+    handle = StreamedModel(streamed, link, buffers=2)
+    x, y = batch()
+    before = link.traffic.snapshot()
+    streamed(x, y).backward()
+    spent = {k: v - before[k] for k, v in link.traffic.snapshot().items()}
+    gradient_bytes = sum(layout.nbytes for layout in handle.gradient_layouts)
+    assert spent["syncs_in_backward"] == 0
+    assert spent["syncs_ending_backward"] == len(handle.blocks)
+    assert spent["d2h_bytes"] == gradient_bytes and spent["d2h_copies"] == len(handle.blocks)
+    plain(x, y).backward()
+    assert same_gradients(plain, streamed)
 
 
 def test_with_cpu_offload_adam_the_gradients_land_in_the_optimizer(link):
@@ -559,6 +575,10 @@ def test_under_autocast_no_cast_weight_is_kept_for_backward(link):
     assert kept == [] and torch.equal(expected, got) and same_gradients(plain, streamed)
 
 
+TWICE = "a block run twice in one pass waits for its first gradients before the next land"
+
+
+@pytest.mark.backward_syncs(TWICE)
 def test_two_forwards_into_one_backward(link):
     plain, streamed = twins()
     StreamedModel(streamed, link)

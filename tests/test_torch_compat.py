@@ -25,13 +25,23 @@ def test_the_tested_torch_is_the_pinned_one_and_the_supported_range_holds_it():
 
 def test_in_backward_and_the_end_of_backward_callback():
     seen, ends = [], []
-    end = compat.EndOfBackward(lambda: ends.append(len(seen)))
+    # at the end: still inside the pass, no longer issuing its work
+    end = compat.EndOfBackward(
+        lambda: ends.append((len(seen), compat.in_backward(), compat.issuing_backward()))
+    )
     w = torch.ones(3, requires_grad=True)
     # armed twice: one call
-    w.register_hook(lambda g: (seen.append(compat.in_backward()), end.arm(), end.arm())[-1])
-    assert not compat.in_backward()
+    w.register_hook(
+        lambda g: (
+            seen.append((compat.in_backward(), compat.issuing_backward())),
+            end.arm(),
+            end.arm(),
+        )[-1]
+    )
+    assert not compat.in_backward() and not compat.issuing_backward()
     (w * 2).sum().backward()
-    assert seen == [True] and ends == [1] and not end.armed
+    assert seen == [(True, True)] and ends == [(1, True, False)] and not end.armed
+    assert not compat.issuing_backward()  # (the flag does not outlive the callback)
 
 
 def test_a_backward_that_raised_is_ended_by_settle_or_the_next_pass():

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from .._torch_compat import in_backward
+from .._torch_compat import in_backward, issuing_backward
 from ..units import check_integer
 
 __all__ = [
@@ -61,13 +61,22 @@ def _nbytes(t: torch.Tensor) -> int:
 class Traffic:
     """What a link has cost since it was made: bytes and copies each way, and the times the host
     blocked on the device (a copy's or the link's ``synchronize()``, a marker's ``time``, a copy
-    of pageable memory), counted apart when they ran inside a backward pass, where they stall the
-    thread that feeds the GPU.
+    of pageable memory), counted apart when they ran inside a backward pass still issuing work,
+    where they stall the thread that feeds the GPU, and when they ran in the callbacks that close
+    a pass, once all its work is issued.
 
     :meth:`snapshot` reads the counters; subtract two to price a stretch of training.
     """
 
-    FIELDS = ("h2d_bytes", "d2h_bytes", "h2d_copies", "d2h_copies", "syncs", "syncs_in_backward")
+    FIELDS = (
+        "h2d_bytes",
+        "d2h_bytes",
+        "h2d_copies",
+        "d2h_copies",
+        "syncs",
+        "syncs_in_backward",
+        "syncs_ending_backward",
+    )
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -85,8 +94,10 @@ class Traffic:
         """The calling thread is about to wait for the device."""
         with self._lock:
             self._counts["syncs"] += 1
-            if in_backward():
+            if issuing_backward():
                 self._counts["syncs_in_backward"] += 1
+            elif in_backward():
+                self._counts["syncs_ending_backward"] += 1
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

@@ -1207,6 +1207,36 @@ def test_training_on_a_side_stream_with_step_outside_it_is_ordered(schedule):
         link.check()
 
 
+def test_a_delayed_update_keeps_its_copy_of_the_weights_sent_off_the_training_thread(
+    link, monkeypatch
+):
+    """The finding (issue 35): with a delayed update, step() copied every bucket's outgoing
+    weights into the host's copy of what was sent (a pass over all the weights) on the training
+    thread. The worker makes that copy now, before the bucket's next update (edits made by hand
+    are still found against it: tests/test_offload_contract.py)."""
+    import threading
+
+    from offloadlab.offload.host_state import HostState
+
+    threads = []
+    original = HostState.weights_sent
+
+    def recorded(self, bucket):
+        threads.append(threading.current_thread().name)
+        return original(self, bucket)
+
+    monkeypatch.setattr(HostState, "weights_sent", recorded)
+    model = mlp()
+    opt = CPUOffloadAdam(
+        model.parameters(), lr=1e-3, link=link, bucket_bytes=4096, delayed_update=True
+    )
+    run(model, opt, data(3, 1))
+    opt.synchronize()
+    assert len(threads) >= 3 * len(opt._engine.host.buckets)  # (each step sends every bucket)
+    assert set(threads) == {"cpu-adam"}
+    opt.close()
+
+
 def test_a_delayed_update_still_running_never_holds_up_the_next_backward(link, monkeypatch):
     """The finding (issue 35): with a delayed update, each bucket's gradients waited inside
     backward for the last step's update of that bucket to finish (it read the one landing

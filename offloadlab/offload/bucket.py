@@ -81,6 +81,9 @@ class Bucket:
         self.submitted = False
         self.updated = threading.Event()
         self.updated.set()
+        # set whenever the copy of the weights last sent (delayed update) is complete
+        self.sent_kept = threading.Event()
+        self.sent_kept.set()
         self.folding: threading.Event | None = None  # a fold queued on the worker, set when done
         self._weights: tuple = ((), [], [])  # (what they were built for, .data, flattened)
         self.generation = 0  # counts rebuilds of those: a parameter's memory was swapped

@@ -80,6 +80,8 @@ class HostState:
     def extend(self, buckets: list[Bucket]) -> None:
         """Give new buckets their places: larger buffers, the existing state copied over."""
         numel = buckets[-1].end if buckets else self.numel
+        for bucket in self.buckets:
+            bucket.sent_kept.wait()
         old = {
             name: getattr(self, name) for name in ("master", "exp_avg", "exp_avg_sq", "accumulated")
         }
@@ -118,6 +120,7 @@ class HostState:
         """Take parameters whose ``weights`` (host copies, flat, one per parameter) differ bit for
         bit from what was last sent to them into the master copy, as torch.optim.AdamW, which
         updates the parameters themselves, would see them. Returns how many had changed."""
+        bucket.sent_kept.wait()
         sent = self.outgoing() if self.sent is None else self.sent
         changed = 0
         for current, (s, e) in zip(weights, bucket.ranges):

@@ -112,6 +112,9 @@ class UpdateWorker:
             if job[0] == "fold":
                 self._fold(*job[1:])
                 continue
+            if job[0] == "sent":
+                self._sent(job[1])
+                continue
             bucket, step = job[0], job[3]
             try:
                 if self.error is None:
@@ -120,6 +123,15 @@ class UpdateWorker:
                 self.error, self.failed_step = error, step
             finally:
                 bucket.update_done()
+
+    def _sent(self, bucket: Bucket) -> None:
+        try:
+            if self.error is None:
+                self.host.weights_sent(bucket)
+        except BaseException as error:  # re-raised on the caller's thread by the optimizer
+            self.error, self.failed_step = error, None
+        finally:
+            bucket.sent_kept.set()
 
     def _fold(self, bucket: Bucket, received: Received, positions, copies, done) -> None:
         try:
@@ -190,7 +202,7 @@ class UpdateWorker:
                 bucket.block, [outgoing[s:e] for s, e in bucket.ranges]
             )
             bucket.weights_sent(None)
-            self.host.weights_sent(bucket)
+            self._keep_sent(bucket)
             return
         if not announced:
             self.announce(bucket)
@@ -217,8 +229,20 @@ class UpdateWorker:
                 then=lambda: self.edits.sent(bucket, landed),
             )
         bucket.weights_sent(transfer)
-        self.host.weights_sent(bucket)
+        self._keep_sent(bucket)
         self._record("H2D", transfer, label, step)
+
+    def _keep_sent(self, bucket: Bucket) -> None:
+        """Keep a copy of the weights just sent (delayed update), made on this thread: a pass over
+        the bucket's weights that step() on the training thread need not wait for. The bucket's
+        next update is queued after it, so it copies what was sent."""
+        if self.host.sent is None:
+            return
+        if threading.current_thread() is self._thread:
+            self.host.weights_sent(bucket)
+            return
+        bucket.sent_kept.clear()
+        self._jobs.put(("sent", bucket))
 
     def _scatter_targets(self, bucket: Bucket, staging: torch.Tensor) -> list:
         """The bucket's (parameter's ``.data``, its view of ``staging``) pairs; the views are built

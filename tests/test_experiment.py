@@ -2,7 +2,8 @@
 
 import pytest
 
-from offloadlab import experiment, plots
+from offloadlab import experiment
+from offloadlab_course import plots
 from offloadlab.link import EmulatedLink
 
 

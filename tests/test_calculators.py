@@ -699,7 +699,12 @@ def test_the_calculators_add_at_most_15_mb_to_the_site(built_site):
 # -----------------------------------------------------------------------------------
 
 # (lab_server: a fixture)
-from tests.test_lab_server import lab_server, open_in_lab, scroll_to  # noqa: E402,F401
+from tests.test_lab_server import (  # noqa: E402,F401
+    lab_server,
+    open_in_lab,
+    scroll_to,
+    scroll_until_shown,
+)
 
 
 def test_lab_hides_the_calculators_code(lab_server):  # noqa: F811
@@ -714,8 +719,11 @@ def test_lab_shows_the_note_as_readable_text(lab_server, browser):  # noqa: F811
     try:
         open_in_lab(page, lab_server.base, "04_bandwidth_budget.md")
         notebook = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
-        note = notebook.locator(".jp-MarkdownCell aside", has_text="Try it with your numbers").first
-        note.wait_for(timeout=60_000)
+        notes = notebook.locator(".jp-MarkdownCell aside", has_text="Try it with your numbers")
+        # (scrolled to: Lab draws a cell once it comes into view; in idle time, on a busy
+        # machine, not within a minute)
+        assert scroll_until_shown(page, notes), "no admonition with the note's text"
+        note = notes.first
         scroll_to(note)
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         # Lab may draw a Markdown cell again while it settles: the page, not the element, is shot.

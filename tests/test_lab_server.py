@@ -271,8 +271,8 @@ def test_lab_solutions_are_folded_until_asked_for(lab_server, lab_page):
     notebook = lab_page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
     hidden = notebook.locator(".jp-CodeCell .jp-Cell-inputWrapper .jp-InputPlaceholder")
     shown_answers = notebook.locator(".jp-CodeCell .cm-content", has_text="BEGIN SOLUTION")
-    hidden.first.wait_for(state="attached", timeout=60_000)
-    assert hidden.count() >= 1 and shown_answers.count() == 0  # of the cells Lab has drawn so far
+    assert scroll_until_shown(lab_page, hidden), "no worked answer is folded"
+    assert shown_answers.count() == 0  # of the cells Lab has drawn so far
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     scroll_to(hidden.first)
     lab_page.screenshot(path=str(SCREENSHOTS / "lab01_in_jupyterlab.png"))

@@ -3,8 +3,8 @@
 import pytest
 
 from offloadlab import experiment
-from offloadlab.link import EmulatedLink
 from offloadlab_course import plots
+from offloadlab.link import EmulatedLink
 
 
 @pytest.fixture(scope="module")

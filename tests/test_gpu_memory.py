@@ -21,8 +21,8 @@ from offloadlab.models import (
     train,
 )
 from offloadlab.offload import CPUOffloadAdam
-from offloadlab.streaming import StreamedModel
 from offloadlab_course import capacity
+from offloadlab.streaming import StreamedModel
 
 CONFIG = capacity.LAB_CONFIG
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from offloadlab_course import check
+from offloadlab import check
 
 
 @pytest.fixture

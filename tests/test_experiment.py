@@ -2,8 +2,7 @@
 
 import pytest
 
-from offloadlab import experiment
-from offloadlab_course import plots
+from offloadlab import experiment, plots
 from offloadlab.link import EmulatedLink
 
 

@@ -233,12 +233,12 @@ class UpdateWorker:
         self._record("H2D", transfer, label, step)
 
     def _keep_sent(self, bucket: Bucket) -> None:
-        """Keep a copy of the weights just sent (delayed update), made on this thread: a pass over
+        """Keep a copy of the weights just sent (delayed update), made by the worker: a pass over
         the bucket's weights that step() on the training thread need not wait for. The bucket's
         next update is queued after it, so it copies what was sent."""
         if self.host.sent is None:
             return
-        if threading.current_thread() is self._thread:
+        if threading.current_thread() is self._thread:  # (queued behind itself, it would deadlock)
             self.host.weights_sent(bucket)
             return
         bucket.sent_kept.clear()

@@ -23,7 +23,7 @@ PYODIDE_NPM := pyodide@0.29.5
 # nbgrader's server side, off for a reader alone (Lab's side: etc/self-study/labconfig).
 NO_NBGRADER := {$(foreach e,formgrader course_list assignment_list validate_assignment,"nbgrader.server_extensions.$(e)": False,)"jupyterlab": True}
 # What ruff lints and formats (pyproject.toml's [tool.ruff]); the notebooks are `make format`'s.
-PYTHON_SOURCES := offloadlab tests tools
+PYTHON_SOURCES := offloadlab course/offloadlab_course tests tools
 STUDENT_DIR ?= build/student
 NBGRADER_DIR ?= build/nbgrader/source
 
@@ -33,7 +33,7 @@ NBGRADER_DIR ?= build/nbgrader/source
 env:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[lab,book,test]"
+	$(PY) -m pip install --quiet -e ".[lab,book,test]" -e ./course
 	@# Open the Jupytext .md chapters as notebooks by default in JupyterLab.
 	install -D -m 644 etc/jupyterlab-overrides.json $(OVERRIDES)
 	@# Every kernel of the environment draws figures as SVG in the book's style.
@@ -46,7 +46,7 @@ course:
 	$(PYTHON) course/check_shared.py $(CURDIR)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[lab,course]"
+	$(PY) -m pip install --quiet -e ".[lab,course]" -e ./course
 	install -D -m 644 etc/jupyterlab-overrides.json $(OVERRIDES)
 	install -D -m 644 course/nbgrader_config.py $(VENV)/etc/jupyter/nbgrader_config.py
 
@@ -60,7 +60,7 @@ $(PY):
 ## (stubs to fill in), written once and then left to the reader's work. nbgrader's menus are
 ## off (etc/self-study): they are for a course's hub.
 lab: env
-	$(PY) -m offloadlab.student --keep labs book/student
+	$(PY) -m offloadlab_course.student --keep labs book/student
 	JUPYTER_CONFIG_PATH=$(CURDIR)/etc/self-study $(VENV)/bin/jupyter lab $(LAB_ROOT) \
 		--config=etc/jupyter_server_config.json '--ServerApp.jpserver_extensions=$(NO_NBGRADER)'
 
@@ -97,8 +97,8 @@ pdf: env $(MATHJAX)/tex-chtml.js $(PYODIDE)/pyodide.asm.wasm
 ## uses the environment as it is (making one only if there is none), so an instructor who
 ## cannot write to it can still run it, with both folders set to places of their own
 student: | $(PY)
-	$(PY) -m offloadlab.student --force labs $(STUDENT_DIR)
-	$(PY) -m offloadlab.student --force --nbgrader labs $(NBGRADER_DIR)
+	$(PY) -m offloadlab_course.student --force labs $(STUDENT_DIR)
+	$(PY) -m offloadlab_course.student --force --nbgrader labs $(NBGRADER_DIR)
 
 ## gpu-env: the environment gpu-check runs in on a GPU machine: `make env` (TORCH=the CUDA build
 ## of torch for the driver) and the peers its benchmarks compare against (torchao, accelerate,

@@ -55,12 +55,12 @@ hide_solutions = bool(os.environ.get("OFFLOADLAB_STUDENT"))
 #
 # The cache knows a notebook only by its code; its figures also depend on what draws them: the
 # kernel settings (SVG in the book's style: etc/ipython_kernel_config.py, installed by `make env`)
-# and offloadlab/plots.py. A change to either starts a cache of its own instead of serving the
+# and course/offloadlab_course/plots.py. A change to either starts a cache of its own instead of serving the
 # old figures.
 def figure_settings_key() -> str:
     import hashlib
 
-    drawn_by = [BOOK.parent / "etc" / "ipython_kernel_config.py", BOOK.parent / "offloadlab" / "plots.py"]
+    drawn_by = [BOOK.parent / "etc" / "ipython_kernel_config.py", BOOK.parent / "course" / "offloadlab_course" / "plots.py"]
     return hashlib.sha256(b"".join(path.read_bytes() for path in drawn_by)).hexdigest()[:10]
 
 
@@ -199,7 +199,7 @@ def stub_lab_answers(app, doctree):
     between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` replaced by the stub."""
     from docutils import nodes
 
-    from offloadlab.student import BEGIN, strip_solutions
+    from offloadlab_course.student import BEGIN, strip_solutions
 
     for block in doctree.findall(nodes.literal_block):
         text = block.astext()

@@ -56,13 +56,6 @@ def __dir__():
 # module's job, computed from this very dict.
 LAYERS = {
     "face: the command, benchmarks, the GPU kit": ["cli", "bench", "gpucheck", "__main__"],
-    "course: figures, lab checks and grading, the student release, JupyterLab's contents": [
-        "plots",
-        "check",
-        "grading",
-        "student",
-        "lab",
-    ],
     "mechanisms: offload, streaming, prefetch, NVMe": [
         "offload",
         "streaming",

@@ -607,7 +607,7 @@ def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footpri
     5 buckets' bytes), and the saved activations of one step."""
     import importlib.util
 
-    from .offload.capacity import saved_activation_bytes
+    from .models import saved_activation_bytes
     from .offload.optimizer import DEFAULT_BUCKET_BYTES
 
     rounds, per_round = _offload_rounds(True, quick)

@@ -121,7 +121,7 @@ def _notebooks(root: Path) -> list[Path]:
 def _tests_footprint(profile: DeviceProfile, root: Path) -> Footprint:
     """The GPU tests: the largest is the capped training test (lab 4's model under lab 4's cap),
     with CPUOffloadAdam's pinned state for it (16 bytes per parameter with bf16 weights)."""
-    from .offload import capacity
+    from offloadlab_course import capacity  # (the GPU kit runs from the checkout)
 
     count = _gpu_tests(root)
     cap = capacity.lab_cap()
@@ -139,7 +139,7 @@ def _notebooks_footprint(profile: DeviceProfile, root: Path) -> Footprint:
     gradients and moments, and the saved activations), chapter 2's and lab 2's link sweeps (full
     size: they choose their own sizes on a GPU) and chapter 3's overlap experiments (transfers up to
     3 compute windows of its quick mode)."""
-    from .offload import capacity
+    from offloadlab_course import capacity  # (the GPU kit runs from the checkout)
 
     count = len(_notebooks(root))
     need = capacity.offloaded_need(capacity.LAB_CONFIG, capacity.LAB_BATCH)

@@ -6,17 +6,26 @@ exactly :func:`offloadlab.memory.transformer_params` of the same shape.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import _torch_compat  # noqa: F401  (loads what torch.optim would load lazily: see there)
+from . import _torch_compat  # (also loads what torch.optim would load lazily: see there)
 from .memory import transformer_params
 from .units import check_integer
 
-__all__ = ["GPTConfig", "Block", "TinyGPT", "markov_corpus", "batches", "train"]
+__all__ = [
+    "GPTConfig",
+    "Block",
+    "TinyGPT",
+    "saved_activation_bytes",
+    "markov_corpus",
+    "batches",
+    "train",
+]
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,29 @@ class TinyGPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+@functools.lru_cache(maxsize=32)  # (a few seconds for a large config: counted once per shape)
+def saved_activation_bytes(
+    config: GPTConfig, batch: int, dtype: torch.dtype = torch.bfloat16
+) -> int:
+    """Bytes autograd saves for backward in one forward of a TinyGPT (weights in ``dtype``) on
+    ``batch`` sequences: every distinct storage it keeps, the model's own parameters excluded."""
+    with torch.device("meta"):
+        model = TinyGPT(config).to(dtype)
+    tokens = torch.zeros(batch, config.seq, dtype=torch.long, device="meta")
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        # one entry per storage, however many views of it
+        saved[_torch_compat.storage_key(storage)] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, tokens)
+    weights = {_torch_compat.storage_key(p.untyped_storage()) for p in model.parameters()}
+    return sum(n for key, n in saved.items() if key not in weights)
 
 
 def markov_corpus(vocab: int, tokens: int, successors: int = 4, seed: int = 0) -> torch.Tensor:

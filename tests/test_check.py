@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from offloadlab import check
+from offloadlab_course import check
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ def test_the_gpu_table_on_the_page_is_json():
 
 
 def test_the_nbgrader_commands_name_assignments_that_make_student_writes():
-    from offloadlab.student import assignment_name, find_labs
+    from offloadlab_course.student import assignment_name, find_labs
 
     assignments = {assignment_name(p) for p in find_labs(ROOT / "labs")}
     named = set(

@@ -28,7 +28,8 @@ def extras_in(spec: str) -> set[str]:
 
 def test_runtime_dependencies_declared():
     names = {re.split(r"[<>=!~ ]", d)[0] for d in PYPROJECT["project"]["dependencies"]}
-    assert names == {"torch", "numpy", "matplotlib", "psutil", "tqdm"}
+    # (matplotlib is the course's: course/pyproject.toml)
+    assert names == {"torch", "numpy", "psutil", "tqdm"}
     assert "torch>=2.4" in PYPROJECT["project"]["dependencies"]
 
 
@@ -39,16 +40,17 @@ def test_environment_yml_installs_the_project_with_every_extra():
     minimum = PYPROJECT["project"]["requires-python"].removeprefix(">=")
     assert tuple(map(int, python.split("=")[-1].split("."))) >= tuple(map(int, minimum.split(".")))
     pip_lines = next(d["pip"] for d in deps if isinstance(d, dict))
-    assert len(pip_lines) == 1, (
-        "environment.yml lists packages of its own: keep them in pyproject.toml"
+    assert pip_lines[1:] == ["-e ./course"], (
+        "environment.yml lists packages of its own: keep them in pyproject.toml (the course's in "
+        "course/pyproject.toml)"
     )
     assert extras_in(pip_lines[0]) == ENVIRONMENT_EXTRAS
     assert ENVIRONMENT_EXTRAS <= set(PYPROJECT["project"]["optional-dependencies"])
 
 
-def test_makefile_installs_the_same_extras():
-    install = re.search(r'pip install --quiet -e "(\.\[[^\]]+\])"', MAKEFILE)
-    assert install, "the Makefile's env target does not install the project"
+def test_makefile_installs_the_same_extras_and_the_course():
+    install = re.search(r'pip install --quiet -e "(\.\[[^\]]+\])" -e \./course\n', MAKEFILE)
+    assert install, "the Makefile's env target does not install the project and the course"
     assert extras_in(install.group(1)) == ENVIRONMENT_EXTRAS
 
 
@@ -78,7 +80,7 @@ def test_make_student_and_lab_use_the_environment_as_it_is():
         capture_output=True,
         text=True,
     )
-    assert result.returncode == 0 and "offloadlab.student" in result.stdout, result.stderr
+    assert result.returncode == 0 and "offloadlab_course.student" in result.stdout, result.stderr
     assert "pip install" not in result.stdout and "venv" not in result.stdout.replace(
         str(Path(sys.prefix)), ""
     )

@@ -2,8 +2,9 @@
 
 import pytest
 
-from offloadlab import experiment, plots
+from offloadlab import experiment
 from offloadlab.link import EmulatedLink
+from offloadlab_course import plots
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Memory truths that only a GPU can show (skipped cleanly without one).
 
 Sizes come from the same places as lab 4's and the GPU kit's plan: the model and cap of
-:mod:`offloadlab.offload.capacity`, checked against the GPU's profile before anything is allocated.
+:mod:`offloadlab_course.capacity`, checked against the GPU's profile before anything is allocated.
 """
 
 import gc
@@ -12,9 +12,17 @@ import torch
 
 from offloadlab import devices
 from offloadlab.link import CudaLink
-from offloadlab.models import GPTConfig, TinyGPT, batches, markov_corpus, train
-from offloadlab.offload import CPUOffloadAdam, capacity
+from offloadlab.models import (
+    GPTConfig,
+    TinyGPT,
+    batches,
+    markov_corpus,
+    saved_activation_bytes,
+    train,
+)
+from offloadlab.offload import CPUOffloadAdam
 from offloadlab.streaming import StreamedModel
+from offloadlab_course import capacity
 
 CONFIG = capacity.LAB_CONFIG
 
@@ -108,7 +116,5 @@ def test_parameter_streaming_keeps_device_memory_within_its_budget():
         # Above that the peak holds the saved activations (counted on the meta device, which keeps
         # more than a GPU's fused attention) and a few blocks' worth of transient gradients —
         # never every block's weights.
-        bound = (
-            capacity.saved_activation_bytes(config, batch, torch.float32) + 4 * handle.block_bytes
-        )
+        bound = saved_activation_bytes(config, batch, torch.float32) + 4 * handle.block_bytes
         assert peak_over_resident <= bound < streamed_total

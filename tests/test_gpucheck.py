@@ -16,7 +16,8 @@ import torch
 
 from offloadlab import bench, devices, experiment, gpucheck, machine
 from offloadlab.cli import main
-from offloadlab.offload import capacity
+from offloadlab.models import saved_activation_bytes
+from offloadlab_course import capacity
 from tests.conftest import ROOT
 
 GiB = 2**30
@@ -164,7 +165,7 @@ def test_saved_activations_are_counted_like_a_real_backward():
         model(tokens, tokens)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     real = sum(n for ptr, n in saved.items() if ptr not in weights)
-    counted = capacity.saved_activation_bytes(config, 4, torch.float32)
+    counted = saved_activation_bytes(config, 4, torch.float32)
     # (the meta device takes the unfused attention path: a little more)
     assert real <= counted <= 1.25 * real
 

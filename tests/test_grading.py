@@ -1,4 +1,5 @@
-"""The labs' measured challenges (offloadlab.grading), graded on links whose speed the test sets.
+"""The labs' measured challenges (offloadlab_course.grading), graded on links whose speed the test
+sets.
 
 The labs' own run (tests/test_lab_checks.py) grades the worked answer and two wrong ones on the
 one link the lab measured; here each bar is checked against a link's known rate, on either
@@ -8,12 +9,12 @@ side of it, and each way out of it (too many bytes, not a number) gives its own 
 import pytest
 import torch
 
-from offloadlab import grading
 from offloadlab.models import GPTConfig
 from offloadlab.models import TinyGPT
 from offloadlab.offload import CPUOffloadAdam
 from offloadlab.streaming import StreamedModel
 from offloadlab.link import open_link
+from offloadlab_course import grading
 
 
 def two_size_probe(link, repeats=3, small=2 * 2**20, large=8 * 2**20):

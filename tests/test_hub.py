@@ -35,7 +35,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from offloadlab.student import find_labs, source_notebook
+from offloadlab_course.student import find_labs, source_notebook
 from tests.conftest import ROOT
 
 PAGE = ROOT / "book" / "course.md"

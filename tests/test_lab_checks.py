@@ -21,7 +21,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from offloadlab.student import source_notebook
+from offloadlab_course.student import source_notebook
 from tests.conftest import ROOT
 
 # Lab 5's challenge: a prefetcher over uneven items with `count` buffers (the worked answer has

@@ -68,6 +68,11 @@ def imports(name: str, source: str | None = None) -> list[tuple[str, bool, int]]
     return found
 
 
+def is_ours(imported: str) -> bool:
+    """True for offloadlab and its modules (not offloadlab_course, the course's package)."""
+    return imported == "offloadlab" or imported.startswith("offloadlab.")
+
+
 def offloadlab_packages() -> set[str]:
     return {name for name, path in MODULES.items() if path.name == "__init__.py"}
 
@@ -97,7 +102,7 @@ def test_each_module_imports_only_its_own_layer_and_those_below(name):
     above = [
         (imported, line)
         for imported, _, line in imports(name)
-        if imported.startswith("offloadlab")
+        if is_ours(imported)
         and (target := own(imported)) != "offloadlab"
         and layer_of(target) < layer
     ]
@@ -112,13 +117,25 @@ def test_the_pure_layers_import_only_the_standard_library(name):
         (imported, line)
         for imported, at_import, line in imports(name)
         if at_import
-        and not imported.startswith("offloadlab")
+        and not is_ours(imported)
         and imported.split(".")[0] not in sys.stdlib_module_names
         and imported != "__future__"
     ]
     assert outside == [], (
         f"{name} imports, when it is imported, more than the standard library: {outside}"
     )
+
+
+def test_the_library_never_imports_the_course():
+    """The course's package (course/offloadlab_course) imports the library, never the reverse;
+    gpu-check alone, which runs the checkout's tests and notebooks, asks it for lab 4's cap."""
+    importing = {
+        name
+        for name in MODULES
+        for imported, _, _ in imports(name)
+        if imported.split(".")[0] == "offloadlab_course"
+    }
+    assert importing == {"offloadlab.gpucheck"}
 
 
 def test_offload_and_streaming_do_not_import_each_other():
@@ -135,10 +152,7 @@ def test_offload_and_streaming_do_not_import_each_other():
 
 def test_no_modules_import_each_other_in_a_circle_at_import_time():
     graph = {
-        name: {
-            own(i) for i, at_import, _ in imports(name) if at_import and i.startswith("offloadlab")
-        }
-        - {None}
+        name: {own(i) for i, at_import, _ in imports(name) if at_import and is_ours(i)} - {None}
         for name in MODULES
     }
     # a package's modules import their package's __init__ first: not a circle of theirs

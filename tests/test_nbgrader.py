@@ -1,11 +1,11 @@
 """A real nbgrader round trip: release every lab, autograde a solved and an unsolved submission.
 
 The course is built the way the course page (book/course.md) tells an instructor to, with the
-``nbgrader_config.py`` it shows: ``python -m offloadlab.student --nbgrader labs <course>/source``
-(what ``make student`` runs), then ``nbgrader generate_assignment`` for each lab, then submissions
-under ``submitted/<student>/<lab>/`` and ``nbgrader autograde``. The solved submission is the source
-notebook itself (the worked answers); the unsolved one is the released notebook as a student
-receives it.
+``nbgrader_config.py`` it shows: ``python -m offloadlab_course.student --nbgrader labs
+<course>/source`` (what ``make student`` runs), then ``nbgrader generate_assignment`` for each
+lab, then submissions under ``submitted/<student>/<lab>/`` and ``nbgrader autograde``. The solved
+submission is the source notebook itself (the worked answers); the unsolved one is the released
+notebook as a student receives it.
 """
 
 import os
@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from offloadlab.student import (
+from offloadlab_course.student import (
     BEGIN,
     BEGIN_HIDDEN,
     END,
@@ -77,7 +77,7 @@ def course(tmp_path_factory):
         [
             sys.executable,
             "-m",
-            "offloadlab.student",
+            "offloadlab_course.student",
             "--nbgrader",
             str(ROOT / "labs"),
             str(root / "source"),

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
-from offloadlab import plots  # noqa: E402
+from offloadlab_course import plots  # noqa: E402
 
 
 def prefetch_run(
@@ -276,7 +276,7 @@ def test_a_notebook_draws_every_figure_as_svg_in_the_book_style(tmp_path):
     from tests.conftest import ROOT
 
     cells = [
-        "from offloadlab import plots\nfig = plots.state_vs_model_size()",
+        "from offloadlab_course import plots\nfig = plots.state_vs_model_size()",
         "import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\nax.plot([1, 2], "
         "label='a')\nax.legend()",
     ]
@@ -369,7 +369,7 @@ def test_importing_plots_imports_matplotlib_so_no_later_cell_does():
     import subprocess
     import sys
 
-    code = "import sys; import offloadlab.plots; print('matplotlib.pyplot' in sys.modules)"
+    code = "import sys; import offloadlab_course.plots; print('matplotlib.pyplot' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )

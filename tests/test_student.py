@@ -10,7 +10,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from offloadlab.student import (
+from offloadlab_course.student import (
     BEGIN,
     BEGIN_HIDDEN,
     END,
@@ -197,7 +197,7 @@ def test_every_lab_is_a_valid_assignment(path):
 def release(tmp_path_factory):
     target = tmp_path_factory.mktemp("student")
     result = subprocess.run(
-        [sys.executable, "-m", "offloadlab.student", "labs", str(target)],
+        [sys.executable, "-m", "offloadlab_course.student", "labs", str(target)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -250,7 +250,7 @@ def test_released_references_link_to_the_site_or_the_chapter_file_or_nothing(tmp
     command = [
         sys.executable,
         "-m",
-        "offloadlab.student",
+        "offloadlab_course.student",
         "labs",
         str(site),
         "--book-url",
@@ -303,7 +303,7 @@ def test_force_replaces_a_link_planted_at_a_release_path_and_never_writes_throug
     planted = target / f"{LABS[0].stem}.ipynb"
     planted.symlink_to(victim)
     result = subprocess.run(
-        [sys.executable, "-m", "offloadlab.student", "--force", "labs", str(target)],
+        [sys.executable, "-m", "offloadlab_course.student", "--force", "labs", str(target)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -316,7 +316,7 @@ def test_force_replaces_a_link_planted_at_a_release_path_and_never_writes_throug
 def test_force_replaces_each_notebook_whole_by_renaming_a_new_file_into_place(tmp_path):
     """A reader of the old notebook, or a crash mid-write, never sees half a notebook: the old
     file is replaced by a rename (a new inode), not rewritten where it lies."""
-    command = [sys.executable, "-m", "offloadlab.student", "labs", str(tmp_path)]
+    command = [sys.executable, "-m", "offloadlab_course.student", "labs", str(tmp_path)]
     assert subprocess.run(command, cwd=ROOT, capture_output=True).returncode == 0
     old = tmp_path / f"{LABS[0].stem}.ipynb"
     with old.open("rb") as reader:
@@ -328,7 +328,7 @@ def test_force_replaces_each_notebook_whole_by_renaming_a_new_file_into_place(tm
 
 
 def test_keep_writes_only_what_is_missing(tmp_path):
-    command = [sys.executable, "-m", "offloadlab.student", "--keep", "labs", str(tmp_path)]
+    command = [sys.executable, "-m", "offloadlab_course.student", "--keep", "labs", str(tmp_path)]
     assert subprocess.run(command, cwd=ROOT, capture_output=True).returncode == 0
     mine = tmp_path / f"{LABS[0].stem}.ipynb"
     mine.write_text("a student's work", encoding="utf-8")
@@ -362,7 +362,7 @@ def test_a_reflection_is_graded_by_hand_and_released_as_nbgraders_text_stub(tmp_
 
 
 def test_existing_notebooks_are_replaced_only_with_force(tmp_path):
-    command = [sys.executable, "-m", "offloadlab.student", "labs", str(tmp_path)]
+    command = [sys.executable, "-m", "offloadlab_course.student", "labs", str(tmp_path)]
     assert subprocess.run(command, cwd=ROOT, capture_output=True).returncode == 0
     mine = tmp_path / f"{LABS[0].stem}.ipynb"
     mine.write_text("a student's work", encoding="utf-8")
@@ -375,7 +375,7 @@ def test_existing_notebooks_are_replaced_only_with_force(tmp_path):
 
 def test_nbgrader_sources_are_one_assignment_per_lab(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "offloadlab.student", "--nbgrader", "labs", str(tmp_path)],
+        [sys.executable, "-m", "offloadlab_course.student", "--nbgrader", "labs", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -401,7 +401,7 @@ def test_nbgrader_sources_are_one_assignment_per_lab(tmp_path):
 )
 def test_bad_arguments(arguments, complaint, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "offloadlab.student", *arguments],
+        [sys.executable, "-m", "offloadlab_course.student", *arguments],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -423,7 +423,15 @@ def test_nbgrader_refuses_a_link_planted_as_an_assignment_folder(tmp_path, dangl
     target.mkdir()
     (target / assignment_name(LABS[0])).symlink_to(elsewhere)
     result = subprocess.run(
-        [sys.executable, "-m", "offloadlab.student", "--nbgrader", *force, "labs", str(target)],
+        [
+            sys.executable,
+            "-m",
+            "offloadlab_course.student",
+            "--nbgrader",
+            *force,
+            "labs",
+            str(target),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -156,6 +156,10 @@ def test_a_wheel_carries_the_compiled_kernel_and_runs_it_without_a_compiler(
         path.relative_to(source).as_posix() for path in (source / "offloadlab").rglob("*.py")
     }
     assert modules <= set(names), f"pyproject's packages leave out {sorted(modules - set(names))}"
+    # the library alone: the course's tooling is a package of its own (course/)
+    course = ("plots", "check", "grading", "student", "lab", "offload/capacity")
+    assert not [n for n in names if n.startswith("offloadlab_course")]
+    assert not {f"offloadlab/{m}.py" for m in course} & set(names)
     python = make_environment(tmp_path / "venv")
     pip(python, "install", "--no-deps", str(wheel))
     # No compiler and an empty cache at run time: the kernel must be the one in the wheel.

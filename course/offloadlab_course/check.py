@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 
-from .units import is_number
+from offloadlab.units import is_number
 
 __all__ = ["Verdict", "answer", "exact", "student_release", "STUDENT_VARIABLE"]
 

@@ -21,7 +21,7 @@ import ast
 import math
 import numbers
 
-from .units import check_integer, check_non_negative, check_positive, is_number
+from offloadlab.units import check_integer, check_non_negative, check_positive, is_number
 
 __all__ = [
     "recomputed",
@@ -125,7 +125,7 @@ def lab01_challenge(
     left out)."""
     import torch
 
-    from .models import TinyGPT
+    from offloadlab.models import TinyGPT
 
     missing = _unanswered(trainer, "trainer", "trainer(model) -> (step, optimizers)")
     if missing is not None:
@@ -218,8 +218,8 @@ def lab04_challenge(
     _number(budget, "budget"), _whole(copies, "copies"), _whole(steps, "steps")
     _number(rel_tol, "rel_tol")
 
-    from .link import open_link
-    from .models import TinyGPT
+    from offloadlab.link import open_link
+    from offloadlab.models import TinyGPT
 
     dtype = torch.float32 if dtype is None else dtype
     torch.manual_seed(0)
@@ -294,7 +294,7 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
     or "half" (taking turns). Right is the one whose traffic takes less time a step; the grader
     asks for nodes on both sides of the crossover, in both duplexes, at two scales, and passes
     when every answer is right."""
-    from .sharding import ring_bytes
+    from offloadlab.sharding import ring_bytes
 
     missing = _unanswered(
         choose, "choose", "choose(tensor_bytes, ranks, down, up, interconnect, host_link, duplex)"
@@ -359,10 +359,10 @@ def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
         return missing
     budget = _whole(budget, "budget", expected="a whole number of bytes ≥ 1")
 
-    from .link import open_link
-    from .models import TinyGPT
-    from .offload import CPUOffloadAdam
-    from .streaming import StreamedModel
+    from offloadlab.link import open_link
+    from offloadlab.models import TinyGPT
+    from offloadlab.offload import CPUOffloadAdam
+    from offloadlab.streaming import StreamedModel
 
     def run(make):
         """(the streaming, device bytes it asked for, bytes up in the recorded step)."""
@@ -443,7 +443,7 @@ def lab07_challenge(
 
     import torch
 
-    from .nvme import FileTier
+    from offloadlab.nvme import FileTier
 
     values = torch.randn(params)
     with tempfile.TemporaryDirectory(dir=folder, prefix="lab07-challenge-") as scratch:
@@ -533,7 +533,7 @@ def lab03_challenge(
     """
     import time
 
-    from .link import EmulatedLink
+    from offloadlab.link import EmulatedLink
 
     missing = _unanswered(step, "step", "step(link, work, host, device)")
     if missing is not None:
@@ -684,7 +684,7 @@ class _WatchedLink:
 
 def _register_watched_link() -> None:
     """A watched link is a link to the optimizers that check (CPUOffloadAdam refuses a non-link)."""
-    from .link import Link
+    from offloadlab.link import Link
 
     Link.register(_WatchedLink)
 
@@ -712,7 +712,7 @@ def lab05_challenge(
     """
     import time
 
-    from .link import EmulatedLink
+    from offloadlab.link import EmulatedLink
 
     missing = _unanswered(prefetch, "prefetch", "prefetch(items, link)")
     if missing is not None:
@@ -741,7 +741,7 @@ def _gpu_work_and_rate(link, work_seconds: float | None) -> tuple:
     """For a challenge on a GPU: a chain of matrix products of about ``work_seconds`` (default
     4 ms), the seconds it takes (median of 3, by events around it) and the link's host-to-device
     rate in bytes/s (median of 3 copies of 16 MiB)."""
-    from . import experiment
+    from offloadlab import experiment
 
     work = experiment.overlap_work(link, 0.004 if work_seconds is None else work_seconds)
     timed = []

@@ -17,7 +17,7 @@ From them this module makes two things:
 - :func:`source_notebook` — the lab as an nbgrader *source* notebook: solutions kept, answer
   and graded cells carrying nbgrader's metadata (ids, points), answer cells unfolded (the book
   may fold them), and a first code cell that puts the answer checks in the student release
-  (see :mod:`offloadlab.check`).
+  (see :mod:`offloadlab_course.check`).
   ``nbgrader generate_assignment`` turns it into what students get.
 - :func:`release_notebook` — the same notebook with each solution replaced by nbgrader's own
   stub, exactly as ``generate_assignment`` does it, for instructors who hand labs out with
@@ -29,7 +29,7 @@ notebook, become ordinary links: to the published site when a base URL is given
 inside the checkout (``make lab``'s ``book/student``), else to nothing (the words stay, and no
 link is dead).
 
-``python -m offloadlab.student LABS_DIR TARGET_DIR`` writes the student release of every lab
+``python -m offloadlab_course.student LABS_DIR TARGET_DIR`` writes the student release of every lab
 as ``TARGET_DIR/<lab>.ipynb``; with ``--nbgrader`` it writes the source notebooks as
 ``TARGET_DIR/<assignment>/<lab>.ipynb``, ready to be an nbgrader course's ``source/`` folder
 (each lab is one assignment, named by its number: ``lab01``). Existing notebooks are replaced
@@ -47,9 +47,9 @@ import re
 import sys
 from pathlib import Path
 
-from . import files
+from offloadlab import files
 from .check import STUDENT_VARIABLE
-from .units import is_number
+from offloadlab.units import is_number
 
 __all__ = [
     "BEGIN",
@@ -446,7 +446,7 @@ def _refuse_stray_markers(cell, where: str) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m offloadlab.student",
+        prog="python -m offloadlab_course.student",
         description="Write the labs as student notebooks or as nbgrader source notebooks.",
     )
     parser.add_argument("labs_dir", type=Path, help="the folder of Jupytext labs (labs/)")
@@ -482,7 +482,7 @@ def main(argv: list[str]) -> int:
         ):
             print(f"wrote {path}")
     except (ValueError, OSError) as error:
-        print(f"offloadlab.student: error: {error}", file=sys.stderr)
+        print(f"offloadlab_course.student: error: {error}", file=sys.stderr)
         return 2
     return 0
 

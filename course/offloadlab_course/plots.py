@@ -18,8 +18,8 @@ from collections.abc import Mapping
 import matplotlib.pyplot as plt
 import numpy as np
 
-from . import memory, sharding
-from .units import check_integer, format_count, parse_count
+from offloadlab import memory, sharding
+from offloadlab.units import check_integer, format_count, parse_count
 
 __all__ = [
     "STYLE",

@@ -4,10 +4,10 @@ A cap set with ``torch.cuda.set_per_process_memory_fraction`` bounds what the ca
 may *reserve*, and an offloaded run still needs on the device:
 
 - its weights, in their dtype;
-- the activations autograd saves for backward — counted here by running the model's forward on
-  the meta device (no memory, no compute) with a saved-tensor hook that adds up every distinct
-  storage autograd keeps, weights excluded; on a GPU, fused attention keeps less than this
-  count (it saves no attention matrix), so the count errs on the side of room;
+- the activations autograd saves for backward — counted by
+  :func:`offloadlab.models.saved_activation_bytes` on the meta device (no memory, no compute); on
+  a GPU, fused attention keeps less than this count (it saves no attention matrix), so the count
+  errs on the side of room;
 - CPUOffloadAdam's own device buffers: two gather buffers of a bucket and a staging buffer;
 
 plus headroom for what is not saved but lives for a while: the logits' gradient at the start of
@@ -20,20 +20,17 @@ offloaded run trains) would not hold.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
 
-from .. import _torch_compat
-from ..models import GPTConfig, TinyGPT
+from offloadlab.models import GPTConfig, saved_activation_bytes
 
 __all__ = [
     "HEADROOM",
     "LAB_CONFIG",
     "LAB_BATCH",
     "DeviceNeed",
-    "saved_activation_bytes",
     "offloaded_need",
     "lab_cap",
 ]
@@ -43,29 +40,6 @@ HEADROOM = 0.20  # of the need: transient tensors, workspaces, the allocator's r
 LAB_CONFIG = GPTConfig(layers=12, hidden=1024, heads=16, vocab=16384, seq=256)
 LAB_BATCH = 8
 PLAIN_ADAMW_BYTES_PER_PARAM = 16  # fp32 weights, gradients, exp_avg, exp_avg_sq
-
-
-@functools.lru_cache(maxsize=32)  # (a few seconds for a large config: counted once per shape)
-def saved_activation_bytes(
-    config: GPTConfig, batch: int, dtype: torch.dtype = torch.bfloat16
-) -> int:
-    """Bytes autograd saves for backward in one forward of a TinyGPT (weights in ``dtype``) on
-    ``batch`` sequences: every distinct storage it keeps, the model's own parameters excluded."""
-    with torch.device("meta"):
-        model = TinyGPT(config).to(dtype)
-    tokens = torch.zeros(batch, config.seq, dtype=torch.long, device="meta")
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        # one entry per storage, however many views of it
-        saved[_torch_compat.storage_key(storage)] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, tokens)
-    weights = {_torch_compat.storage_key(p.untyped_storage()) for p in model.parameters()}
-    return sum(n for key, n in saved.items() if key not in weights)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,3 +1,5 @@
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -9,13 +11,26 @@ from offloadlab.cli import main
 
 
 def run(*args):
+    """The command run in this process (a fresh Python costs a second or more each time): its
+    exit status and what it printed, as ``subprocess.run`` reports them."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            status = main(list(args))
+        except SystemExit as exit:  # --help and argparse's own exits
+            status = exit.code
+    return subprocess.CompletedProcess(args, status, stdout.getvalue(), stderr.getvalue())
+
+
+def run_process(*args):
+    """The command as a user starts it: ``python -m offloadlab`` in a Python of its own."""
     return subprocess.run(
         [sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True
     )
 
 
 def test_state_json_reports_160_gb_for_10b_params():
-    result = run("state", "--params", "10e9", "--json")
+    result = run_process("state", "--params", "10e9", "--json")
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     assert payload["total_bytes"] == 160e9
@@ -834,7 +849,7 @@ def test_bench_adam_reports_a_stale_deepspeed_build_lock_instead_of_waiting(
 def test_json_to_dev_stdout_on_a_pipe_is_written_there():
     """/dev/stdout on a pipe resolves to '/proc/PID/fd/pipe:[N]', which is no path: it was
     refused ('cannot create a file in /proc/PID/fd')."""
-    result = run("gpu-check", "--dry-run", "--profile", "h200", "--json", "/dev/stdout")
+    result = run_process("gpu-check", "--dry-run", "--profile", "h200", "--json", "/dev/stdout")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout[: result.stdout.index("\n}\n") + 2])["profile"]
 

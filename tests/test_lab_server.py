@@ -203,18 +203,22 @@ def checkpoint_files() -> dict:
     }
 
 
-def scroll_to(locator, attempts: int = 5) -> None:
-    """Scroll ``locator`` into view. Lab renders a notebook's cells lazily and may render a Markdown
-    cell again while it settles, detaching the element found a moment before: find it again."""
+def scroll_to(locator, attempts: int = 20) -> None:
+    """Scroll ``locator`` into view. Lab draws a notebook's cells lazily and may draw a Markdown
+    cell again while it settles (its kernel starting), detaching the element found a moment before:
+    find it again, and scroll at once rather than wait for it to hold still (Playwright's own
+    scroll waits for a stable element, which a cell drawn again and again never is on a busy
+    machine)."""
     from playwright.sync_api import Error
 
     for attempt in range(attempts):
         try:
-            locator.scroll_into_view_if_needed(timeout=30_000)
+            locator.evaluate("e => e.scrollIntoView({block: 'center'})", timeout=30_000)
             return
         except Error as error:
             if "not attached" not in str(error) or attempt == attempts - 1:
                 raise
+            locator.page.wait_for_timeout(250)
 
 
 def open_in_lab(page, base: str, path: str) -> None:

@@ -80,8 +80,10 @@ class HostState:
     def extend(self, buckets: list[Bucket]) -> None:
         """Give new buckets their places: larger buffers, the existing state copied over."""
         numel = buckets[-1].end if buckets else self.numel
-        for bucket in self.buckets:
+        for bucket in self.buckets:  # the worker's copies and folds into these buffers are done
             bucket.sent_kept.wait()
+            if (folding := bucket.folding) is not None:
+                folding.wait()
         old = {
             name: getattr(self, name) for name in ("master", "exp_avg", "exp_avg_sq", "accumulated")
         }

@@ -455,8 +455,9 @@ def test_weights_changed_while_a_delayed_update_runs_keep_their_values_with_a_wa
         UserWarning,
         match=rf"{len(edited)} parameter\(s\) were changed outside the optimizer "
         rf"while a delayed update was pending",
-    ):
+    ) as caught:
         opt.step()
+    assert caught[0].filename == __file__  # the warning names the user's step() line
     assert edited and all(torch.equal(p, value) for p, value in edited)
     opt.close()
 
@@ -498,6 +499,7 @@ def test_weights_changed_between_backward_and_step_with_accumulation_steps_are_n
     named = [w for w in caught if "changed by hand between backward and step()" in str(w.message)]
     if changed and (landed or not through_data):
         assert len(named) == 1, [str(w.message) for w in caught]
+        assert named[0].filename == __file__
     if landed and changed:
         edited = [p for p, old in zip(model.parameters(), before) if not torch.equal(p, old)]
         assert "kept without this step's update" in str(named[0].message) and edited
@@ -517,14 +519,14 @@ def test_a_step_without_zero_grad_says_it_consumed_the_last_steps_gradients(link
     opt.step()  # the first step: nothing came before it
     for micro in batches[1:]:
         backward(model, micro)
-        with (
-            pytest.warns(
-                UserWarning, match="step\\(\\) without zero_grad\\(\\) since the last step"
-            )
-            if micro is batches[1]
-            else _nothing()
-        ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             opt.step()
+        said = [
+            w for w in caught if "step() without zero_grad() since the last step" in str(w.message)
+        ]
+        assert len(said) == (micro is batches[1]), [str(w.message) for w in caught]
+        assert all(w.filename == __file__ for w in said)  # the user's step() line
     opt.zero_grad()
     backward(model, batches[0])
     opt.step()

@@ -9,16 +9,19 @@ Parameters belong to one engine at a time (:mod:`offloadlab.ownership` keeps the
 engine over parameters that a live one still manages closes the old one (with a warning) and
 takes them over.
 
-When the update runs is a schedule object (:mod:`~offloadlab.offload.schedule`); ``step`` reads
-straight down: gradients in, the schedule's first word, this step's scale, the buckets handed to
-the worker, the schedule's last word.
+When the update runs is one of three schedules (:func:`when_update_runs`): at step, eager
+(during backward, with ``accumulation_steps``) or delayed (behind the next forward and backward).
+``_step`` reads straight down: gradients in, a delayed update's weights sent, this step's scale or
+a skip, each bucket handed to the worker, the wait (unless delayed).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
+import sys
 import threading
 import warnings
 
@@ -28,7 +31,6 @@ from .. import _torch_compat, cpu_adam, ownership
 from ..link import Link, open_link
 from ..link.cuda import shared_cuda_link
 from ..ownership import streamer_of
-from . import schedule
 from .bucket import make_buckets
 from .edits import EditWatch
 from .host_state import HostState, check_group
@@ -36,9 +38,45 @@ from .intake import GradientIntake, check_unconverted
 from .loss_scaler import LossScaler
 from .worker import UpdateWorker
 
-__all__ = ["OffloadEngine", "StepTimeline", "check_disjoint", "managed", "owner", "DEVICE_DTYPES"]
+__all__ = [
+    "OffloadEngine",
+    "StepTimeline",
+    "check_disjoint",
+    "managed",
+    "owner",
+    "when_update_runs",
+    "DEVICE_DTYPES",
+]
 
 DEVICE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def when_update_runs(
+    accumulation_steps: int | None, delayed_update: bool, clipping: bool, fp16: bool
+) -> tuple[int | None, bool]:
+    """``(eager_after, delayed)``: the micro-batches after which a bucket's update starts during
+    backward (None: at step), and whether step() applies the last step's update and returns
+    without waiting for its own (ZeRO-Offload's delayed parameter update). Clipping and fp16 loss
+    scaling need every gradient before any update starts: accumulation_steps then only declares."""
+    if delayed_update:
+        return None, True
+    if accumulation_steps is not None and not clipping and not fp16:
+        return accumulation_steps, False
+    return None, False
+
+
+# the packages a warning looks past for the user's line (a step is several calls deep in each)
+_INTERNAL = tuple(
+    os.path.dirname(package.__file__) + os.sep for package in (sys.modules["offloadlab"], torch)
+)
+
+
+def warn_user(message: str) -> None:
+    """A UserWarning that names the user's line: the first caller outside offloadlab and torch."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
 
 
 def managed(param: torch.Tensor) -> bool:
@@ -212,14 +250,15 @@ class OffloadEngine:
         scaler = LossScaler.from_argument(loss_scale)
         self.scaler = scaler if self.fp16 else None
         self.bucket_bytes = bucket_bytes
-        self.schedule = schedule.choose(
+        self.eager_after, self.delayed = when_update_runs(
             accumulation_steps, delayed_update, clipping=max_grad_norm is not None, fp16=self.fp16
         )
         self.accumulation_steps = accumulation_steps
         # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
         self.step_count = 0
         self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
-        self._unfinished = None  # the rest of a step taken but not yet done (see _to_step_boundary)
+        # (buckets, scale) of a step taken but not yet done (see _to_step_boundary)
+        self._taken: tuple | None = None
         self._checked_edits: set[int] = set()
         # Whether zero_grad() came since the last step: AdamW's next step would add that step's
         # gradients to its own without it; this optimizer's step consumes them, and says so once.
@@ -231,14 +270,12 @@ class OffloadEngine:
         # an earlier optimizer finishes before we copy the weights
         self._take_over(trainable, stacklevel=5)
         self.timeline = StepTimeline(record_timeline)
-        self.host = HostState(
-            self.link, self.dtype, buckets, delayed=self.schedule.pending_upload()
-        )
+        self.host = HostState(self.link, self.dtype, buckets, delayed=self.delayed)
         self.edits = EditWatch(self.link, self.host, training=lambda: self.intake.training)
         self.intake = GradientIntake(
             self.link,
             self.host,
-            self.schedule.eager_after,
+            self.eager_after,
             accumulation_steps,
             ready=self._ready,
             fold=lambda bucket, positions, copies: self.worker.fold(bucket, positions, copies),
@@ -250,7 +287,7 @@ class OffloadEngine:
             self.host,
             self.edits,
             self.threads,
-            upload_after_update=self.schedule.upload_after_update,
+            upload_after_update=not self.delayed,
             record=self.timeline.record,
         )
         for p in trainable:
@@ -345,7 +382,8 @@ class OffloadEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> None:
-        """One optimizer step, under the schedule (see :mod:`~offloadlab.offload.schedule`).
+        """One optimizer step, under its schedule (see :func:`when_update_runs`): the contract
+        checked, then :meth:`_step` with interrupts held.
 
         A step is whole or not at all, whatever interrupts it: a Ctrl-C (SIGINT on the main thread)
         is held until the step is done and then raised; a KeyboardInterrupt raised inside it (by a
@@ -380,79 +418,81 @@ class OffloadEngine:
                     )
 
     def _step(self) -> None:
-        # buckets whose weights were checked for edits by hand this step (before their upload)
-        self._checked_edits = set()
+        self._checked_edits = set()  # buckets checked for weights edited by hand, this step
         self._take_in_gradients()
-        self.schedule.before_update(self._finish, self._submitted())
+        if self.delayed:  # the last step's update, applied now: its weights go up
+            self._finish(self._submitted(), upload=True)
         self._take_zero_gradients()
         ready = [b for b in self.host.buckets if b.received.any() and not b.submitted]
-        scale = self._grad_scale(ready)
+        scale = self._grad_scale(ready)  # None: an fp16 overflow, the step is skipped
         self._clip_now = None
+        self._warn_unless_zeroed(ready)
+        self._zeroed_since_step = False
+        # from here on the step is taken: an interrupt finishes it rather than undoing it
+        self._taken = (ready, scale)
+        if scale is not None:
+            self.step_count += 1
+        self._complete_step()
+
+    def _complete_step(self) -> None:
+        """Hand the taken step's buckets not yet handed over to the worker and wait for their
+        updates (unless delayed); or, for a skipped step, drop their gradients."""
+        ready, scale = self._taken
+        if scale is None:
+            for bucket in ready:
+                bucket.discard()
+            self.scaler.update(overflowed=True)
+        else:
+            while ready:
+                if not ready[0].submitted:  # (an interrupt may have come after it was)
+                    self.worker.submit(
+                        ready[0],
+                        scale,
+                        self.step_count,
+                        check_edits=ready[0].index not in self._checked_edits,
+                    )
+                ready.pop(0)
+            if not self.delayed:
+                self._finish(self._submitted(), upload=False)
+            if self.scaler is not None:
+                self.scaler.update(overflowed=False)
+        self._taken = None
+
+    def _warn_unless_zeroed(self, ready: list) -> None:
+        """AdamW adds gradients until zero_grad(); this optimizer's step consumes them: say so,
+        once, where the two differ."""
         if (
             not self._zeroed_since_step
             and not self._said_not_zeroed
             and (ready or self._submitted())
         ):
             self._said_not_zeroed = True
-            warnings.warn(
+            warn_user(
                 "CPUOffloadAdam: step() without zero_grad() since the last step; torch.optim.AdamW "
                 "would add the last step's gradients to this one's, but here each step() consumes "
                 "its gradients: this step uses only those received since the last. Call "
                 "optimizer.zero_grad() every step to say so (model.zero_grad() does not reach the "
-                "optimizer)",
-                stacklevel=6,
+                "optimizer)"
             )
         if not self._zeroed_since_step and not ready and not self._submitted() and self.step_count:
-            warnings.warn(
+            warn_user(
                 "CPUOffloadAdam: step() again with no backward and no zero_grad() since the last "
                 "step: torch.optim.AdamW would apply the last step's gradients a second time (they "
                 "stay in .grad until zero_grad()), but this optimizer consumed them, so this step "
-                "changes nothing",
-                stacklevel=6,
+                "changes nothing"
             )
-        self._zeroed_since_step = False
-        if scale is None:  # fp16 overflow: this step is skipped
-            self._unfinished = lambda: self._skip(ready)
-        else:  # from here on the step is taken: an interrupt finishes it rather than undoing it
-            self._unfinished = lambda: self._hand_over(ready, scale)
-            self.step_count += 1
-        self._unfinished()
-
-    def _hand_over(self, remaining: list, scale: float) -> None:
-        """Hand this step's buckets (``remaining``: those not yet handed over) to the worker, and
-        finish as the schedule says."""
-        while remaining:
-            if not remaining[0].submitted:  # (an interrupt may have come after it was handed over)
-                # (a delayed update's weights, just sent, were compared with the parameters first)
-                self.worker.submit(
-                    remaining[0],
-                    scale,
-                    self.step_count,
-                    check_edits=remaining[0].index not in self._checked_edits,
-                )
-            remaining.pop(0)
-        self.schedule.after_handing_over(self._finish, self._submitted())
-        if self.scaler is not None:
-            self.scaler.update(overflowed=False)
-        self._unfinished = None
-
-    def _skip(self, ready: list) -> None:
-        for bucket in ready:
-            bucket.discard()
-        self.scaler.update(overflowed=True)
-        self._unfinished = None
 
     def _to_step_boundary(self) -> None:
         """After a KeyboardInterrupt inside step(): a step already taken (counted, or with
         accumulation_steps, its update started during backward) is finished; otherwise nothing of
         it happens — this step's gradients stay received, as AdamW's stay in ``.grad`` — but the
         update an earlier step left pending (delayed_update) is applied, as step() began to."""
-        if self._unfinished is not None:
-            self._unfinished()
-        elif self.schedule.eager_after is not None and self._submitted():
+        if self._taken is not None:
+            self._complete_step()
+        elif self.eager_after is not None and self._submitted():
             self._step()
-        else:
-            self.schedule.before_update(self._finish, self._submitted())
+        elif self.delayed:
+            self._finish(self._submitted(), upload=True)
 
     def _take_in_gradients(self) -> None:
         """Before a step or a clip: close a backward pass that raised, and take in gradients left in
@@ -555,28 +595,26 @@ class OffloadEngine:
                 self._checked_edits.add(bucket.index)
             if bucket.upload is not None:
                 bucket.upload.wait(on=self.intake.training)
-            if self.schedule.eager_after is not None and bucket.streamed is None:
+            if self.eager_after is not None and bucket.streamed is None:
                 self._count_late_edits(bucket, late)
             bucket.settle()
         if buckets:
             self.timeline.close(self.step_count)
         if late["overwritten"] or late["kept"]:
-            warnings.warn(
+            warn_user(
                 f"CPUOffloadAdam: weights were changed by hand between backward and step() with "
-                f"accumulation_steps={self.schedule.eager_after}: their update had started in the "
+                f"accumulation_steps={self.eager_after}: their update had started in the "
                 f"last backward pass, from the weights as they were then ({late['overwritten']} "
                 f"change(s) overwritten by it, {late['kept']} kept without this step's update; a "
                 f"change through .data before the new weights land goes unseen). Change weights "
                 f"before the last backward pass, or leave accumulation_steps unset (the update "
-                f"then runs in step(), as torch.optim.AdamW's does)",
-                stacklevel=8,
+                f"then runs in step(), as torch.optim.AdamW's does)"
             )
         if edited:
-            warnings.warn(
+            warn_user(
                 f"CPUOffloadAdam: {edited} parameter(s) were changed outside the optimizer while a "
                 "delayed update was pending; they keep the values set, and that update is dropped "
-                f"for them (call optimizer.synchronize() before changing weights by hand)",
-                stacklevel=8,
+                f"for them (call optimizer.synchronize() before changing weights by hand)"
             )
 
     def _after_training(self):
@@ -635,7 +673,7 @@ class OffloadEngine:
     def clip(self, max_norm: float, error_if_nonfinite: bool) -> float:
         """Clip this step's update to a global gradient norm of ``max_norm``; returns the norm."""
         self.check_usable()
-        if self.schedule.eager_after is not None:
+        if self.eager_after is not None:
             raise RuntimeError(
                 "clip_grad_norm_: with accumulation_steps set (and no max_grad_norm) the update "
                 "starts during backward, before anything can be clipped; pass max_grad_norm=… to "
@@ -681,7 +719,7 @@ class OffloadEngine:
         """Forget gradients received since the last step (zero_grad)."""
         if self.closed is not None:
             return
-        if self.schedule.eager_after is not None and self._submitted():
+        if self.eager_after is not None and self._submitted():
             # updates that started during backward: their step is finished, not left half-done
             self.step()
         self._zeroed_since_step = True
@@ -701,9 +739,9 @@ class OffloadEngine:
     def synchronize(self) -> None:
         """Finish every pending update and weight copy (for a delayed update: apply it now)."""
         self.check_usable()
-        if self.schedule.pending_upload() and self._submitted():
+        if self.delayed and self._submitted():
             self._check_params_as_made()
-        self._finish(self._submitted(), upload=self.schedule.pending_upload())
+        self._finish(self._submitted(), upload=self.delayed)
         for bucket in self.host.buckets:
             if bucket.upload is not None:
                 bucket.upload.synchronize()

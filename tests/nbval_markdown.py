@@ -9,14 +9,22 @@ without a jupytext header is plain prose and is not collected.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from unittest import mock
 
 import jupytext
 import nbformat
+import pytest
 from nbval.plugin import IPyNbFile
 
 NOTEBOOK_DIRS = ("book", "labs")
+
+# Seconds each code cell took in this run, by notebook path and code-cell index, for the cells
+# that passed: tests/test_interrupt.py reads them rather than run each notebook once more to time
+# it, and its notebook tests run after the notebooks (see pytest_collection_modifyitems).
+CELL_SECONDS: dict[Path, dict[int, float]] = {}
+RUN_AFTER_THE_NOTEBOOKS = "tests/test_interrupt.py::test_interrupting_the_slowest_cell"
 
 
 def is_text_notebook(path: Path) -> bool:
@@ -53,3 +61,20 @@ def pytest_collect_file(file_path: Path, parent):
     if top in NOTEBOOK_DIRS and is_text_notebook(file_path):
         return TextNotebook.from_parent(parent, path=file_path)
     return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    if not isinstance(item.parent, TextNotebook):
+        return (yield)
+    start = time.monotonic()
+    result = yield  # (raises when the cell failed: its time is not kept)
+    CELL_SECONDS.setdefault(Path(item.path), {})[item.cell_num] = time.monotonic() - start
+    return result
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that read the notebooks' cell times run after the notebooks."""
+    after = [item for item in items if item.nodeid.startswith(RUN_AFTER_THE_NOTEBOOKS)]
+    if after:
+        items[:] = [item for item in items if item not in after] + after

@@ -6,7 +6,8 @@ does. Whatever the interrupted cell had half done (files written, a reference ad
 steps) must not make a later cell fail. Each notebook runs twice in a real kernel: once whole,
 timing every cell; then up to its slowest cell, which is interrupted (``interrupt_kernel``, as
 Lab's stop button) halfway through its time, and run again from there to the end. The first
-cell, which imports, is left out: interrupting ``import torch`` breaks any kernel.
+cell, which imports, is left out: interrupting ``import torch`` breaks any kernel. When nbval has
+run the notebooks earlier in the same run, its cell times stand in for the first run.
 """
 
 import queue
@@ -21,7 +22,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from tests.conftest import ROOT
-from tests.nbval_markdown import is_text_notebook
+from tests.nbval_markdown import CELL_SECONDS, is_text_notebook
 
 NOTEBOOKS = sorted(
     p for d in ("book", "labs") for p in (ROOT / d).glob("*.md") if is_text_notebook(p)
@@ -122,7 +123,12 @@ def test_interrupting_the_slowest_cell_and_running_on_from_it(path):
             shutil.rmtree(left) if left.is_dir() and not left.is_symlink() else left.unlink()
 
 
-def interrupt_and_run_on(path, cells):
+def cell_seconds(path, cells) -> list[float]:
+    """How long each cell takes: as nbval ran it earlier in this run, or timed now in a kernel of
+    its own (when this test runs without the notebooks)."""
+    timed = CELL_SECONDS.get(path, {})
+    if len(timed) == len(cells):
+        return [timed[index] for index in range(len(cells))]
     kernel = Kernel(path.parent)
     try:
         seconds = []
@@ -132,6 +138,11 @@ def interrupt_and_run_on(path, cells):
             seconds.append(took)
     finally:
         kernel.close()
+    return seconds
+
+
+def interrupt_and_run_on(path, cells):
+    seconds = cell_seconds(path, cells)
     # The first cell imports torch: an interrupted import leaves a half-made module in any Python
     # (re-importing torch then raises), which no notebook can undo. The slowest of the others.
     slowest = max(range(1, len(cells)), key=seconds.__getitem__)

@@ -14,7 +14,10 @@ def link():
 
 
 def test_small_transfer_hides_and_large_one_stalls(link):
-    work = experiment.MatmulWork(128, 256, 8, "cpu")
+    # Compute of tens of milliseconds against a 64 KiB transfer (65 µs at 1 GB/s): on a busy
+    # machine a thread waits a few milliseconds for a core, which a millisecond of compute (the
+    # old size) did not outlast, and the small transfer "stalled".
+    work = experiment.MatmulWork(512, 512, 8, "cpu")
     small = experiment.measure_overlap(link, "64 KiB", work, repeats=2)
     large_bytes = int(small.t_compute * 1e9 * 6)  # six times the compute at 1 GB/s
     large = experiment.measure_overlap(link, large_bytes, work, repeats=2)

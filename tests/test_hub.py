@@ -18,6 +18,7 @@ skipped, and CI runs it as root. Each stage's seconds go to build/hub-stages.jso
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -94,6 +95,30 @@ class Stages:
                 stages.out.write_text(json.dumps(stages.seconds, indent=1) + "\n")
 
         return Stage()
+
+
+def end_with_its_children(process: subprocess.Popen) -> None:
+    """Stop the hub and what it started: its proxy runs in a session of its own and outlived a
+    hub that was killed (a failed run under load left configurable-http-proxy running)."""
+    import psutil
+
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    for child in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
 
 
 def free_port() -> int:
@@ -483,11 +508,7 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
             ), pages[0]
     finally:
         if hub_process is not None:
-            hub_process.terminate()
-            try:
-                hub_process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                hub_process.kill()
+            end_with_its_children(hub_process)
         for user in (SOLVED, UNSOLVED, INSTRUCTOR):
             # the servers the hub left behind
             subprocess.run(["pkill", "-u", user], capture_output=True)

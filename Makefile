@@ -27,7 +27,7 @@ PYTHON_SOURCES := offloadlab course/offloadlab_course tests tools
 STUDENT_DIR ?= build/student
 NBGRADER_DIR ?= build/nbgrader/source
 
-.PHONY: env course lab test book book-student pdf student gpu-env gpu-check format clean
+.PHONY: env course lab test test-fast book book-student pdf student gpu-env gpu-check format clean
 
 ## env: create the environment if missing, install or update everything in it
 env:
@@ -70,6 +70,14 @@ test: env $(MATHJAX)/tex-chtml.js $(PYODIDE)/pyodide.asm.wasm
 	$(PY) -m ruff check $(PYTHON_SOURCES)
 	$(PY) -m ruff format --check $(PYTHON_SOURCES)
 	$(PY) -m pytest
+
+## test-fast: ruff and the unit tests, without the notebooks, the site, the hub, the browser and
+## the other slow ones (marked slow; tests/conftest.py lists the modules), on up to four cores: a
+## contributor's check in a few minutes, in the environment as it is. `make test` runs everything.
+test-fast: | $(PY)
+	$(PY) -m ruff check $(PYTHON_SOURCES)
+	$(PY) -m ruff format --check $(PYTHON_SOURCES)
+	$(PY) -m pytest tests -m "not slow" -n auto --maxprocesses 4
 
 ## book: build the static site into book/_build/html (executes every notebook), with the book as
 ## a PDF it offers on every page; without Chromium, the site alone, saying it has no PDF

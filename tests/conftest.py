@@ -1,6 +1,8 @@
 """Shared fixtures: the repository root, the built static site, small disks and the optimizer's
 links."""
 
+import contextlib
+import io
 import shutil
 import subprocess
 import sys
@@ -10,6 +12,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "book" / "_build" / "html"
+
+
+def offloadlab(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The ``offloadlab`` command run in this process (a fresh Python costs a second or more each
+    time): its exit status and what it printed, as ``subprocess.run`` reports them."""
+    from offloadlab.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with (
+        contextlib.chdir(cwd or Path.cwd()),
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+    ):
+        try:
+            status = main([str(arg) for arg in args])
+        except SystemExit as exit:  # --help and argparse's own exits
+            status = exit.code
+    return subprocess.CompletedProcess(args, status, stdout.getvalue(), stderr.getvalue())
 
 
 @pytest.fixture(scope="session")
@@ -34,10 +54,37 @@ def built_site() -> Path:
     return SITE
 
 
+# Whole modules left out of `make test-fast` (marked ``slow``), and why; single tests elsewhere
+# carry @pytest.mark.slow themselves. The notebooks (book/, labs/) are not in the fast tier either.
+SLOW_MODULES = {
+    "test_book.py": "builds the site",
+    "test_calculators.py": "builds the site, runs Pyodide in a browser",
+    "test_course_page.py": "builds the site",
+    "test_cpu_adam_qemu.py": "builds the kernel for other CPUs and runs it under qemu",
+    "test_figure_text.py": "builds the site",
+    "test_hub.py": "starts a JupyterHub",
+    "test_interrupt.py": "runs every notebook again, interrupted",
+    "test_lab_checks.py": "runs every lab",
+    "test_lab_server.py": "starts JupyterLab and a browser",
+    "test_nbgrader.py": "runs nbgrader's release and autograding",
+    "test_notebook_plugin.py": "runs notebooks through nbval",
+    "test_pdf.py": "builds the site and prints the PDF",
+    "test_reading_the_package.py": "builds the site",
+    "test_round_trip.py": "formats and reads back every notebook",
+    "test_site.py": "builds the site, reads it in a browser",
+    "test_student.py": "releases every lab to students and runs their notebooks",
+    "test_wheel.py": "builds and installs the package",
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip tests marked ``gpu`` cleanly when no CUDA device is present."""
+    """Mark the slow modules' tests ``slow``; skip tests marked ``gpu`` cleanly when no CUDA device
+    is present."""
     import torch
 
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")

@@ -1,5 +1,3 @@
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -8,18 +6,11 @@ import sys
 import pytest
 
 from offloadlab.cli import main
+from tests.conftest import offloadlab
 
 
 def run(*args):
-    """The command run in this process (a fresh Python costs a second or more each time): its
-    exit status and what it printed, as ``subprocess.run`` reports them."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            status = main(list(args))
-        except SystemExit as exit:  # --help and argparse's own exits
-            status = exit.code
-    return subprocess.CompletedProcess(args, status, stdout.getvalue(), stderr.getvalue())
+    return offloadlab(*args)
 
 
 def run_process(*args):

@@ -88,6 +88,7 @@ def deepspeed_reads(world):
     return out["results"]
 
 
+@pytest.mark.slow  # (DeepSpeed in a real world of processes)
 @pytest.mark.parametrize("world", WORLDS)
 def test_every_deepspeed_config_passes_deepspeeds_validation_in_a_real_world(world):
     reads = deepspeed_reads(world)
@@ -225,6 +226,7 @@ def test_the_deepspeed_snippet_builds_the_model_partitioned_under_zero3():
     assert "HfDeepSpeedConfig" not in zero2 and "zenflow" not in zero2
 
 
+@pytest.mark.slow  # (torchrun, two processes)
 def test_emitted_fsdp2_snippet_trains_on_two_cpu_processes(tmp_path):
     """The script as emitted (CPUOffloadPolicy, recomputation, bf16, meta-device build) on torchrun
     with gloo, TinyGPT built in it and filled with the reference weights.
@@ -257,6 +259,7 @@ def test_emitted_fsdp2_snippet_trains_on_two_cpu_processes(tmp_path):
     }
 
 
+@pytest.mark.slow  # (torchrun, two processes)
 def test_the_emitted_fsdp2_script_trains_a_transformers_model_as_written(tmp_path):
     """`offloadlab plan --emit fsdp` for a tiny tied Llama on a GPU too small for its state,
     saved as train.py and run as a user would: torchrun on two CPU processes, transformers' model

@@ -304,6 +304,7 @@ def test_make_gpu_check_installs_nothing():
     assert recipe_line.strip() == "" and "pip" not in target and "env" not in recipe_line
 
 
+@pytest.mark.slow  # (every benchmark, on the emulated link)
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="on a GPU, gpu-check is the real thing: run make gpu-check"
 )

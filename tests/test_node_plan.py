@@ -2,12 +2,11 @@
 command."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from offloadlab import architectures, planner
+from tests.conftest import offloadlab
 
 P = 10e9
 WORK = planner.Workload(P, layers=40, hidden=4096, heads=32, batch=1, seq=512)  # 512 tokens a GPU
@@ -181,12 +180,6 @@ def test_probe_record_feeds_the_hardware(tmp_path):
 def test_node_bad_input(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         planner.Hardware("80 GB", "25 GB/s", **kwargs)
-
-
-def offloadlab(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True
-    )
 
 
 EIGHT_B = [

@@ -4,8 +4,6 @@ import copy
 import errno
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ import torch
 
 from offloadlab import ladder, machine, probe, reference
 from offloadlab.link import EmulatedLink
+from tests.conftest import offloadlab
 
 
 @pytest.mark.parametrize("alpha, beta", [(10e-6, 25e9), (2e-3, 1e9), (0.0, 50e9)])
@@ -189,9 +188,7 @@ def test_nominal_ladder_is_the_material():
 
 
 def _offloadlab(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "offloadlab", *args], capture_output=True, text=True, cwd=cwd
-    )
+    return offloadlab(*args, cwd=cwd)
 
 
 def test_probe_command_quick_json(tmp_path):

@@ -728,7 +728,9 @@ def test_lab_shows_the_note_as_readable_text(lab_server, browser):  # noqa: F811
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         # Lab may draw a Markdown cell again while it settles: the page, not the element, is shot.
         page.screenshot(path=str(SCREENSHOTS / "04_calculator_in_jupyterlab.png"))
-        text = " ".join(note.inner_text().split())
+        # (its text as the page holds it: Lab may hide a cell it draws again, and a hidden
+        # element has no inner text)
+        text = " ".join(note.text_content().split())
         assert 'offloadlab budget --link "25 GB/s" --window "614.4 ms" --params 10e9' in text
         assert "above" in text and "Unknown" not in text and ":class:" not in text
     finally:

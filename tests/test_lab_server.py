@@ -203,7 +203,7 @@ def checkpoint_files() -> dict:
     }
 
 
-def scroll_to(locator, attempts: int = 20) -> None:
+def scroll_to(locator, attempts: int = 10) -> None:
     """Scroll ``locator`` into view. Lab draws a notebook's cells lazily and may draw a Markdown
     cell again while it settles (its kernel starting), detaching the element found a moment before:
     find it again, and scroll at once rather than wait for it to hold still (Playwright's own
@@ -214,9 +214,10 @@ def scroll_to(locator, attempts: int = 20) -> None:
     for attempt in range(attempts):
         try:
             locator.evaluate("e => e.scrollIntoView({block: 'center'})", timeout=30_000)
+            locator.wait_for(state="visible", timeout=10_000)
             return
-        except Error as error:
-            if "not attached" not in str(error) or attempt == attempts - 1:
+        except Error:  # (playwright's TimeoutError is one)
+            if attempt == attempts - 1:
                 raise
             locator.page.wait_for_timeout(250)
 

@@ -1,44 +1,19 @@
 """CPU AdamW over flat fp32 buffers, fused with the cast of the weights for the trip back.
 
-The step is bandwidth-bound: each parameter reads its fp32 master weight, both fp32 moments
-and its gradient, and writes the three fp32 values and a low-precision copy of the weight —
-28 bytes per parameter with bf16 gradients and bf16 output. :func:`adamw_step` does that in
-one pass with a C kernel (``csrc/cpu_adam.c``) called through ctypes on the tensors' memory;
-the call releases the GIL, so the step overlaps the training loop's other threads.
+The step is bandwidth-bound (28 bytes per parameter with bf16 gradients and output):
+:func:`adamw_step` makes one pass with a C kernel (``csrc/cpu_adam.c``), called through ctypes
+with the GIL released, so it overlaps the training loop's other threads. :func:`load` finds the
+kernel built at install time (:mod:`offloadlab.kernel_build`; no torch needed to build it), or
+compiles it into ``$OFFLOADLAB_CACHE`` (default ``~/.cache/offloadlab``), or falls back to a
+pure-torch step with one warning saying why; call it where a pause is harmless, never first on
+a worker thread mid-backward. The library holds one copy of the kernel per instruction set
+(AVX-512, AVX2 + FMA + F16C, x86-64; NEON) and runs the best the CPU has;
+``OFFLOADLAB_CPU_ADAM_VARIANT`` picks another and ``CC`` the compiler.
 
-Where the kernel comes from, in the order :func:`load` tries:
-
-1. **Built when the package is installed** (``pip install .``, ``pip install -e .``, a wheel),
-   by a plain setuptools ``Extension`` with the recipe in :mod:`offloadlab.kernel_build`. The
-   kernel needs no torch headers, so the build needs no torch: ``torch.utils.cpp_extension``
-   would make pip install torch (a multi-gigabyte CUDA build, from PyPI) into its isolated build
-   environment just to compile one C file. Without a C compiler the installation still succeeds.
-2. **Compiled at first use** with the same recipe into ``$OFFLOADLAB_CACHE`` (default
-   ``~/.cache/offloadlab``), when no installed library matches the package's sources (installed
-   without a compiler; an editable checkout whose C files changed since). The file's name is a
-   digest of the sources, the recipe and the compiler's version; it is written atomically.
-3. Otherwise a **pure-torch step**, correct and several times slower, with one warning saying
-   why (the compiler's whole error included).
-
-Either library holds a copy of the kernel per instruction set (AVX-512, AVX2 + FMA + F16C and
-plain x86-64; NEON on Arm) and runs the best the CPU supports, so one built on one machine runs
-safely on any other of its architecture. ``OFFLOADLAB_CPU_ADAM_VARIANT=<name>`` runs another
-(``baseline``, say, or ``torch`` for the pure-torch step; one the CPU lacks is an error), and
-``CC`` chooses the compiler (a command with flags, as ``CC="gcc -O0"``, works).
-
-:func:`load` finds or builds the library *now*; call it where a pause is harmless, as in an
-optimizer's constructor, so that no compiler runs later on a worker thread in the middle of a
-backward pass (the first :func:`adamw_step` would otherwise do it). :func:`backend` says which
-variant runs and where it came from.
-
-Numerics: every variant performs ``torch.optim.AdamW``'s operations in its order and rounding,
-so its moments are bit-identical to AdamW's on a CPU whose torch kernels round the same way —
-the variants with FMA fuse lerp_'s and addcmul_'s multiply-add as torch's AVX2, AVX512 and Arm
-kernels do; the x86-64 baseline rounds twice, as torch's DEFAULT kernels (those a CPU without
-FMA runs, and ``ATEN_CPU_CAPABILITY=default`` selects) do. The weights are bit-identical to the
-same operations with a correctly rounded square root. torch's x86 builds take the square root
-from MKL (``vsSqrt``), which is a unit in the last place off in about one case in six, so
-AdamW's weights differ from the kernel's at times by a rounding of the update.
+Numerics: each variant performs ``torch.optim.AdamW``'s operations in its order and rounding, so
+the moments are bit-identical to AdamW's; the weights differ at most by a rounding of the
+update where torch's square root (MKL's ``vsSqrt``) is not correctly rounded. Chapter 6 has the
+long story.
 """
 
 from __future__ import annotations

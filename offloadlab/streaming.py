@@ -1,48 +1,21 @@
 """Parameter streaming: a model's blocks keep their weights in pinned host memory and borrow
 device memory only while they run — in forward, and again in backward.
 
-:class:`StreamedModel` moves the weights of each chosen block (``model.blocks`` by default)
-into one flat pinned host buffer per block and makes the parameters views of it. The device
-holds ``buffers`` block-sized weight buffers and two gradient buffers, allocated once:
+:class:`StreamedModel` moves each chosen block's weights (``model.blocks`` by default) into one
+flat pinned host buffer per block; the device holds ``buffers`` block-sized weight buffers and two
+gradient buffers, allocated once. Calling a block takes a buffer holding its weights and prefetches
+the next ``buffers - 1``; backward fetches them again (saved-tensor hooks keep a reference, not the
+device copy); each block's gradients go down in one copy, straight into a CPUOffloadAdam's host
+buffer when one manages the parameters, else into ``.grad`` at the end of backward, where the host
+waits for them and nowhere earlier.
 
-- **forward**: calling block i takes a device buffer holding its weights (fetched now if it
-  was not prefetched) and starts fetching the next ``buffers - 1`` blocks into free buffers;
-  the buffer is released, with a marker on the compute stream, when the block returns.
-- **backward**: autograd saves a reference to the block's weights instead of the device copy
-  (saved-tensor hooks), so the first time backward needs block i it fetches it again and
-  prefetches the blocks before it. The buffer is released once the gradient of the block's
-  input has been computed (or at the end of backward).
-- **gradients**: each block's weight gradients are gathered on the device into a gradient
-  buffer and sent to pinned host memory in one copy on the device→host engine. With a
-  :class:`~offloadlab.offload.CPUOffloadAdam` over the streamed parameters they land straight
-  in the optimizer's host gradient buffer (one trip); otherwise they land in a pinned landing
-  buffer with room for every block's gradients, allocated with the model (never inside backward,
-  where pinning memory would stall it), and are put in ``.grad`` (host tensors) at the end of
-  backward, once autograd has issued all its work: the host waits for the copies there and
-  nowhere earlier (a block run twice in one forward waits once for its first gradients).
-
-Blocks may run in any order — skipped (LayerDrop), recomputed (activation checkpointing, whose own
-saved-tensor hooks keep handling the activations), or twice in one forward (their gradients add up)
-— and always get their own weights; a block that needs a buffer when every buffer is held raises an
-error naming it, and so does a block whose parameters were replaced after streaming began (e.g. by
-``load_state_dict(assign=True)``: load with the default, copying ``load_state_dict`` instead), or
-changed between a forward and its backward. The host weights are what the copies to the device read:
-``load_state_dict`` and an optimizer wait for those copies before writing them; code that writes
-them in place itself (``p.mul_(…)`` under ``no_grad``) calls ``link.synchronize()`` first, as for
-any pinned buffer a copy may still read. Under autocast, backward keeps where to find a trainable
-weight's cast copy instead of the copy.
-
-What it does not do: streamed parameters' gradients reach ``.grad`` (or the optimizer) through
-``backward()`` only — ``torch.autograd.grad`` with a streamed parameter as an input is refused,
-naming it — and post-accumulate-grad hooks do not run for them, as their gradients never pass
-through autograd's accumulation. A frozen weight's cast copy under autocast is kept until backward.
-
-Under ``torch.compile`` each block's own forward is compiled, one graph for all the blocks of a
-class (they share its code), and the fetch, the hooks and the release around it run outside the
-graph: backward fetches the weights again as without compiling, and ``fullgraph=True`` is refused
-with that reason. Dynamo does not resume inside a loop, so a model that calls its blocks in a loop
-runs that loop and the layers around it uncompiled, and blocks under ``torch.utils.checkpoint``
-are not compiled (torch keeps dynamo out of checkpoint).
+Blocks may run in any order (skipped, recomputed under checkpointing, twice in one forward) and
+always get their own weights; what it cannot do it refuses by name: every buffer held, parameters
+replaced after streaming began (``load_state_dict(assign=True)``), ``torch.autograd.grad`` with a
+streamed input, ``fullgraph=True`` under ``torch.compile`` (each block's forward is compiled; the
+fetches run outside the graph). Code that writes the host weights in place itself calls
+``link.synchronize()`` first, as for any pinned buffer a copy may still read. Chapter 7 explains
+the design.
 """
 
 from __future__ import annotations

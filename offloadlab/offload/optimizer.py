@@ -1,65 +1,19 @@
 """CPUOffloadAdam: AdamW with its state in host memory and its update on the CPU.
 
-The model's parameters stay on the device in their low-precision dtype (bf16 by default, fp16
-with loss scaling, or fp32). Everything else — fp32 master weights, both moments — lives in
-flat, exact-size, pinned host buffers. Parameters are grouped into buckets (``bucket_bytes`` of
-gradients each, in backward order). During backward each gradient is gathered into its bucket
-on the device and freed; a complete bucket goes down in one copy on the device→host engine. The
-CPU update runs per bucket on a worker thread, with the fused kernel of
-:mod:`offloadlab.cpu_adam`, and the bucket's new weights come back in one copy on the
-host→device engine — the two directions of the link run at once.
+The parameters stay on the device in their dtype (bf16, fp16 with loss scaling, or fp32); fp32
+master weights and both moments live in flat host buffers. Gradients go down a bucket at a time
+during backward, a worker thread updates each bucket with :mod:`offloadlab.cpu_adam`'s kernel,
+and the new weights come back one copy per bucket. The update runs at ``step()`` (the default),
+during backward (``accumulation_steps=k``, the eager schedule) or behind the next step
+(``delayed_update=True``).
 
-When does the update run?
-
-- By default, at :meth:`~CPUOffloadAdam.step`: any number of backward passes (micro-batches)
-  may come first, as with torch.optim.AdamW; their gradients are summed on the host in fp32.
-- With ``accumulation_steps=k`` declared (and no clipping, no fp16), a bucket's update starts
-  the moment its k-th micro-batch's gradients have landed, during backward: CPU updates and
-  weight copies overlap the rest of backward, and ``step()`` only waits for the stragglers.
-  Backward must then not read a weight after its gradient is complete (a ``.detach()``ed use);
-  autograd's in-place check stops one that does.
-- With ``delayed_update=True``, ZeRO-Offload's delayed parameter update: ``step()`` hands this
-  step's update to the worker and returns; it runs during the next forward and backward, and the
-  weights it produces are applied at the next ``step()`` — one step late.
-
-Gradients leave the model during backward, so two usual calls must go to the optimizer instead:
-
-- clipping: ``max_grad_norm`` in the constructor, or ``optimizer.clip_grad_norm_(max_norm)``
-  between backward and step. ``torch.nn.utils.clip_grad_norm_(model.parameters(), …)`` finds
-  no gradients there: it returns a norm of 0 and clips nothing;
-- discarding a step's gradients: ``optimizer.zero_grad()``. ``model.zero_grad()`` clears the
-  model's ``.grad``, which is empty: the gradients the optimizer has taken stay with it.
-
-(offloadlab does not patch torch to redirect them: importing it changes nothing in torch.)
-
-Where a user does by hand what AdamW allows, this optimizer does what AdamW does, or says
-at once that it cannot:
-
-- weights changed outside the optimizer, however (``p.data.fill_``, ``copy_`` from a checkpoint
-  or an EMA, in-place ops under ``torch.no_grad()``, ``p.data = …``, ``model.load_state_dict``,
-  ``vector_to_parameters``): the next update starts from them. Each parameter is compared, bit
-  for bit, with the weights last sent to it when its update is handed over (on a GPU, one copy
-  of the weights down per step). With ``accumulation_steps`` that is during backward: change
-  weights before it. A change between backward and step() comes too late for the update, and
-  step() warns: one that lands after the new weights is kept (without that step's update), an
-  in-place one they overwrote is counted; one through ``.data`` that they overwrote goes
-  unseen. With ``delayed_update``, weights changed while an update is pending keep their
-  values, and a warning says that update is dropped;
-- Ctrl-C during :meth:`~CPUOffloadAdam.step` waits for the step to be whole, then raises
-  KeyboardInterrupt: the optimizer is never left between steps;
-- a new optimizer over the same parameters (a reload mid-accumulation) finds the gradients
-  collected so far in ``.grad``, as a new AdamW would;
-- a state dict's fp32 master weights are used only where they round to the parameters' current
-  values, so loading into same-shaped parameters in another order leaves the weights alone (a
-  warning names the masters passed over);
-- without ``zero_grad()``, AdamW's next step would add this step's gradients to its own; here
-  step() consumes them, and says so with a warning the first time that would matter;
-- parameters that share memory, and parameters on the meta device, are refused at construction.
-
-Lifecycle: :meth:`close` (or dropping the optimizer, or a new CPUOffloadAdam over the same
-parameters, which takes them over with a warning) removes the hooks, stops the worker and frees
-the host memory; a closed optimizer raises on use. If the CPU update fails, :meth:`step` raises
-the error and the optimizer is closed (the step was only partly applied).
+Gradients leave the model during backward, so clipping (``max_grad_norm``, or
+``optimizer.clip_grad_norm_``) and discarding them (``optimizer.zero_grad()``) go to the
+optimizer: ``torch.nn.utils.clip_grad_norm_`` over the model finds no gradient (norm 0), and
+``model.zero_grad()`` does not reach them. Where a user does by hand what AdamW allows (weights
+edited, Ctrl-C in step(), a reload mid-accumulation, a state dict in another order) it does what
+AdamW does or says at once that it cannot: chapter 6 lists the cases, and
+tests/test_offload_contract.py holds each one.
 """
 
 from __future__ import annotations

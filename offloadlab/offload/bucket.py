@@ -145,7 +145,7 @@ class Bucket:
         self.received = Received(len(self.params), taken.slot)
         taken.landed()
 
-    def settle(self) -> None:
+    def take_back(self) -> None:
         """The update handed over has been waited for: the bucket is no longer submitted."""
         self.submitted = False
 

@@ -597,7 +597,7 @@ class OffloadEngine:
                 bucket.upload.wait(on=self.intake.training)
             if self.eager_after is not None and bucket.streamed is None:
                 self._count_late_edits(bucket, late)
-            bucket.settle()
+            bucket.take_back()
         if buckets:
             self.timeline.close(self.step_count)
         if late["overwritten"] or late["kept"]:

@@ -10,10 +10,12 @@ a worker thread mid-backward. The library holds one copy of the kernel per instr
 (AVX-512, AVX2 + FMA + F16C, x86-64; NEON) and runs the best the CPU has;
 ``OFFLOADLAB_CPU_ADAM_VARIANT`` picks another and ``CC`` the compiler.
 
-Numerics: each variant performs ``torch.optim.AdamW``'s operations in its order and rounding, so
-the moments are bit-identical to AdamW's; the weights differ at most by a rounding of the
-update where torch's square root (MKL's ``vsSqrt``) is not correctly rounded. Chapter 6 has the
-long story.
+Numerics: each variant performs ``torch.optim.AdamW``'s operations in its order and rounding
+(the FMA variants fuse lerp_'s and addcmul_'s multiply-add as torch's AVX2, AVX-512 and Arm
+kernels do; the x86-64 baseline rounds twice, as torch's DEFAULT kernels do), so the moments are
+bit-identical to AdamW's; the weights differ at most by a rounding of the update where torch's
+square root (MKL's ``vsSqrt``, about one case in six) is not correctly rounded.
+tests/test_cpu_adam.py holds each variant to it.
 """
 
 from __future__ import annotations

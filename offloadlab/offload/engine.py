@@ -268,7 +268,7 @@ class OffloadEngine:
 
         buckets = make_buckets(param_groups, bucket_bytes)  # (checks streamed blocks first)
         # an earlier optimizer finishes before we copy the weights
-        self._take_over(trainable, stacklevel=5)
+        self._take_over(trainable)
         self.timeline = StepTimeline(record_timeline)
         self.host = HostState(self.link, self.dtype, buckets, delayed=self.delayed)
         self.edits = EditWatch(self.link, self.host, training=lambda: self.intake.training)
@@ -322,9 +322,9 @@ class OffloadEngine:
             device = next((streamer_of(p).link.device for p in trainable), torch.device("cpu"))
         return device, (dtypes.pop() if dtypes else torch.float32)
 
-    def _take_over(self, trainable: list, stacklevel: int) -> None:
+    def _take_over(self, trainable: list) -> None:
         """Close live engines that manage any of ``trainable``; the warning names the user's line
-        ``stacklevel`` frames up (CPUOffloadAdam(...) or add_param_group(...))."""
+        (CPUOffloadAdam(...), add_param_group(...) or the step that found a new parameter)."""
         previous = {id(e): e for p in trainable if (e := owner(p)) is not None}
         # (gradients they hold for a step not yet taken come back to .grad)
         for engine in previous.values():
@@ -333,10 +333,9 @@ class OffloadEngine:
                 return_gradients=True,
             )
         if previous:
-            warnings.warn(
+            warn_user(
                 f"CPUOffloadAdam: closed {len(previous)} earlier optimizer(s) over the same "
-                f"parameters and took their parameters over",
-                stacklevel=stacklevel,
+                f"parameters and took their parameters over"
             )
 
     def add_group(self, group: dict) -> None:
@@ -352,9 +351,9 @@ class OffloadEngine:
                 f"params: expected {self.dtype} parameters on {self.device} like the others; "
                 f"got {dtype} on {device}"
             )
-        self._manage([group], trainable, stacklevel=5)
+        self._manage([group], trainable)
 
-    def _manage(self, groups: list, trainable: list, stacklevel: int) -> None:
+    def _manage(self, groups: list, trainable: list) -> None:
         """Give ``trainable`` (parameters of ``groups``) host state, hooks and a place in new
         buckets."""
         check_disjoint([p for b in self.host.buckets for p in b.params] + trainable)
@@ -362,7 +361,7 @@ class OffloadEngine:
         self.intake.settle()
         # every gradient in flight has landed before the buffers are copied over
         self.link.synchronize()
-        self._take_over(trainable, stacklevel=stacklevel)
+        self._take_over(trainable)
         buckets = make_buckets(
             groups,
             self.bucket_bytes,
@@ -540,7 +539,7 @@ class OffloadEngine:
                     f"params: expected {self.dtype} parameters on {self.device} like the others; "
                     f"got {dtype} on {device}"
                 )
-            self._manage(self.param_groups, params, stacklevel=7)
+            self._manage(self.param_groups, params)
 
     def _take_zero_gradients(self) -> None:
         """Note which parameters got a gradient this step; give a zero one to each that got none but

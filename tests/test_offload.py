@@ -1260,6 +1260,8 @@ def test_a_delayed_update_keeps_its_copy_of_the_weights_sent_off_the_training_th
     )
     run(model, opt, data(3, 1))
     opt.synchronize()
+    for bucket in opt._engine.host.buckets:  # (the last copy is queued on the worker, not awaited)
+        bucket.sent_kept.wait()
     assert len(threads) >= 3 * len(opt._engine.host.buckets)  # (each step sends every bucket)
     assert set(threads) == {"cpu-adam"}
     opt.close()

@@ -126,7 +126,7 @@ gpu-env: env
 GPU_CHECK ?=
 gpu-check:
 	@test -x $(PY) || { echo "gpu-check: no environment in $(VENV); make one first: make gpu-env TORCH=<the torch build for this GPU's driver>"; exit 2; }
-	$(PY) -m offloadlab gpu-check --out build/gpu-check $(GPU_CHECK)
+	$(PY) tools/gpu_check.py --out build/gpu-check $(GPU_CHECK)
 
 ## format: format the package, the tests and the tools with ruff (`make test` checks them: ruff
 ## check and ruff format --check, lines of at most 100 characters); rewrite every chapter and lab

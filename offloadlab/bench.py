@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -269,6 +272,39 @@ def _interleaved_samples(contenders: dict, repeats: int) -> dict:
     return samples
 
 
+def cpu_adam_build_folder() -> Path:
+    """Where torch builds DeepSpeed's CPU Adam (``torch.utils.cpp_extension.load`` of
+    ``cpu_adam``): ``$TORCH_EXTENSIONS_DIR/cpu_adam``, or torch's default build root with this
+    Python's and accelerator's folder."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        if torch.version.hip is not None:
+            accelerator = "rocm" + torch.version.hip.replace(".", "")
+        elif torch.version.cuda is not None:
+            accelerator = "cu" + torch.version.cuda.replace(".", "")
+        else:
+            accelerator = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(cpp_extension.get_default_build_root(), f"{python}_{accelerator}")
+    return Path(root) / "cpu_adam"
+
+
+def peer_installed(name: str) -> bool:
+    """Whether the peer ``name`` (torchao, deepspeed, accelerate) can be imported here."""
+    return importlib.util.find_spec(name) is not None
+
+
+def stale_peer_build_lock() -> Path | None:
+    """The ``lock`` a killed build of DeepSpeed's CPU Adam left in its build folder (torch would
+    wait on it forever), or None: none there, or DeepSpeed absent."""
+    if not peer_installed("deepspeed"):
+        return None
+    lock = cpu_adam_build_folder() / "lock"
+    return lock if lock.exists() else None
+
+
 def _deepspeed_step(weights):
     """DeepSpeedCPUAdam's step on ``weights``, or (None, why it is absent): its C++ extension is
     compiled at first use, which can fail long after the import succeeded."""
@@ -298,8 +334,6 @@ FLOOR_CACHE_MULTIPLE = 4  # the step's arrays, at least this many times the last
 
 def adam_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
     """What :func:`adam` asks: host memory only (ordinary, not pinned), bound by its bandwidth."""
-    import importlib.util
-
     count = _adam_params(quick)
     # two variants, the same job, torch's two and the cast, DeepSpeed's two;
     contenders = 8 + 3 * FLOOR_PASSES
@@ -605,8 +639,6 @@ def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footpri
     weights, AdamW's gradients and moments, each offloaded contender's gather and staging buffers
     and its check of weights changed by hand (a bucket joined end to end and widened to int64:
     5 buckets' bytes), and the saved activations of one step."""
-    import importlib.util
-
     from .models import saved_activation_bytes
     from .offload.optimizer import DEFAULT_BUCKET_BYTES
 

@@ -48,7 +48,7 @@ class Fault(Exception):
 
 
 @contextlib.contextmanager
-def _arguments(**flags: str):
+def arguments(**flags: str):
     """Mark where a command turns its arguments into the package's validated inputs.
 
     The package's constructors and parsers raise ValueError naming the argument; inside this block
@@ -207,7 +207,7 @@ def _name_list(text: str) -> tuple[str, ...]:
     return names
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse calls this for every bad argument
         raise UsageError(f"{self.prog}: {re.sub(r'^argument ', '', message)}")
 
@@ -217,17 +217,17 @@ class _Parser(argparse.ArgumentParser):
             (file or sys.stdout).write(message)
 
 
-def _dumps(payload, indent: int = 2) -> str:
+def dumps(payload, indent: int = 2) -> str:
     """Strict JSON: a non-finite number is a bug here (the arguments are bounded), so it raises."""
     return json.dumps(payload, indent=indent, allow_nan=False)
 
 
 def _cmd_state(args) -> int:
-    with _arguments():
+    with arguments():
         breakdown = memory.state_bytes(args.params, args.recipe)
         recipe = memory.get_recipe(args.recipe)
     if args.json:
-        print(_dumps(breakdown.to_dict()))
+        print(dumps(breakdown.to_dict()))
         return 0
     print(
         f"{format_count(breakdown.params)} parameters, recipe {recipe.name}: {recipe.description}"
@@ -253,7 +253,7 @@ def _cmd_budget(args) -> int:
 
     if (args.params is None) != (args.offload is None):
         raise UsageError("offloadlab budget: give --params and --offload together, or neither")
-    with _arguments(duplex="--duplex"):
+    with arguments(duplex="--duplex"):
         result = budget.verdict(
             args.link,
             args.window,
@@ -262,7 +262,7 @@ def _cmd_budget(args) -> int:
             duplex=args.duplex,
             recipe=args.recipe,
         )
-    print(_dumps(result.to_dict()) if args.json else result.summary())
+    print(dumps(result.to_dict()) if args.json else result.summary())
     return 0
 
 
@@ -288,7 +288,7 @@ def _cmd_overlap(args) -> int:
             else dict.fromkeys(("transfer_s", "hidden", "stall_s", "regime"))
         )
         print(
-            _dumps(
+            dumps(
                 {
                     "bandwidth_bytes_per_s": args.link,
                     "flops": args.compute,
@@ -374,7 +374,7 @@ def _plan_workload(args):
             f"--model-config: expected a config.json file or the folder of a model snapshot; got "
             f"{args.model_config!r}"
         )
-    with _arguments(model="--model", model_config="--model-config"):
+    with arguments(model="--model", model_config="--model-config"):
         config, name, notes = architectures.read_config(
             source if args.model is not None else Path(source)
         )
@@ -428,7 +428,7 @@ def _plan_hardware(args):
                 raise UsageError(
                     f"offloadlab plan: --{flag.replace('_', '-')} is required (or --measured FILE)"
                 )
-        with _arguments():
+        with arguments():
             return planner.Hardware(**given)
 
     def refused(reason: str) -> UsageError:
@@ -451,14 +451,14 @@ def _plan_hardware(args):
         raise refused(type(error).__name__) from None
     except RecursionError:  # thousands of nested brackets: no probe record looks like that
         raise refused("nesting too deep to read") from None
-    with _arguments():
+    with arguments():
         return planner.Hardware.from_probe(record, **given)
 
 
 def _cmd_plan(args) -> int:
     from . import engines, planner
 
-    with _arguments():
+    with arguments():
         work = _plan_workload(args)
     hardware = _plan_hardware(args)
     if hardware.gpus_per_node == 1 and (args.interconnect is not None or args.gpus_per_link != 1):
@@ -495,7 +495,7 @@ def _cmd_plan(args) -> int:
             raise UsageError(
                 f"offloadlab plan: --emit {args.emit}: {str(error).removeprefix('engine: ')}"
             ) from None
-        with _arguments():
+        with arguments():
             chosen = engines.setup(report, args.emit, **options)
         if args.emit == "deepspeed":
             emitted = {
@@ -515,7 +515,7 @@ def _cmd_plan(args) -> int:
             **report.to_dict(),
             **emitted,
         }
-        print(_dumps(payload, indent=1))
+        print(dumps(payload, indent=1))
         return 0
     if work.architecture is not None:
         a = work.architecture
@@ -563,17 +563,17 @@ def _cmd_plan(args) -> int:
         if name == "emitted_plan":
             continue
         print(f"\n{name}:")
-        print(_dumps(text) if isinstance(text, dict) else text)
+        print(dumps(text) if isinstance(text, dict) else text)
     return 0
 
 
-def _output_target(path: str | None, force: bool, flag: str = "--json") -> Path | None:
+def output_target(path: str | None, force: bool, flag: str = "--json") -> Path | None:
     """The file ``flag`` names, refused now — before a long measurement — if it could not be written
     later: usage errors for a bad name, a folder, a missing folder or an existing file without
     --force; a fault for a folder that refuses new files."""
     if path is None:
         return None
-    with _arguments():
+    with arguments():
         try:
             return files.check_target(path, replace=force, name=flag, how_to_replace="--force")
         except OSError as error:
@@ -602,7 +602,7 @@ def _save(saves: list[tuple[str, Path, object, str]], text: str) -> tuple[list[s
     return notes, faults
 
 
-def _show_and_save_json(shown: str, text: str, target: Path | None, force: bool, what: str) -> int:
+def show_and_save_json(shown: str, text: str, target: Path | None, force: bool, what: str) -> int:
     """Write ``text`` (``what``, as JSON) to ``--json``'s ``target`` when one is given, print
     ``shown``, then say what was written; a write the machine refused is a fault (exit 1)."""
 
@@ -622,7 +622,7 @@ def _show_and_save_json(shown: str, text: str, target: Path | None, force: bool,
 def _cmd_probe(args) -> int:
     from . import ladder, reference
 
-    json_target = _output_target(args.json, args.force)
+    json_target = output_target(args.json, args.force)
     if args.reference_dir is not None and not args.reference:
         raise UsageError("--reference-dir: give it with --reference NAME")
     if args.reference_dir is not None and not Path(args.reference_dir).is_dir():
@@ -657,7 +657,7 @@ def _cmd_probe(args) -> int:
     mine = ladder.of_machine(measured)
     info = measured["machine"]
     records = [r.to_dict() for r in measured["records"]]
-    text = _dumps({"machine": info.to_dict(), "ladder": mine, "records": records}, indent=1) + "\n"
+    text = dumps({"machine": info.to_dict(), "ladder": mine, "records": records}, indent=1) + "\n"
     saves = []
     if json_target is not None:
         saves.append(
@@ -703,13 +703,13 @@ def _cmd_probe(args) -> int:
 def _cmd_bench(args) -> int:
     from . import bench
 
-    target = _output_target(args.json, args.force)  # refuse a bad --json before a long run
+    target = output_target(args.json, args.force)  # refuse a bad --json before a long run
     if args.disk is not None and args.name != "nvme":
         raise UsageError(f"--disk: only bench nvme uses a disk; got it with bench {args.name}")
     if args.name == "nvme":
         if not Path(args.disk or ".").is_dir():
             raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
-        with _arguments():
+        with arguments():
             # OSError: a fault, found before the run
             bench.check_nvme_folder(args.disk or ".", quick=args.quick)
         result = bench.nvme(quick=args.quick, folder=args.disk or ".")
@@ -717,51 +717,23 @@ def _cmd_bench(args) -> int:
         if args.name == "adam":
             _refuse_a_stale_peer_build()
         result = getattr(bench, args.name)(quick=args.quick)
-    text = _dumps(result, indent=1) + "\n"
-    return _show_and_save_json(bench.format_result(result), text, target, args.force, "the result")
+    text = dumps(result, indent=1) + "\n"
+    return show_and_save_json(bench.format_result(result), text, target, args.force, "the result")
 
 
 def _refuse_a_stale_peer_build() -> None:
     """bench adam builds DeepSpeed's CPU Adam at first use; a lock left by a killed build made it
     wait forever (issue 37, item 13). The other peers (torchao, Accelerate) build nothing."""
-    from . import gpucheck
+    from . import bench
 
-    lock = gpucheck.cpu_adam_build_folder() / "lock"
-    if gpucheck._present("deepspeed") and lock.exists():
+    lock = bench.stale_peer_build_lock()
+    if lock is not None:
         raise Fault(f"bench adam: a killed DeepSpeed build left {lock}: delete it, then run again")
 
 
-def _cmd_gpu_check(args) -> int:
-    from . import gpucheck
-
-    if args.only is not None:
-        with _arguments():
-            gpucheck.check_only(args.only)
-    if not args.dry_run:
-        for flag, given in (("--profile", args.profile), ("--json", args.json)):
-            if given is not None:
-                raise UsageError(
-                    f"{flag}: only with --dry-run (the real run measures the GPU present)"
-                )
-        if args.disk is not None and not Path(args.disk).is_dir():
-            raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
-        return gpucheck.run(
-            Path(args.out),
-            quick=not args.full,
-            disk=Path(args.disk) if args.disk else None,
-            only=args.only,
-        )
-    target = _output_target(args.json, args.force)
-    with _arguments(profile="--profile"):
-        profile = gpucheck.profile_for(args.profile)
-    planned = gpucheck.plan(profile, quick=not args.full, only=args.only)
-    text = _dumps(planned, indent=1) + "\n"
-    return _show_and_save_json(gpucheck.format_plan(planned), text, target, args.force, "the plan")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="offloadlab", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = Parser(prog="offloadlab", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     state = commands.add_parser("state", help="bytes of training state for a model size")
     state.add_argument("--params", required=True, type=_PARAMS, help="parameter count, e.g. 10e9")
@@ -965,46 +937,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(run=_cmd_bench)
 
-    check = commands.add_parser(
-        "gpu-check",
-        help="the GPU kit: every CUDA path, benchmarks and reference data "
-        "(or, with --dry-run, its plan)",
-    )
-    check.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the plan (memory and time of each part) and run nothing heavy; works without a "
-        "GPU",
-    )
-    check.add_argument(
-        "--profile",
-        help="with --dry-run: plan for this GPU instead of the one present: "
-        "h100-sxm, h200, a100-40gb, l4 or rtx-4090",
-    )
-    check.add_argument(
-        "--only",
-        metavar="PART",
-        help="run (or plan) one part, each sized for a 10-minute command: peers, tests, book, "
-        "labs, probe, bench-link, bench-overlap, bench-adam, bench-offload, bench-prefetch or "
-        "bench-nvme",
-    )
-    check.add_argument("--json", metavar="FILE", help="with --dry-run: write the plan to FILE")
-    check.add_argument("--force", action="store_true", help="replace an existing --json file")
-    check.add_argument(
-        "--full", action="store_true", help="full-size benchmarks and probe (past 8 minutes)"
-    )
-    check.add_argument(
-        "--quick", action="store_true", help="quick benchmarks and probe (the default)"
-    )
-    check.add_argument(
-        "--out",
-        default="build/gpu-check",
-        help="folder for the results and logs (default build/gpu-check)",
-    )
-    check.add_argument(
-        "--disk", metavar="DIR", help="folder for the NVMe bench's scratch files (default: --out)"
-    )
-    check.set_defaults(run=_cmd_gpu_check)
     return parser
 
 
@@ -1033,15 +965,16 @@ def _error(message: str) -> None:
     print(f"offloadlab: error: {' '.join(message.split())}", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line ``argv``; returns the exit status (see the module's docstring)."""
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    """Run the command line ``argv`` (with ``parser``: another command's, whose subcommands set
+    ``run`` as these do); returns the exit status (see the module's docstring)."""
     if sys.stdout is None:  # started with standard output closed (`>&-`)
         _error("standard output is closed; run the command with it open (or redirect it to a file)")
         return FAULT
     _print_what_the_terminal_can_show()
     try:
         try:
-            args = build_parser().parse_args(argv)
+            args = (parser or build_parser()).parse_args(argv)
         except SystemExit:  # --help, printed: sent to a full disk or a closed pipe, it fails here
             sys.stdout.flush()
             raise

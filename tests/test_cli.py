@@ -452,10 +452,9 @@ def test_json_is_written_whole_and_replaced_only_with_force(tmp_path, quick_benc
     [
         ["bench", "link"],
         ["probe", "--quick"],
-        ["gpu-check", "--dry-run", "--profile", "h200"],
         ["probe", "--quick", "--reference", "mine", "--reference-dir", "{dir}"],
     ],
-    ids=["bench --json", "probe --json", "gpu-check --json", "probe --reference-dir"],
+    ids=["bench --json", "probe --json", "probe --reference-dir"],
 )
 def test_a_dangling_link_planted_at_an_output_is_refused_before_the_run(
     tmp_path, quick_bench, monkeypatch, command, capsys
@@ -474,19 +473,6 @@ def test_a_dangling_link_planted_at_an_output_is_refused_before_the_run(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a symbolic link (to " in err and "--force" in err
     assert not victim.exists() and quick_bench == []
-
-
-def test_gpu_check_replaces_a_link_planted_in_its_folder_never_writes_through(tmp_path):
-    from offloadlab import gpucheck
-
-    victim = tmp_path / "victim.json"
-    victim.write_text("precious")
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "summary.json").symlink_to(victim)
-    provenance = {"gpu": None, "torch": "2", "cpu": "cpu", "date": "today"}
-    gpucheck._write_summary(out, [], provenance, merge=False)
-    assert victim.read_text() == "precious" and not (out / "summary.json").is_symlink()
 
 
 @pytest.fixture
@@ -821,12 +807,12 @@ def test_a_reference_folder_that_is_a_dangling_link_is_one_line(tmp_path, monkey
 def test_bench_adam_reports_a_stale_deepspeed_build_lock_instead_of_waiting(
     tmp_path, monkeypatch, capsys
 ):
-    """Issue 37, item 13: `offloadlab bench adam` itself (d425690 covered gpu-check's) waited
+    """Issue 37, item 13: `offloadlab bench adam` itself (d425690 covered the GPU kit's) waited
     forever on torch's lock, left by a DeepSpeed CPU Adam build killed midway."""
-    from offloadlab import bench, gpucheck
+    from offloadlab import bench
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(gpucheck, "_present", lambda module: True)
+    monkeypatch.setattr(bench, "peer_installed", lambda name: True)
     monkeypatch.setattr(bench, "adam", lambda **k: pytest.fail("waited on the lock"))
     lock = tmp_path / "cpu_adam" / "lock"
     lock.parent.mkdir()
@@ -834,14 +820,6 @@ def test_bench_adam_reports_a_stale_deepspeed_build_lock_instead_of_waiting(
     assert main(["bench", "adam", "--quick"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(lock) in err and "delete it" in err
-
-
-def test_json_to_dev_stdout_on_a_pipe_is_written_there():
-    """/dev/stdout on a pipe resolves to '/proc/PID/fd/pipe:[N]', which is no path: it was
-    refused ('cannot create a file in /proc/PID/fd')."""
-    result = run_process("gpu-check", "--dry-run", "--profile", "h200", "--json", "/dev/stdout")
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout[: result.stdout.index("\n}\n") + 2])["profile"]
 
 
 def test_an_unknown_model_names_the_flag():

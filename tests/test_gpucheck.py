@@ -14,8 +14,9 @@ import psutil
 import pytest
 import torch
 
-from offloadlab import bench, devices, experiment, gpucheck, machine
-from offloadlab.cli import main
+from offloadlab import bench, devices, experiment, machine
+from tools import gpu_check as gpucheck
+from tools.gpu_check import main
 from offloadlab.models import saved_activation_bytes
 from offloadlab_course import capacity
 from tests.conftest import ROOT
@@ -172,7 +173,7 @@ def test_saved_activations_are_counted_like_a_real_backward():
 
 def test_dry_run_json_has_the_shape_the_instructions_give(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main(["gpu-check", "--dry-run", "--profile", "h100-sxm", "--json", str(out)]) == 0
+    assert main(["--dry-run", "--profile", "h100-sxm", "--json", str(out)]) == 0
     planned = json.loads(out.read_text())
     assert {"pinned_bytes", "device_bytes", "seconds", "parts"} <= set(planned)
     assert all(
@@ -187,7 +188,7 @@ def test_dry_run_json_has_the_shape_the_instructions_give(tmp_path, capsys):
 
 def test_dry_run_only_plans_that_part(tmp_path):
     out = tmp_path / "plan.json"
-    args = ["gpu-check", "--dry-run", "--profile", "h200", "--only", "labs", "--json", str(out)]
+    args = ["--dry-run", "--profile", "h200", "--only", "labs", "--json", str(out)]
     assert main(args) == 0
     planned = json.loads(out.read_text())
     assert [p["key"] for p in planned["parts"]] == ["labs"]
@@ -206,14 +207,14 @@ def test_dry_run_only_plans_that_part(tmp_path):
 )
 def test_bad_arguments_are_one_line_and_exit_2(args, fragment, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert main(["gpu-check", *args]) == 2
+    assert main([*args]) == 2
     err = capsys.readouterr().err
     assert fragment in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU present is planned by the real run")
 def test_dry_run_without_a_gpu_names_the_profiles(capsys):
-    assert main(["gpu-check", "--dry-run"]) == 2
+    assert main(["--dry-run"]) == 2
     assert "name one of h100-sxm" in capsys.readouterr().err
 
 
@@ -310,7 +311,7 @@ def test_make_gpu_check_installs_nothing():
 )
 def test_gpu_check_runs_the_cpu_parts_and_exits_0(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "offloadlab.gpucheck", "--out", str(tmp_path), "--quick"],
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--out", str(tmp_path), "--quick"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -506,3 +507,37 @@ def test_the_offload_part_counts_the_delayed_updates_copy_of_the_weights(plans):
         assert part["pinned_bytes"] >= per_param * largest
     with pytest.raises(ValueError, match="^schedule: expected one of at step, eager, delayed"):
         gpucheck.offload_host_bytes_per_param("late")
+
+
+def test_gpu_check_replaces_a_link_planted_in_its_folder_never_writes_through(tmp_path):
+    victim = tmp_path / "victim.json"
+    victim.write_text("precious")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").symlink_to(victim)
+    provenance = {"gpu": None, "torch": "2", "cpu": "cpu", "date": "today"}
+    gpucheck._write_summary(out, [], provenance, merge=False)
+    assert victim.read_text() == "precious" and not (out / "summary.json").is_symlink()
+
+
+def test_json_to_dev_stdout_on_a_pipe_is_written_there():
+    """/dev/stdout on a pipe resolves to '/proc/PID/fd/pipe:[N]', which is no path: it was
+    refused ('cannot create a file in /proc/PID/fd')."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--dry-run", "--profile", "h200"]
+        + ["--json", "/dev/stdout"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout[: result.stdout.index("\n}\n") + 2])["profile"]
+
+
+def test_a_dangling_link_planted_at_the_json_is_refused(tmp_path, capsys):
+    victim = tmp_path / "elsewhere.json"
+    planted = tmp_path / "out.json"
+    planted.symlink_to(victim)
+    assert main(["--dry-run", "--profile", "h200", "--json", str(planted)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a symbolic link (to " in err and "--force" in err
+    assert not victim.exists()

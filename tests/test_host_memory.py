@@ -1,7 +1,7 @@
 """Host memory as a process may use it: the smaller of the machine's and its cgroup's limit.
 
 A GPU job in a container or a Slurm allocation sees the whole server's memory through psutil; its
-cgroup may allow a fraction of it, and gpu-check's plan (a quarter of host memory pinned at most)
+cgroup may allow a fraction of it, and the GPU kit's plan (a quarter of host memory pinned at most)
 must hold to that fraction. Each case is a fake /proc and /sys under a temporary folder.
 """
 

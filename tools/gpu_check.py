@@ -1,4 +1,6 @@
-"""``offloadlab gpu-check``: prove the CUDA paths on a real GPU, and keep the results.
+"""The GPU kit (``make gpu-check``): prove the CUDA paths on a real GPU, and keep the results.
+
+It runs this checkout's tests, chapters and labs, so it lives with them, not in the package.
 
 The run has parts, in this order: the peers' build (DeepSpeed's CPU Adam compiled before anything
 is timed), the GPU-marked tests, the chapters and then the labs under nbval (in quick mode:
@@ -31,8 +33,8 @@ three times the estimate, at least a minute).
   emulated link), and exits 0. A machine whose GPU torch cannot use (a CPU build of torch, or a
   CUDA build newer than the driver) is a failure, exit 1: passing there would prove nothing.
 
-    offloadlab gpu-check [--only PART] [--out DIR] [--full] [--disk DIR]
-    offloadlab gpu-check --dry-run [--only PART] [--profile NAME] [--json FILE [--force]]
+    python tools/gpu_check.py [--only PART] [--out DIR] [--full] [--disk DIR]
+    python tools/gpu_check.py --dry-run [--only PART] [--profile NAME] [--json FILE [--force]]
 
 Run it from an environment made beforehand (``make gpu-env TORCH=...``: ``make env`` and the
 peers): ``make gpu-check`` installs nothing.
@@ -41,7 +43,6 @@ peers): ``make gpu-check`` installs nothing.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
 import os
@@ -55,9 +56,10 @@ from pathlib import Path
 
 import torch
 
-from . import bench, devices, files, ladder, machine, probe, reference
-from .devices import ASSUMED, DeviceProfile, Footprint
-from .units import format_duration, format_size
+from offloadlab import bench, cli, devices, files, ladder, machine, probe, reference
+from offloadlab.bench import cpu_adam_build_folder
+from offloadlab.devices import ASSUMED, DeviceProfile, Footprint
+from offloadlab.units import format_duration, format_size
 
 BENCHMARKS = ("link", "overlap", "adam", "offload", "prefetch", "nvme")
 ROOT = Path(__file__).resolve().parent.parent  # the kit's checkout: tests/, book/, labs/
@@ -170,7 +172,7 @@ def _notebooks_footprint(profile: DeviceProfile, root: Path) -> Footprint:
 
 def experiment_bytes(profile: DeviceProfile) -> int:
     """Chapter 3's largest transfer in quick mode: three compute windows over the nominal link."""
-    from . import experiment
+    from offloadlab import experiment
 
     return experiment.transfer_bytes(profile, 3.0, experiment.WINDOW / 2)
 
@@ -387,8 +389,7 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def _present(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+_present = bench.peer_installed
 
 
 def _run(
@@ -580,7 +581,7 @@ def _run_part(key: str, out: Path, quick: bool, disk: Path | None, timeout: int,
     result_file = out / f"part-{key}.json"
     result_file.unlink(missing_ok=True)
     spec = {"key": key, "out": str(out), "quick": quick, "disk": str(disk) if disk else None}
-    command = [sys.executable, "-m", "offloadlab.gpucheck", _CHILD, json.dumps(spec)]
+    command = [sys.executable, str(Path(__file__).resolve()), _CHILD, json.dumps(spec)]
     ran = _run(title, command, out / f"{key}.log", timeout=timeout)
     if ran["ok"] and result_file.is_file():
         step = json.loads(result_file.read_text(encoding="utf-8"))
@@ -654,25 +655,6 @@ def _bench(name: str, out: Path, quick: bool, disk: Path | None, provenance: dic
 
 
 # ----------------------------------------------------------------------------- the peers
-
-
-def cpu_adam_build_folder() -> Path:
-    """Where torch builds DeepSpeed's CPU Adam (``torch.utils.cpp_extension.load`` of
-    ``cpu_adam``): ``$TORCH_EXTENSIONS_DIR/cpu_adam``, or torch's default build root with this
-    Python's and accelerator's folder."""
-    from torch.utils import cpp_extension
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        if torch.version.hip is not None:
-            accelerator = "rocm" + torch.version.hip.replace(".", "")
-        elif torch.version.cuda is not None:
-            accelerator = "cu" + torch.version.cuda.replace(".", "")
-        else:
-            accelerator = "cpu"
-        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        root = os.path.join(cpp_extension.get_default_build_root(), f"{python}_{accelerator}")
-    return Path(root) / "cpu_adam"
 
 
 def build_peers(require: bool = True) -> dict:
@@ -808,9 +790,85 @@ def profile_for(name: str | None) -> DeviceProfile:
     return profile
 
 
+# ----------------------------------------------------------------------------- the command
+
+
+def _command(args) -> int:
+    if args.only is not None:
+        with cli.arguments():
+            check_only(args.only)
+    if not args.dry_run:
+        for flag, given in (("--profile", args.profile), ("--json", args.json)):
+            if given is not None:
+                raise cli.UsageError(
+                    f"{flag}: only with --dry-run (the real run measures the GPU present)"
+                )
+        if args.disk is not None and not Path(args.disk).is_dir():
+            raise cli.UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
+        return run(
+            Path(args.out),
+            quick=not args.full,
+            disk=Path(args.disk) if args.disk else None,
+            only=args.only,
+        )
+    target = cli.output_target(args.json, args.force)
+    with cli.arguments(profile="--profile"):
+        profile = profile_for(args.profile)
+    planned = plan(profile, quick=not args.full, only=args.only)
+    text = cli.dumps(planned, indent=1) + "\n"
+    return cli.show_and_save_json(format_plan(planned), text, target, args.force, "the plan")
+
+
+def build_parser() -> cli.Parser:
+    """The kit's command line, with the offloadlab command's error contract (cli.main)."""
+    parser = cli.Parser(
+        prog="tools/gpu_check.py",
+        description="the GPU kit: every CUDA path, benchmarks and reference data (or, with "
+        "--dry-run, its plan)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (memory and time of each part) and run nothing heavy; works without a "
+        "GPU",
+    )
+    parser.add_argument(
+        "--profile",
+        help="with --dry-run: plan for this GPU instead of the one present: "
+        "h100-sxm, h200, a100-40gb, l4 or rtx-4090",
+    )
+    parser.add_argument(
+        "--only",
+        metavar="PART",
+        help="run (or plan) one part, each sized for a 10-minute command: peers, tests, book, "
+        "labs, probe, bench-link, bench-overlap, bench-adam, bench-offload, bench-prefetch or "
+        "bench-nvme",
+    )
+    parser.add_argument("--json", metavar="FILE", help="with --dry-run: write the plan to FILE")
+    parser.add_argument("--force", action="store_true", help="replace an existing --json file")
+    parser.add_argument(
+        "--full", action="store_true", help="full-size benchmarks and probe (past 8 minutes)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="quick benchmarks and probe (the default)"
+    )
+    parser.add_argument(
+        "--out",
+        default="build/gpu-check",
+        help="folder for the results and logs (default build/gpu-check)",
+    )
+    parser.add_argument(
+        "--disk", metavar="DIR", help="folder for the NVMe bench's scratch files (default: --out)"
+    )
+    parser.set_defaults(run=_command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, parser=build_parser())
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == [_CHILD]:
         sys.exit(_child(sys.argv[2]))
-    from .cli import main
-
-    sys.exit(main(["gpu-check", *sys.argv[1:]]))
+    sys.exit(main())

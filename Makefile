@@ -65,11 +65,12 @@ lab: env
 		--config=etc/jupyter_server_config.json '--ServerApp.jpserver_extensions=$(NO_NBGRADER)'
 
 ## test: ruff's lint and format check, unit tests, every chapter and lab through nbval, the
-## static site and its browser checks; the 30 slowest are named at the end
+## static site and its browser checks, on up to four cores (what shares state runs on one:
+## tests/conftest.py's worker_group); the 30 slowest are named at the end
 test: env $(MATHJAX)/tex-chtml.js $(PYODIDE)/pyodide.asm.wasm
 	$(PY) -m ruff check $(PYTHON_SOURCES)
 	$(PY) -m ruff format --check $(PYTHON_SOURCES)
-	$(PY) -m pytest --durations=30
+	$(PY) -m pytest -n auto --maxprocesses 4 --durations=30
 
 ## test-fast: ruff and the unit tests, without the notebooks, the site, the hub, the browser and
 ## the other slow ones (marked slow; tests/conftest.py lists the modules), on up to four cores: a

@@ -31,3 +31,9 @@ def test_chapter_one_shows_executed_outputs_and_numbered_figure(built_site):
     assert re.search(r"Fig\. 1", html)
     assert "cell_output" in html
     assert 'class="admonition solution dropdown' in html or "solution dropdown" in html
+
+
+def test_the_readers_site_holds_the_solutions_folded(built_site):
+    """The same solution that the student site leaves out (test_site.py), in a dropdown."""
+    html = (built_site / "01_memory_wall.html").read_text(encoding="utf-8")
+    assert "which fits only the 141 GB card" in html and "dropdown" in html

@@ -343,12 +343,10 @@ def test_cuda_copy_runs_while_the_compute_stream_is_busy():
 
 
 def test_torch_threads_come_back_whatever_order_links_close_in():
-    import os
-
     before = torch.get_num_threads()
     first, second = EmulatedLink(), EmulatedLink()  # a notebook cell run twice
     first.close()
-    if (os.cpu_count() or 1) > 1:
+    if before > 1:  # (torch on one thread has no core to give)
         assert torch.get_num_threads() < before  # the second link still keeps its core
     second.close()
     assert torch.get_num_threads() == before

@@ -11,7 +11,6 @@ run the notebooks earlier in the same run, its cell times stand in for the first
 """
 
 import queue
-import shutil
 import subprocess
 import sys
 import threading
@@ -108,28 +107,23 @@ def code_cells(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_interrupting_the_slowest_cell_and_running_on_from_it(path):
+def test_interrupting_the_slowest_cell_and_running_on_from_it(path, tmp_path):
+    """The kernel runs in a folder of its own: what an interrupted run leaves (lab 7's scratch
+    folder, whose removal was in a cell that never ran) stays out of the sources, and nothing
+    another run of the notebooks writes beside them (in parallel, under make test) is touched."""
     cells = code_cells(path)
     if len(cells) < 2:
         pytest.skip("no cell to interrupt but the one that imports")
-    before = set(path.parent.iterdir())
-    try:
-        interrupt_and_run_on(path, cells)
-    finally:
-        # What an interrupted run leaves in the notebook's folder (lab 7's scratch folder, whose
-        # removal was in a cell that never ran) goes, so that a test run leaves the sources as it
-        # found them.
-        for left in set(path.parent.iterdir()) - before:
-            shutil.rmtree(left) if left.is_dir() and not left.is_symlink() else left.unlink()
+    interrupt_and_run_on(path, cells, tmp_path)
 
 
-def cell_seconds(path, cells) -> list[float]:
+def cell_seconds(path, cells, folder) -> list[float]:
     """How long each cell takes: as nbval ran it earlier in this run, or timed now in a kernel of
     its own (when this test runs without the notebooks)."""
     timed = CELL_SECONDS.get(path, {})
     if len(timed) == len(cells):
         return [timed[index] for index in range(len(cells))]
-    kernel = Kernel(path.parent)
+    kernel = Kernel(folder)
     try:
         seconds = []
         for index, code in enumerate(cells):
@@ -141,12 +135,12 @@ def cell_seconds(path, cells) -> list[float]:
     return seconds
 
 
-def interrupt_and_run_on(path, cells):
-    seconds = cell_seconds(path, cells)
+def interrupt_and_run_on(path, cells, folder):
+    seconds = cell_seconds(path, cells, folder)
     # The first cell imports torch: an interrupted import leaves a half-made module in any Python
     # (re-importing torch then raises), which no notebook can undo. The slowest of the others.
     slowest = max(range(1, len(cells)), key=seconds.__getitem__)
-    kernel = Kernel(path.parent)
+    kernel = Kernel(folder)
     try:
         for code in cells[:slowest]:
             assert kernel.run(code)[0] == "ok"

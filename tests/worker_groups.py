@@ -2,7 +2,8 @@
 `make test-fast`). Each group goes whole to one worker, in collection order: a notebook's cells
 share a kernel and its interrupt test reads their times (tests/nbval_markdown.py); a module's
 tests share its fixtures, made once; the modules that build the reader's site from book/ share
-that build and its execution cache. The student site has a cache of its own and runs beside them.
+that build and its execution cache. The student site has a cache and an execution folder of its
+own and runs beside them.
 The longest groups go first, and each worker's processes share the cores with the others rather
 than each using all of them.
 

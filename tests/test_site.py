@@ -547,10 +547,6 @@ def test_student_site_has_no_solutions(tmp_path):
         "-W",
         "--keep-going",
         "-n",
-        # (as make book-student, but executing in a folder of its own: the chapters write their
-        # traces beside themselves and read them back, and the reader's site builds beside it)
-        "-D",
-        "nb_execution_in_temp=1",
         "-b",
         "html",
         "book",

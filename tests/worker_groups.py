@@ -2,8 +2,8 @@
 `make test-fast`). Each group goes whole to one worker, in collection order: a notebook's cells
 share a kernel and its interrupt test reads their times (tests/nbval_markdown.py); a module's
 tests share its fixtures, made once; the modules that build the reader's site from book/ share
-that build and its execution cache. The student site has a cache and an execution folder of its
-own and runs beside them.
+that build and its execution cache, and the student site's build runs after it (the chapters
+write their traces beside themselves and read them back: two builds at once trade files).
 The longest groups go first, and each worker's processes share the cores with the others rather
 than each using all of them.
 
@@ -19,27 +19,23 @@ import pytest
 
 from tests.nbval_markdown import RUN_AFTER_THE_NOTEBOOKS as INTERRUPT_TEST
 
-READER_SITE_MODULES = {"test_book.py", "test_calculators.py", "test_pdf.py", "test_site.py"}
-STUDENT_SITE_TEST = "tests/test_site.py::test_student_site_has_no_solutions"
+SITE_MODULES = {"test_book.py", "test_calculators.py", "test_pdf.py", "test_site.py"}
 
 
 def worker_group(nodeid: str) -> str:
-    """The group of the test with this id: a notebook's path, a module's path, or a site's name."""
-    if nodeid.startswith(STUDENT_SITE_TEST):
-        return "student site"
+    """The group of the test with this id: a notebook's path, a module's path, or the sites'."""
     if nodeid.startswith(INTERRUPT_TEST):  # (its id is the notebook's path)
         return nodeid[nodeid.index("[") + 1 : -1]
     path = nodeid.split("::")[0]
-    if path.rpartition("/")[2] in READER_SITE_MODULES:
-        return "reader's site"
+    if path.rpartition("/")[2] in SITE_MODULES:
+        return "the sites"
     return path
 
 
 # The groups that take longest (make test --durations, on 2 cores), handed out first so that no
 # worker is left alone with one at the end while the others idle.
 LONGEST_FIRST = (
-    "reader's site",
-    "student site",
+    "the sites",
     "tests/test_gpucheck.py",
     "tests/test_hub.py",
     "tests/test_nbgrader.py",
@@ -56,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
     rank = {group: index for index, group in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(worker_group(item.nodeid), len(rank)))
     for item in items:
-        if worker_group(item.nodeid) in ("reader's site", "student site"):
+        if worker_group(item.nodeid) == "the sites":
             item.add_marker(pytest.mark.timeout(SITE_BUILD_TIMEOUT))
 
 

@@ -10,6 +10,7 @@ cell, which imports, is left out: interrupting ``import torch`` breaks any kerne
 run the notebooks earlier in the same run, its cell times stand in for the first run.
 """
 
+import contextlib
 import queue
 import subprocess
 import sys
@@ -98,6 +99,11 @@ class Kernel:
         pytest.fail("the kernel did not run a cell again after the interrupt")
 
     def close(self):
+        """Remove the notebook's own scratch folder (chapter 8's, lab 7's: a TemporaryDirectory
+        named ``scratch``, whose removal may be in a cell that never ran) and stop the kernel.
+        Nothing else beside the notebook is touched: under make test, other runs write there."""
+        with contextlib.suppress(Exception):  # (a kernel that no longer answers keeps it)
+            self.run("if 'scratch' in globals(): scratch.cleanup()", timeout=60)
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=True)
 
@@ -107,23 +113,20 @@ def code_cells(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_interrupting_the_slowest_cell_and_running_on_from_it(path, tmp_path):
-    """The kernel runs in a folder of its own: what an interrupted run leaves (lab 7's scratch
-    folder, whose removal was in a cell that never ran) stays out of the sources, and nothing
-    another run of the notebooks writes beside them (in parallel, under make test) is touched."""
+def test_interrupting_the_slowest_cell_and_running_on_from_it(path):
     cells = code_cells(path)
     if len(cells) < 2:
         pytest.skip("no cell to interrupt but the one that imports")
-    interrupt_and_run_on(path, cells, tmp_path)
+    interrupt_and_run_on(path, cells)
 
 
-def cell_seconds(path, cells, folder) -> list[float]:
+def cell_seconds(path, cells) -> list[float]:
     """How long each cell takes: as nbval ran it earlier in this run, or timed now in a kernel of
     its own (when this test runs without the notebooks)."""
     timed = CELL_SECONDS.get(path, {})
     if len(timed) == len(cells):
         return [timed[index] for index in range(len(cells))]
-    kernel = Kernel(folder)
+    kernel = Kernel(path.parent)
     try:
         seconds = []
         for index, code in enumerate(cells):
@@ -135,12 +138,12 @@ def cell_seconds(path, cells, folder) -> list[float]:
     return seconds
 
 
-def interrupt_and_run_on(path, cells, folder):
-    seconds = cell_seconds(path, cells, folder)
+def interrupt_and_run_on(path, cells):
+    seconds = cell_seconds(path, cells)
     # The first cell imports torch: an interrupted import leaves a half-made module in any Python
     # (re-importing torch then raises), which no notebook can undo. The slowest of the others.
     slowest = max(range(1, len(cells)), key=seconds.__getitem__)
-    kernel = Kernel(folder)
+    kernel = Kernel(path.parent)
     try:
         for code in cells[:slowest]:
             assert kernel.run(code)[0] == "ok"

@@ -50,9 +50,10 @@ def pytest_collection_modifyitems(config, items):
     """The longest groups first (the scheduler hands groups out in this order); the site builds'
     own time limit."""
     rank = {group: index for index, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(worker_group(item.nodeid), len(rank)))
+    group = {item.nodeid: worker_group(item.nodeid) for item in items}
+    items.sort(key=lambda item: rank.get(group[item.nodeid], len(rank)))
     for item in items:
-        if worker_group(item.nodeid) == "the sites":
+        if group[item.nodeid] == "the sites":
             item.add_marker(pytest.mark.timeout(SITE_BUILD_TIMEOUT))
 
 

@@ -424,20 +424,24 @@ def lab07_challenge(
     share: float = 0.5,
     params: int = 8 * 2**20,
     repeats: int = 5,
+    patience_s: float = 5.0,
 ) -> Outcome:
     """Lab 7's challenge, measured: a FileTier of ``params`` fp32 values in ``folder`` with the
     given request size and queue depth, and beside it a reference tier of the package's defaults
-    (1 MiB requests, depth 8) holding the same values. Each is read whole ``repeats`` times,
-    taking turns, and each keeps its fastest read; it passes when the student's tier reads at
-    ``share`` or more of the reference's rate. Both are measured in this call, side by side, so a
-    disk slowed by other work slows both: a rate taken earlier (``reference_rate``, bytes/s: the
-    lab's step 1) is only shown beside them."""
+    (1 MiB requests, depth 8) holding the same values. Each is read whole, taking turns, at least
+    ``repeats`` times, and each keeps its fastest read; it passes when the student's tier reads at
+    ``share`` or more of the reference's rate. A tier still short of that goes on taking turns
+    for up to ``patience_s`` more seconds, so a busy spell that happens to cover all of its first
+    reads is not its verdict. Both are measured in this call, side by side, so a disk slowed by
+    other work slows both: a rate taken earlier (``reference_rate``, bytes/s: the lab's step 1)
+    is only shown beside them."""
     import tempfile
 
     block_bytes = _whole(block_bytes, "block_bytes", expected="a whole number of bytes ≥ 1")
     queue_depth = _whole(queue_depth, "queue_depth")
     _number(reference_rate, "reference_rate"), _share(share, "share")
     _whole(params, "params"), _whole(repeats, "repeats")
+    _number(patience_s, "patience_s", zero=True)
     import time
     from pathlib import Path
 
@@ -457,21 +461,27 @@ def lab07_challenge(
         reference = FileTier(Path(scratch) / "reference.bin", params, init=values)
         try:
             fastest = {yours: math.inf, reference: math.inf}
-            for _ in range(repeats):
+            rounds, deadline = 0, math.inf
+            while True:
                 for tier in (yours, reference):  # taking turns: a slow spell costs both
                     start = time.perf_counter()
                     tier.read(0, values)
                     fastest[tier] = min(fastest[tier], time.perf_counter() - start)
+                rounds += 1
+                passed = fastest[yours] * share <= fastest[reference]
+                if rounds == repeats:
+                    deadline = time.perf_counter() + patience_s
+                if rounds >= repeats and (passed or time.perf_counter() >= deadline):
+                    break
         finally:
             yours.close()
             reference.close()
     rate, reference_now = 4 * params / fastest[yours], 4 * params / fastest[reference]
-    passed = rate >= share * reference_now
     return Outcome(
         passed,
         f"{'✓' if passed else '✗'} challenge: your tier read at {rate / 1e9:.3g} GB/s, "
         f"{rate / reference_now:.0%} of a 1 MiB, depth-8 tier read beside it (measured, fastest "
-        f"of {repeats} each; at least {share:.0%} needed); step 1 measured "
+        f"of {rounds} each; at least {share:.0%} needed); step 1 measured "
         f"{reference_rate / 1e9:.3g} GB/s",
     )
 

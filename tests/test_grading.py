@@ -6,6 +6,7 @@ one link the lab measured; here each bar is checked against a link's known rate,
 side of it, and each way out of it (too many bytes, not a number) gives its own line.
 """
 
+import re
 import time
 
 import pytest
@@ -119,6 +120,46 @@ def test_lab03_a_copy_out_of_order_reads_another_steps_bytes(step, copy_share, c
     with open_link(emulated=True) as link:
         outcome = grading.lab03_challenge(step, link, copy_share=copy_share)
     assert not outcome and "read the bytes of another step" in outcome.line, outcome.line
+
+
+# Lab 1: the state is counted at its peak. Counted after the step only, a plain AdamW that frees
+# its gradients with zero_grad() read 6.00 B/param and passed, though it held every gradient at
+# the end of backward: 8 B/param, what the challenge is about.
+LAB01_MODEL = GPTConfig(layers=2, hidden=64, heads=4, vocab=256, seq=32)
+
+
+def adamw_freeing_gradients_after_the_step(model):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, [optimizer]
+
+
+def adamw_inside_backward(model):
+    optimizers = {p: torch.optim.AdamW([p], lr=1e-3) for p in model.parameters()}
+
+    def update(p):
+        optimizers[p].step()
+        optimizers[p].zero_grad(set_to_none=True)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(update)
+    return (lambda: None), list(optimizers.values())
+
+
+def test_lab01_gradients_freed_only_after_the_step_count_at_their_peak(capsys):
+    outcome = grading.lab01_challenge(adamw_freeing_gradients_after_the_step, LAB01_MODEL, "cpu")
+    assert not outcome, outcome.line
+    assert "8.00 bytes of state a parameter at the peak" in outcome.line, outcome.line
+
+
+def test_lab01_an_update_inside_backward_passes_at_six_bytes(capsys):
+    outcome = grading.lab01_challenge(adamw_inside_backward, LAB01_MODEL, "cpu")
+    assert outcome, outcome.line
+    assert re.search(r"✓ challenge: 6\.0\d bytes", outcome.line), outcome.line
 
 
 # Lab 7: the bar is a reference tier read in the same call, taking turns with the student's, so

@@ -67,13 +67,13 @@ WRONG = {
             "both matrices counted as new",
         ),
         (
-            "def my_trainer(model):  # bf16 AdamW as in exercise 3: 8 bytes a parameter\n"
+            "def my_trainer(model):  # 6 bytes a parameter after the step, 8 at its end\n"
             "    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
             "    def step():\n"
             "        optimizer.step()\n"
-            "        optimizer.zero_grad(set_to_none=False)\n"
+            "        optimizer.zero_grad(set_to_none=True)\n"
             "    return step, [optimizer]",
-            "the gradients kept",
+            "every gradient held until the step frees it",
             "def my_trainer(model):  # 4 bytes a parameter, but no moments: not AdamW\n"
             "    optimizers = {p: torch.optim.SGD([p], lr=1e-3) for p in model.parameters()}\n"
             "    def hook(p):\n"

@@ -342,6 +342,19 @@ LAB01_ANSWERS = [
 ]
 
 
+# Each answer as a dishonest student copies it from the visible check's source: the package's
+# function that computes the expected value, on the lab's own variables.
+COPIED = {
+    "prediction_fp32_adam": 'memory.state_bytes(P, "fp32-adam").total_bytes',
+    "my_beta": "probe.fit_alpha_beta(sizes, times).beta",
+    "predicted_batch": "overlap.crossover_batch(nbytes, bandwidth, seconds_per_sample)",
+    "plain_device": 'memory.state_bytes(P, "fp32-adam").total_bytes',
+    "my_step": "planner.plan(work, planner.Hardware(roomy, beta, compute=compute, "
+    "cpu_adam=cpu_rate), duplex=both, recipe=recipe).chosen.step",
+    "predicted_sent": 'sharding.ring_bytes("reduce-scatter", predicted_reduce, N)',
+}
+
+
 def wrong_answers(lab: str):
     """[(code, description), (code, description)] for each graded cell of ``lab``, in order."""
     table = []
@@ -444,6 +457,25 @@ def test_every_check_passes_the_answer_and_fails_two_wrong_ones(path):
                 client.execute_cell(
                     nbformat.v4.new_code_cell("os.environ['OFFLOADLAB_STUDENT'] = '1'"), index
                 )
+                client.execute_cell(last_answer, index)
+            # the answer as the visible check's own expression: it follows any input, so only
+            # the refusal of the function that computes it can tell
+            for name in re.findall(r'grading\.recomputed\("(\w+)"', cell.source):
+                if name not in COPIED:
+                    continue
+                copied = COPIED[name]
+                client.execute_cell(nbformat.v4.new_code_cell(f"{name} = {copied}"), index)
+                retry = nbformat.v4.new_code_cell(cell.source)
+                try:
+                    client.execute_cell(retry, index)
+                    failures.append(f"{cell.metadata.nbgrader.grade_id}: {name} = {copied} passed")
+                except CellExecutionError:
+                    error = next(o for o in retry.outputs if o.output_type == "error")
+                    if "computes what the exercise asks" not in error.evalue:
+                        failures.append(
+                            f"{cell.metadata.nbgrader.grade_id}: {name} = {copied} should fail the "
+                            f"hidden test; got {error.ename}: {error.evalue}"
+                        )
                 client.execute_cell(last_answer, index)
     assert literals == 1, (
         f"{path.name}: expected one graded cell with a hidden test; found {literals}"

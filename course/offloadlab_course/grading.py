@@ -18,6 +18,7 @@ does nothing.
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import numbers
 
@@ -851,13 +852,15 @@ def _lab05_pass(
     )
 
 
-def recomputed(name: str, **inputs):
+def recomputed(name: str, refusing=(), **inputs):
     """The value the student's latest cell that assigns ``name`` (a variable or a function) gives
     when run again with ``inputs`` in place of the notebook's variables of those names.
 
     Runs in a copy of the notebook's namespace, so the lab's own variables stay as they were.
-    AssertionError when no cell has assigned ``name`` yet, or when that cell asks the package's
-    checks or this module for the answer instead of computing it.
+    AssertionError when no cell has assigned ``name`` yet, when that cell asks the package's
+    checks or this module for the answer instead of computing it, or when, run again, it calls
+    one of the package's functions in ``refusing``: those that compute the answer the exercise
+    asks for (the visible check calls them, so its expression could be copied).
     """
     from IPython import get_ipython
 
@@ -882,8 +885,45 @@ def recomputed(name: str, **inputs):
     }
     assert not asked, f"{name}: the answer asks {', '.join(sorted(asked))} instead of computing it"
     namespace = {**shell.user_ns, **inputs}
-    exec(compile(tree, f"<the cell that assigns {name}>", "exec"), namespace)
-    return namespace[name]
+    with _refused(name, refusing, namespace):
+        exec(compile(tree, f"<the cell that assigns {name}>", "exec"), namespace)
+        return namespace[name]
+
+
+@contextlib.contextmanager
+def _refused(name: str, functions, namespace: dict):
+    """While the block runs, each of ``functions`` raises AssertionError wherever the answer may
+    reach it: as an attribute of any of the package's modules, or a name in ``namespace``."""
+    import sys
+
+    def refusal(function):
+        where = f"{function.__module__.split('.')[-1]}.{function.__name__}"
+
+        def refuse(*args, **kwargs):
+            raise AssertionError(
+                f"{name}: the answer calls {where}, which computes what the exercise asks you "
+                "to work out: write the arithmetic from the lab's variables"
+            )
+
+        return refuse
+
+    replaced = []  # (holder, key, original)
+    modules = [m for key, m in list(sys.modules.items()) if key.split(".")[0] == "offloadlab"]
+    for function in functions:
+        stand_in = refusal(function)
+        for module in modules:
+            for key, value in list(vars(module).items()):
+                if value is function:
+                    replaced.append((vars(module), key, value))
+                    setattr(module, key, stand_in)
+        for key, value in list(namespace.items()):
+            if value is function:
+                namespace[key] = stand_in
+    try:
+        yield
+    finally:
+        for holder, key, original in reversed(replaced):
+            holder[key] = original
 
 
 _CELLS: list[str] = []  # every cell the kernel has run since the import, in order

@@ -19,6 +19,8 @@ Settings, read from the environment the hub is started with (all optional):
 - ``OFFLOADLAB_GPU_SLICES``: the table's path (default ``$OFFLOADLAB_COURSE/course/gpu-slices.json``);
 - ``OFFLOADLAB_HUB_URL``: where the hub listens (default ``http://127.0.0.1:8000``; put your HTTPS
   reverse proxy in front of it);
+- ``OFFLOADLAB_PROXY_API_URL``: where the hub talks to its proxy (default
+  ``http://127.0.0.1:8001``; a second hub on the same host needs another port);
 - ``OFFLOADLAB_EXCHANGE``: nbgrader's exchange, when not ``/srv/nbgrader/exchange``;
 - ``OFFLOADLAB_HUB_TOKEN``: a token for scripting the class through the hub's REST API (starting
   every server before a lab session, say); without it there is no such service.
@@ -51,11 +53,18 @@ def members(group: str) -> set[str]:
         return set()
 
 
-def gpu_slices() -> dict[str, str]:
-    """user -> GPU or MIG UUID; read at every spawn, so an edit needs no restart."""
+def gpu_slices() -> tuple[dict[str, str], str]:
+    """(user -> GPU or MIG UUID, why the table gave nothing); read at every spawn, so an edit
+    needs no restart. A table that does not parse gives every server no GPU, never an error page."""
     if not SLICES_FILE.exists():
-        return {}
-    return json.loads(SLICES_FILE.read_text(encoding="utf-8"))
+        return {}, f"there is no GPU slice table at {SLICES_FILE}"
+    try:
+        table = json.loads(SLICES_FILE.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        return {}, f"the GPU slice table {SLICES_FILE} could not be read ({error})"
+    if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+        return {}, f"the GPU slice table {SLICES_FILE} is not an object of user names to device UUIDs"
+    return table, f"{SLICES_FILE} has no entry for them"
 
 
 def set_up_server(spawner):
@@ -73,18 +82,21 @@ def set_up_server(spawner):
         environment["JUPYTER_CONFIG_PATH"] = str(COURSE / "course" / "students")
         spawner.args = [*spawner.args, "--ServerApp.jpserver_extensions=" + repr(  # traitlets reads a Python literal
             {"nbgrader.server_extensions.formgrader": False, "nbgrader.server_extensions.course_list": False})]
-    device = gpu_slices().get(name)
+    slices, why_none = gpu_slices()
+    device = slices.get(name)
     if device:
         environment["CUDA_VISIBLE_DEVICES"] = device
     else:
         environment["CUDA_VISIBLE_DEVICES"] = ""
-        environment["OFFLOADLAB_GPU_NOTE"] = (f"no GPU slice for {name} in {SLICES_FILE}: this server has no GPU, "
+        environment["OFFLOADLAB_GPU_NOTE"] = (f"no GPU for {name} ({why_none}): this server has no GPU, "
                                               "and the labs run on the emulated link")
         spawner.log.warning("offloadlab: %s", environment["OFFLOADLAB_GPU_NOTE"])
     spawner.environment.update(environment)
 
 
 c.JupyterHub.bind_url = os.environ.get("OFFLOADLAB_HUB_URL", "http://127.0.0.1:8000")
+# Named, not left to the proxy's default (8001), which a second hub on the host would also take.
+c.ConfigurableHTTPProxy.api_url = os.environ.get("OFFLOADLAB_PROXY_API_URL", "http://127.0.0.1:8001")
 c.JupyterHub.spawner_class = LocalProcessSpawner
 c.Spawner.cmd = [str(ENVIRONMENT / "bin" / "jupyterhub-singleuser")]
 c.Spawner.default_url = "/lab"

@@ -36,7 +36,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from offloadlab_course.student import find_labs, source_notebook
+from offloadlab_course.student import assignment_name, find_labs, source_notebook
 from tests.conftest import ROOT
 
 PAGE = ROOT / "book" / "course.md"
@@ -305,6 +305,9 @@ def work_on(hub: Hub, user: str, solve: bool) -> dict:
             grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
             if grade_id in answers and cell.metadata["nbgrader"].get("solution"):
                 cell.source = answers[grade_id]
+    else:  # the other student leaves the lab blank but for a first answer that rebinds a check
+        first = next(c for c in notebook.cells if c.metadata.get("nbgrader", {}).get("solution"))
+        first.source = REBINDING
     code = [c for c in notebook.cells if c.cell_type == "code"]
     probe = (
         "import json, os, sys\nprint(json.dumps({'python': sys.executable, "
@@ -327,8 +330,14 @@ def work_on(hub: Hub, user: str, solve: bool) -> dict:
     return seen
 
 
+# Her kernel refuses it (the course's modules are sealed there), and the grader's screen does
+# not run it: her feedback says so.
+REBINDING = "check.answer = lambda *args, **kwargs: True\nprediction_fp32_adam = 1"
+
+
 def fetch_work_submit(hub: Hub, student: str, solve: bool) -> dict:
-    """A student's part, through their own server: fetch, work (see work_on), submit."""
+    """A student's part, through their own server: fetch, work (see work_on), validate the
+    solved lab as the Assignments tab does, submit."""
     form = {"course_id": COURSE_ID, "assignment_id": ASSIGNMENT}
     listed = hub.user(student, "/assignments/fetch", form, method="POST", form=True)
     assert listed["success"], listed
@@ -336,6 +345,12 @@ def fetch_work_submit(hub: Hub, student: str, solve: bool) -> dict:
         a["assignment_id"] == ASSIGNMENT and a["status"] == "fetched" for a in listed["value"]
     ), listed
     seen = work_on(hub, student, solve)
+    if solve:  # with nbgrader's own 30 s a cell, a correct lab 1 "failed" here
+        path = f"{COURSE_ID}/{ASSIGNMENT}/{LAB.stem}.ipynb"
+        validated = hub.user(
+            student, "/assignments/validate", {"path": path}, method="POST", form=True, timeout=900
+        )
+        assert validated["success"] and not validated["value"].get("failed"), validated
     listed = hub.user(student, "/assignments/submit", form, method="POST", form=True)
     assert listed["success"], listed
     assert any(a["status"] == "submitted" for a in listed["value"]), listed
@@ -345,14 +360,7 @@ def fetch_work_submit(hub: Hub, student: str, solve: bool) -> dict:
 def test_the_course_page_recipe_runs_a_class_end_to_end():
     stages = Stages()
     blocks = page_blocks()
-    assert [who for who, _ in blocks] == [
-        "root",
-        "root",
-        "root",
-        "root",
-        "instructor",
-        "instructor",
-    ], blocks
+    assert [who for who, _ in blocks] == ["root"] * 4 + ["instructor"] * 3, blocks
     # a folder to keep between runs, when debugging this test
     kept = os.environ.get("OFFLOADLAB_HUB_TEST_DIR")
     base = Path(kept) if kept else Path(tempfile.mkdtemp(prefix="offloadlab-hub-"))
@@ -364,7 +372,7 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
     shutil.rmtree(state, ignore_errors=True)
     state.mkdir()
     hub_log = base / "hub.log"
-    port, token = free_port(), secrets.token_hex(16)
+    port, proxy_port, token = free_port(), free_port(), secrets.token_hex(16)
     (base / "slices.json").write_text(json.dumps({SOLVED: FAKE_SLICE}))
     env = {
         **os.environ,
@@ -373,6 +381,7 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         "STUDENTS": f"{SOLVED} {UNSOLVED}",
         "INSTRUCTOR": INSTRUCTOR,
         "OFFLOADLAB_HUB_URL": f"http://127.0.0.1:{port}",
+        "OFFLOADLAB_PROXY_API_URL": f"http://127.0.0.1:{proxy_port}",
         "OFFLOADLAB_HUB_TOKEN": token,
         "OFFLOADLAB_GPU_SLICES": str(base / "slices.json"),
     }
@@ -397,6 +406,9 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
                 elif source.is_symlink() and not (course / name).is_symlink():
                     (course / name).parent.mkdir(parents=True, exist_ok=True)
                     (course / name).symlink_to(os.readlink(source))
+            # a stand-in for the history a clone has (the copy has none): the recipe keeps it
+            (course / ".git").mkdir(exist_ok=True)
+            (course / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
             subprocess.run(["chmod", "-R", "a+rX", str(course)], check=True)
         names = ["packages and proxy", "make course", "accounts and exchange"]
         for (who, commands), name in zip(blocks[:3], names):
@@ -451,11 +463,21 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
                 hub.spawn(user)
             with stages("instructor: course and release"):
                 instructor(blocks[4][1], env)
+            # A table broken by hand (a trailing comma) costs the next server its GPU, not a start.
+            (base / "slices.json").write_text(json.dumps({SOLVED: FAKE_SLICE})[:-1] + ",}")
             hub.spawn(INSTRUCTOR)
             for user in (SOLVED, UNSOLVED, INSTRUCTOR):
                 hub.wait_ready(user)
-        # Instructor tools for the instructor only, and no error for anybody.
+        broken = rf"no GPU for {INSTRUCTOR} \(the GPU slice table \S+ could not be read"
+        assert re.search(broken, hub_log.read_text())
+        # Instructor tools for the instructor only, and no error for anybody; the Formgrader
+        # finds the course (an empty one answers 200 too).
         assert hub.status(f"/user/{INSTRUCTOR}/formgrader", hub.user_tokens[INSTRUCTOR]) == 200
+        listed = hub.user(INSTRUCTOR, "/formgrader/api/assignments")
+        assert sorted(a["name"] for a in listed) == sorted(
+            assignment_name(path) for path in find_labs(ROOT / "labs")
+        ), listed
+        assert next(a for a in listed if a["name"] == ASSIGNMENT)["id"], listed  # generated
         for student in (SOLVED, UNSOLVED):
             assert hub.status(f"/user/{student}/formgrader", hub.user_tokens[student]) == 404
             page = hub.user(student, "/lab")
@@ -478,14 +500,22 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
                 info
             )
         assert seen[SOLVED]["gpu"] == FAKE_SLICE and seen[SOLVED]["note"] == ""
-        assert (
-            seen[UNSOLVED]["gpu"] == "" and "no GPU slice for olab-grace" in seen[UNSOLVED]["note"]
-        )
-        assert f"no GPU slice for {UNSOLVED}" in hub_log.read_text()
+        assert seen[UNSOLVED]["gpu"] == "" and seen[UNSOLVED]["note"].startswith(
+            f"no GPU for {UNSOLVED} ({env['OFFLOADLAB_GPU_SLICES']} has no entry for them)"
+        ), seen[UNSOLVED]
+        assert f"no GPU for {UNSOLVED}" in hub_log.read_text()
+        with stages("a dishonest student"):
+            tried = try_to_cheat(hub, UNSOLVED, course, exchange, state)
+        assert set(tried.values()) == {"refused"}, tried
         # the servers' log: the shared settings were found
         assert "No nbgrader_config.py" not in hub_log.read_text()
-        with stages("instructor: collect, autograde, feedback"):
+        with stages("instructor: collect and autograde"):
             instructor(blocks[5][1], env)
+        with stages("instructor: the reflections, in the Formgrader"):
+            given = grade_by_hand(hub, {SOLVED: True, UNSOLVED: False})
+        assert given == {SOLVED: by_hand_points(), UNSOLVED: 0}, given
+        with stages("instructor: feedback and grades"):
+            instructor(blocks[6][1], env)
         with stages("students fetch feedback"):
             for student in (SOLVED, UNSOLVED):
                 hub.user(
@@ -497,15 +527,19 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
                 )
         grades = grades_csv(Path(f"/home/{INSTRUCTOR}/offload-course/grades.csv"))
         automatic = automatic_points()
-        assert grades[SOLVED] == automatic and grades[UNSOLVED] == 0, grades
+        assert grades[SOLVED] == automatic + given[SOLVED] and grades[UNSOLVED] == 0, grades
         for student in (SOLVED, UNSOLVED):
             pages = list(
                 Path(f"/home/{student}/{COURSE_ID}/{ASSIGNMENT}/feedback").glob("*/*.html")
             )
             assert pages, f"{student} received no feedback"
-            assert re.search(
-                rf"Score: {grades[student]:g}(\.0)? / ", pages[0].read_text(encoding="utf-8")
-            ), pages[0]
+            page = pages[0].read_text(encoding="utf-8")
+            assert re.search(rf"Score: {grades[student]:g}(\.0)? / ", page), pages[0]
+            shown = page_text(page)
+            assert "HIDDEN TESTS" not in shown and hidden_line() not in shown, pages[0]
+            assert "import" in shown  # the page's code is there: only the hidden tests are not
+            screened = "this answer cell was not run: it changes the attribute answer"
+            assert (screened in shown) == (student == UNSOLVED), pages[0]
     finally:
         if hub_process is not None:
             end_with_its_children(hub_process)
@@ -517,6 +551,102 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         if not kept:
             shutil.rmtree(base, ignore_errors=True)
         print(json.dumps(stages.seconds))
+
+
+# What a student's kernel can reach, tried from one: each must answer "refused".
+CHEAT = """
+import json, os
+tried = {}
+for what, path in json.loads(%r).items():
+    try:
+        if what == "rename the course's exchange folder":
+            os.rename(path, path + "-mine")
+        elif what.startswith("list"):
+            os.listdir(path)
+        else:
+            open(path, "rb").read(1)
+        tried[what] = "done"
+    except PermissionError:
+        tried[what] = "refused"
+    except FileNotFoundError:
+        tried[what] = "missing"
+print(json.dumps(tried))
+"""
+
+
+def try_to_cheat(hub: Hub, student: str, course: Path, exchange: Path, state: Path) -> dict:
+    """From ``student``'s kernel, read what the recipe keeps from students and take over the
+    exchange: {attempt: "refused", "done" or "missing"}."""
+    other = SOLVED if student != SOLVED else UNSOLVED
+    targets = {
+        "read a lab's worked answers": course / "labs" / LAB.name,
+        "read the checkout's history": course / ".git" / "HEAD",
+        "list the checkout": course,
+        "read the instructor's source": Path(f"/home/{INSTRUCTOR}/{COURSE_ID}/source")
+        / ASSIGNMENT
+        / f"{LAB.stem}.ipynb",
+        "read the gradebook": Path(f"/home/{INSTRUCTOR}/{COURSE_ID}/gradebook.db"),
+        "read another student's lab": Path(f"/home/{other}/{COURSE_ID}/{ASSIGNMENT}")
+        / f"{LAB.stem}.ipynb",
+        "read the hub's database": state / "jupyterhub.sqlite",
+        "rename the course's exchange folder": exchange / COURSE_ID,
+    }
+    missing = [str(path) for path in targets.values() if not path.exists()]
+    assert not missing, f"nothing to try on: {missing}"
+    path = f"{COURSE_ID}/{ASSIGNMENT}/{LAB.stem}.ipynb"
+    code = CHEAT % json.dumps({what: str(target) for what, target in targets.items()})
+    (result,) = run_cells(hub, student, path, [code])
+    assert result["status"] == "ok", result
+    return json.loads(result["outputs"][0]["text"])
+
+
+def grade_by_hand(hub: Hub, full_marks: dict[str, bool]) -> dict[str, float]:
+    """The instructor grades the reflections through the Formgrader's interface: full marks or
+    none for each student. Points given, per student."""
+    given = {}
+    notebooks = hub.user(INSTRUCTOR, f"/formgrader/api/submitted_notebooks/{ASSIGNMENT}/{LAB.stem}")
+    assert sorted(n["student"] for n in notebooks) == sorted(full_marks), notebooks
+    for notebook in notebooks:
+        student = notebook["student"]
+        given[student] = 0.0
+        grades = hub.user(INSTRUCTOR, f"/formgrader/api/grades?submission_id={notebook['id']}")
+        for grade in grades:
+            if grade["needs_manual_grade"]:
+                score = grade["max_score"] if full_marks[student] else 0.0
+                hub.user(
+                    INSTRUCTOR,
+                    f"/formgrader/api/grade/{grade['id']}",
+                    {"manual_score": score},
+                    method="PUT",
+                )
+                given[student] += score
+    return given
+
+
+def page_text(html_page: str) -> str:
+    """What a feedback page shows, without its markup (code is split into highlighted tokens)."""
+    import html
+
+    return html.unescape(re.sub(r"<[^>]*>", "", html_page))
+
+
+def hidden_line() -> str:
+    """The first line of code in the lab's hidden tests, as the instructor's source has it."""
+    for cell in source_notebook(LAB).cells:
+        if "### BEGIN HIDDEN TESTS" in cell.source:
+            body = cell.source.split("### BEGIN HIDDEN TESTS", 1)[1]
+            lines = body.split("### END HIDDEN TESTS", 1)[0].splitlines()
+            return next(line.strip() for line in lines if line.strip())
+    raise AssertionError(f"{LAB.name} has no hidden tests")
+
+
+def by_hand_points() -> float:
+    """The reflections' points: the markdown cells graded by hand."""
+    return sum(
+        c.metadata["nbgrader"]["points"]
+        for c in source_notebook(LAB).cells
+        if c.metadata.get("nbgrader", {}).get("grade") and c.cell_type == "markdown"
+    )
 
 
 def instructor(commands: str, env: dict) -> None:

@@ -1,7 +1,7 @@
 """A real nbgrader round trip: release every lab, autograde a solved and an unsolved submission.
 
 The course is built the way the course page (book/course.md) tells an instructor to, with the
-``nbgrader_config.py`` it shows: ``python -m offloadlab_course.student --nbgrader labs
+course's shared ``course/nbgrader_config.py``: ``python -m offloadlab_course.student --nbgrader labs
 <course>/source`` (what ``make student`` runs), then ``nbgrader generate_assignment`` for each
 lab, then submissions under ``submitted/<student>/<lab>/`` and ``nbgrader autograde``. The solved
 submission is the source notebook itself (the worked answers); the unsolved one is the released
@@ -9,7 +9,6 @@ notebook as a student receives it.
 """
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -34,12 +33,10 @@ from tests.conftest import ROOT
 LABS = find_labs(ROOT / "labs")
 
 
-def course_page_config() -> str:
-    """The nbgrader_config.py the course page tells instructors to write, so the test uses that."""
-    page = (ROOT / "book" / "course.md").read_text(encoding="utf-8")
-    match = re.search(r"cat > nbgrader_config.py <<'EOF'\n(.*?)\nEOF\n", page, re.DOTALL)
-    assert match, "book/course.md no longer shows an nbgrader_config.py"
-    return match.group(1) + "\n"
+def course_config() -> str:
+    """The course's shared nbgrader settings, which `make course` installs for every server and
+    nbgrader command (course/nbgrader_config.py): the test's course runs with them."""
+    return (ROOT / "course" / "nbgrader_config.py").read_text(encoding="utf-8") + "\n"
 
 
 # nbgrader runs the `alembic` command to set up its gradebook: the environment's bin folder must be
@@ -71,7 +68,7 @@ def course(tmp_path_factory):
     """An nbgrader course with every lab generated as an assignment."""
     root = tmp_path_factory.mktemp("course")
     (root / "nbgrader_config.py").write_text(
-        course_page_config() + f"c.CourseDirectory.root = {str(root)!r}\n", encoding="utf-8"
+        course_config() + f"c.CourseDirectory.root = {str(root)!r}\n", encoding="utf-8"
     )
     result = subprocess.run(
         [
@@ -229,4 +226,42 @@ def test_a_number_typed_in_from_the_visible_check_loses_the_hidden_points(course
         for o in c.get("outputs", [])
     )
     assert "✓ fp32 AdamW" in shown  # the visible check itself passed
+    shutil.rmtree(course / "submitted")
+
+
+# The attack as it was tried on lab 3: one answer cell rebinds the checks and the challenge's
+# grader, the others hold made-up answers. It earned 4 of the 5 automatic points.
+REBINDING = {
+    "answer-1": "check.answer = lambda *a, **k: True\ncheck.exact = lambda *a, **k: True\n"
+    "grading.lab03_challenge = lambda *a, **k: True\npredicted_batch = 1",
+    "answer-2": "def predicted_step(b):\n    return 0.0",
+    "answer-3": "measured_batch = 1",
+    "answer-4": "def my_step(link, work, host, device):\n    pass",
+}
+
+
+def test_an_answer_cell_that_rebinds_the_checks_is_not_run_and_scores_nothing(course):
+    from nbgrader.api import Gradebook
+
+    path = next(p for p in LABS if assignment_name(p) == "lab03")
+    notebook = released(course, path)
+    for cell in notebook.cells:
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id in REBINDING and cell.cell_type == "code":
+            cell.source = REBINDING[grade_id]
+    submit(course, "rebinder", path, notebook)
+    log = nbgrader(course, "autograde", "lab03", "--create")
+    assert "answer-1: screened out: changes the attribute answer" in log, log[-3000:]
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        graded = gradebook.find_submission_notebook(path.stem, "lab03", "rebinder")
+        earned = {g.cell.name: g.score for g in graded.grades if g.auto_score}
+        assert not earned, earned
+    autograded = nbformat.read(
+        course / "autograded" / "rebinder" / "lab03" / f"{path.stem}.ipynb", as_version=4
+    )
+    screened = next(
+        c for c in autograded.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "answer-1"
+    )
+    error = next(o for o in screened.outputs if o.output_type == "error")
+    assert "this answer cell was not run" in error.evalue  # what the student's feedback shows
     shutil.rmtree(course / "submitted")

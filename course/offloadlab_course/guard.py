@@ -1,0 +1,267 @@
+"""What keeps a lab's grade out of the reach of its answer cells.
+
+nbgrader runs a submission's answer cells and the checks in one Python process, so an answer
+cell could change the checks instead of answering: ``check.answer = lambda *a, **k: True``.
+Two guards, one on each side of the kernel:
+
+- :class:`ScreenAnswers`, an nbgrader preprocessor that ``nbgrader autograde`` runs before the
+  notebook executes (course/nbgrader_config.py names it): each answer cell is read, not run, and
+  one that rebinds a name the lab's own cells bind (the checks, ``grading``, the measurements),
+  changes an attribute or an item outside the functions it defines, reaches a private or special
+  attribute, imports what an answer does not need, or calls Python's ways around all that
+  (``setattr``, ``exec``, ``vars``…) is replaced by a cell that raises and says why;
+- :func:`seal_course_modules`, run in the kernel before each cell once the labs' checks are
+  imported: the course's and the library's modules refuse new attributes, so an alias the
+  screen cannot follow (``c = check; c.answer = …`` inside a function) fails when it runs.
+
+Neither is a sandbox: Python in a kernel can reach anything in it. They close every route the
+course's tests try (tests/test_guard.py); what is left takes deliberate work, and the screen's
+message names the cell in the feedback.
+
+:class:`ClearTracebacks` is for feedback: a failed check's traceback lists the lines of its cell,
+hidden tests included, so feedback keeps each error's type and message only.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import types
+
+from nbconvert.preprocessors import Preprocessor
+from traitlets import Bool
+
+__all__ = ["ClearTracebacks", "ScreenAnswers", "screen", "seal_course_modules"]
+
+# Modules an answer may import: arithmetic, the standard containers, tensors and the library.
+IMPORTABLE = {
+    "bisect", "collections", "dataclasses", "functools", "heapq", "itertools", "math", "numpy",
+    "offloadlab", "operator", "random", "statistics", "time", "torch", "typing",
+}  # fmt: skip
+# Python's ways to reach or change a name without writing it.
+REFUSED_NAMES = {
+    "__builtins__", "__import__", "breakpoint", "compile", "delattr", "eval", "exec",
+    "get_ipython", "getattr", "globals", "locals", "setattr", "vars",
+}  # fmt: skip
+SEALED_PACKAGES = ("offloadlab", "offloadlab_course")
+
+
+def screen(source: str, protected: set[str]) -> list[str]:
+    """Why the answer cell ``source`` may not run, one phrase per reason (none for a plain
+    answer). ``protected``: the names the lab's own cells bind."""
+    try:
+        tree = ast.parse(_python(source))
+    except SyntaxError:
+        return []  # it fails when it runs, as it would have anyway
+    reasons = []
+    _Screen(protected, reasons).visit(tree)
+    return list(dict.fromkeys(reasons))
+
+
+def _python(source: str) -> str:
+    """The cell as the kernel runs it: IPython's ``%magics`` turned into calls."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager().transform_cell(source)
+
+
+class _Screen(ast.NodeVisitor):
+    """Walks one answer cell; ``local`` holds the names a function being walked owns (its
+    parameters, and names it assigns from anything but another name)."""
+
+    def __init__(self, protected: set[str], reasons: list[str]):
+        self.protected, self.reasons, self.local = protected, reasons, None
+        self.comprehended: set[str] = set()
+
+    def visit_Import(self, node):
+        for alias in node.names:
+            self._importing(alias.name)
+            self._binding((alias.asname or alias.name).split(".")[0])
+
+    def visit_ImportFrom(self, node):
+        self._importing("." * node.level + (node.module or ""))
+        for alias in node.names:
+            self._binding(alias.asname or alias.name)
+
+    def visit_ClassDef(self, node):
+        self._binding(node.name)
+        self.generic_visit(node)
+
+    def _binding(self, name: str):
+        if self.local is None and name in self.protected:
+            self.reasons.append(f"rebinds {name}, which the lab's own cells bind")
+
+    def _importing(self, module: str):
+        if module.split(".")[0] not in IMPORTABLE:
+            self.reasons.append(f"imports {module}")
+
+    def visit_Global(self, node):
+        self.reasons.append(f"declares {', '.join(node.names)} global")
+
+    def visit_Name(self, node):
+        if node.id in REFUSED_NAMES:
+            self.reasons.append(f"uses {node.id}")
+        elif isinstance(node.ctx, (ast.Store, ast.Del)) and node.id not in self.comprehended:
+            self._binding(node.id)
+
+    def visit_ListComp(self, node):
+        """A comprehension's loop names are its own (a walrus inside it is not)."""
+        names = {
+            n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)
+        }
+        outer, self.comprehended = self.comprehended, self.comprehended | names
+        self.generic_visit(node)
+        self.comprehended = outer
+
+    visit_SetComp = visit_DictComp = visit_GeneratorExp = visit_ListComp
+
+    def visit_NamedExpr(self, node):
+        outer, self.comprehended = self.comprehended, set()
+        self.generic_visit(node)
+        self.comprehended = outer
+
+    def visit_Attribute(self, node):
+        if node.attr.startswith("_"):
+            self.reasons.append(f"reaches the attribute {node.attr}")
+        if isinstance(node.ctx, (ast.Store, ast.Del)):
+            self._changing(node, f"changes the attribute {node.attr}")
+        self.generic_visit(node)
+
+    def visit_Subscript(self, node):
+        if isinstance(node.ctx, (ast.Store, ast.Del)):
+            self._changing(node, "changes an item")
+        self.generic_visit(node)
+
+    def _changing(self, target, what: str):
+        """An attribute or item set or deleted: only on what the function owns."""
+        root = target
+        while isinstance(root, (ast.Attribute, ast.Subscript)):
+            root = root.value
+        owned = isinstance(root, ast.Name) and self.local is not None and root.id in self.local
+        if not owned:
+            self.reasons.append(f"{what} of something it did not make")
+
+    def visit_FunctionDef(self, node):
+        self._binding(node.name)
+        for decorator in node.decorator_list:
+            self.visit(decorator)
+        self._function(node, node.body)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Lambda(self, node):
+        self._function(node, [node.body])
+
+    def _function(self, node, body):
+        for default in [*node.args.defaults, *node.args.kw_defaults]:
+            if default is not None:
+                self.visit(default)
+        arguments = node.args
+        positional = [*arguments.posonlyargs, *arguments.args]
+        defaults = [None] * (len(positional) - len(arguments.defaults)) + arguments.defaults
+        given = [*zip(positional, defaults), *zip(arguments.kwonlyargs, arguments.kw_defaults)]
+        # a parameter whose default is another name (def f(c=check)) is that name's alias
+        owned = {a.arg for a, default in given if not _aliases(default)}
+        owned |= {a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None}
+        for statement in body:
+            for inner in ast.walk(statement):
+                if isinstance(inner, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
+                    targets = getattr(inner, "targets", None) or [inner.target]
+                    if not _aliases(inner.value):
+                        owned |= {name for target in targets for name in _names_bound(target)}
+        outer, self.local = self.local, (self.local or set()) | owned
+        for statement in body:
+            self.visit(statement)
+        self.local = outer
+
+
+def _aliases(value) -> bool:
+    """Whether an assigned value is something that already exists under another name."""
+    return isinstance(value, (ast.Name, ast.Attribute, ast.Subscript))
+
+
+def _names_bound(target) -> set[str]:
+    """The names an assignment target binds: ``a``, ``a, b``, ``*a``; an attribute or an item
+    binds none (it changes what its root names)."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return {name for element in target.elts for name in _names_bound(element)}
+    if isinstance(target, ast.Starred):
+        return _names_bound(target.value)
+    return set()
+
+
+class ScreenAnswers(Preprocessor):
+    """nbgrader's autograde, before the notebook runs: every answer cell that :func:`screen`
+    finds reasons in is replaced by one that raises them."""
+
+    enabled = Bool(True)  # nbconvert's preprocessors are off unless told otherwise
+
+    def preprocess(self, nb, resources):
+        protected = set()
+        for cell in nb.cells:
+            if cell.cell_type == "code" and not _is_answer(cell):
+                protected |= _bound(cell.source)
+        for cell in nb.cells:
+            if cell.cell_type == "code" and _is_answer(cell):
+                reasons = screen(cell.source, protected)
+                if reasons:
+                    grade_id = cell.metadata["nbgrader"].get("grade_id", "an answer")
+                    self.log.warning("%s: screened out: %s", grade_id, "; ".join(reasons))
+                    message = f"this answer cell was not run: it {'; it '.join(reasons)}"
+                    cell.source = f"raise RuntimeError({message!r})"
+        return nb, resources
+
+
+def _is_answer(cell) -> bool:
+    return bool(cell.metadata.get("nbgrader", {}).get("solution"))
+
+
+def _bound(source: str) -> set[str]:
+    """The names a cell binds at its top level: assignments, imports, definitions, loops."""
+    try:
+        tree = ast.parse(_python(source))
+    except SyntaxError:
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+    return names - {"*"}
+
+
+class _Sealed(types.ModuleType):
+    """A module whose attributes a notebook cannot set or delete."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and value.__name__ == f"{self.__name__}.{name}":
+            return super().__setattr__(name, value)  # the import system binding a submodule
+        raise AttributeError(f"{self.__name__}.{name}: the course's modules are read-only here")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"{self.__name__}.{name}: the course's modules are read-only here")
+
+
+def seal_course_modules(*_) -> None:
+    """Make every loaded module of the library and the course read-only to attribute writes
+    (an IPython ``pre_run_cell`` callback: modules a cell imports are sealed before the next)."""
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] in SEALED_PACKAGES and type(module) is types.ModuleType:
+            module.__class__ = _Sealed
+
+
+class ClearTracebacks(Preprocessor):
+    """Feedback: each error output keeps its type and message, not the lines of its cell."""
+
+    enabled = Bool(True)
+
+    def preprocess_cell(self, cell, resources, index):
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error":
+                output["traceback"] = [f"{output.get('ename', '')}: {output.get('evalue', '')}"]
+        return cell, resources

@@ -1,0 +1,131 @@
+"""What keeps a lab's grade out of its answer cells' reach (offloadlab_course/guard.py).
+
+Each way a dishonest student tried, or could try, to change the checks from an answer cell is
+screened out before autograding runs it; every lab's worked answers pass the screen untouched;
+an alias the screen cannot follow fails in the kernel, where the course's modules are sealed;
+and feedback keeps an error's message, never the lines of its cell.
+"""
+
+import nbformat
+import pytest
+
+from offloadlab_course.guard import ClearTracebacks, ScreenAnswers, screen
+from offloadlab_course.student import find_labs, source_notebook
+from tests.conftest import ROOT
+
+LABS = find_labs(ROOT / "labs")
+# names a lab's own cells bind, as in lab 3
+PROTECTED = {"check", "grading", "link", "torch", "overlap", "nbytes", "bandwidth"}
+
+ATTACKS = {
+    "rebind a check": ("check.answer = lambda *a, **k: True", "changes the attribute answer"),
+    "rebind a challenge": (
+        "grading.lab03_challenge = lambda *a, **k: True",
+        "changes the attribute lab03_challenge",
+    ),
+    "replace the module": ("class check:\n    answer = print", "rebinds check"),
+    "replace a measurement": ("bandwidth = 1e12\nmy_x = 1", "rebinds bandwidth"),
+    "through an alias": ("c = check\nc.answer = print", "changes the attribute answer"),
+    "setattr": ("setattr(check, 'answer', print)", "uses setattr"),
+    "the module's dict": ("check.__dict__['answer'] = print", "reaches the attribute __dict__"),
+    "vars": ("vars(check)['answer'] = print", "uses vars"),
+    "sys.modules": ("import sys\nsys.modules['offloadlab_course.check'] = 0", "imports sys"),
+    "the course package": ("from offloadlab_course import check as c", "imports offloadlab_course"),
+    "exec": ("exec('check.answer = print')", "uses exec"),
+    "global": ("def my_f():\n    global check\n    check = 0", "declares check global"),
+    "a loop target": ("for check.answer in [print]:\n    pass", "changes the attribute answer"),
+    "a walrus": ("my_x = [(check := 0) for _ in [1]]", "rebinds check"),
+    "a patched class": (
+        "def my_f(model):\n    torch.Tensor.element_size = lambda self: 0",
+        "changes the attribute element_size",
+    ),
+    "an alias inside a function": (
+        "def my_f():\n    T = torch.Tensor\n    T.element_size = lambda self: 0",
+        "changes the attribute element_size",
+    ),
+    "a parameter's default": (
+        "def my_f(t=torch.Tensor):\n    t.element_size = len",
+        "changes the attribute element_size",
+    ),
+    "a magic": ("%env OFFLOADLAB_STUDENT=0", "uses get_ipython"),
+    "an item of a measurement": ("link.rates['h2d'] = 1e15", "changes an item"),
+}
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=str)
+def test_each_way_around_the_checks_is_screened_out(attack):
+    source, reason = ATTACKS[attack]
+    reasons = screen(source, PROTECTED)
+    assert any(reason in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "my_x = 16 * P  # names of its own",
+        "def my_f(p):\n    p.grad = None  # a parameter the function was given",
+        "def my_f(model):\n    cache = {}\n    cache['a'] = model\n    return cache",
+        "my_x = [link for link in range(3)]  # a comprehension's own name",
+        "import math\nfrom offloadlab import overlap as o\nmy_x = math.ceil(2.5)",
+        "def my_f(items, link):\n    nonlocal_free = link.mark()\n    return nonlocal_free",
+    ],
+)
+def test_plain_answers_pass_the_screen(source):
+    assert screen(source, PROTECTED) == []
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
+def test_every_worked_answer_passes_the_screen_untouched(path):
+    notebook = source_notebook(path)
+    before = [c.source for c in notebook.cells]
+    ScreenAnswers()(notebook, {})  # as nbgrader calls it
+    assert [c.source for c in notebook.cells] == before
+
+
+def test_a_screened_cell_raises_its_reasons_instead_of_running():
+    notebook = nbformat.v4.new_notebook()
+    setup = nbformat.v4.new_code_cell("from offloadlab_course import check")
+    answer = nbformat.v4.new_code_cell("check.answer = print\nmy_x = 1")
+    answer.metadata["nbgrader"] = {"solution": True, "grade_id": "answer-1"}
+    notebook.cells = [setup, answer]
+    ScreenAnswers()(notebook, {})  # as nbgrader calls it
+    assert answer.source.startswith("raise RuntimeError(")
+    assert "changes the attribute answer of something it did not make" in answer.source
+    assert setup.source == "from offloadlab_course import check"
+
+
+def test_in_the_kernel_the_course_modules_refuse_what_an_alias_writes():
+    """What the screen cannot follow (here, an alias made where the screen does not look)
+    fails when it runs: the labs' checks seal the course's and the library's modules."""
+    from jupyter_client.manager import start_new_kernel
+
+    manager, client = start_new_kernel(kernel_name="python3")
+    try:
+
+        def run(code):
+            reply = client.execute_interactive(code, timeout=120, output_hook=lambda m: None)
+            return reply["content"]
+
+        assert run("from offloadlab_course import check, grading")["status"] == "ok"
+        written = run("c = [check][0]\nc.answer = print")
+        assert written["status"] == "error" and "read-only" in written["evalue"], written
+        assert run("from offloadlab import nvme")["status"] == "ok"  # a submodule still imports
+        assert run("assert check.answer is not print")["status"] == "ok"
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def test_feedback_keeps_an_errors_message_and_drops_its_lines():
+    cell = nbformat.v4.new_code_cell("assert again == expected  # a hidden test")
+    cell.outputs = [
+        nbformat.v4.new_output(
+            "error",
+            ename="AssertionError",
+            evalue="not computed from the transfer",
+            traceback=["----> 3 assert again == expected  # a hidden test"],
+        )
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[cell])
+    ClearTracebacks()(notebook, {})  # as nbgrader calls it
+    assert cell.outputs[0].traceback == ["AssertionError: not computed from the transfer"]

@@ -69,3 +69,21 @@ def test_the_page_says_what_limits_pinned_memory_and_the_hub_does_not_raise_ulim
         assert source in hub, source
     assert "cgroup" in hub and "CUDA error 2" in hub
     assert "lifts the cap" not in PAGE and "should print `unlimited`" not in PAGE
+
+
+def test_the_systemd_unit_runs_the_recipes_hub_command():
+    import configparser
+
+    unit = configparser.ConfigParser()
+    unit.optionxform = str  # systemd's keys are case-sensitive
+    unit.read_string(re.search(r"```ini\n(.*?)```", PAGE, re.DOTALL).group(1))
+    service = unit["Service"]
+    hub = page_blocks()[3][1]
+    course = re.search(r"COURSE=\$\{COURSE:-(\S+)\}", hub).group(1)
+    folder = re.search(r"&& cd (\S+)", hub).group(1)
+    command = hub.split(f"cd {folder}\n", 1)[1].replace("\\\n", " ")
+    command = " ".join(command.replace('"$COURSE', course).replace('"', "").split())
+    environment, started = command.split(" ", 1)
+    assert service["WorkingDirectory"] == folder
+    assert service["Environment"] == environment and service["ExecStart"] == started
+    assert unit["Install"]["WantedBy"] == "multi-user.target"

@@ -6,8 +6,9 @@ nbgrader and JupyterLab. Who is who comes from two Unix groups:
 
 - ``offload-students``: student mode (``OFFLOADLAB_STUDENT=1``: the answer checks never show an
   expected value) and nbgrader's student tools only (Assignments, Validate);
-- ``offload-staff``: instructors and TAs, hub admins, with nbgrader's Formgrader and
-  Create Assignment, and no student mode.
+- ``offload-staff``: instructors and TAs, with nbgrader's Formgrader and Create Assignment,
+  no student mode, and the right to list the class and start or stop its servers (not hub
+  admins: nobody is). Read when the hub starts: restart it after adding staff.
 
 A GPU (or MIG slice) per user comes from an optional JSON table, user name -> device UUID as
 ``nvidia-smi -L`` prints it. A user without an entry gets a server with no GPU at all (the labs
@@ -22,6 +23,11 @@ Settings, read from the environment the hub is started with (all optional):
 - ``OFFLOADLAB_PROXY_API_URL``: where the hub talks to its proxy (default
   ``http://127.0.0.1:8001``; a second hub on the same host needs another port);
 - ``OFFLOADLAB_EXCHANGE``: nbgrader's exchange, when not ``/srv/nbgrader/exchange``;
+- ``OFFLOADLAB_THREADS``: CPU threads each server's kernels may use (``OMP_NUM_THREADS`` and
+  torch's pool; default an eighth of the server's cores, at least one): torch otherwise takes
+  every core in every kernel, and a class of them starves each other's measurements;
+- ``OFFLOADLAB_IDLE_TIMEOUT``: seconds after which a server nobody uses is stopped (default
+  3600), freeing its memory; its files stay;
 - ``OFFLOADLAB_HUB_TOKEN``: a token for scripting the class through the hub's REST API (starting
   every server before a lab session, say); without it there is no such service.
 
@@ -33,6 +39,7 @@ that measures something real", gives the sources), so raising it would change no
 import grp
 import json
 import os
+import sys
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner
@@ -43,6 +50,8 @@ COURSE = Path(os.environ.get("OFFLOADLAB_COURSE", "/opt/offloadlab"))
 ENVIRONMENT = COURSE / ".venv"
 STUDENTS, STAFF = "offload-students", "offload-staff"
 SLICES_FILE = Path(os.environ.get("OFFLOADLAB_GPU_SLICES", COURSE / "course" / "gpu-slices.json"))
+THREADS = int(os.environ.get("OFFLOADLAB_THREADS", max(1, (os.cpu_count() or 1) // 8)))
+IDLE_SECONDS = int(os.environ.get("OFFLOADLAB_IDLE_TIMEOUT", 3600))
 
 
 def members(group: str) -> set[str]:
@@ -70,7 +79,8 @@ def gpu_slices() -> tuple[dict[str, str], str]:
 def set_up_server(spawner):
     """Per user: student mode and tools or the instructor's, and a GPU slice or none."""
     name = spawner.user.name
-    environment = {"PATH": f"{ENVIRONMENT / 'bin'}:/usr/local/bin:/usr/bin:/bin"}
+    environment = {"PATH": f"{ENVIRONMENT / 'bin'}:/usr/local/bin:/usr/bin:/bin",
+                   "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     if "OFFLOADLAB_EXCHANGE" in os.environ:  # an exchange elsewhere than course/nbgrader_config.py's default
         environment["OFFLOADLAB_EXCHANGE"] = os.environ["OFFLOADLAB_EXCHANGE"]
     if name in members(STAFF):
@@ -103,9 +113,18 @@ c.Spawner.default_url = "/lab"
 c.Spawner.pre_spawn_hook = set_up_server
 c.Spawner.http_timeout = 120  # a first start imports torch, which takes a while on a cold disk
 c.PAMAuthenticator.allowed_groups = {STUDENTS, STAFF}
-c.PAMAuthenticator.admin_groups = {STAFF}
 
+# Staff see the class and start or stop its servers; the culler stops servers left idle.
+c.JupyterHub.load_roles = [
+    {"name": "course-staff", "users": sorted(members(STAFF)),
+     "scopes": ["self", "list:users", "read:users:activity", "admin:servers"]},
+    {"name": "idle-culler", "services": ["idle-culler"],
+     "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"]},
+]
+c.JupyterHub.services = [
+    {"name": "idle-culler", "command": [sys.executable, "-m", "jupyterhub_idle_culler", f"--timeout={IDLE_SECONDS}"]},
+]
 if os.environ.get("OFFLOADLAB_HUB_TOKEN"):
-    c.JupyterHub.services = [{"name": "course-admin", "api_token": os.environ["OFFLOADLAB_HUB_TOKEN"]}]
-    c.JupyterHub.load_roles = [{"name": "course-admin", "services": ["course-admin"],
-                                "scopes": ["admin:users", "admin:servers", "tokens", "access:servers", "list:users"]}]
+    c.JupyterHub.services.append({"name": "course-admin", "api_token": os.environ["OFFLOADLAB_HUB_TOKEN"]})
+    c.JupyterHub.load_roles.append({"name": "course-admin", "services": ["course-admin"],
+                                    "scopes": ["admin:users", "admin:servers", "tokens", "access:servers", "list:users"]})

@@ -43,6 +43,8 @@ PAGE = ROOT / "book" / "course.md"
 LAB = next(p for p in find_labs(ROOT / "labs") if p.stem.startswith("lab01"))
 ASSIGNMENT, COURSE_ID = "lab01", "offload-course"
 SOLVED, UNSOLVED, INSTRUCTOR = "olab-ada", "olab-grace", "olab-teacher"
+ABSENT = "olab-hopper"  # on the roster, never logs in
+THREADS = 1  # OFFLOADLAB_THREADS: each server's CPU threads
 # no GPU here: CUDA_VISIBLE_DEVICES is only passed on
 FAKE_SLICE = "MIG-00000000-test-0000-0000-000000000000"
 
@@ -310,7 +312,8 @@ def work_on(hub: Hub, user: str, solve: bool) -> dict:
         first.source = REBINDING
     code = [c for c in notebook.cells if c.cell_type == "code"]
     probe = (
-        "import json, os, sys\nprint(json.dumps({'python': sys.executable, "
+        "import json, os, sys, torch\nprint(json.dumps({'python': sys.executable, "
+        "'threads': torch.get_num_threads(), "
         "'student': os.environ.get('OFFLOADLAB_STUDENT'), 'gpu': "
         "os.environ.get('CUDA_VISIBLE_DEVICES'), 'note': os.environ.get('OFFLOADLAB_GPU_NOTE', "
         "'')}))"
@@ -358,6 +361,8 @@ def fetch_work_submit(hub: Hub, student: str, solve: bool) -> dict:
 
 
 def test_the_course_page_recipe_runs_a_class_end_to_end():
+    import psutil
+
     stages = Stages()
     blocks = page_blocks()
     assert [who for who, _ in blocks] == ["root"] * 4 + ["instructor"] * 3, blocks
@@ -378,7 +383,8 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         **os.environ,
         "COURSE": str(course),
         "OFFLOADLAB_EXCHANGE": str(exchange),
-        "STUDENTS": f"{SOLVED} {UNSOLVED}",
+        "STUDENTS": f"{SOLVED} {UNSOLVED} {ABSENT}",
+        "OFFLOADLAB_THREADS": str(THREADS),
         "INSTRUCTOR": INSTRUCTOR,
         "OFFLOADLAB_HUB_URL": f"http://127.0.0.1:{port}",
         "OFFLOADLAB_PROXY_API_URL": f"http://127.0.0.1:{proxy_port}",
@@ -504,6 +510,15 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
             f"no GPU for {UNSOLVED} ({env['OFFLOADLAB_GPU_SLICES']} has no entry for them)"
         ), seen[UNSOLVED]
         assert f"no GPU for {UNSOLVED}" in hub_log.read_text()
+        assert all(info["threads"] == THREADS for info in seen.values()), seen
+        # staff see the class but are no hub admins; students see neither; the culler runs
+        assert not hub.call(f"/hub/api/users/{INSTRUCTOR}")["admin"]
+        assert hub.status("/hub/api/users", hub.user_tokens[INSTRUCTOR]) == 200
+        assert hub.status("/hub/api/users", hub.user_tokens[UNSOLVED]) == 403
+        assert any(
+            "jupyterhub_idle_culler" in " ".join(child.cmdline())
+            for child in psutil.Process(hub_process.pid).children(recursive=True)
+        ), "the idle culler is not running"
         with stages("a dishonest student"):
             tried = try_to_cheat(hub, UNSOLVED, course, exchange, state)
         assert set(tried.values()) == {"refused"}, tried
@@ -528,6 +543,7 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         grades = grades_csv(Path(f"/home/{INSTRUCTOR}/offload-course/grades.csv"))
         automatic = automatic_points()
         assert grades[SOLVED] == automatic + given[SOLVED] and grades[UNSOLVED] == 0, grades
+        assert grades[ABSENT] == 0, grades  # on the roster: listed, though they never submitted
         for student in (SOLVED, UNSOLVED):
             pages = list(
                 Path(f"/home/{student}/{COURSE_ID}/{ASSIGNMENT}/feedback").glob("*/*.html")
@@ -546,7 +562,7 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         for user in (SOLVED, UNSOLVED, INSTRUCTOR):
             # the servers the hub left behind
             subprocess.run(["pkill", "-u", user], capture_output=True)
-        for user in (SOLVED, UNSOLVED, INSTRUCTOR):
+        for user in (SOLVED, UNSOLVED, ABSENT, INSTRUCTOR):
             subprocess.run(["userdel", "-r", user], capture_output=True)
         if not kept:
             shutil.rmtree(base, ignore_errors=True)

@@ -85,5 +85,6 @@ def test_the_systemd_unit_runs_the_recipes_hub_command():
     command = " ".join(command.replace('"$COURSE', course).replace('"', "").split())
     environment, started = command.split(" ", 1)
     assert service["WorkingDirectory"] == folder
-    assert service["Environment"] == environment and service["ExecStart"] == started
+    exec_start = " ".join(service["ExecStart"].replace("\\", " ").split())  # a line continued
+    assert service["Environment"] == environment and exec_start == started
     assert unit["Install"]["WantedBy"] == "multi-user.target"

@@ -544,6 +544,8 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         automatic = automatic_points()
         assert grades[SOLVED] == automatic + given[SOLVED] and grades[UNSOLVED] == 0, grades
         assert grades[ABSENT] == 0, grades  # on the roster: listed, though they never submitted
+        logged = Path(f"/home/{INSTRUCTOR}/{COURSE_ID}/nbgrader.log").read_text(encoding="utf-8")
+        assert "[AutogradeApp | INFO]" in logged and "[GenerateFeedbackApp | INFO]" in logged
         for student in (SOLVED, UNSOLVED):
             pages = list(
                 Path(f"/home/{student}/{COURSE_ID}/{ASSIGNMENT}/feedback").glob("*/*.html")

@@ -42,8 +42,11 @@ from tests.conftest import ROOT
 PAGE = ROOT / "book" / "course.md"
 LAB = next(p for p in find_labs(ROOT / "labs") if p.stem.startswith("lab01"))
 ASSIGNMENT, COURSE_ID = "lab01", "offload-course"
-SOLVED, UNSOLVED, INSTRUCTOR = "olab-ada", "olab-grace", "olab-teacher"
-ABSENT = "olab-hopper"  # on the roster, never logs in
+# Accounts of this run alone (two runs on one host once deleted each other's users): their
+# processes are the only ones the test ends.
+RUN = secrets.token_hex(3)
+SOLVED, UNSOLVED, INSTRUCTOR = f"olab{RUN}-ada", f"olab{RUN}-grace", f"olab{RUN}-teacher"
+ABSENT = f"olab{RUN}-hopper"  # on the roster, never logs in
 THREADS = 1  # OFFLOADLAB_THREADS: each server's CPU threads
 # no GPU here: CUDA_VISIBLE_DEVICES is only passed on
 FAKE_SLICE = "MIG-00000000-test-0000-0000-000000000000"

@@ -47,6 +47,16 @@ ATTACKS = {
         "def my_f(t=torch.Tensor):\n    t.element_size = len",
         "changes the attribute element_size",
     ),
+    # found by a reviewer playing a dishonest student, each screened clean before
+    "a module's dict through attrgetter": (
+        'import operator\noperator.attrgetter("__dict__")(check).update(answer=print)',
+        "uses attrgetter",
+    ),
+    "builtins through another module": (
+        "import dataclasses\ndef my_f(b):\n    b.abs = len\nmy_f(dataclasses.builtins)",
+        "uses builtins",
+    ),
+    "exec as an attribute": ("import dataclasses\ndataclasses.builtins.exec('1')", "uses exec"),
     "a magic": ("%env OFFLOADLAB_STUDENT=0", "uses get_ipython"),
     "an item of a measurement": ("link.rates['h2d'] = 1e15", "changes an item"),
 }
@@ -129,3 +139,23 @@ def test_feedback_keeps_an_errors_message_and_drops_its_lines():
     notebook = nbformat.v4.new_notebook(cells=[cell])
     ClearTracebacks()(notebook, {})  # as nbgrader calls it
     assert cell.outputs[0].traceback == ["AssertionError: not computed from the transfer"]
+
+
+def test_a_number_that_redefines_its_arithmetic_is_checked_as_the_number_it_holds(capsys):
+    """A Fraction subclass whose difference from anything is 0 passed every check."""
+    from fractions import Fraction
+
+    from offloadlab_course import check
+
+    class Anything(Fraction):
+        def __eq__(self, other):
+            return True
+
+        def __sub__(self, other):
+            return 0
+
+        __hash__ = Fraction.__hash__
+
+    assert not check.answer("bytes", Anything(1), 16 * 10**6, rel_tol=0.01)
+    assert not check.exact("count", Anything(1), 7)
+    assert check.answer("bytes", Fraction(16 * 10**6), 16 * 10**6, rel_tol=0.01)

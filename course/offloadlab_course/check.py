@@ -144,8 +144,8 @@ def _number(x) -> Fraction | None:
         return None
     if isinstance(x, numbers.Integral):
         return Fraction(int(x))
-    if isinstance(x, Fraction):
-        return x
+    if isinstance(x, Fraction):  # rebuilt: a subclass could redefine its arithmetic
+        return Fraction(int(x.numerator), int(x.denominator))
     try:
         value = float(x)
     # torch raises RuntimeError for many elements

@@ -38,10 +38,12 @@ IMPORTABLE = {
     "bisect", "collections", "dataclasses", "functools", "heapq", "itertools", "math", "numpy",
     "offloadlab", "operator", "random", "statistics", "time", "torch", "typing",
 }  # fmt: skip
-# Python's ways to reach or change a name without writing it.
+# Python's ways to reach or change a name without writing it, as a name or as an attribute
+# (``dataclasses.builtins.exec``, ``operator.attrgetter("__dict__")``).
 REFUSED_NAMES = {
-    "__builtins__", "__import__", "breakpoint", "compile", "delattr", "eval", "exec",
-    "get_ipython", "getattr", "globals", "locals", "setattr", "vars",
+    "__builtins__", "__import__", "attrgetter", "breakpoint", "builtins", "compile", "delattr",
+    "eval", "exec", "get_ipython", "getattr", "globals", "locals", "methodcaller",
+    "setattr", "sys", "vars",
 }  # fmt: skip
 SEALED_PACKAGES = ("offloadlab", "offloadlab_course")
 
@@ -95,6 +97,10 @@ class _Screen(ast.NodeVisitor):
         if module.split(".")[0] not in IMPORTABLE:
             self.reasons.append(f"imports {module}")
 
+    def visit_Constant(self, node):
+        if isinstance(node.value, str) and "__" in node.value:
+            self.reasons.append("names a special attribute in a string")
+
     def visit_Global(self, node):
         self.reasons.append(f"declares {', '.join(node.names)} global")
 
@@ -123,6 +129,8 @@ class _Screen(ast.NodeVisitor):
     def visit_Attribute(self, node):
         if node.attr.startswith("_"):
             self.reasons.append(f"reaches the attribute {node.attr}")
+        elif node.attr in REFUSED_NAMES:
+            self.reasons.append(f"uses {node.attr}")
         if isinstance(node.ctx, (ast.Store, ast.Del)):
             self._changing(node, f"changes the attribute {node.attr}")
         self.generic_visit(node)

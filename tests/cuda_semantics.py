@@ -169,17 +169,20 @@ class CudaOrderLink(EmulatedLink):
                 next(self._issued),
             )
             transfer._used = transfer._torn = False
-            if direction == "d2h":
-                transfer._shadow, transfer._destination = target, dst
-                poison(dst)  # what the host sees there until it knows the copy is done
-            else:
-                transfer._snapshot, transfer._source = src.clone(), src
             # What finishing this copy proves finished before it: the copies its stream waited for
             # before the point it is ordered after, and the previous copy on its engine.
             transfer._before = [t for s, p, t in self._waits if s == stream and p < position]
             if self._last[direction] is not None:
                 transfer._before.append(self._last[direction])
             self._last[direction] = transfer
+            if direction == "d2h":
+                # copies up that this one cannot start before have read their sources by then: a
+                # source it lands in (state going back where it came from) was intact if it is now
+                self._settle_reads_before(transfer)
+                transfer._shadow, transfer._destination = target, dst
+                poison(dst)  # what the host sees there until it knows the copy is done
+            else:
+                transfer._snapshot, transfer._source = src.clone(), src
             self.transfers.append(transfer)
         real_synchronize, real_done = transfer.synchronize, transfer.done
 
@@ -207,6 +210,20 @@ class CudaOrderLink(EmulatedLink):
         if not pinned:  # pageable memory: CUDA copies it synchronously, so the caller knows
             self._learn([transfer])
         return transfer
+
+    def _settle_reads_before(self, transfer) -> None:
+        """Check now the sources of the unknown copies up that ``transfer`` is ordered after (they
+        are done before it starts, on a GPU, whatever the host knows)."""
+        stack, seen = list(transfer._before), set()
+        while stack:
+            t = stack.pop()
+            if id(t) in seen or t._known:
+                continue
+            seen.add(id(t))
+            stack += t._before
+            if t.direction == "h2d" and t._source is not None:
+                t._torn = not torch.equal(_bytes(t._source), _bytes(t._snapshot))
+                t._source = t._snapshot = None
 
     def synchronize(self):
         self._check_not_in_backward("link.synchronize()")
@@ -249,7 +266,7 @@ class CudaOrderLink(EmulatedLink):
                     t._landed.wait()  # (the emulated engine has written the shadow by now)
                     destination.copy_(shadow)
                     t._destination = t._shadow = None
-                else:
+                elif t._source is not None:
                     t._torn = not torch.equal(_bytes(t._source), _bytes(t._snapshot))
                     t._source = t._snapshot = None
 

@@ -66,6 +66,31 @@ def test_writing_a_source_after_synchronize_is_fine(link):
     link.check()
 
 
+@pytest.mark.parametrize("ordered", [True, False], ids=["after the compute", "unordered"])
+def test_state_copied_down_where_it_came_up_from_is_caught_unless_ordered_after_the_copy_up(
+    link, ordered
+):
+    """A parked optimizer's round trip: state comes up from a pinned buffer, the compute updates it,
+    and it goes back down into the same buffer. Ordered after the compute that waited for the copy
+    up, the copy down cannot start before the copy up has read everything; unordered, it may land
+    while the copy up still reads."""
+    state, slot = link.host_buffer(256).fill_(1.0), torch.empty(256)
+    up = link.to_device(slot, state, after=link.mark(timed=False))
+    if ordered:
+        up.wait()
+        slot.add_(1.0)
+    down = link.to_host(state, slot, after=link.mark(timed=False) if ordered else None)
+    if not ordered:
+        up.wait()
+    down.synchronize()
+    if ordered:
+        link.check()
+        assert torch.equal(state, torch.full((256,), 2.0))
+    else:
+        with pytest.raises(AssertionError, match="wrote the source of copy"):
+            link.check()
+
+
 def test_a_torn_copy_whose_bytes_are_never_used_is_not_a_violation(link):
     source, device = link.host_buffer(256).fill_(1.0), torch.empty(256)
     link.to_device(device, source)  # a prefetch that will be thrown away

@@ -6,7 +6,9 @@ and how far each bucket has got), :mod:`~offloadlab.offload.host_state` (the fla
 and the state-dict mapping), :mod:`~offloadlab.offload.edits` (weights changed by hand, found by a
 fingerprint on the device), :mod:`~offloadlab.offload.intake` (gradients down),
 :mod:`~offloadlab.offload.worker` (the CPU update and the weights back up),
-:mod:`~offloadlab.offload.loss_scaler` (fp16 loss scaling) and
+:mod:`~offloadlab.offload.loss_scaler` (fp16 loss scaling),
+:mod:`~offloadlab.offload.device_update` (the share updated on the device: kept there, or parked
+in host memory between steps) and
 :mod:`~offloadlab.offload.engine` (when the update runs, what ties them together and owns their
 lifetime). Importing it changes nothing in torch.
 """

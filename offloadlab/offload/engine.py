@@ -32,6 +32,7 @@ from ..link import Link, open_link
 from ..link.cuda import shared_cuda_link
 from ..ownership import streamer_of
 from .bucket import make_buckets
+from .device_update import DeviceUpdate, kept_on_device
 from .edits import EditWatch
 from .host_state import HostState, check_group
 from .intake import GradientIntake, check_unconverted
@@ -182,6 +183,8 @@ class OffloadEngine:
         loss_scale,
         bucket_bytes: int,
         record_timeline: bool,
+        offload_fraction: float = 1.0,
+        update_on: str = "cpu",
     ):
         self.closed: str | None = None
         # the optimizer's own list of groups (the engine does not refer to it)
@@ -214,6 +217,13 @@ class OffloadEngine:
                 else open_link(emulated=True)
             )
         )
+        self.update_on = update_on
+        if streamed is not None and (update_on == "device" or offload_fraction < 1):
+            raise ValueError(
+                "offload_fraction, update_on: streamed parameters are updated where their weights "
+                "live, on the CPU; expected offload_fraction=1 and update_on='cpu' for them"
+            )
+        kept = kept_on_device(trainable, offload_fraction)
         try:
             self._build(
                 param_groups,
@@ -225,6 +235,7 @@ class OffloadEngine:
                 loss_scale,
                 bucket_bytes,
                 record_timeline,
+                kept,
             )
         except BaseException:
             if self._own_link:
@@ -242,6 +253,7 @@ class OffloadEngine:
         loss_scale,
         bucket_bytes,
         record_timeline,
+        kept,
     ) -> None:
         self.threads = threads or cpu_adam.default_threads(gpu=not self.link.emulated)
         self.max_grad_norm = max_grad_norm
@@ -257,6 +269,7 @@ class OffloadEngine:
         # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
         self.step_count = 0
         self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
+        self._device_steps: list = []  # the device's shares still to update in the step taken
         # (buckets, scale) of a step taken but not yet done (see _to_step_boundary)
         self._taken: tuple | None = None
         self._checked_edits: set[int] = set()
@@ -266,9 +279,23 @@ class OffloadEngine:
         # find or build the kernel now, not on the worker in the middle of a backward
         cpu_adam.load()
 
-        buckets = make_buckets(param_groups, bucket_bytes)  # (checks streamed blocks first)
+        # The CPU updates the offloaded share (update_on="cpu"); the rest updates on the device,
+        # its state kept there (the share that is not offloaded) or parked in host memory.
+        offloaded = [p for p in trainable if id(p) not in kept]
+        on_cpu = offloaded if self.update_on == "cpu" else []
+        buckets = make_buckets(  # (checks streamed blocks first)
+            param_groups, bucket_bytes, only={id(p) for p in on_cpu}
+        )
         # an earlier optimizer finishes before we copy the weights
         self._take_over(trainable)
+        self.on_device = [
+            DeviceUpdate(self.link, param_groups, share, self.dtype, parked, bucket_bytes)
+            for share, parked in (
+                ([p for p in trainable if id(p) in kept], False),
+                ([] if self.update_on == "cpu" else offloaded, True),
+            )
+            if share
+        ]
         self.timeline = StepTimeline(record_timeline)
         self.host = HostState(self.link, self.dtype, buckets, delayed=self.delayed)
         self.edits = EditWatch(self.link, self.host, training=lambda: self.intake.training)
@@ -338,6 +365,12 @@ class OffloadEngine:
                 f"parameters and took their parameters over"
             )
 
+    def _params(self) -> list:
+        """Every parameter this engine manages, on either side."""
+        return [p for b in self.host.buckets for p in b.params] + [
+            p for part in self.on_device for p in part.params
+        ]
+
     def add_group(self, group: dict) -> None:
         """Manage a new parameter group (torch.optim.Optimizer.add_param_group)."""
         self.check_usable()
@@ -356,8 +389,18 @@ class OffloadEngine:
     def _manage(self, groups: list, trainable: list) -> None:
         """Give ``trainable`` (parameters of ``groups``) host state, hooks and a place in new
         buckets."""
-        check_disjoint([p for b in self.host.buckets for p in b.params] + trainable)
+        check_disjoint(self._params() + trainable)
         self.synchronize()
+        if self.update_on == "device":  # parked, as the others not kept on the device
+            self._take_over(trainable)
+            parked = next((part for part in self.on_device if part.parked), None)
+            if parked is None:
+                parked = DeviceUpdate(self.link, groups, [], self.dtype, True, self.bucket_bytes)
+                self.on_device.append(parked)
+            parked.extend(groups, trainable, self.bucket_bytes)
+            for p in trainable:
+                ownership.hold(p, optimizer=self)
+            return
         self.intake.settle()
         # every gradient in flight has landed before the buffers are copied over
         self.link.synchronize()
@@ -403,6 +446,8 @@ class OffloadEngine:
         """RuntimeError, before anything is done, for a parameter whose weights can no longer be
         copied as they were when the optimizer was made: converted (``model.to(…)``), or made
         non-contiguous (``p.data = p.data.t()``; its new weights go up as one flat block)."""
+        for part in self.on_device:
+            part.check_params()
         for bucket in self.host.buckets:
             for p in bucket.params:
                 check_unconverted(
@@ -429,6 +474,7 @@ class OffloadEngine:
         self._zeroed_since_step = False
         # from here on the step is taken: an interrupt finishes it rather than undoing it
         self._taken = (ready, scale)
+        self._device_steps = list(self.on_device)
         if scale is not None:
             self.step_count += 1
         self._complete_step()
@@ -451,6 +497,10 @@ class OffloadEngine:
                         check_edits=ready[0].index not in self._checked_edits,
                     )
                 ready.pop(0)
+            # while the CPU updates its share, the device updates its own
+            while self._device_steps:
+                self._device_steps[0].step(scale)
+                self._device_steps.pop(0)
             if not self.delayed:
                 self._finish(self._submitted(), upload=False)
             if self.scaler is not None:
@@ -458,8 +508,10 @@ class OffloadEngine:
         self._taken = None
 
     def _warn_unless_zeroed(self, ready: list) -> None:
-        """AdamW adds gradients until zero_grad(); this optimizer's step consumes them: say so,
-        once, where the two differ."""
+        """AdamW adds gradients until zero_grad(); this optimizer's step consumes those it takes
+        off the model (the CPU's share): say so, once, where the two differ."""
+        if not self.host.buckets:
+            return
         if (
             not self._zeroed_since_step
             and not self._said_not_zeroed
@@ -521,7 +573,9 @@ class OffloadEngine:
             (i, j, p)
             for i, group in enumerate(self.param_groups)
             for j, p in enumerate(group["params"])
-            if p.grad is not None and self.intake.position(p) is None
+            if p.grad is not None
+            and self.intake.position(p) is None
+            and not any(part.holds(p) for part in self.on_device)
         ]
         for i, j, p in unmanaged:
             if streamer_of(p) is not None:
@@ -659,7 +713,7 @@ class OffloadEngine:
         # (with a delayed update the last step's are handed over: this step's are received)
         if buckets is None:
             buckets = [b for b in self.host.buckets if b.received.any()]
-        total = 0.0
+        total = sum(part.sum_of_squares() for part in self.on_device)
         for bucket in buckets:
             received = bucket.received
             received.landed()
@@ -744,6 +798,8 @@ class OffloadEngine:
         for bucket in self.host.buckets:
             if bucket.upload is not None:
                 bucket.upload.synchronize()
+        for part in self.on_device:
+            part.finish_down()
 
     def upload_all(self) -> None:
         """Send every bucket's current weights up (after a state dict was loaded) and wait for
@@ -773,9 +829,10 @@ class OffloadEngine:
             if self._own_link:
                 self.link.close()
             self.host.release()
-            for bucket in self.host.buckets:
-                for p in bucket.params:
-                    ownership.release(p, self)
+            for part in self.on_device:
+                part.release()
+            for p in self._params():
+                ownership.release(p, self)
 
     @torch.no_grad()
     def _return_gradients(self) -> None:

@@ -268,10 +268,11 @@ class HostState:
         }
 
 
-def export_state(host: HostState, param_groups: list) -> dict:
-    """The state dict of ``host`` in torch.optim.AdamW's layout: parameters numbered in group
-    order, an entry (cloned tensors) for every parameter updated at least once, and the groups'
-    hyperparameters with AdamW's flags, all off."""
+def export_state(holders: list, param_groups: list) -> dict:
+    """The state dict of ``holders`` (a :class:`HostState`, and each share updated on the device)
+    in torch.optim.AdamW's layout: parameters numbered in group order, an entry (cloned host
+    tensors) for every parameter updated at least once, and the groups' hyperparameters with
+    AdamW's flags, all off."""
     index: dict[int, int] = {}
     for group in param_groups:
         for p in group["params"]:
@@ -288,12 +289,14 @@ def export_state(host: HostState, param_groups: list) -> dict:
         packed["params"] = [index[id(p)] for p in group["params"]]
         groups.append(packed)
     state = {}
-    for bucket in host.buckets:
-        for k, p in enumerate(bucket.params):
-            if bucket.steps[k]:
-                state[index[id(p)]] = {
-                    key: value.clone() for key, value in host.entry(bucket, k).items()
-                }
+    for holder in holders:
+        for bucket in holder.buckets:
+            for k, p in enumerate(bucket.params):
+                if bucket.steps[k]:
+                    state[index[id(p)]] = {
+                        key: value.to("cpu", copy=True)
+                        for key, value in holder.entry(bucket, k).items()
+                    }
     return {"state": state, "param_groups": groups}
 
 

@@ -7,6 +7,12 @@ and the new weights come back one copy per bucket. The update runs at ``step()``
 during backward (``accumulation_steps=k``, the eager schedule) or behind the next step
 (``delayed_update=True``).
 
+Two other answers to a link too slow for all of that (:mod:`~offloadlab.offload.device_update`):
+``offload_fraction=F`` offloads only a share F of the parameters' bytes and keeps the rest's
+state and update on the device; ``update_on="device"`` parks the state in host memory between
+steps and runs the update on the device, so its bytes cross once a step whatever the number of
+micro-batches. Gradients of parameters updated on the device stay in ``.grad``.
+
 Gradients leave the model during backward, so clipping (``max_grad_norm``, or
 ``optimizer.clip_grad_norm_``) and discarding them (``optimizer.zero_grad()``) go to the
 optimizer: ``torch.nn.utils.clip_grad_norm_`` over the model finds no gradient (norm 0), and
@@ -43,12 +49,13 @@ class _StateView(Mapping):
         self._engine = engine
 
     def _entries(self):
-        host = self._engine.host
-        if host.master is None:
+        engine = self._engine
+        if engine.closed is not None:
             return {}
         return {
-            p: (bucket, k)
-            for bucket in host.buckets
+            p: (holder, bucket, k)
+            for holder in (engine.host, *engine.on_device)
+            for bucket in holder.buckets
             for k, p in enumerate(bucket.params)
             if bucket.steps[k]
         }
@@ -58,8 +65,8 @@ class _StateView(Mapping):
         if param not in entries:
             # as torch.optim's defaultdict(dict) answers for a parameter without state yet
             return {}
-        bucket, k = entries[param]
-        return self._engine.host.entry(bucket, k)
+        holder, bucket, k = entries[param]
+        return holder.entry(bucket, k)
 
     def __iter__(self):
         return iter(self._entries())
@@ -80,7 +87,10 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     :meth:`close`), ``threads``
     (OpenMP threads of the CPU update), ``max_grad_norm`` (global-norm clipping),
     ``accumulation_steps`` (declare micro-batches per step for the eager update),
-    ``delayed_update``, ``bucket_bytes`` (gradient bytes per bucket, default 32 MiB), and for
+    ``delayed_update``, ``bucket_bytes`` (gradient bytes per bucket, default 32 MiB),
+    ``offload_fraction`` (the share of the parameters' bytes whose state leaves the device, 0 to 1;
+    default 1), ``update_on`` ('cpu', the default, or 'device': the offloaded state is parked in
+    host memory and updated on the device), and for
     fp16 parameters ``loss_scale`` ('dynamic', a fixed number, or a
     :class:`~offloadlab.offload.LossScaler`; scale the loss with :meth:`scale_loss`). With
     ``record_timeline=True``, :attr:`timeline` holds the last step's gradient copies, CPU
@@ -110,6 +120,8 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         loss_scale="dynamic",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         record_timeline: bool = False,
+        offload_fraction: float = 1.0,
+        update_on: str = "cpu",
     ):
         check_hyperparameters(lr, betas, eps, weight_decay)
         # AdamW's own flags: at their defaults they ask for AdamW's update, which this is; the
@@ -137,6 +149,18 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             if value is not None:
                 check_integer(value, name, expected="a positive integer or None")
         check_integer(bucket_bytes, "bucket_bytes", expected="a positive whole number of bytes")
+        if not (is_number(offload_fraction) and 0 <= offload_fraction <= 1):
+            raise ValueError(
+                f"offload_fraction: expected a number from 0 to 1; got {offload_fraction!r}"
+            )
+        if update_on not in ("cpu", "device"):
+            raise ValueError(f"update_on: expected 'cpu' or 'device'; got {update_on!r}")
+        on_device = update_on == "device" or offload_fraction < 1
+        if on_device and delayed_update:
+            raise ValueError(
+                "delayed_update: expected False with offload_fraction < 1 or update_on='device' "
+                "(the device's update is not delayed); got True"
+            )
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         seen: set[int] = set()
         for i, group in enumerate(self.param_groups):
@@ -157,6 +181,8 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             loss_scale=loss_scale,
             bucket_bytes=bucket_bytes,
             record_timeline=record_timeline,
+            offload_fraction=float(offload_fraction),
+            update_on=update_on,
         )
         self.state = _StateView(self._engine)
         # Dropped without close() (a re-run notebook cell): the engine still gets closed.
@@ -201,8 +227,36 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         return self._engine.timeline.lanes
 
     def host_bytes(self) -> dict[str, int]:
-        """Bytes of host memory this optimizer holds, by buffer (all exact-size, pinned)."""
-        return self._engine.host.nbytes()
+        """Bytes of host memory this optimizer holds, by buffer (exact-size; see
+        :mod:`~offloadlab.offload.host_state` for which are pinned; parked state is)."""
+        held = self._engine.host.nbytes() if self._engine.host.buckets else {}
+        for part in self._engine.on_device:
+            held.update({k: v for k, v in part.nbytes().items() if k == "parked_state"})
+        return held
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of device memory this optimizer's own state holds, by buffer: the state kept on
+        the device, and the slots parked state is updated in (the weights and gradients are the
+        model's)."""
+        held: dict[str, int] = {}
+        for part in self._engine.on_device:
+            held.update({k: v for k, v in part.nbytes().items() if k != "parked_state"})
+        return held
+
+    @property
+    def offload_fraction(self) -> float:
+        """The share of the trainable parameters' bytes whose state leaves the device (whole
+        tensors are kept, so it is at least the fraction asked for)."""
+        engine = self._engine
+        kept = [p for part in engine.on_device if not part.parked for p in part.params]
+        every = engine._params()
+        total = sum(p.numel() for p in every)
+        return 1.0 - sum(p.numel() for p in kept) / total if total else 1.0
+
+    @property
+    def update_on(self) -> str:
+        """Where the offloaded state is updated: 'cpu' or 'device' (parked)."""
+        return self._engine.update_on
 
     @property
     def loss_scale(self) -> float:
@@ -312,7 +366,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         for hook in _torch_compat.optimizer_hooks(self, "state_dict_pre"):
             hook(self)
         self._engine.synchronize()
-        state_dict = export_state(self._engine.host, self.param_groups)
+        state_dict = export_state([self._engine.host, *self._engine.on_device], self.param_groups)
         scaler = self._engine.scaler
         state_dict["offload"] = scaler.state_dict() if scaler is not None else {}
         for hook in _torch_compat.optimizer_hooks(self, "state_dict_post"):
@@ -349,6 +403,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         for own, values in zip(self.param_groups, hyper):
             own.update(values)
         passed_over = engine.host.load(entries)
+        passed_over += sum(part.load(entries) for part in engine.on_device)
         engine.upload_all()
         if passed_over:
             warnings.warn(

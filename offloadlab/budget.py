@@ -29,10 +29,12 @@ Units: bytes, bytes/s, seconds. "Up" (h2d) is host to GPU, "down" (d2h) GPU to h
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from . import memory
 from .units import (
+    check_integer,
     format_bandwidth,
     format_duration,
     format_size,
@@ -106,30 +108,34 @@ def _names(offload) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def traffic(offload, recipe: str = memory.DEFAULT_RECIPE) -> Traffic:
+def traffic(offload, recipe: str = memory.DEFAULT_RECIPE, micro_batches: int = 1) -> Traffic:
     """Bytes per parameter per step, each way, of the offload choice(s) ``offload`` under
-    ``recipe``.
+    ``recipe``, for ``micro_batches`` forward and backward passes a step.
 
     Every figure is a kind of state's bytes from the recipe:
 
-    - ``optimizer`` (update where it lives): each gradient goes down for the CPU update and the
-      refreshed weight comes back up — unless parameters are offloaded too, when the next
-      forward's fetch brings it;
-    - ``gradients``: each gradient goes down as backward produces it. With the optimizer
-      offloaded that trip is already paid; without it, the gradient must come back up for the
-      GPU's update;
-    - ``parameters``: each layer's weights come up for forward and again for backward. Without
-      the optimizer offloaded, the GPU's updated weights also go back down to their home;
-    - ``park-and-copy``: the optimizer state comes up for a GPU update and goes back down.
+    - ``optimizer`` (update where it lives): each micro-batch's gradient goes down for the CPU
+      update and the refreshed weight comes back up — unless parameters are offloaded too, when
+      the next forward's fetch brings it;
+    - ``gradients``: each micro-batch's gradient goes down as backward produces it. With the
+      optimizer offloaded that trip is already paid; without it, the sum must come back up for
+      the GPU's update;
+    - ``parameters``: each layer's weights come up for every forward and again for every
+      backward. Without the optimizer offloaded, the GPU's updated weights also go back down to
+      their home;
+    - ``park-and-copy``: the optimizer state comes up for a GPU update and goes back down, once a
+      step whatever the micro-batches (gradients stay on the GPU).
     """
     names = _names(offload)
+    k = check_integer(micro_batches, "micro_batches")
     r = memory.get_recipe(recipe)
     w, g, state = r.weight_bytes, r.gradient_bytes, r.optimizer_bytes
     h2d = d2h = 0.0
     why = []
+    each = "" if k == 1 else f"{k} × "
     if "optimizer" in names:
-        d2h += g
-        why.append(f"gradients down for the CPU update ({g:g} B)")
+        d2h += k * g
+        why.append(f"gradients down for the CPU update ({each}{g:g} B)")
         if "parameters" not in names:
             h2d += w
             why.append(f"refreshed weights up ({w:g} B)")
@@ -137,15 +143,17 @@ def traffic(offload, recipe: str = memory.DEFAULT_RECIPE) -> Traffic:
         if "optimizer" in names:
             why.append("gradients: already on their way down for the CPU update (0 B more)")
         else:
-            d2h += g
+            d2h += k * g
             h2d += g
             why.append(
-                f"gradients down as backward makes them ({g:g} B) and back up for the GPU's update "
-                f"({g:g} B)"
+                f"gradients down as backward makes them ({each}{g:g} B) and their sum back up for "
+                f"the GPU's update ({g:g} B)"
             )
     if "parameters" in names:
-        h2d += 2 * w
-        why.append(f"each layer's weights up for forward and again for backward (2 × {w:g} B)")
+        h2d += 2 * k * w
+        why.append(
+            f"each layer's weights up for forward and again for backward ({2 * k} × {w:g} B)"
+        )
         if "optimizer" not in names:
             d2h += w
             why.append(f"the GPU's updated weights back down to host memory ({w:g} B)")
@@ -212,6 +220,7 @@ class Verdict:
     window: float
     offload: list[str] = field(default_factory=list)
     recipe: str = memory.DEFAULT_RECIPE
+    micro_batches: int = 1
 
     @property
     def traffic_bytes(self) -> float:
@@ -239,6 +248,29 @@ class Verdict:
     def stall_seconds(self) -> float:
         return max(0.0, self.transfer_seconds - self.window)
 
+    @property
+    def offload_fraction(self) -> float | None:
+        """For the optimizer offloaded alone: the largest share of it (by bytes, to hundredths,
+        rounded down) whose traffic fits the window; None for other offloads."""
+        if self.offload != ["optimizer"]:
+            return None
+        return 1.0 if self.fits else math.floor(100 / self.ratio) / 100
+
+    def park_or_update(self) -> dict | None:
+        """For an offloaded optimizer: bytes a parameter per step (both directions) updated in
+        place and parked, at this many micro-batches, and which moves fewer; else None."""
+        if not {"optimizer", "park-and-copy"} & set(self.offload):
+            return None
+        r = memory.get_recipe(self.recipe)
+        in_place = r.weight_bytes + self.micro_batches * r.gradient_bytes
+        parked = 2 * r.optimizer_bytes
+        return {
+            "micro_batches": self.micro_batches,
+            "in_place_bytes_per_param": in_place,
+            "parked_bytes_per_param": parked,
+            "fewer": "parked" if parked < in_place else "in place",
+        }
+
     def _budget(self) -> str:
         """The window's allowance in words, under this duplex assumption."""
         one_way = format_size(self.ceiling_bytes)
@@ -258,9 +290,15 @@ class Verdict:
         """What would bring the traffic within budget, each as a plain sentence."""
         if self.fits:
             return []
+        less = (
+            f": offload_fraction={self.offload_fraction:g} of the optimizer (Megatron-Core "
+            f"--optimizer-offload-fraction, DeepSpeed ZeRO-3 offload_optimizer.ratio)"
+            if self.offload_fraction is not None
+            else ""
+        )
         return [
             f"offload less: cut the traffic to {format_size(self.traffic_bytes / self.ratio)} per "
-            f"step (÷{self.ratio:.2g})",
+            f"step (÷{self.ratio:.2g}){less}",
             f"a faster link: {format_bandwidth(self.bandwidth * self.ratio)} per direction would "
             "carry it",
             f"a larger compute window: {format_duration(self.transfer_seconds)} of compute per "
@@ -286,6 +324,13 @@ class Verdict:
                     f"{format_duration(self.stall_seconds)} per step"
                 )
                 lines += [f"  fix: {fix}" for fix in self.fixes()]
+            choice = self.park_or_update()
+            if choice is not None:
+                lines.append(
+                    f"park or update in place ({self.micro_batches} micro-batch(es) a step): "
+                    f"{choice['in_place_bytes_per_param']:g} B a parameter in place, "
+                    f"{choice['parked_bytes_per_param']:g} parked → {choice['fewer']} moves fewer"
+                )
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -305,6 +350,9 @@ class Verdict:
             "fits": self.fits if given else None,
             "stall_s": self.stall_seconds if given else None,
             "fixes": self.fixes() if given else [],
+            "micro_batches": self.micro_batches,
+            "offload_fraction": self.offload_fraction if given else None,
+            "park_or_update": self.park_or_update() if given else None,
         }
 
 
@@ -316,11 +364,12 @@ def verdict(
     *,
     duplex="full",
     recipe: str = memory.DEFAULT_RECIPE,
+    micro_batches: int = 1,
 ) -> Verdict:
     """The budget of a step, and — given ``params`` — whether ``offload``'s traffic fits it.
 
     ``bandwidth`` is one direction's rate alone; ``duplex`` says how the directions share it
-    (see the module docstring).
+    (see the module docstring); ``window`` is the step's compute, all ``micro_batches`` of it.
     """
     rate = parse_bandwidth(bandwidth, "bandwidth")
     seconds = parse_duration(window, "window")
@@ -329,7 +378,7 @@ def verdict(
     if params is None:
         return Verdict(0.0, 0.0, rate, both, label, seconds, [], recipe)
     count = parse_count(params, "params")
-    moved = traffic(offload, recipe)
+    moved = traffic(offload, recipe, micro_batches)
     return Verdict(
         count * moved.h2d,
         count * moved.d2h,
@@ -339,4 +388,5 @@ def verdict(
         seconds,
         list(moved.offload),
         recipe,
+        micro_batches,
     )

@@ -261,6 +261,7 @@ def _cmd_budget(args) -> int:
             args.offload or (),
             duplex=args.duplex,
             recipe=args.recipe,
+            micro_batches=args.micro_batches,
         )
     print(dumps(result.to_dict()) if args.json else result.summary())
     return 0
@@ -470,7 +471,7 @@ def _cmd_plan(args) -> int:
             f"--recompute: expected a number of layers from 0 to {work.layers}; got "
             f"{args.recompute}"
         )
-    report = planner.plan(work, hardware, recompute=args.recompute)
+    report = planner.plan(work, hardware, recompute=args.recompute, micro_batches=args.accumulation)
     emitted, note = {}, None
     if args.emit:
         if report.chosen is None:
@@ -497,6 +498,9 @@ def _cmd_plan(args) -> int:
             ) from None
         with arguments():
             chosen = engines.setup(report, args.emit, **options)
+        if args.emit == "deepspeed" and report.share is not None:
+            chosen, share_note = engines.with_share(chosen, report.share)
+            note = "; ".join(n for n in (note, share_note) if n) or None
         if args.emit == "deepspeed":
             emitted = {
                 "deepspeed": engines.deepspeed_config(chosen),
@@ -770,6 +774,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=memory.DEFAULT_RECIPE,
         help=f"bytes per parameter of each kind of state: one of {', '.join(memory.RECIPES)}",
     )
+    budget.add_argument(
+        "--micro-batches",
+        type=_positive_int,
+        default=1,
+        help="forward and backward passes per optimizer step (default 1); --window is all of "
+        "their compute",
+    )
     budget.add_argument("--json", action="store_true", help="print a JSON object")
     budget.set_defaults(run=_cmd_budget)
 
@@ -887,7 +898,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--accumulation",
         type=_positive_int,
         default=1,
-        help="micro-batches per optimizer step, for --emit (default 1)",
+        help="micro-batches per optimizer step (default 1): the compute an offloaded optimizer's "
+        "traffic hides behind, whether its share is parked or updated in place, and --emit's "
+        "gradient accumulation",
     )
     plan.add_argument(
         "--nvme",

@@ -14,7 +14,8 @@ trains under ``torchrun`` on two CPU processes, both TinyGPT and a transformers 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+
+from dataclasses import dataclass, replace
 
 from . import sharding
 from .units import check_integer, format_duration, format_size, is_integer, is_number
@@ -63,10 +64,12 @@ class Setup:
     micro_batch × accumulation × gpus sequences of ``seq`` tokens. ``recompute`` checkpoints the
     first ``checkpointed`` blocks (None: all of them); ``blocks`` is the Python expression that
     names the model's list of blocks (``model.model.layers`` for Hugging Face Llama).
-    ``clipping`` is the gradient norm both engines clip to (0: none). ``model`` is what
-    transformers loads (a hub id or a snapshot folder). ``build`` (an expression, with the
-    ``imports`` it needs) and ``initialise`` (a statement), when given, replace the FSDP2 script's
-    transformers lines: how a model of your own is built on the meta device and its shards filled.
+    ``clipping`` is the gradient norm both engines clip to (0: none). ``offload_ratio`` is the
+    share of the optimizer offloaded (DeepSpeed's ``offload_optimizer.ratio``, ZeRO-3 only).
+    ``model`` is what transformers loads (a hub id or a snapshot folder). ``build`` (an
+    expression, with the ``imports`` it needs) and ``initialise`` (a statement), when given,
+    replace the FSDP2 script's transformers lines: how a model of your own is built on the meta
+    device and its shards filled.
     """
 
     strategy: str = "zero2"
@@ -86,6 +89,7 @@ class Setup:
     checkpointed: int | None = None
     nvme_buffer: int = sharding.NVME_DEFAULT_BUFFER
     clipping: float = 1.0
+    offload_ratio: float = 1.0
     seq: int = 2048
     model: str = MODEL_PLACEHOLDER
     imports: str | None = None
@@ -114,6 +118,16 @@ class Setup:
         if not (is_number(self.clipping) and self.clipping >= 0):
             raise ValueError(
                 f"clipping: expected a gradient norm ≥ 0 (0: no clipping); got {self.clipping!r}"
+            )
+        if not (is_number(self.offload_ratio) and 0 <= self.offload_ratio <= 1):
+            raise ValueError(
+                f"offload_ratio: expected a share from 0 to 1; got {self.offload_ratio!r}"
+            )
+        if self.offload_ratio < 1 and (self.strategy != "zero3" or self.offload == "none"):
+            raise ValueError(
+                f"offload_ratio: DeepSpeed offloads a share of the optimizer only with ZeRO-3 "
+                f"optimizer offload; expected 1 for {self.strategy} with offload "
+                f"{self.offload!r}; got {self.offload_ratio!r}"
             )
         if self.precision not in ("bf16", "fp16"):
             raise ValueError(f"precision: expected 'bf16' or 'fp16'; got {self.precision!r}")
@@ -250,6 +264,28 @@ def setup(report, engine: str | None = None, **options) -> Setup:
     return Setup(strategy, offload, chosen.recompute, gpus, **options)
 
 
+def with_share(config: Setup, share) -> tuple[Setup, str | None]:
+    """``config`` offloading the planner's share of the optimizer (a
+    :class:`~offloadlab.planner.share.OptimizerShare`) where DeepSpeed can, and a note where it
+    cannot."""
+    f = share.offload_fraction
+    if share.update_on == "device":
+        return config, (
+            f"the plan parks {f:g} of the optimizer state (updated on the GPU); DeepSpeed's "
+            "equivalents are DeepCompile's offload passes and engine.offload_states() / "
+            "reload_states() around the step, which this configuration does not set up"
+        )
+    if f == 1:
+        return config, None
+    if config.stage == 3 and config.offload != "none":
+        return replace(config, offload_ratio=f), None
+    return config, (
+        f"the plan offloads {f:g} of the optimizer; DeepSpeed's offload_optimizer.ratio does that "
+        f"only with ZeRO-3, and this configuration runs ZeRO-{config.stage}, so it offloads all "
+        f"of it (Megatron-Core: --optimizer-cpu-offload --optimizer-offload-fraction {f:g})"
+    )
+
+
 def deepspeed_config(config: Setup) -> dict:
     """A complete DeepSpeed config for ``config`` (pass it to ``deepspeed.initialize(config=...)``).
 
@@ -269,6 +305,8 @@ def deepspeed_config(config: Setup) -> dict:
         if config.offload_device == "nvme":
             target["nvme_path"] = config.nvme_path
         zero["offload_optimizer"] = dict(target)
+        if config.offload_ratio < 1:  # the rest of the optimizer stays on the GPU
+            zero["offload_optimizer"]["ratio"] = config.offload_ratio
         if config.offload == "optimizer+parameters":
             zero["offload_param"] = dict(target)
             if config.offload_device == "nvme":

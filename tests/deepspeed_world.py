@@ -40,6 +40,7 @@ def read(config: dict) -> dict:
         "nvme_path": None
         if offload_param is None or offload_param.nvme_path is None
         else str(offload_param.nvme_path),
+        "offload_ratio": None if zero.offload_optimizer is None else zero.offload_optimizer.ratio,
         "zenflow_update_interval": None if zero.zenflow is None else zero.zenflow.update_interval,
         "aio_queue_depth": parsed.aio_config["queue_depth"],
     }

@@ -46,7 +46,10 @@ def _configs(world):
     wrong = engines.deepspeed_config(
         engines.Setup("zero2", "optimizer", gpus=2 * world, micro_batch=2)
     )
-    return configs + [engines.deepspeed_config(nvme), zenflow, wrong]
+    share = engines.deepspeed_config(
+        engines.Setup("zero3", "optimizer", gpus=world, offload_ratio=0.3)
+    )
+    return configs + [engines.deepspeed_config(nvme), zenflow, wrong, share]
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,7 +107,8 @@ def test_every_deepspeed_config_passes_deepspeeds_validation_in_a_real_world(wor
         assert (read["offload_optimizer"] is not None) == (s.offload != "none")
         assert (read["offload_param"] is not None) == (s.offload == "optimizer+parameters")
         assert read["bf16"] == (s.precision == "bf16") and read["fp16"] == (s.precision == "fp16")
-    nvme, zenflow, wrong = reads[len(SETUPS) :]
+    nvme, zenflow, wrong, share = reads[len(SETUPS) :]
+    assert share["offload_ratio"] == 0.3 and nvme["offload_ratio"] == 1.0
     assert nvme["offload_param"] == "nvme" and nvme["nvme_path"] == "/local_nvme"
     assert nvme["buffer_size"] == 131_334_144 and nvme["aio_queue_depth"] == 8
     assert zenflow["zenflow_update_interval"] == 4
@@ -178,6 +182,8 @@ def test_optimizer_block_is_there_for_deepspeeds_cpu_adam():
         ),
         (dict(recompute=True, checkpointed=0), "^checkpointed: "),
         (dict(clipping=-1.0), "^clipping: "),
+        (dict(strategy="zero3", offload="optimizer", offload_ratio=1.5), "^offload_ratio: "),
+        (dict(strategy="zero2", offload="optimizer", offload_ratio=0.5), "only with ZeRO-3"),
     ],
 )
 def test_setup_bad_input(kwargs, fragment):

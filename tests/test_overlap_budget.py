@@ -270,3 +270,44 @@ def test_pcie_figures_nominal_beside_achievable():
     for (name, (nominal, achievable)), generation in zip(budget.PCIE_X16.items(), (4, 5)):
         assert nominal == pytest.approx(machine.pcie_bandwidth(generation, 16), rel=1e-3), name
         assert 0.7 < achievable / nominal < 0.9
+
+
+@pytest.mark.parametrize("micro", [1, 4, 16])
+def test_micro_batches_multiply_the_gradient_trips_and_leave_parked_state_alone(micro):
+    """Updating in place sends a gradient down per micro-batch and the weight up once a step;
+    parked state goes up and down once a step whatever the micro-batches (mixed-adam: w = g = 2,
+    state 12)."""
+    in_place = budget.traffic("optimizer", "mixed-adam", micro)
+    parked = budget.traffic("park-and-copy", "mixed-adam", micro)
+    assert (in_place.h2d, in_place.d2h) == (2, 2 * micro)
+    assert (parked.h2d, parked.d2h) == (12, 12)
+    fetched = budget.traffic("parameters", "mixed-adam", micro)
+    assert fetched.h2d == 4 * micro  # every forward and every backward fetches the weights
+
+
+@pytest.mark.parametrize("micro, fewer", [(1, "in place"), (11, "in place"), (12, "parked")])
+def test_parking_moves_fewer_bytes_from_twelve_micro_batches_of_mixed_precision(micro, fewer):
+    """2 + 2k bytes a parameter in place against 24 parked: equal at k = 11, fewer from 12."""
+    choice = budget.verdict("25 GB/s", "1 s", 1e9, "optimizer", micro_batches=micro)
+    assert choice.park_or_update() == {
+        "micro_batches": micro,
+        "in_place_bytes_per_param": 2 + 2 * micro,
+        "parked_bytes_per_param": 24,
+        "fewer": fewer,
+    }
+
+
+@pytest.mark.parametrize("window", ["50 ms", "250 ms", "559 ms", "561 ms", "2 s"])
+def test_the_fraction_offered_is_the_largest_whose_traffic_fits(window):
+    """Offloading a share F of the optimizer moves F of its traffic: the fraction the verdict
+    offers fits the window, and one hundredth more would not."""
+    whole = budget.verdict("25 GB/s", window, 7e9, "optimizer")
+    share = whole.offload_fraction
+    assert 0 < share <= 1
+    assert budget.verdict("25 GB/s", window, share * 7e9, "optimizer").fits
+    if share < 1:
+        assert not budget.verdict("25 GB/s", window, (share + 0.01) * 7e9, "optimizer").fits
+        assert f"offload_fraction={share:g}" in whole.summary()
+    else:
+        assert whole.fits
+    assert budget.verdict("25 GB/s", window, 7e9, "park-and-copy").offload_fraction is None

@@ -532,3 +532,77 @@ def test_host_memory_keeps_a_reserve_as_gpu_memory_does():
     ).fits_host
     node = planner.Hardware("80 GB", "25 GB/s", host_memory="1 TB", gpus_per_node=8)
     assert node.usable_host_memory == 0.9e12
+
+
+def share_of(micro=1, **kw):
+    hw = planner.Hardware("80 GB", "25 GB/s", host_memory="512 GB", **kw)
+    return planner.plan(planner.Workload(7e9), hw, micro_batches=micro)
+
+
+@pytest.mark.parametrize("cpu_adam", [5e9, 20e9, 60e9])
+def test_the_optimizer_share_is_the_largest_that_hides_and_its_kept_state_fits(cpu_adam):
+    """offload_fraction F: the offloaded share's link time and CPU update each fit the compute,
+    and (1 − F) of the state fits beside the plan on the GPU; where no F does both, the GPU's
+    memory sets F and the step stalls."""
+    report = share_of(cpu_adam=cpu_adam)
+    chosen, share = report.chosen, report.share
+    assert chosen.offload == "optimizer" and share is not None
+    f = share.offload_fraction
+    kept = (1 - f) * 7e9 * memory.get_recipe("mixed-adam").optimizer_bytes
+    assert chosen.gpu_bytes + kept <= chosen.gpu_usable
+    if share.stall_s == 0:
+        assert share.link_s <= share.window_s and share.cpu_s <= share.window_s
+        more = (f + 0.01) / f
+        assert f == 1 or max(share.link_s, share.cpu_s) * more > share.window_s
+    else:
+        smaller = 7e9 * memory.get_recipe("mixed-adam").optimizer_bytes * 0.01
+        assert chosen.gpu_bytes + kept + smaller > chosen.gpu_usable  # one hundredth less won't fit
+
+
+def test_many_micro_batches_park_the_state_and_one_updates_it_in_place():
+    one, many = share_of(1, cpu_adam=5e9).share, share_of(16, cpu_adam=5e9).share
+    assert one.update_on == "cpu" and many.update_on == "device"
+    assert (one.in_place_per_param, one.parked_per_param) == (4, 24)
+    assert (many.in_place_per_param, many.parked_per_param) == (34, 24)
+    assert many.cpu_s == 0 and many.window_s == 16 * one.window_s
+
+
+def test_plan_json_carries_the_fraction_and_where_it_is_updated():
+    result = offloadlab(
+        "plan", "--params", "7e9", "--gpu-memory", "80 GB", "--link", "25 GB/s",
+        "--host-memory", "512 GB", "--accumulation", "16", "--json",
+    )  # fmt: skip
+    payload = json.loads(result.stdout)
+    assert payload["chosen"]["offload_fraction"] == payload["optimizer_share"]["offload_fraction"]
+    assert payload["chosen"]["update_on"] == "device"
+    assert "--optimizer-offload-fraction" in payload["optimizer_share"]["megatron_core"]
+    text = offloadlab(
+        "plan", "--params", "7e9", "--gpu-memory", "80 GB", "--link", "25 GB/s",
+        "--host-memory", "512 GB",
+    ).stdout  # fmt: skip
+    assert "optimizer share: offload_fraction=" in text and "Megatron-Core:" in text
+    small = json.loads(
+        offloadlab(
+            "plan", "--params", "1e9", "--gpu-memory", "80 GB", "--link", "25 GB/s", "--json"
+        ).stdout
+    )
+    assert small["chosen"]["offload_fraction"] == 0 and small["optimizer_share"] is None
+
+
+def test_deepspeed_gets_the_share_as_its_ratio_where_zero_3_allows_it():
+    from offloadlab.planner.share import optimizer_share
+
+    report = share_of(cpu_adam=20e9)
+    share = report.share
+    assert 0 < share.offload_fraction < 1
+    zero3 = engines.Setup("zero3", "optimizer")
+    config, note = engines.with_share(zero3, share)
+    assert note is None
+    ratio = engines.deepspeed_config(config)["zero_optimization"]["offload_optimizer"]["ratio"]
+    assert ratio == share.offload_fraction
+    config, note = engines.with_share(engines.Setup("zero2", "optimizer"), share)
+    assert config.offload_ratio == 1 and "only with ZeRO-3" in note
+    parked = optimizer_share(report.chosen, report.work, report.hardware, micro_batches=16)
+    config, note = engines.with_share(zero3, parked)
+    assert parked.update_on == "device" and config.offload_ratio == 1
+    assert "offload_states()" in note

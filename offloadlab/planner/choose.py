@@ -12,6 +12,7 @@ from .. import budget, memory
 from ..units import format_bandwidth, format_duration, format_size
 from .node import NodePlan, node_plans, nvme_plans
 from .report import PlanReport
+from .share import optimizer_share
 from .single import Plan, candidates, gpu_binding, single_gpu_plans
 from .workload import ASSUMED_NVME, Hardware, Workload
 
@@ -32,6 +33,7 @@ def plan(
     recipe: str = memory.DEFAULT_RECIPE,
     clipping: bool = False,
     recompute="auto",
+    micro_batches: int = 1,
 ) -> PlanReport:
     """Choose the least offload that fits; within a level, the faster activation choice.
 
@@ -39,7 +41,9 @@ def plan(
     see :mod:`offloadlab.budget`); ``recipe`` gives the bytes per parameter of each kind of state;
     ``clipping`` (global-norm gradient clipping) holds every update until backward is done;
     ``recompute`` is 'auto' (keep, recompute every layer, or the fewest layers that fit), 'none',
-    'all' or a number of layers.
+    'all' or a number of layers; ``micro_batches`` (per optimizer step) sizes the window a
+    plan that offloads the optimizer hides its traffic behind, and decides whether its share is
+    updated in place or parked (:mod:`.share`).
     """
     recipe = memory.get_recipe(recipe).name
     budget.both_directions_rate(hw.link, duplex)  # refuse a bad duplex before planning
@@ -82,7 +86,12 @@ def plan(
                 "offload makes this run bandwidth-bound: a larger batch, a faster link or more "
                 "GPUs (sharding instead of offloading) would serve it better"
             )
-    return PlanReport(work, hw, plans, chosen, runner_up, ranking, warnings, duplex, recipe)
+    report = PlanReport(work, hw, plans, chosen, runner_up, ranking, warnings, duplex, recipe)
+    if chosen is not None and chosen.offload == "optimizer":
+        report.share = optimizer_share(
+            chosen, work, hw, duplex=duplex, recipe=recipe, micro_batches=micro_batches
+        )
+    return report
 
 
 _WRONG_TOOL = (

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from .. import budget, memory
 from ..units import format_bandwidth, format_duration, format_size
 from .node import NodePlan
+from .share import OptimizerShare
 from .single import Candidate, Plan
 from .workload import ASSUMED_INTERCONNECT, Hardware, Workload
 
@@ -27,6 +28,7 @@ class PlanReport:
     warnings: list[str] = field(default_factory=list)
     duplex: str = "full"
     recipe: str = memory.DEFAULT_RECIPE
+    share: OptimizerShare | None = None  # for a plan that offloads the optimizer: how much, where
 
     def _activation_line(self) -> str:
         c = self.chosen
@@ -120,6 +122,8 @@ class PlanReport:
                 f"{format_duration(c.t_step_delayed)}"
             )
         lines.append(f"  binding constraint: {c.binding}")
+        if self.share is not None:
+            lines += self.share.lines()
         if self.runner_up is not None:
             r = self.runner_up
             lines.append(
@@ -131,8 +135,16 @@ class PlanReport:
     def to_dict(self) -> dict:
         element = int(memory.get_recipe(self.recipe).weight_bytes)
         kept = self.work.activations(self.chosen.checkpointed if self.chosen else 0, element)
+        chosen = self.chosen.to_dict() if self.chosen else None
+        if chosen is not None:
+            # what CPUOffloadAdam is given to run it (offload 'nothing': all of it on the GPU)
+            offloads = self.chosen.offload not in ("nothing", "none")
+            chosen["offload_fraction"] = (
+                self.share.offload_fraction if self.share else float(offloads)
+            )
+            chosen["update_on"] = self.share.update_on if self.share else "cpu"
         return {
-            "chosen": self.chosen.to_dict() if self.chosen else None,
+            "chosen": chosen,
             "runner_up": self.runner_up.to_dict() if self.runner_up else None,
             "plans": [p.to_dict() for p in self.plans],
             "ranking": [c.__dict__ for c in self.ranking],
@@ -144,6 +156,7 @@ class PlanReport:
                 "logits_bytes": kept.logits,
                 "rebuilt_layer_bytes": kept.rebuilt,
             },
+            "optimizer_share": self.share.to_dict() if self.share else None,
             "duplex": self.duplex,
             "recipe": self.recipe,
             "assumptions": self.hardware.assumptions,

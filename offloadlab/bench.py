@@ -26,7 +26,7 @@ import torch
 from . import devices, experiment, machine, probe
 from .devices import ASSUMED, Footprint
 from .link import open_link
-from .units import format_bandwidth, format_duration, parse_size
+from .units import format_bandwidth, format_duration, format_size, parse_size
 
 __all__ = [
     "link",
@@ -664,6 +664,25 @@ def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footpri
             + offloaded * (3 + 5) * DEFAULT_BUCKET_BYTES
             + activations,
         )
+    # the sweep, on the first model, its contenders alive at once: offloaded in place (4 bytes a
+    # parameter pinned, as above) at each fraction and at 16 micro-batches, parked (12 pinned) at
+    # 1 and 16, and AdamW at both; a contender's step is one AdamW step per micro-batch
+    _, config, batch = _offload_models(True)[0]
+    params = config.params
+    flops = 6 * params * batch * config.seq
+    device_step = flops / (profile.bf16_flops * ASSUMED["matmul_efficiency"])
+    in_place, parked = len(SHARE_FRACTIONS) + 1, len(PARKED_MICRO_BATCHES)
+    micro = len(SHARE_FRACTIONS) + 2 + 3 * max(PARKED_MICRO_BATCHES)
+    seconds += (in_place + parked + 2) * 3.0 + rounds * (1 + per_round) * micro * device_step
+    pinned = max(pinned, (4 * in_place + 12 * parked) * params)
+    device = max(
+        device,
+        (in_place + parked + 2) * 2 * params  # weights
+        + 2 * 16 * params  # AdamW's gradients and state
+        + 2 * 36 * params  # parked: three slots of 12 bytes a parameter, at most
+        + in_place * 12 * params  # the share kept on the device
+        + saved_activation_bytes(config, batch, torch.bfloat16),
+    )
     models = " and ".join(
         f"{name} of {config.params / 1e6:.0f} M parameters"
         for name, config, _ in _offload_models(True)
@@ -673,16 +692,17 @@ def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footpri
         device,
         seconds,
         f"{models}, {rounds} rounds of {1 + per_round} steps per "
-        f"contender; activations counted on the meta device",
+        f"contender, then the fraction sweep and parking on the first; activations counted on "
+        f"the meta device",
     )
 
 
 def _offload_rounds_timed(
-    runs: dict, rounds: int, per_round: int, threads: int, device: str
+    runs: dict, rounds: int, per_round: int, threads: int, device: str, micro: dict | None = None
 ) -> dict:
     """{contender: [seconds of each timed step, round by round]}: ``rounds`` rounds in which every
     contender of ``runs`` ({name: (model, optimizer or None, batches)}) takes 1 + ``per_round``
-    steps in a row."""
+    steps in a row, each of ``micro[name]`` micro-batches (default 1)."""
     seconds = {name: [[] for _ in range(rounds)] for name in runs}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -690,10 +710,11 @@ def _offload_rounds_timed(
         for round_ in range(rounds):
             for name, (model, optimizer, data) in runs.items():
                 for step in range(1 + per_round):
-                    inputs, labels = next(data)
+                    batch = [next(data) for _ in range((micro or {}).get(name, 1))]
                     start = time.perf_counter()
                     (optimizer or model).zero_grad()
-                    model(inputs.to(device), labels.to(device)).backward()
+                    for inputs, labels in batch:
+                        (model(inputs.to(device), labels.to(device)) / len(batch)).backward()
                     if optimizer is not None:
                         optimizer.step()
                     if device == "cuda":
@@ -706,6 +727,115 @@ def _offload_rounds_timed(
     finally:
         torch.set_num_threads(previous)
     return seconds
+
+
+SHARE_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+PARKED_MICRO_BATCHES = (1, 16)
+
+
+def _predicted_share(optimizer, micro_batches: int) -> dict:
+    """Chapter 4's and 6's arithmetic for ``optimizer`` (a CPUOffloadAdam) at ``micro_batches`` a
+    step: bytes each way per step (in place: the offloaded share's weights up, a gradient down per
+    micro-batch; parked: its fp32 state up and down once) and the device bytes its state holds."""
+    from .offload.device_update import SLOTS
+
+    engine = optimizer._engine
+    element = torch.tensor([], dtype=optimizer.dtype).element_size()
+    in_place = sum(b.numel for b in engine.host.buckets)
+    up = down = 0
+    device = 0
+    for part in engine.on_device:
+        state = 4 * part.parts  # fp32 master (unless the weights are fp32) and two moments
+        if part.parked:
+            up += state * part.numel
+            slots = min(SLOTS, len(part.buckets))
+            device += slots * state * max(b.numel for b in part.buckets)
+        else:
+            device += state * part.numel
+    down = up + micro_batches * element * in_place
+    up += element * in_place
+    return {"h2d_bytes": up, "d2h_bytes": down, "device_bytes": device}
+
+
+def _share_sweep(gpu: bool, quick: bool, threads: int, device: str, dtype) -> tuple[list, dict]:
+    """Rows and ratios of the fraction sweep (offload_fraction over :data:`SHARE_FRACTIONS`, one
+    micro-batch a step) and of parking against updating in place at :data:`PARKED_MICRO_BATCHES`,
+    on the first model of :func:`_offload_models`; each against AdamW on the device at the same
+    micro-batches, in paired rounds. Predicted beside measured: link bytes per step and the
+    optimizer's device bytes (the arithmetic), and the step, proportional between the measured
+    ends (F = 0 and 1: what a share would cost if its part were neither hidden nor overlapped)."""
+    from .models import TinyGPT, batches, markov_corpus
+    from .offload import CPUOffloadAdam
+
+    _, config, batch = _offload_models(gpu)[0]
+    rounds, per_round = _offload_rounds(gpu, quick)
+    adamw = "AdamW on the device"
+    contenders, micro = {}, {}
+    for k in PARKED_MICRO_BATCHES:
+        at = f", {k} micro-batches" if k > 1 else ""
+        contenders[adamw + at] = (k, lambda m: torch.optim.AdamW(m.parameters()))
+        for f in SHARE_FRACTIONS if k == 1 else (1.0,):
+            contenders[f"offload_fraction={f:g}{at}"] = (
+                k,
+                lambda m, f=f: CPUOffloadAdam(m.parameters(), threads=threads, offload_fraction=f),
+            )
+        contenders[f"parked{at}"] = (
+            k,
+            lambda m: CPUOffloadAdam(m.parameters(), threads=threads, update_on="device"),
+        )
+    runs, ledgers, rows, ratios = {}, {}, [], {}
+    try:
+        for name, (k, make) in contenders.items():
+            torch.manual_seed(0)
+            model = TinyGPT(config).to(device, dtype)
+            optimizer = make(model)
+            runs[name], micro[name] = (
+                (model, optimizer, batches(markov_corpus(config.vocab, 50_000), batch, config.seq)),
+                k,
+            )
+            if isinstance(optimizer, CPUOffloadAdam):
+                ledgers[name] = optimizer.link.traffic.snapshot()
+        seconds = _offload_rounds_timed(runs, rounds, per_round, threads, device, micro)
+        steps = rounds * (1 + per_round)
+        in_round = {
+            name: [statistics.median(one) for one in rounds_] for name, rounds_ in seconds.items()
+        }
+        for name, (model, optimizer, _) in runs.items():
+            k = micro[name]
+            row = {
+                "contender": name,
+                "share": True,
+                "micro_batches": k,
+                "params": config.params,
+                "seconds": statistics.median(s for one in seconds[name] for s in one),
+            }
+            if isinstance(optimizer, CPUOffloadAdam):
+                after = optimizer.link.traffic.snapshot()
+                row.update(
+                    offload_fraction=optimizer.offload_fraction,
+                    update_on=optimizer.update_on,
+                    measured={
+                        "h2d_bytes": (after["h2d_bytes"] - ledgers[name]["h2d_bytes"]) / steps,
+                        "d2h_bytes": (after["d2h_bytes"] - ledgers[name]["d2h_bytes"]) / steps,
+                        "device_bytes": sum(optimizer.device_bytes().values()),
+                    },
+                    predicted=_predicted_share(optimizer, k),
+                )
+                reference = adamw + (f", {k} micro-batches" if k > 1 else "")
+                row["ratio_to_adamw"] = ratios[f"sweep: {name} / {reference}"] = statistics.median(
+                    mine / theirs for mine, theirs in zip(in_round[name], in_round[reference])
+                )
+            rows.append(row)
+    finally:
+        for _, optimizer, _ in runs.values():
+            if hasattr(optimizer, "close"):
+                optimizer.close()
+    swept = [r for r in rows if r.get("update_on") == "cpu" and r["micro_batches"] == 1]
+    ends = {r["offload_fraction"]: r["seconds"] for r in swept}
+    for row in swept:
+        f = row["offload_fraction"]
+        row["predicted"]["seconds"] = ends[0.0] + f * (ends[1.0] - ends[0.0])
+    return rows, ratios
 
 
 def offload(quick: bool = False) -> dict:
@@ -727,6 +857,10 @@ def offload(quick: bool = False) -> dict:
     rounds takes that drift out of the ratio).
     Targets (emulated link, default rate): at step ≤ 1.30× AdamW's step, delayed ≤ 1.15×, and
     ≤ 2× on the fast link.
+
+    Then the two other answers to a slow link, on the small GPT (:func:`_share_sweep`): a share of
+    the optimizer offloaded (``offload_fraction`` 0, ¼, ½, ¾, 1) and its state parked, at one
+    micro-batch a step and at sixteen, each beside AdamW at the same micro-batches.
     """
     from .link import EmulatedLink
     from .models import TinyGPT, batches, markov_corpus
@@ -847,6 +981,9 @@ def offload(quick: bool = False) -> dict:
                 ratios[label] = statistics.median(
                     mine / theirs for mine, theirs in zip(in_round[name], in_round[adamw])
                 )
+    share_rows, share_ratios = _share_sweep(gpu, quick, threads, device, dtype)
+    rows += share_rows
+    ratios.update(share_ratios)
     return {
         "benchmark": "offload",
         "source": "measured" if gpu else "emulated",
@@ -1223,6 +1360,31 @@ def format_result(result: dict) -> str:
                 f"link {row['link_percent_of_peak']:.0f}% of pinned peak  "
                 f"{t['h2d_bytes_per_weight_byte']:.2f}× the weights up, "
                 f"{t['host_syncs_per_pass']:.0f} host waits a pass"
+            )
+        elif "share" in row:
+            if "measured" not in row:
+                lines.append(
+                    f"  {'sweep:':<12} {row['contender']:<58} "
+                    f"{format_duration(row['seconds']):>10} per step"
+                )
+                continue
+            measured, predicted = row["measured"], row["predicted"]
+            proportional = (
+                f" (proportional {format_duration(predicted['seconds'])})"
+                if "seconds" in predicted
+                else ""
+            )
+            lines.append(
+                f"  {'sweep:':<12} {row['contender']:<58} "
+                f"{format_duration(row['seconds']):>10} per step{proportional}, "
+                f"{row['ratio_to_adamw']:.2f}× AdamW"
+            )
+            lines.append(
+                f"  {'':<12}   per step: {format_size(measured['h2d_bytes'])} up, "
+                f"{format_size(measured['d2h_bytes'])} down (predicted "
+                f"{format_size(predicted['h2d_bytes'])}, {format_size(predicted['d2h_bytes'])}); "
+                f"device {format_size(measured['device_bytes'])} (predicted "
+                f"{format_size(predicted['device_bytes'])})"
             )
         elif "model" in row:
             overhead = (

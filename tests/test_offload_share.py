@@ -276,3 +276,43 @@ def test_a_parked_optimizer_takes_a_new_group_into_its_parked_state(link):
     assert opt.host_bytes()["parked_state"] == 8 * sum(p.numel() for p in trainable(mine))
     opt.close()
     assert_matches(ref, mine)
+
+
+@pytest.mark.parametrize("bucket_bytes, slots", [(1 << 20, 1), (20000, 2), (512, SLOTS)])
+def test_parked_state_takes_no_more_slots_than_it_has_buckets(link, bucket_bytes, slots):
+    """One bucket needs one slot: three would hold three copies of the whole state on the device,
+    more than keeping it there."""
+    ref, model = mlp(), mlp()
+    run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), data(3, 1))
+    opt = CPUOffloadAdam(
+        model.parameters(), lr=1e-3, link=link, bucket_bytes=bucket_bytes, update_on="device"
+    )
+    part = opt._engine.on_device[0]
+    assert len(part.slots) == slots <= len(part.buckets)
+    assert opt.device_bytes()["device_slots"] == slots * 8 * max(b.numel for b in part.buckets)
+    run(model, opt, data(3, 1))
+    opt.close()
+    assert_matches(ref, model)
+
+
+@pytest.mark.parametrize(
+    "mode, micro", [("F=0.3", 1), ("F=0.7", 3), ("parked", 1), ("parked, F=0.5", 3)]
+)
+def test_the_benchs_prediction_is_the_ledger(link, mode, micro):
+    """bench offload prints predicted beside measured: the arithmetic it predicts with is what the
+    link's ledger and the optimizer's device memory show (to the byte a bucket that says whether
+    weights were changed by hand)."""
+    from offloadlab.bench import _predicted_share
+
+    model = mlp(torch.bfloat16)
+    opt = CPUOffloadAdam(model.parameters(), link=link, bucket_bytes=1024, **MODES[mode])
+    run(model, opt, data(1, micro, torch.bfloat16))
+    before, steps = link.traffic.snapshot(), 2
+    run(model, opt, data(steps, micro, torch.bfloat16, seed=2))
+    after = link.traffic.snapshot()
+    predicted = _predicted_share(opt, micro)
+    buckets = len(opt.buckets)
+    assert (after["h2d_bytes"] - before["h2d_bytes"]) / steps == predicted["h2d_bytes"]
+    assert (after["d2h_bytes"] - before["d2h_bytes"]) / steps == predicted["d2h_bytes"] + buckets
+    assert sum(opt.device_bytes().values()) == predicted["device_bytes"]
+    opt.close()

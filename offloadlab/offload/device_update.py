@@ -10,8 +10,9 @@ under torch.optim.AdamW, and accumulate there over micro-batches.
 
 A parked step moves each bucket's state once up and once down, whatever the number of
 micro-batches: 12 bytes a parameter each way for bf16 or fp16 weights (fp32 master and two
-moments), 8 for fp32 weights, which are their own master. Three device slots hold three buckets'
-state: bucket j + 1 comes up while bucket j is updated and bucket j − 1 goes down.
+moments), 8 for fp32 weights, which are their own master. Three device slots (fewer when there are
+fewer buckets) hold three buckets' state: bucket j + 1 comes up while bucket j is updated and
+bucket j − 1 goes down.
 
 :func:`kept_on_device` chooses the parameters that stay: the first ones given (for
 ``model.parameters()``, those forward uses first, so those whose gradients arrive last in
@@ -108,9 +109,10 @@ class DeviceUpdate:
         self.numel = numel
         if self.parked:
             slot = self.parts * max(b.numel for b in self.buckets)
-            if not self.slots or self.slots[0].numel() < slot:
+            count = min(SLOTS, len(self.buckets))
+            if len(self.slots) < count or self.slots[0].numel() < slot:
                 self.link.synchronize()  # (the old slots may still be read by queued work)
-                self.slots = [self.link.device_buffer(slot) for _ in range(SLOTS)]
+                self.slots = [self.link.device_buffer(slot) for _ in range(count)]
 
     def views(self, buffer: torch.Tensor, bucket: Bucket, in_slot: bool = False) -> tuple:
         """(master or None, exp_avg, exp_avg_sq) of ``bucket``, flat, in ``buffer`` (the state, or
@@ -175,13 +177,13 @@ class DeviceUpdate:
                 self._update(bucket, self.views(self.state, bucket), grad_scale)
             return
         self.finish_down()  # the last step's state is home before it comes up again
-        ups, downs = [], []
+        ups, downs, slots = [], [], len(self.slots)
 
         def up(j: int) -> None:
             size = self.parts * ready[j].numel
             ups.append(
                 self.link.to_device(
-                    self.slots[j % SLOTS][:size],
+                    self.slots[j % slots][:size],
                     self.block(ready[j]),
                     after=self.link.mark(timed=False),
                     label=f"state up {ready[j].index}",
@@ -192,12 +194,12 @@ class DeviceUpdate:
             up(0)
         for j, bucket in enumerate(ready):
             if j + 1 < len(ready):
-                if j + 1 >= SLOTS:
+                if j + 1 >= slots:
                     # the next bucket's slot is free once the state it held has gone down
-                    downs[j + 1 - SLOTS].wait()
+                    downs[j + 1 - slots].wait()
                 up(j + 1)
             ups[j].wait()
-            slot = self.slots[j % SLOTS][: self.parts * bucket.numel]
+            slot = self.slots[j % slots][: self.parts * bucket.numel]
             self._update(bucket, self.views(slot, bucket, in_slot=True), grad_scale)
             downs.append(
                 self.link.to_host(

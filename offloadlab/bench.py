@@ -757,21 +757,32 @@ def _predicted_share(optimizer, micro_batches: int) -> dict:
     return {"h2d_bytes": up, "d2h_bytes": down, "device_bytes": device}
 
 
-def _share_sweep(gpu: bool, quick: bool, threads: int, device: str, dtype) -> tuple[list, dict]:
+def _offload_setting() -> tuple[bool, str, torch.dtype, int]:
+    """(GPU present, device, weights' dtype, torch and OpenMP threads) of the offload benchmarks:
+    bf16 on a GPU, fp32 on CPUs (whose bf16 matmuls are emulated, slowly), a core left to the
+    emulated link's copies."""
+    gpu = torch.cuda.is_available()
+    threads = torch.get_num_threads() if gpu else max(1, torch.get_num_threads() - 1)
+    return gpu, "cuda" if gpu else "cpu", torch.bfloat16 if gpu else torch.float32, threads
+
+
+def share_sweep(quick: bool = False, parking: bool = True) -> tuple[list, dict]:
     """Rows and ratios of the fraction sweep (offload_fraction over :data:`SHARE_FRACTIONS`, one
-    micro-batch a step) and of parking against updating in place at :data:`PARKED_MICRO_BATCHES`,
-    on the first model of :func:`_offload_models`; each against AdamW on the device at the same
-    micro-batches, in paired rounds. Predicted beside measured: link bytes per step and the
-    optimizer's device bytes (the arithmetic), and the step, proportional between the measured
-    ends (F = 0 and 1: what a share would cost if its part were neither hidden nor overlapped)."""
+    micro-batch a step) and, with ``parking``, of parking against updating in place at
+    :data:`PARKED_MICRO_BATCHES`, on the first model of :func:`_offload_models`; each against
+    AdamW on the device at the same micro-batches, in paired rounds. Predicted beside measured:
+    link bytes per step and the optimizer's device bytes (the arithmetic), and the step,
+    proportional between the measured ends (F = 0 and 1: what a share would cost if its part were
+    neither hidden nor overlapped)."""
     from .models import TinyGPT, batches, markov_corpus
     from .offload import CPUOffloadAdam
 
+    gpu, device, dtype, threads = _offload_setting()
     _, config, batch = _offload_models(gpu)[0]
     rounds, per_round = _offload_rounds(gpu, quick)
     adamw = "AdamW on the device"
     contenders, micro = {}, {}
-    for k in PARKED_MICRO_BATCHES:
+    for k in PARKED_MICRO_BATCHES if parking else (1,):
         at = f", {k} micro-batches" if k > 1 else ""
         contenders[adamw + at] = (k, lambda m: torch.optim.AdamW(m.parameters()))
         for f in SHARE_FRACTIONS if k == 1 else (1.0,):
@@ -779,10 +790,11 @@ def _share_sweep(gpu: bool, quick: bool, threads: int, device: str, dtype) -> tu
                 k,
                 lambda m, f=f: CPUOffloadAdam(m.parameters(), threads=threads, offload_fraction=f),
             )
-        contenders[f"parked{at}"] = (
-            k,
-            lambda m: CPUOffloadAdam(m.parameters(), threads=threads, update_on="device"),
-        )
+        if parking:
+            contenders[f"parked{at}"] = (
+                k,
+                lambda m: CPUOffloadAdam(m.parameters(), threads=threads, update_on="device"),
+            )
     runs, ledgers, rows, ratios = {}, {}, [], {}
     try:
         for name, (k, make) in contenders.items():
@@ -858,7 +870,7 @@ def offload(quick: bool = False) -> dict:
     Targets (emulated link, default rate): at step ≤ 1.30× AdamW's step, delayed ≤ 1.15×, and
     ≤ 2× on the fast link.
 
-    Then the two other answers to a slow link, on the small GPT (:func:`_share_sweep`): a share of
+    Then the two other answers to a slow link, on the small GPT (:func:`share_sweep`): a share of
     the optimizer offloaded (``offload_fraction`` 0, ¼, ½, ¾, 1) and its state parked, at one
     micro-batch a step and at sixteen, each beside AdamW at the same micro-batches.
     """
@@ -866,13 +878,8 @@ def offload(quick: bool = False) -> dict:
     from .models import TinyGPT, batches, markov_corpus
     from .offload import CPUOffloadAdam
 
-    gpu = torch.cuda.is_available()
-    device = "cuda" if gpu else "cpu"
-    # CPUs without bf16 units emulate bf16 matmuls slowly
-    dtype = torch.bfloat16 if gpu else torch.float32
+    gpu, device, dtype, threads = _offload_setting()
     rounds, per_round = _offload_rounds(gpu, quick)
-    # emulation: a core copies
-    threads = torch.get_num_threads() if gpu else max(1, torch.get_num_threads() - 1)
     alone, adamw, fast = (
         "forward and backward alone",
         "AdamW on the device",
@@ -981,7 +988,7 @@ def offload(quick: bool = False) -> dict:
                 ratios[label] = statistics.median(
                     mine / theirs for mine, theirs in zip(in_round[name], in_round[adamw])
                 )
-    share_rows, share_ratios = _share_sweep(gpu, quick, threads, device, dtype)
+    share_rows, share_ratios = share_sweep(quick)
     rows += share_rows
     ratios.update(share_ratios)
     return {

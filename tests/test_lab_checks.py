@@ -175,6 +175,12 @@ WRONG = {
             "gradients kept on the device",
         ),
         (
+            "fraction = min(1.0, math.floor(100 * rate * window / (P * (k + 1) * w)) / 100)",
+            "the two directions added, as if half duplex",
+            "fraction = min(1.0, math.floor(100 * rate * window / (P * w)) / 100)",
+            "one micro-batch's gradients counted",
+        ),
+        (
             "def my_offload(model, link):  # the whole budget in one bucket, but the optimizer "
             "keeps three\n    gradient_bytes = sum(p.numel() * p.element_size() for p in "
             "model.parameters())\n    return CPUOffloadAdam(model.parameters(), lr=1e-3, "
@@ -349,6 +355,8 @@ COPIED = {
     "my_beta": "probe.fit_alpha_beta(sizes, times).beta",
     "predicted_batch": "overlap.crossover_batch(nbytes, bandwidth, seconds_per_sample)",
     "plain_device": 'memory.state_bytes(P, "fp32-adam").total_bytes',
+    "fraction": 'budget.verdict(rate, window, P, "optimizer", recipe=recipe, '
+    "micro_batches=k).offload_fraction",
     "my_step": "planner.plan(work, planner.Hardware(roomy, beta, compute=compute, "
     "cpu_adam=cpu_rate), duplex=both, recipe=recipe).chosen.step",
     "predicted_sent": 'sharding.ring_bytes("reduce-scatter", predicted_reduce, N)',
@@ -477,7 +485,5 @@ def test_every_check_passes_the_answer_and_fails_two_wrong_ones(path):
                             f"hidden test; got {error.ename}: {error.evalue}"
                         )
                 client.execute_cell(last_answer, index)
-    assert literals == 1, (
-        f"{path.name}: expected one graded cell with a hidden test; found {literals}"
-    )
+    assert literals >= 1, f"{path.name}: expected a graded cell with a hidden test; found none"
     assert not failures, "\n".join(failures)

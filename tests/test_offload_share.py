@@ -316,3 +316,16 @@ def test_the_benchs_prediction_is_the_ledger(link, mode, micro):
     assert (after["d2h_bytes"] - before["d2h_bytes"]) / steps == predicted["d2h_bytes"] + buckets
     assert sum(opt.device_bytes().values()) == predicted["device_bytes"]
     opt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["F=0.3", "parked", "parked, F=0.5"])
+def test_every_mode_follows_adamw_on_the_gpu(mode):
+    """On a GPU the device's share runs torch's fused AdamW on the real streams."""
+    ref, mine = mlp().cuda(), mlp().cuda()
+    to_gpu = [[(x.cuda(), y.cuda()) for x, y in micro] for micro in data(12, 2)]
+    run(ref, torch.optim.AdamW(groups(ref), lr=1e-3), to_gpu)
+    opt = CPUOffloadAdam(groups(mine), lr=1e-3, bucket_bytes=1024, **MODES[mode])
+    run(mine, opt, to_gpu)
+    opt.close()
+    assert_matches(ref, mine)

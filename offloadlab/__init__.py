@@ -13,6 +13,8 @@ The public API, imported on first use (``import offloadlab`` alone loads no torc
     import offloadlab as ol
     optimizer = ol.CPUOffloadAdam(model.parameters(), lr=1e-3)  # AdamW, its state on the CPU
     ol.StreamedModel(model, ol.open_link())  # the blocks' weights in host memory, streamed
+    with ol.offload_activations():  # saved tensors to host memory, back ahead of backward
+        loss = model(x)
 """
 
 import importlib
@@ -24,6 +26,7 @@ _PUBLIC = {
     "CPUOffloadAdam": "offloadlab.offload",
     "LossScaler": "offloadlab.offload",
     "StreamedModel": "offloadlab.streaming",
+    "offload_activations": "offloadlab.activations",
     "Prefetcher": "offloadlab.prefetch",
     "FileTier": "offloadlab.nvme",
     "open_state": "offloadlab.nvme",
@@ -58,6 +61,7 @@ LAYERS = {
     "face: the command and the benchmarks": ["cli", "bench", "__main__"],
     "mechanisms: offload, streaming, prefetch, NVMe": [
         "offload",
+        "activations",
         "streaming",
         "ownership",
         "prefetch",

@@ -159,8 +159,15 @@ class CudaOrderLink(EmulatedLink):
                     )
             # where the engine really writes
             target = torch.empty_like(dst) if direction == "d2h" else dst
+            # What finishing this copy proves finished before it: the copies its stream waited for
+            # before the point it is ordered after, and the previous copy on its engine.
+            before = [t for s, p, t in self._waits if s == stream and p < position]
+            if self._last[direction] is not None:
+                before.append(self._last[direction])
+            # what the engine really reads: copies down it is ordered after have landed for it
+            read = self._landed_for_device(src, before) if direction == "h2d" else src
         transfer = super()._issue(
-            direction, target, src, nbytes, pinned, after, label, scatter, then
+            direction, target, read, nbytes, pinned, after, label, scatter, then
         )
         with self._ledger_lock:
             transfer._host_range, transfer._known, transfer._order = (
@@ -169,11 +176,7 @@ class CudaOrderLink(EmulatedLink):
                 next(self._issued),
             )
             transfer._used = transfer._torn = False
-            # What finishing this copy proves finished before it: the copies its stream waited for
-            # before the point it is ordered after, and the previous copy on its engine.
-            transfer._before = [t for s, p, t in self._waits if s == stream and p < position]
-            if self._last[direction] is not None:
-                transfer._before.append(self._last[direction])
+            transfer._before = before
             self._last[direction] = transfer
             if direction == "d2h":
                 # copies up that this one cannot start before have read their sources by then: a
@@ -182,7 +185,8 @@ class CudaOrderLink(EmulatedLink):
                 transfer._shadow, transfer._destination = target, dst
                 poison(dst)  # what the host sees there until it knows the copy is done
             else:
-                transfer._snapshot, transfer._source = src.clone(), src
+                # (what the source holds once the host knows of the copies down it read)
+                transfer._snapshot, transfer._source = read.clone(), src
             self.transfers.append(transfer)
         real_synchronize, real_done = transfer.synchronize, transfer.done
 
@@ -210,6 +214,33 @@ class CudaOrderLink(EmulatedLink):
         if not pinned:  # pageable memory: CUDA copies it synchronously, so the caller knows
             self._learn([transfer])
         return transfer
+
+    def _landed_for_device(self, src, before) -> torch.Tensor:
+        """``src`` as a copy up ordered after ``before`` reads it: with the bytes of the copies
+        down into it that it is ordered after, which the host may not know of yet (they are in
+        their shadows) but the device does."""
+        start = src.data_ptr()
+        end = start + src.numel() * src.element_size()
+        stack, seen, landed = list(before), set(), []
+        while stack:
+            t = stack.pop()
+            if id(t) in seen or t._known:
+                continue
+            seen.add(id(t))
+            stack += t._before
+            first, last = t._host_range
+            if t.direction == "d2h" and first < end and start < last:
+                landed.append(t)
+        if not landed:
+            return src
+        read = src.clone()
+        for t in sorted(landed, key=lambda t: t._order):
+            t._landed.wait()
+            first, last = max(start, t._host_range[0]), min(end, t._host_range[1])
+            _bytes(read)[first - start : last - start].copy_(
+                _bytes(t._shadow)[first - t._host_range[0] : last - t._host_range[0]]
+            )
+        return read
 
     def _settle_reads_before(self, transfer) -> None:
         """Check now the sources of the unknown copies up that ``transfer`` is ordered after (they

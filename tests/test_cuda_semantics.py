@@ -79,8 +79,9 @@ def test_state_copied_down_where_it_came_up_from_is_caught_unless_ordered_after_
     if ordered:
         up.wait()
         slot.add_(1.0)
-    down = link.to_host(state, slot, after=link.mark(timed=False) if ordered else None)
-    if not ordered:
+        down = link.to_host(state, slot, after=link.mark(timed=False))
+    else:  # (other bytes than the copy up's, so that landing over its source always shows)
+        down = link.to_host(state, torch.full((256,), 5.0), after=None)
         up.wait()
     down.synchronize()
     if ordered:
@@ -89,6 +90,28 @@ def test_state_copied_down_where_it_came_up_from_is_caught_unless_ordered_after_
     else:
         with pytest.raises(AssertionError, match="wrote the source of copy"):
             link.check()
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["after the copy down", "unordered"])
+def test_a_copy_up_ordered_after_a_copy_down_reads_its_bytes_the_host_may_not_know_yet(
+    link, ordered
+):
+    """An offloaded activation: down into a pinned buffer, later up from it. Ordered on the device
+    (the compute waits for the copy down, the copy up follows that point), the copy up reads the
+    bytes even though the host never learned the copy down was done; the host still reads
+    poison there. Unordered, it may read the buffer before the bytes land."""
+    device, host, back = torch.arange(256.0), link.host_buffer(256), torch.empty(256)
+    down = link.to_host(host, device)
+    if ordered:
+        down.wait()
+    up = link.to_device(back, host, after=link.mark(timed=False) if ordered else None)
+    up.wait()
+    assert torch.isnan(host).all()  # the host knows nothing yet
+    if ordered:
+        assert torch.equal(back, device)
+        link.check()
+    else:
+        assert torch.isnan(back).all()
 
 
 def test_a_torn_copy_whose_bytes_are_never_used_is_not_a_violation(link):

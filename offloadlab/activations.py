@@ -12,7 +12,8 @@ the next item arriving while the current one is used. Small tensors, tensors tha
 or views of them, and tensors on another device stay as they are.
 
 ``torch.autograd.graph.save_on_cpu`` does the same bookkeeping with blocking copies on the
-compute stream: each copy down and up stops the GPU. Pinned buffers come from a pool kept by
+compute stream: each copy down and up stops the GPU. A tensor saved by two nodes is two saved
+tensors here, copied down twice (as autograd sees them). Pinned buffers come from a pool kept by
 the context object (reused by later passes, freed with it); a buffer returns to the pool when
 autograd drops its saved tensor (after backward, or when the graph is freed unused).
 
@@ -96,6 +97,7 @@ class ActivationOffload:
         self._hooks = None
         self.offloaded_bytes = 0  # bytes sent down since made
         self.kept_tensors = 0  # saved tensors left on the device since made
+        self.kept_bytes = 0  # their bytes (of the link's device), as saved
 
     # ------------------------------------------------------------------ the context
 
@@ -142,6 +144,8 @@ class ActivationOffload:
     def _pack(self, t: torch.Tensor):
         if not self._offloaded(t):
             self.kept_tensors += 1
+            if t.device.type == self.link.device.type:
+                self.kept_bytes += t.numel() * t.element_size()
             # (detached: a saved output would otherwise hold its own node, a cycle no collector
             # sees through; autograd gives the unpacked tensor its place in the graph again)
             return _Saved(kept=t.detach())

@@ -1027,6 +1027,187 @@ def prefetch_shape(profile: devices.DeviceProfile) -> tuple[int, int, int]:
     return rows, hidden, max(1, round(PREFETCH_COMPUTE_RATIO * transfer / per_product))
 
 
+ACTIVATION_CONTENDERS = (
+    "keep",
+    "save_on_cpu",
+    "offload_activations",
+    "recompute every block",
+)
+
+
+def _activation_model(gpu: bool):
+    """(config, batch) of :func:`activations`: the small GPT of the offload benchmark, a batch
+    large enough that its saved tensors dwarf its weights."""
+    _, config, batch = _offload_models(gpu)[0]
+    return config, 4 * batch
+
+
+def activations_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
+    """What :func:`activations` asks of a GPU of ``profile``: the model's weights, gradients and
+    its saved activations of one step (kept: the largest case), and pinned buffers for all of
+    them (the pool of offload_activations, save_on_cpu's pinned copies)."""
+    from .models import saved_activation_bytes
+
+    config, batch = _activation_model(True)
+    saved = saved_activation_bytes(config, batch, torch.bfloat16)
+    rounds, per_round = _offload_rounds(True, quick)
+    flops = 8 * config.params * batch * config.seq  # forward, backward and a recomputation
+    step = flops / (profile.bf16_flops * ASSUMED["matmul_efficiency"])
+    transfer = 2 * saved / (profile.link_bytes_per_s * ASSUMED["link_efficiency"])
+    steps = rounds * (1 + per_round) * len(ACTIVATION_CONTENDERS)
+    return Footprint(
+        2 * saved,
+        4 * config.params + 2 * saved,
+        steps * (step + transfer) + 10.0,
+        f"TinyGPT of {config.params / 1e6:.0f} M parameters, batch {batch}: "
+        f"{format_size(saved)} of saved activations a step",
+    )
+
+
+def activations(quick: bool = False) -> dict:
+    """Keeping activations, ``torch.autograd.graph.save_on_cpu``, :func:`offload_activations`
+    and recomputing every block (``torch.utils.checkpoint``), on the same model and batches, in
+    paired rounds (forward and backward; no optimizer): step time and its ratio to keeping, the
+    saved bytes left on the device by forward (as saved, in the last step; on a GPU, the peak
+    memory too), and the link's bytes each way beside the prediction (every saved tensor of at
+    least ``min_bytes``, down once and up once)."""
+    import torch.utils.checkpoint
+
+    from .activations import DEFAULT_MIN_BYTES, ActivationOffload
+    from .models import TinyGPT, batches, markov_corpus
+
+    gpu, device, dtype, threads = _offload_setting()
+    config, batch = _activation_model(gpu)
+    rounds, per_round = _offload_rounds(gpu, quick)
+    min_bytes = DEFAULT_MIN_BYTES if gpu else 64 * 2**10
+    link = open_link()
+    torch.manual_seed(0)
+    model = TinyGPT(config).to(device, dtype)
+    data = batches(markov_corpus(config.vocab, 50_000), batch, config.seq)
+    offload = ActivationOffload(link, min_bytes=min_bytes)
+    held: dict = {}
+
+    def counted(name):
+        """Saved tensors' bytes left on the device once forward is done, by storage."""
+        storages: dict = {}
+
+        def pack(t):
+            if t.device.type == device:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), storages
+
+    def forward(name, inputs, labels):
+        if name == "keep":
+            hooks, storages = counted(name)
+            with hooks:
+                loss = model(inputs, labels)
+            held[name] = sum(storages.values())
+            return loss
+        if name == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=gpu):
+                return model(inputs, labels)
+        if name == "offload_activations":
+            kept = offload.kept_bytes
+            with offload:
+                loss = model(inputs, labels)
+            held[name] = offload.kept_bytes - kept
+            return loss
+        originals = [block.forward for block in model.blocks]
+        hooks, storages = counted(name)
+        try:
+            for block, original in zip(model.blocks, originals):
+                block.forward = functools.partial(
+                    torch.utils.checkpoint.checkpoint, original, use_reentrant=False
+                )
+            with hooks:
+                loss = model(inputs, labels)
+            held[name] = sum(storages.values())
+            return loss
+        finally:
+            for block, original in zip(model.blocks, originals):
+                block.forward = original
+
+    seconds = {name: [[] for _ in range(rounds)] for name in ACTIVATION_CONTENDERS}
+    peaks: dict = {}
+    before = link.traffic.snapshot()
+    offloaded_before = offload.offloaded_bytes
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for round_ in range(rounds):
+            for name in ACTIVATION_CONTENDERS:
+                for step in range(1 + per_round):
+                    inputs, labels = (t.to(device) for t in next(data))
+                    model.zero_grad(set_to_none=True)
+                    if gpu:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        base = torch.cuda.memory_allocated()
+                    start = time.perf_counter()
+                    forward(name, inputs, labels).backward()
+                    if gpu:
+                        torch.cuda.synchronize()
+                        peaks[name] = torch.cuda.max_memory_allocated() - base
+                    if step:
+                        seconds[name][round_].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+        offload.close()
+        link.close()
+    after = link.traffic.snapshot()
+    steps = rounds * (1 + per_round)
+    moved = {d: (after[f"{d}_bytes"] - before[f"{d}_bytes"]) / steps for d in ("d2h", "h2d")}
+    offloaded = (offload.offloaded_bytes - offloaded_before) / steps
+    in_round = {
+        name: [statistics.median(one) for one in rounds_] for name, rounds_ in seconds.items()
+    }
+    rows = []
+    for name in ACTIVATION_CONTENDERS:
+        row = {
+            "contender": name,
+            "activations": True,
+            "seconds": statistics.median(s for one in seconds[name] for s in one),
+        }
+        if name in peaks:
+            row["device_peak_bytes"] = peaks[name]
+        if name in held:
+            row["saved_on_device_bytes"] = held[name]
+        if name == "offload_activations":
+            row["link"] = {
+                "d2h_bytes": moved["d2h"],
+                "h2d_bytes": moved["h2d"],
+                "predicted_each_way": offloaded,
+            }
+        rows.append(row)
+    ratios = {
+        f"activations: {name} / keep": statistics.median(
+            mine / theirs for mine, theirs in zip(in_round[name], in_round["keep"])
+        )
+        for name in ACTIVATION_CONTENDERS
+        if name != "keep"
+    }
+    return {
+        "benchmark": "activations",
+        "source": "measured" if gpu else "emulated",
+        "rows": rows,
+        "ratios": ratios,
+        "params": config.params,
+        "provenance": machine.provenance(),
+        "note": (
+            f"TinyGPT of {config.params / 1e6:.1f} M parameters, batch {batch}; saved tensors of "
+            f"{format_size(min_bytes)} and more offloaded; {rounds} rounds × {per_round} timed "
+            f"steps; ratios: median over rounds of the ratio within a round"
+            + (
+                ""
+                if gpu
+                else "; without a GPU the device is this CPU: save_on_cpu copies within it"
+            )
+        ),
+    }
+
+
 def prefetch_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
     """What :func:`prefetch` asks of a GPU of ``profile`` (with Accelerate's comparison, when
     installed)."""
@@ -1367,6 +1548,23 @@ def format_result(result: dict) -> str:
                 f"link {row['link_percent_of_peak']:.0f}% of pinned peak  "
                 f"{t['h2d_bytes_per_weight_byte']:.2f}× the weights up, "
                 f"{t['host_syncs_per_pass']:.0f} host waits a pass"
+            )
+        elif "activations" in row:
+            extra = []
+            if "device_peak_bytes" in row:
+                extra.append(f"device peak {format_size(row['device_peak_bytes'])}")
+            if "saved_on_device_bytes" in row:
+                extra.append(f"saved on the device {format_size(row['saved_on_device_bytes'])}")
+            if "link" in row:
+                link_row = row["link"]
+                extra.append(
+                    f"link {format_size(link_row['d2h_bytes'])} down, "
+                    f"{format_size(link_row['h2d_bytes'])} up (predicted "
+                    f"{format_size(link_row['predicted_each_way'])} each way)"
+                )
+            lines.append(
+                f"  {row['contender']:<24} {format_duration(row['seconds']):>10} per step  "
+                + "; ".join(extra)
             )
         elif "share" in row:
             if "measured" not in row:

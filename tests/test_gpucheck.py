@@ -28,7 +28,10 @@ PARTS = [
     "chapters (nbval, quick mode)",
     "labs (nbval, quick mode)",
     "link probe (reference data)",
-    *(f"bench {name}" for name in ("link", "overlap", "adam", "offload", "prefetch", "nvme")),
+    *(
+        f"bench {name}"
+        for name in ("link", "overlap", "adam", "offload", "activations", "prefetch", "nvme")
+    ),
 ]
 
 

@@ -61,7 +61,7 @@ from offloadlab.bench import cpu_adam_build_folder
 from offloadlab.devices import ASSUMED, DeviceProfile, Footprint
 from offloadlab.units import format_duration, format_size
 
-BENCHMARKS = ("link", "overlap", "adam", "offload", "prefetch", "nvme")
+BENCHMARKS = ("link", "overlap", "adam", "offload", "activations", "prefetch", "nvme")
 ROOT = Path(__file__).resolve().parent.parent  # the kit's checkout: tests/, book/, labs/
 PEERS = ("torchao", "deepspeed", "accelerate")
 PINNED_SHARE = 0.25  # of host memory, at most, pinned by any part

@@ -73,7 +73,9 @@ def citation_texts(bibliography: Path = BIBLIOGRAPHY) -> dict[str, str]:
         if len(names) > 2:
             who = f"{names[0]} et al."
         else:
-            who = " and ".join(names) or key
+            # (a standard or a manual names its body: PCI-SIG, not its key)
+            body = entry.fields.get("organization", "").replace("{", "").replace("}", "")
+            who = " and ".join(names) or body or key
         texts[key] = f"{who}, {entry.fields.get('year', 'n.d.')}"
     return texts
 

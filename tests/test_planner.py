@@ -606,3 +606,50 @@ def test_deepspeed_gets_the_share_as_its_ratio_where_zero_3_allows_it():
     config, note = engines.with_share(zero3, parked)
     assert parked.update_on == "device" and config.offload_ratio == 1
     assert "offload_states()" in note
+
+
+def wide(link):
+    hw = planner.Hardware("80 GB", link, host_memory="1 TB")
+    work = planner.Workload(13e9, layers=40, hidden=5120, heads=40, batch=8, seq=4096)
+    return planner.plan(work, hw), work
+
+
+def test_activations_go_to_host_memory_where_their_copies_hide_and_recompute_costs_more():
+    """h = 5,120 against 34R/(24B) = 4,427 at 64 GB/s: the activations' copies hide behind forward
+    and backward, and offloading them beats recomputing (a third more compute)."""
+    report, work = wide("64 GB/s")
+    chosen = report.chosen
+    assert chosen.activations_offloaded and not chosen.recompute
+    assert chosen.name.endswith("activations offloaded")
+    each_way, on_gpu = planner.single.offloaded_activations(work, 2)
+    kept = next(
+        p
+        for p in report.plans
+        if p.offload == chosen.offload and not p.checkpointed and not p.activations_offloaded
+    )
+    assert not kept.fits_gpu and chosen.fits_gpu
+    assert chosen.h2d_bytes - kept.h2d_bytes == chosen.d2h_bytes - kept.d2h_bytes == each_way
+    assert chosen.gpu_bytes == kept.gpu_bytes - work.activations(0, 2).total + on_gpu
+    assert chosen.step == kept.step  # hidden: the same step as keeping them
+    recomputed = [p for p in report.plans if p.offload == chosen.offload and p.checkpointed]
+    assert all(chosen.step < p.step for p in recomputed)
+    payload = report.to_dict()
+    assert (
+        payload["chosen"]["activations_offloaded"] and payload["activations"]["offloaded_to_host"]
+    )
+    assert "every layer's offloaded" in report.explain()
+
+
+def test_activations_are_recomputed_where_their_copies_would_not_hide():
+    """At 25 GB/s the threshold is 11,333: h = 5,120 is too narrow, so no plan offloads them."""
+    report, _ = wide("25 GB/s")
+    assert report.chosen.recompute
+    assert not any(p.activations_offloaded for p in report.plans)
+
+
+def test_a_plan_bound_by_the_cpu_recomputes_rather_than_fill_the_link():
+    report = planner.plan(
+        planner.Workload(30e9, batch=1, seq=2048),
+        planner.Hardware(memory.GPU_SIZES["80 GB"], "60 GB/s", host_memory="2 TB"),
+    )
+    assert report.chosen.recompute and not report.chosen.activations_offloaded

@@ -9,7 +9,7 @@ from .. import budget, memory
 from ..units import format_bandwidth, format_duration, format_size
 from .node import NodePlan
 from .share import OptimizerShare
-from .single import Candidate, Plan
+from .single import Candidate, Plan, offloaded_activations
 from .workload import ASSUMED_INTERCONNECT, Hardware, Workload
 
 __all__ = ["PlanReport"]
@@ -33,6 +33,13 @@ class PlanReport:
     def _activation_line(self) -> str:
         c = self.chosen
         element = int(memory.get_recipe(self.recipe).weight_bytes)
+        if getattr(c, "activations_offloaded", False):
+            each_way, on_gpu = offloaded_activations(self.work, element)
+            return (
+                f"  activations: every layer's offloaded, {format_size(each_way)} down in forward "
+                f"and up in backward; {format_size(on_gpu)} on the GPU at the peak (two layers "
+                f"in flight, logits and loss); offloadlab.offload_activations runs it"
+            )
         kept = self.work.activations(c.checkpointed if c else 0, element)
         attention = (
             "SDPA (no seq × seq scores kept)"
@@ -149,6 +156,7 @@ class PlanReport:
             "plans": [p.to_dict() for p in self.plans],
             "ranking": [c.__dict__ for c in self.ranking],
             "activations": {
+                "offloaded_to_host": bool(getattr(self.chosen, "activations_offloaded", False)),
                 "attention": self.work.attention,
                 "element_bytes": element,
                 "peak_bytes": kept.total,

@@ -34,10 +34,13 @@ __all__ = [
     "RECOMPUTE_CHOICES",
     "recompute_choices",
     "gpu_binding",
+    "offloaded_activations",
 ]
 
 # a plan whose GPU waits less than this share of its step counts as hidden
 HIDDEN_FRACTION = 0.10
+# offloading activations is offered where it is at least this much faster than recomputing them
+OFFLOAD_GAIN = 0.05
 MAX_SIMULATED_LAYERS = 128  # schedule simulates deeper models as this many groups of layers
 OFFLOAD_LEVELS = ("nothing", "optimizer", "optimizer+gradients", "optimizer+gradients+parameters")
 
@@ -156,6 +159,7 @@ class Plan:
     checkpointed: int = 0
     layers: int = 0
     gpu_terms: dict = field(default_factory=dict, compare=False)
+    activations_offloaded: bool = False  # every layer's saved activations to host memory
 
     @property
     def fits_gpu(self) -> bool:
@@ -215,7 +219,12 @@ class Plan:
 
     @property
     def name(self) -> str:
-        return f"offload {self.offload}, {activations_name(self.checkpointed, self.layers)}"
+        activations = (
+            "activations offloaded"
+            if self.activations_offloaded
+            else activations_name(self.checkpointed, self.layers)
+        )
+        return f"offload {self.offload}, {activations}"
 
     def to_dict(self) -> dict:
         return {
@@ -223,6 +232,7 @@ class Plan:
             "offload": self.offload,
             "recompute": self.recompute,
             "checkpointed_layers": self.checkpointed,
+            "activations_offloaded": self.activations_offloaded,
             "gpu_bytes": self.gpu_bytes,
             "gpu_terms": self.gpu_terms,
             "host_bytes": self.host_bytes,
@@ -339,8 +349,21 @@ def recompute_choices(work: Workload, fits_with, recompute="auto") -> list[int]:
     return choices
 
 
-def _gpu(work: Workload, level: int, checkpointed: int, recipe: str) -> tuple[float, dict]:
-    """GPU bytes of an offload level, and their terms: model state, activations, logits and loss."""
+def offloaded_activations(work: Workload, element: int) -> tuple[float, float]:
+    """(bytes each way per step, activation bytes on the GPU at the peak) when every layer's saved
+    activations go to host memory (:func:`offloadlab.offload_activations`): down in forward, up
+    in backward one layer ahead, so two layers' worth are on the GPU at a time, beside the logits
+    and the rest that stay."""
+    kept = work.activations(0, element)
+    per_layer = kept.layers / work.layers
+    return kept.layers, 2 * per_layer + kept.logits + kept.other
+
+
+def _gpu(
+    work: Workload, level: int, checkpointed: int, recipe: str, offloaded: bool = False
+) -> tuple[float, dict]:
+    """GPU bytes of an offload level, and their terms: model state, activations, logits and loss
+    (``offloaded``: the layers' activations in host memory, two layers' worth in flight)."""
     r = memory.get_recipe(recipe)
     w, g, p, layer = r.weight_bytes, r.gradient_bytes, work.params, work.layer_params()
     state = {0: r.total, 1: w + g, 2: w, 3: 0.0}[level] * p
@@ -348,6 +371,13 @@ def _gpu(work: Workload, level: int, checkpointed: int, recipe: str) -> tuple[fl
     # two layers of weights in flight: the one computing, the one arriving.
     in_flight = (g * layer if level >= 2 else 0.0) + (2 * w * layer if level == 3 else 0.0)
     activations = work.activations(checkpointed, int(w))
+    if offloaded:
+        _, on_gpu = offloaded_activations(work, int(w))
+        terms = {
+            "activations of the layers": on_gpu - activations.logits - activations.other,
+            "logits and loss": activations.logits,
+        }
+        return state + in_flight + on_gpu, {"model state": state + in_flight, **terms}
     return state + in_flight + activations.total, {
         "model state": state + in_flight,
         **activations.terms(),
@@ -362,11 +392,15 @@ def _plan(
     duplex="full",
     recipe: str = memory.DEFAULT_RECIPE,
     clipping: bool = False,
+    offloaded: bool = False,
 ) -> Plan:
+    """One plan; ``offloaded``: with every layer's activations in host memory (their copies are
+    laid beside the optimizer's: each direction's must fit its pass, down in forward and up in
+    backward, at the rate it keeps while the other runs; what does not is added to the step)."""
     p, r = work.params, memory.get_recipe(recipe)
     level = OFFLOAD_LEVELS.index(offload)
     w, g = r.weight_bytes, r.gradient_bytes
-    gpu, terms = _gpu(work, level, checkpointed, recipe)
+    gpu, terms = _gpu(work, level, checkpointed, recipe, offloaded)
     # Host: the optimizer state, a landing buffer for gradients, and a copy of the weights in their
     # device dtype — what the update writes and the uploads (or, with parameters offloaded, the
     # fetches) read; without fp32 master weights it is also what the update reads.
@@ -375,14 +409,22 @@ def _plan(
     h2d, d2h = (moved.h2d * p, moved.d2h * p) if moved else (0.0, 0.0)
     both, _ = budget.both_directions_rate(hw.link, duplex)
     t_compute = work.compute_flops(checkpointed) / (hw.compute or ASSUMED_COMPUTE)
+    activation_bytes, exposed = 0.0, 0.0
+    if offloaded:
+        activation_bytes, _ = offloaded_activations(work, int(w))
+        h2d, d2h = h2d + activation_bytes, d2h + activation_bytes
+        t_forward = t_compute * 2 / 6  # forward: 2 of the 6 FLOPs per parameter and token
+        t_copy = activation_bytes / both
+        exposed = max(0.0, t_copy - t_forward) + max(0.0, t_copy - (t_compute - t_forward))
     t_cpu = p / (hw.cpu_adam or ASSUMED_CPU_ADAM) if level else 0.0
     laid_out = dict(duplex=duplex, recipe=recipe, clipping=clipping)
     t_step = schedule(work, hw, offload, checkpointed, **laid_out).step if level else t_compute
     t_delayed = (
-        schedule(work, hw, offload, checkpointed, delayed=True, **laid_out).step
+        schedule(work, hw, offload, checkpointed, delayed=True, **laid_out).step + exposed
         if level in (1, 2)
         else None
     )
+    t_step += exposed
     return Plan(
         offload,
         checkpointed > 0,
@@ -400,6 +442,7 @@ def _plan(
         checkpointed,
         work.layers,
         terms,
+        offloaded,
     )
 
 
@@ -411,8 +454,9 @@ def single_gpu_plans(
     clipping: bool = False,
     recompute="auto",
 ) -> list[Plan]:
-    """Every offload level with activations kept, recomputed, and recomputed in the fewest layers
-    that fit (or only as ``recompute`` says: see :func:`recompute_choices`)."""
+    """Every offload level with activations kept, recomputed, recomputed in the fewest layers that
+    fit (or only as ``recompute`` says: see :func:`recompute_choices`), and, with 'auto',
+    offloaded to host memory where their copies hide behind the passes."""
     plans = []
     for index, level in enumerate(OFFLOAD_LEVELS):
 
@@ -423,4 +467,15 @@ def single_gpu_plans(
             _plan(work, hw, level, k, duplex, recipe, clipping)
             for k in recompute_choices(work, fits_with, recompute)
         ]
+        if recompute == "auto":
+            level_plans = [plan for plan in plans if plan.offload == level]
+            kept = next(plan for plan in level_plans if plan.checkpointed == 0)
+            offloaded = _plan(work, hw, level, 0, duplex, recipe, clipping, offloaded=True)
+            # offered where its copies hide (no slower than keeping) and it saves time over
+            # recomputing: where the CPU or the link binds anyway, recomputing moves no bytes
+            recomputed = [plan.step for plan in level_plans if plan.checkpointed and plan.fits]
+            if offloaded.step <= kept.step * (1 + 1e-9) and all(
+                offloaded.step < (1 - OFFLOAD_GAIN) * step for step in recomputed
+            ):
+                plans.append(offloaded)
     return plans

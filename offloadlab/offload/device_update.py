@@ -14,6 +14,10 @@ moments), 8 for fp32 weights, which are their own master. Three device slots (fe
 fewer buckets) hold three buckets' state: bucket j + 1 comes up while bucket j is updated and
 bucket j − 1 goes down.
 
+Beyond its state, an update holds for a moment an fp32 copy of one run of a bucket's gradients
+(and, for 16-bit weights, a comparison of each parameter with its master: weights set by hand are
+taken, as AdamW takes them).
+
 :func:`kept_on_device` chooses the parameters that stay: the first ones given (for
 ``model.parameters()``, those forward uses first, so those whose gradients arrive last in
 backward). Their CPU update could overlap nothing: it would start after the last gradient landed.

@@ -11,6 +11,8 @@ takes them over.
 
 When the update runs is one of three schedules (:func:`when_update_runs`): at step, eager
 (during backward, with ``accumulation_steps``) or delayed (behind the next forward and backward).
+A share kept on the device, or parked (:mod:`~offloadlab.offload.device_update`), updates at
+step, right after the CPU's buckets are handed over; the norm and the loss scale cover both.
 ``_step`` reads straight down: gradients in, a delayed update's weights sent, this step's scale or
 a skip, each bucket handed to the worker, the wait (unless delayed).
 """

@@ -122,8 +122,9 @@ gpu-env: env
 ## before anything is timed, and each part is killed at its own time limit.
 ## GPU_CHECK=--dry-run prints the plan instead: each part's pinned and device memory, estimated
 ## time and limit (add --profile NAME for another GPU). GPU_CHECK=--only PART runs one part (peers,
-## tests, book, labs, probe, bench-link, bench-overlap, bench-adam, bench-offload, bench-prefetch,
-## bench-nvme), each planned to fit a 10-minute command; the parts' results gather in one summary.
+## tests, book, labs, probe, bench-link, bench-overlap, bench-adam, bench-offload,
+## bench-activations, bench-prefetch, bench-nvme), each planned to fit a 10-minute command; the
+## parts' results gather in one summary.
 GPU_CHECK ?=
 gpu-check:
 	@test -x $(PY) || { echo "gpu-check: no environment in $(VENV); make one first: make gpu-env TORCH=<the torch build for this GPU's driver>"; exit 2; }

@@ -664,23 +664,29 @@ def offload_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footpri
             + offloaded * (3 + 5) * DEFAULT_BUCKET_BYTES
             + activations,
         )
-    # the sweep, on the first model, its contenders alive at once: offloaded in place (4 bytes a
-    # parameter pinned, as above) at each fraction and at 16 micro-batches, parked (12 pinned) at
-    # 1 and 16, and AdamW at both; a contender's step is one AdamW step per micro-batch
+    # the sweep, on the first model, its contenders alive at once: a model each (2 bytes a
+    # parameter), offloaded in place at each fraction and at 16 micro-batches (4 bytes a
+    # parameter pinned, as above; (1 − F) of the 12 bytes of state kept on the device, 2.5 × 12
+    # over the five fractions), parked at 1 and 16 (12 pinned, three device slots of a bucket's
+    # state), and AdamW at both (16 bytes a parameter); a step is an AdamW step per micro-batch
     _, config, batch = _offload_models(True)[0]
     params = config.params
     flops = 6 * params * batch * config.seq
     device_step = flops / (profile.bf16_flops * ASSUMED["matmul_efficiency"])
     in_place, parked = len(SHARE_FRACTIONS) + 1, len(PARKED_MICRO_BATCHES)
     micro = len(SHARE_FRACTIONS) + 2 + 3 * max(PARKED_MICRO_BATCHES)
-    seconds += (in_place + parked + 2) * 3.0 + rounds * (1 + per_round) * micro * device_step
+    # (a contender here is the small model alone: built and its state pinned in about 1.5 s)
+    seconds += (in_place + parked + 2) * 1.5 + rounds * (1 + per_round) * micro * device_step
     pinned = max(pinned, (4 * in_place + 12 * parked) * params)
+    bucket = min(params, DEFAULT_BUCKET_BYTES // 2)  # parameters of a bf16 bucket
+    kept = sum(1 - f for f in SHARE_FRACTIONS) * 12 * params
     device = max(
         device,
-        (in_place + parked + 2) * 2 * params  # weights
-        + 2 * 16 * params  # AdamW's gradients and state
-        + 2 * 36 * params  # parked: three slots of 12 bytes a parameter, at most
-        + in_place * 12 * params  # the share kept on the device
+        (in_place + parked + 2) * 2 * params
+        + 2 * 16 * params
+        + kept
+        + parked * 3 * 12 * bucket
+        + in_place * (3 + 5) * DEFAULT_BUCKET_BYTES
         + saved_activation_bytes(config, batch, torch.bfloat16),
     )
     models = " and ".join(
@@ -1036,16 +1042,18 @@ ACTIVATION_CONTENDERS = (
 
 
 def _activation_model(gpu: bool):
-    """(config, batch) of :func:`activations`: the small GPT of the offload benchmark, a batch
-    large enough that its saved tensors dwarf its weights."""
+    """(config, batch) of :func:`activations`: the small GPT of the offload benchmark, with a
+    batch whose saved tensors outweigh its weights (on a GPU its own; the CPU's small model gets
+    four times its batch)."""
     _, config, batch = _offload_models(gpu)[0]
-    return config, 4 * batch
+    return config, batch if gpu else 4 * batch
 
 
 def activations_plan(profile: devices.DeviceProfile, quick: bool = False) -> Footprint:
     """What :func:`activations` asks of a GPU of ``profile``: the model's weights, gradients and
-    its saved activations of one step (kept: the largest case), and pinned buffers for all of
-    them (the pool of offload_activations, save_on_cpu's pinned copies)."""
+    its saved activations of one step (kept: the largest case), and pinned memory for them three
+    times over (the pool of offload_activations, and save_on_cpu's pinned copies, which torch's
+    caching allocator rounds up to a power of two)."""
     from .models import saved_activation_bytes
 
     config, batch = _activation_model(True)
@@ -1056,7 +1064,7 @@ def activations_plan(profile: devices.DeviceProfile, quick: bool = False) -> Foo
     transfer = 2 * saved / (profile.link_bytes_per_s * ASSUMED["link_efficiency"])
     steps = rounds * (1 + per_round) * len(ACTIVATION_CONTENDERS)
     return Footprint(
-        2 * saved,
+        3 * saved,
         4 * config.params + 2 * saved,
         steps * (step + transfer) + 10.0,
         f"TinyGPT of {config.params / 1e6:.0f} M parameters, batch {batch}: "

@@ -221,16 +221,11 @@ class CudaOrderLink(EmulatedLink):
         their shadows) but the device does."""
         start = src.data_ptr()
         end = start + src.numel() * src.element_size()
-        stack, seen, landed = list(before), set(), []
-        while stack:
-            t = stack.pop()
-            if id(t) in seen or t._known:
-                continue
-            seen.add(id(t))
-            stack += t._before
-            first, last = t._host_range
-            if t.direction == "d2h" and first < end and start < last:
-                landed.append(t)
+        landed = [
+            t
+            for t in _unknown_before(before)
+            if t.direction == "d2h" and t._host_range[0] < end and start < t._host_range[1]
+        ]
         if not landed:
             return src
         read = src.clone()
@@ -245,13 +240,7 @@ class CudaOrderLink(EmulatedLink):
     def _settle_reads_before(self, transfer) -> None:
         """Check now the sources of the unknown copies up that ``transfer`` is ordered after (they
         are done before it starts, on a GPU, whatever the host knows)."""
-        stack, seen = list(transfer._before), set()
-        while stack:
-            t = stack.pop()
-            if id(t) in seen or t._known:
-                continue
-            seen.add(id(t))
-            stack += t._before
+        for t in _unknown_before(transfer._before):
             if t.direction == "h2d" and t._source is not None:
                 t._torn = not torch.equal(_bytes(t._source), _bytes(t._snapshot))
                 t._source = t._snapshot = None
@@ -338,6 +327,20 @@ class CudaOrderLink(EmulatedLink):
             raise AssertionError(
                 f"{len(violations)} violations of CUDA's ordering rules:\n  {listed}"
             )
+
+
+def _unknown_before(before: list) -> list:
+    """The copies the host does not know are done among ``before`` and everything they are
+    ordered after: done on the device before what follows them."""
+    stack, seen, found = list(before), set(), []
+    while stack:
+        t = stack.pop()
+        if id(t) in seen or t._known:
+            continue
+        seen.add(id(t))
+        stack += t._before
+        found.append(t)
+    return found
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -154,10 +154,13 @@ class ActivationOffload:
         saved.shape, saved.dtype = t.shape, t.dtype
         nbytes = t.numel() * t.element_size()
         saved.host = self._buffer(nbytes)
-        saved.down = self.link.to_host(
-            saved.host, saved.kept.view(-1).view(torch.uint8), after=self.link.mark(timed=False)
-        )
         saved.index, self._count = self._count, self._count + 1
+        saved.down = self.link.to_host(
+            saved.host,
+            saved.kept.view(-1).view(torch.uint8),
+            after=self.link.mark(timed=False),
+            label=f"saved {saved.index}",
+        )
         self._saved[saved.index] = weakref.ref(saved)
         self._down.append(saved)
         weakref.finalize(saved, self._give_back, saved.host, saved.read)
@@ -226,7 +229,10 @@ class ActivationOffload:
             saved.down.wait()
         saved.arriving = self.link.device_buffer(saved.host.numel(), torch.uint8)
         saved.up = saved.read[0] = self.link.to_device(
-            saved.arriving, saved.host, after=self.link.mark(timed=False)
+            saved.arriving,
+            saved.host,
+            after=self.link.mark(timed=False),
+            label=f"saved {saved.index}",
         )
 
 

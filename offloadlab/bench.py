@@ -1072,13 +1072,29 @@ def activations_plan(profile: devices.DeviceProfile, quick: bool = False) -> Foo
     )
 
 
+TIMELINES = ("activations",)  # the benchmarks whose result holds a "timeline" for Perfetto
+
+
+def _pass_timeline(link, marks, recording) -> dict:
+    """{lane: [(start_s, end_s, label)]} of one forward and backward: the compute between the
+    three ``marks`` and every copy ``recording`` holds, on the link's clock (for Perfetto)."""
+    link.synchronize()
+    start, forward_done, backward_done = (mark.time for mark in marks)
+    return {
+        "compute": [(start, forward_done, "forward"), (forward_done, backward_done, "backward")],
+        **recording.lanes(),
+    }
+
+
 def activations(quick: bool = False) -> dict:
     """Keeping activations, ``torch.autograd.graph.save_on_cpu``, :func:`offload_activations`
     and recomputing every block (``torch.utils.checkpoint``), on the same model and batches, in
     paired rounds (forward and backward; no optimizer): step time and its ratio to keeping, the
     saved bytes left on the device by forward (as saved, in the last step; on a GPU, the peak
     memory too), and the link's bytes each way beside the prediction (every saved tensor of at
-    least ``min_bytes``, down once and up once)."""
+    least ``min_bytes``, down once and up once), and the timeline of one more offloaded step
+    (``timeline``: compute and both directions' copies, for :func:`~offloadlab.trace.chrome_trace`).
+    """
     import torch.utils.checkpoint
 
     from .activations import DEFAULT_MIN_BYTES, ActivationOffload
@@ -1160,14 +1176,25 @@ def activations(quick: bool = False) -> dict:
                         peaks[name] = torch.cuda.max_memory_allocated() - base
                     if step:
                         seconds[name][round_].append(time.perf_counter() - start)
+        after = link.traffic.snapshot()
+        offloaded_after = offload.offloaded_bytes
+        # one more step of the overlapped offload, untimed, recorded for Perfetto
+        inputs, labels = (t.to(device) for t in next(data))
+        model.zero_grad(set_to_none=True)
+        with link.record() as recording:
+            marks = [link.mark()]
+            loss = forward("offload_activations", inputs, labels)
+            marks.append(link.mark())
+            loss.backward()
+            marks.append(link.mark())
+        timeline = _pass_timeline(link, marks, recording)
     finally:
         torch.set_num_threads(previous)
         offload.close()
         link.close()
-    after = link.traffic.snapshot()
     steps = rounds * (1 + per_round)
     moved = {d: (after[f"{d}_bytes"] - before[f"{d}_bytes"]) / steps for d in ("d2h", "h2d")}
-    offloaded = (offload.offloaded_bytes - offloaded_before) / steps
+    offloaded = (offloaded_after - offloaded_before) / steps
     in_round = {
         name: [statistics.median(one) for one in rounds_] for name, rounds_ in seconds.items()
     }
@@ -1201,6 +1228,7 @@ def activations(quick: bool = False) -> dict:
         "source": "measured" if gpu else "emulated",
         "rows": rows,
         "ratios": ratios,
+        "timeline": timeline,
         "params": config.params,
         "provenance": machine.provenance(),
         "note": (
@@ -1645,6 +1673,15 @@ def format_result(result: dict) -> str:
             "  traffic: every CPUOffloadAdam row within its targets"
             if not missed
             else "  traffic over target: " + "; ".join(missed)
+        )
+    if "timeline" in result:
+        lanes = result["timeline"]
+        (_, forward_done, _), (_, backward_done, _) = lanes["compute"]
+        start = lanes["compute"][0][0]
+        lines.append(
+            f"  timeline of one offloaded step: forward {format_duration(forward_done - start)}, "
+            f"backward {format_duration(backward_done - forward_done)}; "
+            f"{len(lanes['D2H'])} copies down, {len(lanes['H2D'])} up (--trace FILE for Perfetto)"
         )
     lines.append("  ratios:")
     for name, value in result["ratios"].items():

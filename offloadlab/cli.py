@@ -606,15 +606,18 @@ def _save(saves: list[tuple[str, Path, object, str]], text: str) -> tuple[list[s
     return notes, faults
 
 
-def show_and_save_json(shown: str, text: str, target: Path | None, force: bool, what: str) -> int:
-    """Write ``text`` (``what``, as JSON) to ``--json``'s ``target`` when one is given, print
-    ``shown``, then say what was written; a write the machine refused is a fault (exit 1)."""
+def show_and_save_json(
+    shown: str, text: str, target: Path | None, force: bool, what: str, more: tuple = ()
+) -> int:
+    """Write ``text`` (``what``, as JSON) to ``--json``'s ``target`` when one is given (and
+    ``more`` saves, as :func:`_save` takes them), print ``shown``, then say what was written; a
+    write the machine refused is a fault (exit 1)."""
 
     def write(path):
         files.write_atomically(path, text, force)
 
     saves = [] if target is None else [("--json", target, write, f"wrote {what} to {target}")]
-    notes, faults = _save(saves, text)
+    notes, faults = _save([*saves, *more], text)
     print(shown)
     for note in notes:
         print(note)
@@ -705,9 +708,17 @@ def _cmd_probe(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from . import bench
+    from . import bench, trace
 
     target = output_target(args.json, args.force)  # refuse a bad --json before a long run
+    trace_target = output_target(args.trace, args.force, "--trace")
+    if trace_target is not None and trace_target == target:
+        raise UsageError(f"--trace: names the --json file {args.json!r}; give another file")
+    if trace_target is not None and args.name not in bench.TIMELINES:
+        raise UsageError(
+            f"--trace: only bench {' and '.join(bench.TIMELINES)} records a timeline; got bench "
+            f"{args.name}"
+        )
     if args.disk is not None and args.name != "nvme":
         raise UsageError(f"--disk: only bench nvme uses a disk; got it with bench {args.name}")
     if args.name == "nvme":
@@ -722,7 +733,19 @@ def _cmd_bench(args) -> int:
             _refuse_a_stale_peer_build()
         result = getattr(bench, args.name)(quick=args.quick)
     text = dumps(result, indent=1) + "\n"
-    return show_and_save_json(bench.format_result(result), text, target, args.force, "the result")
+    more = []
+    if trace_target is not None:
+        timeline = dumps(trace.chrome_trace(result["timeline"], f"bench {args.name}"))
+        more.append(
+            (
+                "--trace",
+                trace_target,
+                lambda path: files.write_atomically(path, timeline, args.force),
+                f"wrote the timeline to {trace_target} (open it in ui.perfetto.dev)",
+            )
+        )
+    shown = bench.format_result(result)
+    return show_and_save_json(shown, text, target, args.force, "the result", tuple(more))
 
 
 def _refuse_a_stale_peer_build() -> None:
@@ -944,7 +967,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     bench.add_argument("--json", metavar="FILE", help="write the result to FILE")
-    bench.add_argument("--force", action="store_true", help="replace an existing --json file")
+    bench.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write the recorded timeline to FILE, for Perfetto (bench activations)",
+    )
+    bench.add_argument(
+        "--force", action="store_true", help="replace an existing --json or --trace file"
+    )
     bench.add_argument(
         "--disk", metavar="DIR", help="folder for bench nvme's scratch files (default: here)"
     )

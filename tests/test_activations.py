@@ -6,6 +6,7 @@ CPU reduction split over another number of threads sums in another order.
 """
 
 import gc
+import json
 
 import pytest
 import torch
@@ -196,3 +197,38 @@ def test_gradients_equal_the_plain_models_on_the_gpu():
         offloaded = gradients(lambda: TinyGPT(CONFIG).cuda(), (x, y), link, min_bytes=SMALL)
     for a, b in zip(plain[1], offloaded[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_bench_records_a_timeline_where_each_copy_up_follows_its_own_down(
+    monkeypatch, tmp_path, capsys
+):
+    from offloadlab import bench
+    from offloadlab.cli import main
+
+    monkeypatch.setattr(bench, "_offload_rounds", lambda gpu, quick: (1, 1))
+    result = bench.activations(quick=True)
+    assert [row["contender"] for row in result["rows"]] == list(bench.ACTIVATION_CONTENDERS)
+    link_row = next(row["link"] for row in result["rows"] if "link" in row)
+    assert link_row["d2h_bytes"] == link_row["h2d_bytes"] == link_row["predicted_each_way"] > 0
+    lanes = result["timeline"]
+    (start, forward_done, _), (_, backward_done, _) = lanes["compute"]
+    downs = {label: (s, e) for s, e, label in lanes["D2H"]}
+    ups = {label: (s, e) for s, e, label in lanes["H2D"]}
+    assert len(downs) == len(lanes["D2H"]) > 0 and downs.keys() == ups.keys()
+    for label, (down_start, down_end) in downs.items():
+        assert start <= down_start and down_end <= ups[label][0]  # up reads what has landed
+        assert forward_done <= ups[label][0] and ups[label][1] <= backward_done
+
+    monkeypatch.setattr(bench, "activations", lambda quick=False: result)
+    trace_file = tmp_path / "step.trace.json"
+    assert main(["bench", "activations", "--trace", str(trace_file)]) == 0
+    assert "copies down" in capsys.readouterr().out
+    events = [e for e in json.loads(trace_file.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == 2 + 2 * len(downs)
+    assert main(["bench", "activations", "--trace", str(trace_file)]) == 2  # kept without --force
+    assert "--force" in capsys.readouterr().err
+    assert main(["bench", "link", "--trace", str(tmp_path / "other.json")]) == 2
+    assert "only bench activations records a timeline" in capsys.readouterr().err
+    both = str(tmp_path / "both.json")
+    assert main(["bench", "activations", "--json", both, "--trace", both]) == 2
+    assert "names the --json file" in capsys.readouterr().err

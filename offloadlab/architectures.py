@@ -409,6 +409,16 @@ def shipped() -> list[str]:
     return sorted(p.stem for p in CONFIG_FOLDER.glob("*.json"))
 
 
+_JSON_KINDS = {
+    list: "array",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
+
+
 def _parse_json(text: str, source: str):
     try:
         return json.loads(text)
@@ -457,8 +467,18 @@ def read_config(model: str | Path) -> tuple[dict, str, tuple[str, ...]]:
             f"{path.name}: expected a readable JSON config; got {type(error).__name__}: {error}"
         ) from None
     config = _parse_json(raw, name)
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{name}: expected a JSON object (a model's config.json); got a JSON "
+            f"{_JSON_KINDS.get(type(config), type(config).__name__)}"
+        )
+    if config.get(_TEXT_CONFIG) is not None and not isinstance(config[_TEXT_CONFIG], dict):
+        raise ValueError(
+            f"{name}: expected {_TEXT_CONFIG!r} to be an object (the language model's config); "
+            f"got {config[_TEXT_CONFIG]!r:.60}"
+        )
     notes: tuple[str, ...] = ()
-    if isinstance(config, dict) and isinstance(config.get(_TEXT_CONFIG), dict):
+    if isinstance(config.get(_TEXT_CONFIG), dict):
         outer = config.get("model_type", "multimodal")
         inner = dict(config[_TEXT_CONFIG])
         inner.setdefault("model_type", f"{outer}_text" if f"{outer}_text" in _DEFAULTS else outer)
@@ -634,6 +654,7 @@ def _rotary(c: _Config, name: str) -> Architecture:
     q_bias = {"qwen2": True, "qwen2_moe": c.bool("qkv_bias")}.get(family, c.bool("attention_bias"))
     o_bias = c.bool("attention_bias") if family not in ("qwen2", "qwen2_moe") else False
     experts, top_k, expert_width, shared, moe_layers = _experts(c, layers)
+    check_routing(experts, top_k, c.source)
     norms = 4 if family in ("gemma2", "gemma3_text") else 2
     b = _Builder()
     b.tensor("model.embed_tokens", "weight", vocab, hidden)
@@ -718,6 +739,14 @@ def _rotary(c: _Config, name: str) -> Architecture:
         tuple(b.weights),
         tuple(shapes),
     )
+
+
+def check_routing(experts: int, top_k: int, source: str) -> None:
+    """ValueError unless a token is routed to 1 to ``experts`` experts (a dense model: none)."""
+    if experts and not 1 <= top_k <= experts:
+        raise ValueError(
+            f"{source}: expected 'num_experts_per_tok' from 1 to the {experts} experts; got {top_k}"
+        )
 
 
 def _experts(c: _Config, layers: int) -> tuple[int, int, int, int, set[int]]:

@@ -21,13 +21,40 @@ from dataclasses import replace
 
 from . import architectures
 from .architectures import Architecture, LayerShape, Weight
-from .units import is_integer
+from .units import check_integer, is_integer
 
 __all__ = ["available", "architecture", "version"]
 
 # Config fields that name the number of routed experts and how many each token uses, across
 # families.
 _EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+# Fields that mean the same in every family that has them: checked before transformers reads them
+_WIDTH_FIELDS = (
+    "hidden_size",
+    "n_embd",
+    "d_model",
+    "num_hidden_layers",
+    "n_layer",
+    "num_layers",
+    "num_attention_heads",
+    "n_head",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "ffn_dim",
+    "n_inner",
+    "moe_intermediate_size",
+    "vocab_size",
+    "num_experts_per_tok",
+)
+_FLAG_FIELDS = ("tie_word_embeddings",)
+# The widths a plan cannot do without: taken from transformers' defaults, they would describe
+# another model
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads")
+_NOTED = ("intermediate_size", "vocab_size")  # said in a note when taken from the defaults
+# Layers of these kinds hold state in place of attention (class names, lower case)
+_ATTENTION_FREE = ("mamba", "ssm", "deltanet", "rwkv", "shortconv", "recurrent")
 
 
 def available() -> bool:
@@ -67,29 +94,23 @@ def _counted(config_text: str, name: str) -> Architecture:
             f"{name}: expected a 'model_type' naming the model's family; got {family!r}"
         )
     fields = {k: v for k, v in config.items() if k != "model_type"}
-    # the model would be built layer by layer
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        value = fields.get(key)
-        if isinstance(value, int) and value > architectures.MAX_LAYERS:
-            raise ValueError(
-                f"{name}: expected {key!r} to be at most {architectures.MAX_LAYERS:,} layers; "
-                f"got {value:,}"
-            )
+    _check_fields(fields, name)
+    family = _language_model_type(family, name)
     transformers.logging.set_verbosity_error()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             built = transformers.AutoConfig.for_model(family, **fields)
         except (ValueError, KeyError) as error:
+            if family in transformers.CONFIG_MAPPING:
+                raise ValueError(f"{name}: {_refusal(error, family)}") from None
             raise ValueError(
                 f"{name}: expected a model_type transformers {transformers.__version__} knows; got "
                 f"{family!r} ({str(error).splitlines()[0][:120]})"
             ) from None
-        except (TypeError, AttributeError) as error:
-            raise ValueError(
-                f"{name}: transformers {transformers.__version__} cannot read this {family} config "
-                f"({type(error).__name__}: {str(error).splitlines()[0][:120]})"
-            ) from None
+        except (TypeError, AttributeError, _validation_error()) as error:
+            raise ValueError(f"{name}: {_refusal(error, family)}") from None
+        defaulted = _check_given(built, fields, name, family)
         try:
             with torch.device("meta"):
                 model = transformers.AutoModelForCausalLM.from_config(built)
@@ -110,8 +131,15 @@ def _counted(config_text: str, name: str) -> Architecture:
     weights = _weights(model, layers_path, built)
     formula = _formula(config, name)
     experts, per_token = _expert_counts(built)
+    architectures.check_routing(experts, per_token, name)
     hidden = _attr(built, "hidden_size", "n_embd", "d_model")
     heads = _attr(built, "num_attention_heads", "n_head")
+    stateful = _attention_free_layers(model, layers_path)
+    if not heads or stateful == layers:
+        raise ValueError(
+            f"{name}: a {family} model has no attention layers (a state-space or other "
+            "attention-free model); the planner models attention layers only"
+        )
     kv_heads = _attr(built, "num_key_value_heads", "num_kv_heads") or heads
     head_dim = _attr(built, "head_dim") or (hidden // heads if hidden and heads else 0)
     intermediate = _attr(
@@ -149,7 +177,120 @@ def _counted(config_text: str, name: str) -> Architecture:
             f"no formula for {family}: activations estimated as for a Llama-like layer of the "
             "same widths"
         )
-    return replace(counted, layer_shapes=shapes, notes=(note,))
+    notes = (note, *defaulted)
+    if stateful:
+        notes += (
+            f"a hybrid: {stateful} of its {layers} layers hold state-space or recurrent blocks, "
+            "whose activations are estimated as an attention layer's",
+        )
+    return replace(counted, layer_shapes=shapes, notes=notes)
+
+
+def _check_fields(fields: dict, name: str) -> None:
+    """ValueError naming the first field of ``fields`` whose type or range no family accepts, or
+    whose heads or experts disagree, before transformers reads it."""
+    for key in _WIDTH_FIELDS:
+        if fields.get(key) is not None:
+            value = fields[key]
+            check_integer(value, name, expected=f"{key!r} to be a positive integer")
+            if key in ("num_hidden_layers", "n_layer", "num_layers"):
+                # the model would be built layer by layer
+                check_integer(
+                    value,
+                    name,
+                    high=architectures.MAX_LAYERS,
+                    expected=f"{key!r} to be at most {architectures.MAX_LAYERS:,} layers",
+                )
+    for key in _EXPERT_FIELDS:
+        if fields.get(key) is not None:
+            check_integer(fields[key], name, 0, expected=f"{key!r} to be a whole number")
+    for key in _FLAG_FIELDS:
+        if key in fields and not isinstance(fields[key], bool):
+            raise ValueError(f"{name}: expected {key!r} to be true or false; got {fields[key]!r}")
+    heads = fields.get("num_attention_heads") or fields.get("n_head")
+    kv_heads = fields.get("num_key_value_heads") or fields.get("num_kv_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise ValueError(
+            f"{name}: expected the key-value heads ({kv_heads}) to divide the {heads} attention "
+            "heads"
+        )
+    experts = next((fields[key] for key in _EXPERT_FIELDS if fields.get(key)), 0)
+    if experts and fields.get("num_experts_per_tok") is not None:
+        architectures.check_routing(experts, fields["num_experts_per_tok"], name)
+
+
+def _language_model_type(family: str, name: str) -> str:
+    """The model_type of a multimodal ``family``'s language model (``llama4`` → ``llama4_text``):
+    the fields given are its text config's."""
+    import transformers
+
+    if family not in transformers.CONFIG_MAPPING:
+        return family  # refused, with the families transformers knows, when it is read
+    text = (getattr(transformers.CONFIG_MAPPING[family], "sub_configs", None) or {}).get(
+        "text_config"
+    )
+    if text is None:
+        return family
+    if not getattr(text, "model_type", ""):
+        raise ValueError(
+            f"{name}: expected a 'model_type' inside text_config: a {family} model's language "
+            "model may be of several families"
+        )
+    return text.model_type
+
+
+def _check_given(built, fields: dict, name: str, family: str) -> tuple[str, ...]:
+    """ValueError if a width the plan needs came from transformers' defaults, not ``fields``
+    (``{"model_type": "qwen3"}`` alone is not a 12B model); else a note naming the other widths
+    that did."""
+    aliases = getattr(type(built), "attribute_map", {}) or {}
+
+    def given(key):
+        return key in fields or aliases.get(key) in fields
+
+    for key in _REQUIRED:
+        if not given(key) and _attr(built, key):
+            raise ValueError(
+                f"{name}: expected the field {aliases.get(key, key)!r} for a {family} model; it is "
+                f"missing (transformers would fill in {getattr(built, key)}, another model's width)"
+            )
+    defaulted = [
+        f"{key} {getattr(built, key)}" for key in _NOTED if not given(key) and _attr(built, key)
+    ]
+    if not defaulted:
+        return ()
+    return (f"not in the config, from transformers' {family} defaults: {', '.join(defaulted)}",)
+
+
+def _validation_error() -> type:
+    """The error transformers' config classes raise for a field of the wrong type
+    (huggingface_hub's strict dataclasses; not a ValueError)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: its configs raise ValueError or TypeError
+        return TypeError
+    return StrictDataclassError
+
+
+def _refusal(error: Exception, family: str) -> str:
+    """One line: transformers' reason for refusing a ``family`` config (its last line names the
+    field)."""
+    import transformers
+
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = lines[-1] if lines else type(error).__name__
+    return f"transformers {transformers.__version__} refuses this {family} config: {reason[:160]}"
+
+
+def _attention_free_layers(model, layers_path: str) -> int:
+    """How many decoder layers hold a state-space or recurrent block (by its class name)."""
+    if not layers_path:
+        return 0
+    layers = model.get_submodule(layers_path)
+    return sum(
+        any(kind in type(m).__name__.lower() for m in layer.modules() for kind in _ATTENTION_FREE)
+        for layer in layers
+    )
 
 
 def _attr(config, *names):

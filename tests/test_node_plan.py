@@ -542,3 +542,121 @@ def test_emit_for_another_engine_says_so_and_is_refused_when_that_engine_does_no
         and short.stderr.count("\n") == 1
         and "no FSDP2 configuration fits" in short.stderr
     )
+
+
+def _shipped(name, **changes):
+    config = json.loads((architectures.CONFIG_FOLDER / f"{name}.json").read_text())
+    return {**config, **changes}
+
+
+# (config, what the one line names): every one is refused whichever way the model is counted
+BAD_CONFIGS = {
+    "JSON array": ([1, 2], "expected a JSON object (a model's config.json); got a JSON array"),
+    "JSON string": ("llama", "got a JSON string"),
+    "float width": (_shipped("llama-3.2-1b", hidden_size=2048.0), "'hidden_size' to be a positive"),
+    "string layers": (_shipped("llama-3.2-1b", num_hidden_layers="16"), "'num_hidden_layers'"),
+    "flag as text": (_shipped("llama-3.2-1b", tie_word_embeddings="yes"), "true or false"),
+    "no heads": (_shipped("llama-3.2-1b", num_attention_heads=0), "'num_attention_heads'"),
+    "kv heads": (_shipped("llama-3.2-1b", num_key_value_heads=5), "divide"),
+    "width missing": ({"model_type": "qwen3"}, "'hidden_size' for a qwen3 model; it is missing"),
+    "width null": (_shipped("llama-3.2-1b", hidden_size=None), "'hidden_size'"),
+    "top-k above the experts": (
+        _shipped("mixtral-8x7b", num_experts_per_tok=20),
+        "'num_experts_per_tok' from 1 to the 8 experts; got 20",
+    ),
+    "top-k zero": (_shipped("mixtral-8x7b", num_experts_per_tok=0), "'num_experts_per_tok'"),
+    "text_config not an object": (
+        _shipped("gemma-3-4b", text_config=[1]),
+        "expected 'text_config' to be an object",
+    ),
+}
+# refused by transformers' own checks, or only where transformers builds the model
+TRANSFORMERS_ONLY = {
+    "Llama 4 Scout as published": (
+        {
+            "model_type": "llama4",
+            "text_config": {
+                "attn_temperature_tuning": 4,
+                "hidden_size": 5120,
+                "intermediate_size": 8192,
+                "intermediate_size_mlp": 16384,
+                "num_attention_heads": 40,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "num_hidden_layers": 48,
+                "num_local_experts": 16,
+                "num_experts_per_tok": 1,
+                "vocab_size": 202048,
+            },
+        },
+        "refuses this llama4_text config: TypeError: Field 'attn_temperature_tuning' expected "
+        "bool, got int",
+    ),
+    "attention-free": (
+        {
+            "model_type": "mamba",
+            "hidden_size": 256,
+            "num_hidden_layers": 4,
+            "vocab_size": 1000,
+            "state_size": 16,
+        },
+        "a mamba model has no attention layers",
+    ),
+}
+
+
+@pytest.mark.parametrize("count", ["transformers", "formula", "auto"])
+@pytest.mark.parametrize("case", [*BAD_CONFIGS, *TRANSFORMERS_ONLY])
+def test_every_bad_config_is_one_line_and_exit_2_however_it_is_counted(
+    tmp_path, capsys, case, count
+):
+    from offloadlab.cli import main
+
+    config, fragment = {**BAD_CONFIGS, **TRANSFORMERS_ONLY}[case]
+    if case in TRANSFORMERS_ONLY and count != "transformers":
+        fragment = ""  # the formulas know no such family: refused for that, in one line
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    status = main(
+        ["plan", "--model-config", str(path), "--gpu-memory", "80 GB", "--link", "25 GB/s"]
+        + ["--count", count]
+    )
+    err = capsys.readouterr().err
+    assert status == 2 and fragment in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_widths_from_transformers_defaults_are_named(tmp_path, capsys):
+    from offloadlab.cli import main
+
+    path = tmp_path / "config.json"
+    sizes = {"hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16}
+    path.write_text(json.dumps({"model_type": "qwen3", **sizes, "head_dim": 64}))
+    args = ["plan", "--model-config", str(path), "--gpu-memory", "80 GB", "--link", "25 GB/s"]
+    assert main([*args, "--count", "transformers"]) == 0
+    out = capsys.readouterr().out
+    assert "from transformers' qwen3 defaults: intermediate_size 22016, vocab_size 151936" in out
+
+
+def test_a_hybrid_names_its_state_space_layers(tmp_path, capsys):
+    from offloadlab.cli import main
+
+    path = tmp_path / "jamba.json"
+    jamba = {
+        "model_type": "jamba",
+        "hidden_size": 256,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        "vocab_size": 1000,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "attn_layer_period": 4,  # attention in layers 2 and 6, Mamba in the other six
+        "attn_layer_offset": 2,
+        "use_mamba_kernels": False,
+    }
+    path.write_text(json.dumps(jamba))
+    args = ["plan", "--model-config", str(path), "--gpu-memory", "80 GB", "--link", "25 GB/s"]
+    assert main([*args, "--count", "transformers"]) == 0
+    assert "a hybrid: 6 of its 8 layers hold state-space" in capsys.readouterr().out

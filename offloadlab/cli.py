@@ -488,8 +488,11 @@ def _cmd_plan(args) -> int:
                 "opt": "model.model.decoder.layers",
             }.get(work.architecture.family, "model.model.layers")
             if args.model_config is not None:
-                folder = Path(args.model_config)
-                options["model"] = str(folder if folder.is_dir() else folder.parent)
+                # FSDP2's script builds the model from its config alone: the file given, whatever
+                # its name; DeepSpeed's loads a snapshot's weights: the folder
+                given = Path(args.model_config)
+                on_its_own = given.is_dir() or args.emit == "fsdp"
+                options["model"] = str(given if on_its_own else given.parent)
         try:
             picked, note = engines.plan_for(report, args.emit)
         except ValueError as error:

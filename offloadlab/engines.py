@@ -490,7 +490,7 @@ def fsdp_snippet(config: Setup) -> str:
         lines += [
             "from transformers import AutoConfig, AutoModelForCausalLM",
             "",
-            f"MODEL = {config.model!r}  # a Hugging Face model id, or the folder of its snapshot",
+            f"MODEL = {config.model!r}  # a Hugging Face model id, its snapshot's folder or config",
         ]
     elif config.imports:
         lines += config.imports.splitlines()

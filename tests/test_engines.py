@@ -272,7 +272,7 @@ def test_the_emitted_fsdp2_script_trains_a_transformers_model_as_written(tmp_pat
     built on the meta device, sharded, offloaded, initialised, trained ten steps on its stand-in
     batch with fused AdamW and clipping."""
     pytest.importorskip("transformers")
-    (tmp_path / "config.json").write_text(
+    (tmp_path / "tiny-llama.json").write_text(
         json.dumps(
             {
                 "model_type": "llama",
@@ -293,7 +293,7 @@ def test_the_emitted_fsdp2_script_trains_a_transformers_model_as_written(tmp_pat
             "offloadlab",
             "plan",
             "--model-config",
-            str(tmp_path),
+            str(tmp_path / "tiny-llama.json"),  # (any name: not only a snapshot's config.json)
             "--gpus-per-node",
             "2",
             "--gpu-memory",
@@ -321,7 +321,7 @@ def test_the_emitted_fsdp2_script_trains_a_transformers_model_as_written(tmp_pat
     )
     # ten steps: a faster rate shows the loss fall
     script = payload["fsdp"].replace("lr=0.0003", "lr=0.003")
-    assert f"MODEL = {str(tmp_path)!r}" in script
+    assert f"MODEL = {str(tmp_path / 'tiny-llama.json')!r}" in script
     (tmp_path / "train.py").write_text(script)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(

@@ -190,6 +190,8 @@ _LAYER_FIELDS = ("num_hidden_layers", "n_layer")
 _PLAIN_MLP_KEPT = {"relu": 1, "gelu_new": 5}
 # The field that names a multimodal model's language model, and the model types that carry one.
 _TEXT_CONFIG = "text_config"
+# The embedding tables' module names across families (token first, then positions)
+_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "wpe", "embed_positions")
 
 
 def defaults(family: str) -> dict:
@@ -292,6 +294,14 @@ class LayerShape:
             mlp = per_width * self.mlp_width
         return norms + attend + mlp + e * self.extra
 
+    def attention_flops(self, seq: int, attention: str = "sdpa") -> float:
+        """Forward FLOPs per token of attention's two products over the sequence (scores, then
+        the weighted sum of values), causal: 'sdpa' (flash) skips the masked half, a token
+        attending to (seq + 1) / 2 positions on average; 'eager' multiplies every pair and masks
+        after. A sliding window would compute less; it is not modelled."""
+        pairs = (seq + 1) / 2 if attention == "sdpa" else seq
+        return 2 * pairs * (self.q_width + self.o_width)
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -336,6 +346,20 @@ class Architecture:
             if w.experts and not w.tied
         )
         return self.params - idle
+
+    @property
+    def lookup_params(self) -> int:
+        """Parameters of embedding tables a token only looks up (no multiply): the token and
+        position embeddings outside the layers, less the token table a tied head multiplies by."""
+        tables = [
+            w
+            for w in self.weights
+            if w.layer is None and not w.tied and w.module.rsplit(".", 1)[-1] in _EMBEDDINGS
+        ]
+        looked_up = sum(w.numel for w in tables)
+        if self.tied_embeddings and tables:
+            looked_up -= tables[0].numel  # (the token table comes first)
+        return looked_up
 
     def _per_layer(self) -> list[int]:
         sizes = [0] * self.layers

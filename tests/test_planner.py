@@ -76,8 +76,10 @@ def test_wrong_tool():
 
 
 def test_one_layer_step_is_compute_then_gradient_update_upload_in_turn():
-    # One layer: nothing overlaps. 6 × 1e9 × 1024 FLOP at 1 PFLOP/s = 6.144 ms of compute; then 2 GB
-    # down at 10 GB/s (0.2 s), 1e9 parameters updated at 1e9/s (1 s), 2 GB up (0.2 s).
+    # One layer: nothing overlaps. 6 × 1e9 × 1024 FLOP for the weights, and causal attention's
+    # two products, each 2 × (1024 + 1) / 2 × 1024 FLOP a token forward, three times over with
+    # backward, at 1 PFLOP/s: 6.1505 ms of compute; then 2 GB down at 10 GB/s (0.2 s), 1e9
+    # parameters updated at 1e9/s (1 s), 2 GB up (0.2 s).
     r = report(
         1e9,
         gpu="8 GB",
@@ -91,8 +93,11 @@ def test_one_layer_step_is_compute_then_gradient_update_upload_in_turn():
         cpu_adam=1e9,
     )
     optimizer = next(p for p in r.plans if p.offload == "optimizer" and not p.recompute)
-    assert optimizer.t_compute == pytest.approx(6.144e-3)
-    assert optimizer.step == pytest.approx(6.144e-3 + 0.2 + 1 + 0.2)
+    attention = 3 * 2 * (2 * (1024 + 1) / 2 * 1024) * 1024
+    compute = (6 * 1e9 * 1024 + attention) / 1e15
+    assert compute == pytest.approx(6.1505e-3, rel=1e-4)
+    assert optimizer.t_compute == pytest.approx(compute)
+    assert optimizer.step == pytest.approx(compute + 0.2 + 1 + 0.2)
     assert (optimizer.h2d_bytes, optimizer.d2h_bytes) == (
         2e9,
         2e9,
@@ -376,7 +381,8 @@ def test_clipping_holds_the_updates_until_backward_ends():
     # (1.25 s) and the last upload ends at 2.3 s. Delayed: the update runs behind the next step's
     # compute, and the 0.2 s of uploads at the boundary are what remains: 1.4 s.
     work = planner.Workload(1e9, layers=4, hidden=1024, heads=8, batch=1, seq=1024)
-    hw = planner.Hardware("8 GB", "10 GB/s", compute=6 * 1e9 * 1024 / 1.2, cpu_adam=1e9)
+    # (the rate at which its weights' and attention's FLOPs take 1.2 s)
+    hw = planner.Hardware("8 GB", "10 GB/s", compute=work.compute_flops() / 1.2, cpu_adam=1e9)
     pick = lambda r: next(p for p in r.plans if p.offload == "optimizer" and not p.recompute)  # noqa: E731
     eager, clipped = pick(planner.plan(work, hw)), pick(planner.plan(work, hw, clipping=True))
     assert eager.step == pytest.approx(1.7) and clipped.step == pytest.approx(2.3)
@@ -483,7 +489,12 @@ def test_experts_count_in_memory_and_their_active_share_in_compute():
     work = planner.Workload.of_model(mixtral, seq=1024)
     r = planner.plan(work, planner.Hardware("80 GB", "25 GB/s", host_memory="2 TB", compute=400e12))
     kept = next(p for p in r.plans if p.offload == "nothing" and not p.recompute)
-    assert kept.t_compute == pytest.approx(6 * mixtral.active_params * 1024 / 400e12)
+    # Each token is multiplied by 2 of the 8 experts, the attention and the head, not by the
+    # embedding table it looks up (32,000 × 4,096); causal attention: 32 layers of queries and
+    # outputs 4,096 wide, over (1,024 + 1) / 2 positions on average, two products.
+    multiplied = mixtral.active_params - 32000 * 4096
+    attention = 32 * 2 * (1024 + 1) / 2 * (4096 + 4096)
+    assert kept.t_compute == pytest.approx(3 * (2 * multiplied + attention) * 1024 / 400e12)
     assert kept.gpu_terms["model state"] == 16 * mixtral.params  # all 8 experts' state
 
 
@@ -653,3 +664,34 @@ def test_a_plan_bound_by_the_cpu_recomputes_rather_than_fill_the_link():
         planner.Hardware(memory.GPU_SIZES["80 GB"], "60 GB/s", host_memory="2 TB"),
     )
     assert report.chosen.recompute and not report.chosen.activations_offloaded
+
+
+def test_step_compute_counts_causal_attention_which_outgrows_the_weights_at_long_context():
+    """Qwen3-32B at 131,072 tokens with every layer recomputed (its public widths: 64 layers of
+    64 query heads of 128): the weights' 8 · N · T is about 3.4e16 FLOPs, causal attention's two
+    products another 7.2e16, four passes (forward, backward twice, the recomputation) of
+    64 · (s + 1) · 16,384 FLOPs a token. Eager attention multiplies every pair: twice that."""
+    qwen = architectures.from_config(
+        {
+            "model_type": "qwen2",
+            "hidden_size": 5120,
+            "intermediate_size": 25600,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "num_hidden_layers": 64,
+            "vocab_size": 151936,
+            "tie_word_embeddings": False,
+        }
+    )
+    s = 131072
+    sdpa = planner.Workload.of_model(qwen, seq=s)
+    attention = 4 * 64 * (s + 1) * 16384 * s
+    assert attention == pytest.approx(7.2e16, rel=0.01)
+    weights = 8 * (qwen.active_params - 151936 * 5120) * s
+    assert weights == pytest.approx(3.4e16, rel=0.02)
+    assert sdpa.compute_flops(True) == pytest.approx(weights + attention)
+    forward, backward = sdpa.pass_flops(True)
+    assert backward == pytest.approx(3 * forward)  # twice forward, and the forward once more
+    eager = planner.Workload.of_model(qwen, seq=s, attention="eager")
+    assert eager.compute_flops(True) - weights == pytest.approx(2 * attention, rel=1e-4)

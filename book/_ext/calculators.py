@@ -67,6 +67,7 @@ FACE = ("cli",)
 OPTIONAL_IMPORTS = {
     "torch": "memory.measure_state counts the bytes of a live torch model",
     "transformers": "an exact parameter count on the meta device, where transformers is installed",
+    "huggingface_hub": "the error transformers raises for a config field of the wrong type",
 }
 
 

@@ -272,11 +272,10 @@ def schedule(
 ) -> overlap.OffloadStep:
     """The step of one plan laid out layer by layer (:func:`offloadlab.overlap.offload_step`).
 
-    Each of the workload's layers gets an equal share of the parameters and of the compute
-    (forward 2 and backward 4 FLOP per active parameter per token, 2 more for the recomputed
-    layers' share). ``clipping``: no update starts before every gradient is in. A measured
-    ``duplex`` rate runs both copy engines at the rate each keeps while the other is busy: the
-    cautious reading.
+    Each of the workload's layers gets an equal share of the parameters and of each pass's
+    compute (:meth:`Workload.pass_flops`). ``clipping``: no update starts before every gradient is
+    in. A measured ``duplex`` rate runs both copy engines at the rate each keeps while the other is
+    busy: the cautious reading.
     """
     if offload not in OFFLOAD_LEVELS:
         raise ValueError(f"offload: expected one of {', '.join(OFFLOAD_LEVELS)}; got {offload!r}")
@@ -287,12 +286,11 @@ def schedule(
     # Deep models are simulated as at most MAX_SIMULATED_LAYERS equal groups of layers: the step
     # changes by a fraction of one group's time, and the simulation stays fast for any depth.
     layers = min(work.layers, MAX_SIMULATED_LAYERS)
-    share = work.checkpointed(recompute) / work.layers
-    per_token = work.active_params * work.tokens / rate / layers
+    forward, backward = work.pass_flops(recompute)
     per_layer = dict(
         layers=layers,
-        forward=2 * per_token,
-        backward=(4 + 2 * share) * per_token,
+        forward=forward / rate / layers,
+        backward=backward / rate / layers,
         duplex="half" if label == "half" else "full",
         delayed=delayed,
         after_backward=clipping,
@@ -408,12 +406,14 @@ def _plan(
     moved = budget.traffic(_STREAMED[level], recipe) if level else None
     h2d, d2h = (moved.h2d * p, moved.d2h * p) if moved else (0.0, 0.0)
     both, _ = budget.both_directions_rate(hw.link, duplex)
-    t_compute = work.compute_flops(checkpointed) / (hw.compute or ASSUMED_COMPUTE)
+    forward, backward = work.pass_flops(checkpointed)
+    t_forward, t_compute = (
+        flops / (hw.compute or ASSUMED_COMPUTE) for flops in (forward, forward + backward)
+    )
     activation_bytes, exposed = 0.0, 0.0
     if offloaded:
         activation_bytes, _ = offloaded_activations(work, int(w))
         h2d, d2h = h2d + activation_bytes, d2h + activation_bytes
-        t_forward = t_compute * 2 / 6  # forward: 2 of the 6 FLOPs per parameter and token
         t_copy = activation_bytes / both
         exposed = max(0.0, t_copy - t_forward) + max(0.0, t_copy - (t_compute - t_forward))
     t_cpu = p / (hw.cpu_adam or ASSUMED_CPU_ADAM) if level else 0.0

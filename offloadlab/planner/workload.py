@@ -211,11 +211,28 @@ class Workload:
         """Activation memory of the whole model at its peak (see :meth:`activations`)."""
         return self.activations(recompute, element).total
 
+    def pass_flops(self, recompute=False) -> tuple[float, float]:
+        """FLOPs of one step's (forward, backward with its recomputation).
+
+        Forward: 2 per parameter a token is multiplied by (its routed experts', the head's; not an
+        embedding it looks up) and causal attention's products over the sequence
+        (:meth:`LayerShape.attention_flops`); backward twice that, and once more the forward of
+        each recomputed layer.
+        """
+        k = self.checkpointed(recompute)
+        attention = [
+            shape.attention_flops(self.seq, self.attention) for shape in self.layer_shapes()
+        ]
+        multiplied = self.active_params - (
+            self.architecture.lookup_params if self.architecture else 0
+        )
+        forward = 2 * multiplied + sum(attention)
+        again = 2 * multiplied * k / self.layers + sum(attention[:k])
+        return forward * self.tokens, (2 * forward + again) * self.tokens
+
     def compute_flops(self, recompute=False) -> float:
-        """FLOPs of one step: 2 per active parameter per token forward, 4 backward, 2 more for each
-        recomputed layer's share (attention's own products over the sequence are left out)."""
-        share = self.checkpointed(recompute) / self.layers
-        return (6 + 2 * share) * self.active_params * self.tokens
+        """FLOPs of one step (:meth:`pass_flops`, both passes)."""
+        return sum(self.pass_flops(recompute))
 
     def layer_params(self) -> float:
         """Parameters of one transformer layer: exact (the largest) for a real model, else an

@@ -256,6 +256,10 @@ class LayerShape:
     mlp_kept: int = 0  # elements kept per element of the MLP's width; 0: 4 when gated, 2 when not
     # other elements kept per token in the compute dtype (a fused QKV output, latents)
     extra: int = 0
+    # Measured from the model's own code (:mod:`offloadlab.model_count`), in place of the count
+    # below: per attention, (bytes a token in the compute dtype, in other dtypes, and each per
+    # position of the sequence), measured in bf16
+    measured: tuple[tuple[str, float, float, float, float], ...] = ()
 
     def kept_bytes(self, element: int, seq: int, attention: str = "sdpa") -> float:
         """Bytes of activations this layer keeps for backward, per token, in the compute dtype's
@@ -267,8 +271,14 @@ class LayerShape:
         RMSNorm in fp32) and the output a projection reads, the query, key, value and attention
         output (and for SDPA one fp32 log-sum-exp per head), the MLP's projections and activation,
         and for experts each token's routed copies and the router's fp32 scores. Dropout is taken
-        as off, as in today's LLM training.
+        as off, as in today's LLM training. A ``measured`` layer returns its measurement instead,
+        the compute dtype's share scaled to ``element`` bytes.
         """
+        if self.measured:
+            _, compute, other, compute_s, other_s = next(
+                row for row in self.measured if row[0] == attention
+            )
+            return (compute + compute_s * seq) * element / 2 + other + other_s * seq
         h, e = self.hidden, element
         kept_in = {"rms": 4 * h + e * h + 4, "gemma": 8 * h + 4, "layer": e * h + 8}[self.norm]
         norms = (self.norms + self.residual_norms) * kept_in + self.norms * e * h

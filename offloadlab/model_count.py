@@ -1,4 +1,5 @@
-"""Parameter counts from transformers' own model code: each config built on the meta device.
+"""Parameter counts from transformers' own model code: each config built on the meta device;
+for a family without a formula, its layers' activations too, from a forward on fake tensors.
 
 :func:`architecture` hands a config dict to transformers (``AutoConfig.for_model``), builds
 ``AutoModelForCausalLM.from_config`` under ``torch.device("meta")`` — shapes and no storage, so a
@@ -6,7 +7,9 @@
 tied one once, in the :class:`offloadlab.architectures.Architecture` the planner reads. The
 count is then the model's own, for any model type transformers knows; the formulas of
 :mod:`offloadlab.architectures` stay the fallback when transformers is not installed (and in
-the browser), and the note says whether they agree.
+the browser), and the note says whether they agree. Where no formula describes the family, each
+decoder layer's saved bytes are measured as its own code runs forward on fake tensors (shapes and
+dtypes, no memory) under saved-tensor hooks (:func:`_saved_bytes_by_layer`).
 
 It imports torch and transformers only when called: importing this module costs nothing.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import re
 import warnings
 from dataclasses import replace
 
@@ -53,8 +57,9 @@ _FLAG_FIELDS = ("tie_word_embeddings",)
 # another model
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads")
 _NOTED = ("intermediate_size", "vocab_size")  # said in a note when taken from the defaults
-# Layers of these kinds hold state in place of attention (class names, lower case)
-_ATTENTION_FREE = ("mamba", "ssm", "deltanet", "rwkv", "shortconv", "recurrent")
+# Blocks that hold state in place of attention, by class name (Mamba's and Bamba's mixers,
+# Qwen3-Next's gated DeltaNet, LFM2's short convolution, RecurrentGemma's, RWKV's)
+_ATTENTION_FREE = re.compile(r"Mamba|SSM|DeltaNet|ShortConv|Recurrent|Rwkv|RWKV|Mixer$")
 
 
 def available() -> bool:
@@ -172,18 +177,123 @@ def _counted(config_text: str, name: str) -> Architecture:
             else f"the formula gives {formula.params:,} (transformers' count is the one used)"
         )
     else:
-        shapes = (_llama_like(counted),) * layers
-        note = (
-            f"no formula for {family}: activations estimated as for a Llama-like layer of the "
-            "same widths"
-        )
+        shapes, note = _measured_shapes(counted, built, layers_path)
     notes = (note, *defaulted)
     if stateful:
+        how = "measured" if shapes and shapes[0].measured else "estimated as an attention layer's"
         notes += (
             f"a hybrid: {stateful} of its {layers} layers hold state-space or recurrent blocks, "
-            "whose activations are estimated as an attention layer's",
+            f"their activations {how}",
         )
     return replace(counted, layer_shapes=shapes, notes=notes)
+
+
+def _measured_shapes(counted: Architecture, built, layers_path: str):
+    """(layer shapes, note) of a family without a formula: each layer's saved bytes measured from
+    transformers' own code (:func:`_saved_bytes_by_layer`), else a Llama-like estimate, and the
+    note says which."""
+    like = _llama_like(counted)
+    try:
+        measured, attention = _saved_bytes_by_layer(built, layers_path, counted.layers)
+    except Exception as error:  # (a forward fake tensors cannot run: data-dependent shapes, say)
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0][:80] if str(error) else ''}"
+        return (like,) * counted.layers, (
+            f"no formula for {counted.family}, and its forward would not run on fake tensors "
+            f"({reason}): activations estimated as for a Llama-like layer of the same widths"
+        )
+    note = (
+        f"no formula for {counted.family}: activations measured from transformers' own code "
+        "(each layer's saved tensors, on fake tensors, in bf16)"
+    )
+    if attention == "eager":
+        note += f"; {counted.family} has no SDPA in transformers: eager attention, s² scores kept"
+    return tuple(replace(like, measured=rows) for rows in measured), note
+
+
+def _saved_bytes_by_layer(built, layers_path: str, layers: int) -> tuple[list, str]:
+    """Per decoder layer, :attr:`LayerShape.measured` for SDPA and eager attention, and the
+    attention the model runs with SDPA asked for ('eager' where transformers has no SDPA for it).
+
+    The model runs forward in bf16 on fake tensors (shapes and dtypes, no memory and no
+    arithmetic: a 70 B model in about a second) under saved-tensor hooks; each storage saved for
+    backward, parameters aside, counts once, in the layer that first saved it. Two sequence
+    lengths tell the bytes a token keeps from those that grow with the sequence.
+    """
+    rows: list[list] = [[] for _ in range(layers)]
+    sdpa = "sdpa"
+    for attention in ("sdpa", "eager"):
+        try:
+            model = _fake_model(built, attention)
+        except ValueError as error:
+            if attention == "eager" or "scaled_dot_product_attention" not in str(error):
+                raise
+            sdpa = "eager"  # SDPA asked for, eager run (transformers refuses SDPA for it)
+            continue
+        short, long = (_saved_per_token(model, layers_path, layers, seq) for seq in _SEQS)
+        for layer in range(layers):
+            growth = [(b - a) / (_SEQS[1] - _SEQS[0]) for a, b in zip(short[layer], long[layer])]
+            flat = [a - g * _SEQS[0] for a, g in zip(short[layer], growth)]
+            rows[layer].append((attention, *flat, *growth))
+    if sdpa == "eager":
+        rows = [[("sdpa", *row[0][1:]), *row] for row in rows]
+    return [tuple(row) for row in rows], sdpa
+
+
+# The sequence lengths saved bytes are measured at (fake tensors: the cost is the same at any)
+_SEQS = (32, 64)
+
+
+def _fake_model(built, attention: str):
+    """``built``'s model in bf16 with ``attention``, its parameters fake tensors on the CPU
+    (ValueError where transformers has no such attention for it)."""
+    import torch
+    import transformers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            built, attn_implementation=attention, dtype=torch.bfloat16
+        )
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model = model.to_empty(device="cpu")
+    model.fake_mode = mode
+    return model
+
+
+def _saved_per_token(model, layers_path: str, layers: int, seq: int) -> list[tuple[float, float]]:
+    """Per decoder layer, the bytes a forward over ``seq`` tokens saves for backward, per token:
+    (in bf16, in other dtypes)."""
+    import torch
+
+    current: list = [None]
+    blocks = model.get_submodule(layers_path)
+    hooks = []
+    for index, block in enumerate(blocks):
+        hooks.append(
+            block.register_forward_pre_hook(lambda m, a, i=index: current.__setitem__(0, i))
+        )
+        hooks.append(block.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved: dict = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if current[0] is not None and key not in parameters and key not in saved:
+            saved[key] = (current[0], storage.nbytes(), tensor.dtype == torch.bfloat16)
+        return tensor
+
+    try:
+        with model.fake_mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=torch.zeros(1, seq, dtype=torch.long))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    by_layer = [[0.0, 0.0] for _ in range(layers)]
+    for layer, nbytes, compute in saved.values():
+        by_layer[layer][0 if compute else 1] += nbytes / seq
+    return [tuple(pair) for pair in by_layer]
 
 
 def _check_fields(fields: dict, name: str) -> None:
@@ -288,7 +398,7 @@ def _attention_free_layers(model, layers_path: str) -> int:
         return 0
     layers = model.get_submodule(layers_path)
     return sum(
-        any(kind in type(m).__name__.lower() for m in layer.modules() for kind in _ATTENTION_FREE)
+        any(_ATTENTION_FREE.search(type(module).__name__) for module in layer.modules())
         for layer in layers
     )
 

@@ -662,4 +662,8 @@ def test_a_hybrid_names_its_state_space_layers(tmp_path, capsys):
     path.write_text(json.dumps(jamba))
     args = ["plan", "--model-config", str(path), "--gpu-memory", "80 GB", "--link", "25 GB/s"]
     assert main([*args, "--count", "transformers"]) == 0
-    assert "a hybrid: 6 of its 8 layers hold state-space" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert (
+        "a hybrid: 6 of its 8 layers hold state-space or recurrent blocks, their activations "
+        "measured" in out
+    )

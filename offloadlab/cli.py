@@ -422,6 +422,8 @@ def _plan_hardware(args):
         interconnect=exact(args.interconnect, "B/s"),
         gpus_per_link=args.gpus_per_link,
         nvme=exact(args.nvme, "B/s"),
+        nodes=args.nodes,
+        network=exact(args.network, "B/s"),
     )
     if args.measured is None:
         for flag in ("gpu_memory", "link"):
@@ -518,6 +520,7 @@ def _cmd_plan(args) -> int:
             "active_params": work.active_params,
             "model": work.architecture.to_dict() if work.architecture else None,
             "gpus_per_node": hardware.gpus_per_node,
+            "nodes": hardware.nodes,
             "measured": list(hardware.sources),
             **report.to_dict(),
             **emitted,
@@ -538,13 +541,20 @@ def _cmd_plan(args) -> int:
             f"{'tied' if a.tied_embeddings else 'untied'}"
         )
         print(f"counted by: {a.counted_by}" + "".join(f"; {n}" for n in a.notes))
-    if hardware.gpus_per_node > 1:
+    if hardware.gpus > 1:
         print(
-            f"node: {hardware.gpus_per_node} GPUs; each gets 1/{hardware.gpus_per_node} of host "
-            f"memory and CPU cores"
+            (f"{hardware.nodes} nodes of " if hardware.nodes > 1 else "node: ")
+            + f"{hardware.gpus_per_node} GPUs; each gets 1/{hardware.gpus_per_node} of "
+            + ("its node's " if hardware.nodes > 1 else "")
+            + "host memory and CPU cores"
             + (
                 f", and shares its link with {hardware.gpus_per_link - 1} other(s)"
                 if hardware.gpus_per_link > 1
+                else ""
+            )
+            + (
+                f"; the state is sharded over all {hardware.gpus} GPUs"
+                if hardware.nodes > 1
                 else ""
             )
         )
@@ -882,6 +892,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--interconnect",
         type=_BANDWIDTH,
         help="GPU↔GPU bandwidth per direction, e.g. '450 GB/s' (default: assumed)",
+    )
+    plan.add_argument(
+        "--nodes",
+        type=_positive_int,
+        default=1,
+        help="nodes of --gpus-per-node GPUs each, the state sharded over them all (default 1)",
+    )
+    plan.add_argument(
+        "--network",
+        type=_BANDWIDTH,
+        help="bandwidth between nodes, per GPU and direction, e.g. '50 GB/s' for a 400 Gb/s NIC "
+        "(default: assumed)",
     )
     plan.add_argument(
         "--gpus-per-link",

@@ -61,7 +61,8 @@ class Setup:
     'cpu' or 'nvme' (with ``nvme_path``, ZeRO-3 only; ``nvme_buffer`` is DeepSpeed's
     ``offload_param.buffer_size``, elements of the largest parameter shard); ``micro_batch`` is
     per GPU and ``accumulation`` the micro-batches per optimizer step, so a step sees
-    micro_batch × accumulation × gpus sequences of ``seq`` tokens. ``recompute`` checkpoints the
+    micro_batch × accumulation × gpus sequences of ``seq`` tokens (``gpus``: every node's, over
+    ``nodes`` nodes). ``recompute`` checkpoints the
     first ``checkpointed`` blocks (None: all of them); ``blocks`` is the Python expression that
     names the model's list of blocks (``model.model.layers`` for Hugging Face Llama).
     ``clipping`` is the gradient norm both engines clip to (0: none). ``offload_ratio`` is the
@@ -95,6 +96,7 @@ class Setup:
     imports: str | None = None
     build: str | None = None
     initialise: str | None = None
+    nodes: int = 1
 
     def __post_init__(self):
         if (
@@ -106,8 +108,13 @@ class Setup:
                 f"offload: expected a combination the engines offer; got {self.strategy} with "
                 f"offload {self.offload!r}"
             )
-        for name in ("gpus", "micro_batch", "accumulation", "nvme_buffer", "seq"):
+        for name in ("gpus", "micro_batch", "accumulation", "nvme_buffer", "seq", "nodes"):
             check_integer(getattr(self, name), name)
+        if self.gpus % self.nodes:
+            raise ValueError(
+                f"nodes: expected a divisor of gpus={self.gpus} (each node the same GPUs); got "
+                f"{self.nodes}"
+            )
         if self.checkpointed is not None and (
             not is_integer(self.checkpointed) or self.checkpointed < 1 or not self.recompute
         ):
@@ -247,12 +254,13 @@ def setup(report, engine: str | None = None, **options) -> Setup:
         strategy = "zero1"
     work = report.work
     gpus = getattr(report.hardware, "gpus_per_node", 1)
+    nodes = getattr(report.hardware, "nodes", 1)
     checkpointed = chosen.checkpointed if 0 < chosen.checkpointed < work.layers else None
     options = {
         "micro_batch": work.batch,
         "seq": work.seq,
         "checkpointed": checkpointed,
-        "nvme_buffer": sharding.nvme_buffer_elements(work.largest_weight_params(), gpus),
+        "nvme_buffer": sharding.nvme_buffer_elements(work.largest_weight_params(), gpus * nodes),
         **options,
     }
     if layout is not None and layout.nvme_bytes:  # ZeRO-Infinity on the drive
@@ -261,7 +269,7 @@ def setup(report, engine: str | None = None, **options) -> Setup:
         )
     elif options.get("nvme_path") is not None:
         options.pop("nvme_path")
-    return Setup(strategy, offload, chosen.recompute, gpus, **options)
+    return Setup(strategy, offload, chosen.recompute, gpus * nodes, nodes=nodes, **options)
 
 
 def with_share(config: Setup, share) -> tuple[Setup, str | None]:
@@ -387,10 +395,24 @@ def deepspeed_snippet(config: Setup) -> str:
     Recomputation uses ``torch.utils.checkpoint`` (non-reentrant, which ZeRO-3 supports and which
     passes keyword arguments through, as Hugging Face blocks need).
     """
+    per_node = config.gpus // config.nodes
+    launch = (
+        [
+            f"# DeepSpeed on {config.nodes} nodes: launch once, from the first, with `deepspeed "
+            f"--hostfile hostfile",
+            f"# --num_nodes {config.nodes} --num_gpus {per_node} train.py` (the hostfile names "
+            f"each node: 'host slots={per_node}';",
+            "# one process per GPU, every node reached by ssh); ds_config.json is the JSON above.",
+        ]
+        if config.nodes > 1
+        else [
+            "# DeepSpeed: launch with `deepspeed --num_gpus N train.py` (one process per GPU); "
+            "ds_config.json",
+            "# is the JSON above.",
+        ]
+    )
     lines = [
-        "# DeepSpeed: launch with `deepspeed --num_gpus N train.py` (one process per GPU); "
-        "ds_config.json",
-        "# is the JSON above.",
+        *launch,
         *(["import functools"] if config.recompute else []),
         "import json",
         "",
@@ -456,7 +478,16 @@ def fsdp_snippet(config: Setup) -> str:
     """
     dtype = "torch.bfloat16" if config.precision == "bf16" else "torch.float16"
     offloads = config.offload != "none"
-    lines = [f"# FSDP2, one process per GPU: torchrun --nproc-per-node {config.gpus} train.py"]
+    per_node = config.gpus // config.nodes
+    lines = (
+        [
+            f"# FSDP2, one process per GPU, on each of the {config.nodes} nodes: torchrun "
+            f"--nnodes {config.nodes} --nproc-per-node {per_node}",
+            "#     --rdzv-backend c10d --rdzv-endpoint FIRST_NODE:29500 train.py",
+        ]
+        if config.nodes > 1
+        else [f"# FSDP2, one process per GPU: torchrun --nproc-per-node {config.gpus} train.py"]
+    )
     if config.offload_device == "nvme":
         lines += [
             "# The plan keeps the state on NVMe; FSDP2 cannot offload there, only to host memory, "

@@ -351,10 +351,11 @@ def deepspeed_estimate(
     largest_module: float,
     gpus: int,
     zero_init: bool = True,
+    nodes: int = 1,
 ) -> dict:
     """DeepSpeed's estimate of model-state memory (its
-    ``estimate_zero{2,3}_model_states_mem_needs``), rebuilt from :func:`layout` plus the three terms
-    where the two differ, each named.
+    ``estimate_zero{2,3}_model_states_mem_needs``) for ``nodes`` nodes of ``gpus`` GPUs, rebuilt
+    from :func:`layout` plus the three terms where the two differ, each named.
 
     1. DeepSpeed multiplies host memory by ``additional_buffer_factor`` = 1.5 (pinned buffers,
        allocator slack); :func:`layout` counts the state itself.
@@ -373,7 +374,7 @@ def deepspeed_estimate(
     if stage not in (2, 3):
         raise ValueError(f"stage: expected 2 or 3 (DeepSpeed estimates those); got {stage!r}")
     strategy = {2: "zero2", 3: "zero3"}[stage]
-    parts = layout(strategy, offload, params, gpus, largest_module=largest_module)
+    parts = layout(strategy, offload, params, gpus * nodes, largest_module=largest_module)
     host_node = parts.host_bytes * gpus
     load_peak = 4 * params * gpus  # every process on the node holds the fp32 model once
     terms = []
@@ -381,10 +382,15 @@ def deepspeed_estimate(
         host_node = largest_module * 4 * gpus if stage == 3 and zero_init else load_peak
         terms.append("host: the model-loading peak (fp32 model per process), not training state")
     elif stage == 2:
+        if nodes > 1:
+            # DeepSpeed's ZeRO-2 estimate puts the whole state, and every rank's fp32 model,
+            # on each node
+            host_node, load_peak = parts.host_bytes * gpus * nodes, load_peak * nodes
+            terms.append("host: DeepSpeed's ZeRO-2 estimate counts every node's ranks on each")
         if load_peak > host_node:
             terms.append(
-                f"host: the loading peak (fp32 model in each of {gpus} processes) exceeds the "
-                f"offloaded state"
+                f"host: the loading peak (fp32 model in each of {gpus * nodes} processes) exceeds "
+                f"the offloaded state"
             )
         host_node = max(host_node, load_peak)
     elif not zero_init and load_peak > host_node:

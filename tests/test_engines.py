@@ -5,6 +5,7 @@ losses of single-process AdamW, and a transformers model as written."""
 import functools
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,19 @@ def _configs(world):
     share = engines.deepspeed_config(
         engines.Setup("zero3", "optimizer", gpus=world, offload_ratio=0.3)
     )
-    return configs + [engines.deepspeed_config(nvme), zenflow, wrong, share]
+    configs += [engines.deepspeed_config(nvme), zenflow, wrong, share]
+    if world == 8:  # the planner's own, for four nodes of two GPUs
+        configs.append(engines.deepspeed_config(engines.setup(_four_nodes(), "deepspeed")))
+    return configs
+
+
+def _four_nodes():
+    """Llama 3.1 70B planned on four nodes of two 80 GB GPUs (8 in all), 4,096 tokens each."""
+    work = planner.Workload.of_model(architectures.load("llama-3.1-70b"), seq=4096)
+    hardware = planner.Hardware(
+        "80 GB", "25 GB/s", host_memory="1 TB", gpus_per_node=2, nodes=4, network="50 GB/s"
+    )
+    return planner.plan(work, hardware)
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,7 +120,14 @@ def test_every_deepspeed_config_passes_deepspeeds_validation_in_a_real_world(wor
         assert (read["offload_optimizer"] is not None) == (s.offload != "none")
         assert (read["offload_param"] is not None) == (s.offload == "optimizer+parameters")
         assert read["bf16"] == (s.precision == "bf16") and read["fp16"] == (s.precision == "fp16")
-    nvme, zenflow, wrong, share = reads[len(SETUPS) :]
+    nvme, zenflow, wrong, share = reads[len(SETUPS) : len(SETUPS) + 4]
+    if world == 8:  # four nodes of two: one config for all eight ranks
+        (multi_node,) = reads[len(SETUPS) + 4 :]
+        chosen = engines.setup(_four_nodes(), "deepspeed")
+        assert chosen.gpus == 8 and chosen.nodes == 4, chosen
+        assert "error" not in multi_node, multi_node
+        assert multi_node["world_size"] == 8 and multi_node["train_batch_size"] == 8
+        assert multi_node["stage"] == chosen.stage
     assert share["offload_ratio"] == 0.3 and nvme["offload_ratio"] == 1.0
     assert nvme["offload_param"] == "nvme" and nvme["nvme_path"] == "/local_nvme"
     assert nvme["buffer_size"] == 131_334_144 and nvme["aio_queue_depth"] == 8
@@ -265,13 +285,10 @@ def test_emitted_fsdp2_snippet_trains_on_two_cpu_processes(tmp_path):
     }
 
 
-@pytest.mark.slow  # (torchrun, two processes)
-def test_the_emitted_fsdp2_script_trains_a_transformers_model_as_written(tmp_path):
-    """`offloadlab plan --emit fsdp` for a tiny tied Llama on a GPU too small for its state,
-    saved as train.py and run as a user would: torchrun on two CPU processes, transformers' model
-    built on the meta device, sharded, offloaded, initialised, trained ten steps on its stand-in
-    batch with fused AdamW and clipping."""
-    pytest.importorskip("transformers")
+def _tiny_llama_script(tmp_path, *hardware) -> str:
+    """`offloadlab plan --emit fsdp` for a tiny tied Llama on GPUs too small for its state, as a
+    user saves it (``hardware``: the node's flags), with a rate at which ten steps show the loss
+    fall."""
     (tmp_path / "tiny-llama.json").write_text(
         json.dumps(
             {
@@ -294,8 +311,7 @@ def test_the_emitted_fsdp2_script_trains_a_transformers_model_as_written(tmp_pat
             "plan",
             "--model-config",
             str(tmp_path / "tiny-llama.json"),  # (any name: not only a snapshot's config.json)
-            "--gpus-per-node",
-            "2",
+            *hardware,
             "--gpu-memory",
             "1 MiB",
             "--link",
@@ -319,11 +335,30 @@ def test_the_emitted_fsdp2_script_trains_a_transformers_model_as_written(tmp_pat
         payload["emitted_plan"]["name"]
         == "FSDP2 + offload optimizer+parameters, activations recomputed"
     )
-    # ten steps: a faster rate shows the loss fall
     script = payload["fsdp"].replace("lr=0.0003", "lr=0.003")
     assert f"MODEL = {str(tmp_path / 'tiny-llama.json')!r}" in script
     (tmp_path / "train.py").write_text(script)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return script
+
+
+def _falls(stdout: str) -> None:
+    """Ten steps whose loss starts at ln(256) (freshly initialised weights, not uninitialised
+    memory) and falls."""
+    losses = [float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 10 and losses[-1] < 0.8 * losses[0]
+    assert abs(losses[0] - 5.545) < 0.2
+
+
+_CPU_RANKS = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.mark.slow  # (torchrun, two processes)
+def test_the_emitted_fsdp2_script_trains_a_transformers_model_as_written(tmp_path):
+    """The script for one node of two GPUs, run as a user would: torchrun on two CPU processes,
+    transformers' model built on the meta device, sharded, offloaded, initialised, trained ten
+    steps on its stand-in batch with fused AdamW and clipping."""
+    pytest.importorskip("transformers")
+    _tiny_llama_script(tmp_path, "--gpus-per-node", "2")
     done = subprocess.run(
         [
             sys.executable,
@@ -336,16 +371,42 @@ def test_the_emitted_fsdp2_script_trains_a_transformers_model_as_written(tmp_pat
         capture_output=True,
         text=True,
         timeout=600,
-        env=env,
+        env=_CPU_RANKS,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    losses = [
-        float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("step ")
+    _falls(done.stdout)
+
+
+@pytest.mark.slow  # (torchrun, two agents of one process each)
+def test_the_emitted_multi_node_launch_trains_as_written(tmp_path):
+    """The script for two nodes of one GPU, launched by the line it carries, once per node (two
+    torchrun agents on this machine, meeting at the rendezvous the line names)."""
+    pytest.importorskip("transformers")
+    script = _tiny_llama_script(tmp_path, "--nodes", "2", "--network", "50 GB/s")
+    launch = next(line for line in script.splitlines() if "torchrun --nnodes" in line)
+    assert "torchrun --nnodes 2 --nproc-per-node 1" in launch
+    rendezvous = next(line for line in script.splitlines() if "--rdzv-endpoint" in line)
+    flags = launch.split("torchrun", 1)[1].split() + rendezvous.lstrip("# ").split()[:-1]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    flags = [f.replace("FIRST_NODE:29500", f"127.0.0.1:{port}") for f in flags]
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *flags, str(tmp_path / "train.py")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_CPU_RANKS,
+            cwd=tmp_path,
+        )
+        for _ in range(2)
     ]
-    assert len(losses) == 10 and losses[-1] < 0.8 * losses[0]
-    # ln(256): freshly initialised weights, not uninitialised memory
-    assert abs(losses[0] - 5.545) < 0.2
+    outputs = [agent.communicate(timeout=600) for agent in agents]
+    for agent, (_, err) in zip(agents, outputs):
+        assert agent.returncode == 0, err[-3000:]
+    _falls("".join(out for out, _ in outputs))
 
 
 @pytest.mark.gpu

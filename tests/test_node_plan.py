@@ -667,3 +667,41 @@ def test_a_hybrid_names_its_state_space_layers(tmp_path, capsys):
         "a hybrid: 6 of its 8 layers hold state-space or recurrent blocks, their activations "
         "measured" in out
     )
+
+
+def test_across_nodes_the_network_carries_the_collectives_and_each_node_holds_its_share():
+    """Four nodes of eight, 10 B parameters: ZeRO-3's collectives move 3 · 31/32 · 20 GB = 58.1 GB a
+    GPU, over the ring's slowest hop, the 50 GB/s network: 1.16 s, hidden behind 1.24 s of compute
+    (the overlap condition, now for the network); over 25 GB/s they take 2.33 s and bind. Each
+    node holds its eight GPUs' shares, and DeepSpeed's estimate is for one node."""
+    work = planner.Workload(10e9, layers=40, hidden=4096, heads=32, batch=8, seq=512)
+    fast, slow = (
+        planner.plan(work, node(nodes=4, network=network)) for network in ("50 GB/s", "25 GB/s")
+    )
+    zero3 = by_name(fast, "ZeRO-3, activations kept")
+    assert zero3.layout.gpus == 32 and zero3.nodes == 4
+    assert zero3.layout.interconnect_bytes == pytest.approx(3 * 31 / 32 * 20e9)
+    assert zero3.t_interconnect == pytest.approx(3 * 31 / 32 * 20e9 / 50e9)
+    assert zero3.t_interconnect < zero3.t_compute and zero3.step == pytest.approx(zero3.t_compute)
+    slow3 = by_name(slow, "ZeRO-3, activations kept")
+    assert slow3.t_interconnect == pytest.approx(2 * zero3.t_interconnect)
+    assert slow3.step == pytest.approx(slow3.t_interconnect)
+    assert slow3.binding.startswith("the network: collectives take")
+    offloaded = by_name(fast, "ZeRO-3 + offload optimizer, activations kept")
+    assert offloaded.to_dict()["host_bytes_per_node"] == pytest.approx(8 * offloaded.host_bytes)
+
+
+def test_plan_on_four_nodes_from_the_command_line(capsys):
+    from offloadlab.cli import main
+
+    args = ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "80 GB", "--link", "25 GB/s"]
+    assert main([*args, "--gpus-per-node", "8", "--nodes", "4", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["nodes"] == 4 and payload["chosen"]["gpus"] == 32
+    assert main([*args, "--gpus-per-node", "8", "--nodes", "4", "--emit", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "assumed: network 50 GB/s each way per GPU between nodes" in out
+    assert "torchrun --nnodes 4 --nproc-per-node 8" in out
+    assert main([*args, "--network", "50 GB/s"]) == 2
+    assert "network: the link between nodes; give it with nodes above 1" in capsys.readouterr().err
+    assert main([*args, "--nodes", "0"]) == 2

@@ -98,22 +98,24 @@ def test_gpus_must_be_a_positive_integer():
 
 LLAMA_8B, LLAMA_70B = architectures.load("llama-3.1-8b"), architectures.load("llama-3.1-70b")
 CASES = [
-    (10e9, 1e9, 1),
-    (LLAMA_8B.params, LLAMA_8B.largest_module_params, 4),
-    (LLAMA_70B.params, LLAMA_70B.largest_module_params, 8),
+    (10e9, 1e9, 1, 1),
+    (LLAMA_8B.params, LLAMA_8B.largest_module_params, 4, 1),
+    (LLAMA_70B.params, LLAMA_70B.largest_module_params, 8, 1),
+    (LLAMA_70B.params, LLAMA_70B.largest_module_params, 8, 4),  # four nodes
+    (LLAMA_8B.params, LLAMA_8B.largest_module_params, 2, 16),
 ]
 
 
-@pytest.mark.parametrize("params, largest, gpus", CASES)
-def test_layout_agrees_with_deepspeeds_estimators(params, largest, gpus):
+@pytest.mark.parametrize("params, largest, gpus, nodes", CASES)
+def test_layout_agrees_with_deepspeeds_estimators(params, largest, gpus, nodes):
     stage2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
     stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
     for offload in (True, False):
         cpu, gpu = stage2.estimate_zero2_model_states_mem_needs(
-            params, gpus, 1, cpu_offload=offload
+            params, gpus, nodes, cpu_offload=offload
         )
         ours = sharding.deepspeed_estimate(
-            2, "optimizer" if offload else "none", params, largest, gpus
+            2, "optimizer" if offload else "none", params, largest, gpus, nodes=nodes
         )
         assert gpu == pytest.approx(ours["gpu_bytes"], abs=1) and cpu == pytest.approx(
             ours["host_bytes_per_node"], abs=1
@@ -122,7 +124,9 @@ def test_layout_agrees_with_deepspeeds_estimators(params, largest, gpus):
         # terms.
         assert (
             ours["gpu_bytes"]
-            == sharding.layout("zero2", "optimizer" if offload else "none", params, gpus).gpu_bytes
+            == sharding.layout(
+                "zero2", "optimizer" if offload else "none", params, gpus * nodes
+            ).gpu_bytes
         )
     for offload, zero_init in [
         (o, z) for o in ("none", "optimizer", "optimizer+parameters") for z in (True, False)
@@ -131,12 +135,14 @@ def test_layout_agrees_with_deepspeeds_estimators(params, largest, gpus):
             params,
             largest,
             gpus,
-            1,
+            nodes,
             cpu_offload=offload != "none",
             cpu_offload_params=offload == "optimizer+parameters",
             zero_init=zero_init,
         )
-        ours = sharding.deepspeed_estimate(3, offload, params, largest, gpus, zero_init=zero_init)
+        ours = sharding.deepspeed_estimate(
+            3, offload, params, largest, gpus, zero_init=zero_init, nodes=nodes
+        )
         assert gpu == pytest.approx(ours["gpu_bytes"], abs=1), (offload, zero_init)
         assert cpu == pytest.approx(ours["host_bytes_per_node"], abs=1), (offload, zero_init)
 

@@ -48,7 +48,7 @@ def plan(
     recipe = memory.get_recipe(recipe).name
     budget.both_directions_rate(hw.link, duplex)  # refuse a bad duplex before planning
     ranking = candidates(work, recipe)
-    if hw.gpus_per_node > 1:
+    if hw.gpus > 1:
         plans, chosen, runner_up, warnings = _plan_node(work, hw, duplex, recipe, recompute)
         return PlanReport(work, hw, plans, chosen, runner_up, ranking, warnings, duplex, recipe)
     plans = single_gpu_plans(work, hw, duplex, recipe, clipping, recompute)
@@ -176,7 +176,7 @@ def _plan_node(
 def _nothing_fits_on_a_node(hw: Hardware, plans: list[NodePlan]) -> str:
     """Name the plan closest to fitting, what does not fit, and what would help."""
     on_gpus = [p for p in plans if p.fits_gpu]
-    n = hw.gpus_per_node
+    n = hw.gpus
     if on_gpus:  # host memory binds: more nodes or the NVMe tier hold the state
         least = min(on_gpus, key=lambda p: p.host_need)
         return (

@@ -32,7 +32,6 @@ from .single import HIDDEN_FRACTION, activations_name, recompute_choices
 from .workload import (
     ASSUMED_COMPUTE,
     ASSUMED_CPU_ADAM,
-    ASSUMED_INTERCONNECT,
     Hardware,
     Workload,
     usable_host,
@@ -96,7 +95,12 @@ class NodePlan:
     estimate: dict | None = None
     serial_upload: bool = False
     gpu_terms: dict = field(default_factory=dict, compare=False)
+    node_gpus: int = 1  # GPUs a node (``layout.gpus`` is every node's)
     t_step_delayed = None
+
+    @property
+    def nodes(self) -> int:
+        return self.layout.gpus // self.node_gpus
 
     @property
     def strategy(self) -> str:
@@ -152,7 +156,7 @@ class NodePlan:
     @property
     def binding(self) -> str:
         """What limits this plan: the memory it does not fit, or what its step waits on."""
-        gpus = self.layout.gpus
+        gpus = self.node_gpus
         if not self.fits_gpu:
             return (
                 f"GPU memory: needs {format_size(self.gpu_bytes)} of the "
@@ -173,9 +177,9 @@ class NodePlan:
             f"of a {format_duration(self.step)} step, {format_duration(self.t_compute)} of it "
             "compute"
         )
+        wire = "the network" if self.nodes > 1 else "the interconnect"
         waits = {
-            "the interconnect": max(0.0, self.t_interconnect - self.t_compute)
-            + self.t_interconnect_after,
+            wire: max(0.0, self.t_interconnect - self.t_compute) + self.t_interconnect_after,
             "the link": max(0.0, self.t_transfer - max(self.t_compute, self.t_interconnect))
             + (
                 self.t_upload_after
@@ -190,7 +194,7 @@ class NodePlan:
         }
         worst = max(waits, key=waits.get)
         what = {
-            "the interconnect": "collectives take "
+            wire: "collectives take "
             + format_duration(self.t_interconnect + self.t_interconnect_after),
             "the link": f"transfers take {format_duration(self.t_transfer + self.t_upload_after)}",
             "the CPU": f"its update of this GPU's shard takes {format_duration(self.t_cpu)} on an "
@@ -213,10 +217,11 @@ class NodePlan:
             "recompute": self.recompute,
             "checkpointed_layers": self.checkpointed,
             "gpus": self.layout.gpus,
+            "nodes": self.nodes,
             "gpu_bytes": self.gpu_bytes,
             "gpu_terms": self.gpu_terms,
             "host_bytes_per_gpu": self.host_bytes,
-            "host_bytes_per_node": self.host_bytes * self.layout.gpus,
+            "host_bytes_per_node": self.host_bytes * self.node_gpus,
             "host_need_per_node": self.host_need,
             "deepspeed_estimate": self.estimate,
             "bytes_per_direction": {"h2d": self.h2d_bytes, "d2h": self.d2h_bytes},
@@ -260,24 +265,30 @@ def _parts(
     )
 
 
-def _estimate(work: Workload, parts: sharding.Layout) -> dict | None:
+def _estimate(work: Workload, parts: sharding.Layout, hw: Hardware) -> dict | None:
     """DeepSpeed's own estimate for a ZeRO plan (ZeRO-1 by ZeRO-2's, which has the same host
     state)."""
     if engine_of(parts.strategy) != "deepspeed" or parts.nvme_bytes:
         return None
     stage = 3 if parts.strategy == "zero3" else 2
     return sharding.deepspeed_estimate(
-        stage, parts.offload, work.params, work.largest_module_params(), parts.gpus
+        stage,
+        parts.offload,
+        work.params,
+        work.largest_module_params(),
+        hw.gpus_per_node,
+        nodes=hw.nodes,
     )
 
 
-def _host_need(work: Workload, parts: sharding.Layout, estimate: dict | None) -> float:
-    node = parts.host_bytes * parts.gpus
+def _host_need(work: Workload, parts: sharding.Layout, estimate: dict | None, n: int) -> float:
+    """Host memory one node of ``n`` GPUs needs for ``parts``."""
+    node = parts.host_bytes * n
     if estimate is not None:
         return max(node, estimate["host_bytes_per_node"])
     # each process builds the whole fp32 model before moving it to its GPU
     if parts.strategy == "ddp":
-        return max(node, LOAD_BYTES_PER_PARAM * work.params * parts.gpus)
+        return max(node, LOAD_BYTES_PER_PARAM * work.params * n)
     return node
 
 
@@ -291,11 +302,12 @@ def _node_plan(
     recipe: str = memory.DEFAULT_RECIPE,
     nvme: bool = False,
 ) -> NodePlan:
-    """One GPU's plan on an N-GPU node (data parallel: each GPU its own micro-batch of ``work``);
-    with ``nvme``, ZeRO-Infinity's layout on the node's NVMe drive (shared by its GPUs)."""
+    """One GPU's plan on ``hw``'s nodes of N GPUs (data parallel: each GPU its own micro-batch
+    of ``work``, the state sharded over every GPU of every node); with ``nvme``, ZeRO-Infinity's
+    layout on each node's NVMe drive (shared by its GPUs)."""
     n, mine = hw.gpus_per_node, hw.share()
-    parts = _parts(work, n, strategy, offload, recipe, nvme)
-    estimate = _estimate(work, parts)
+    parts = _parts(work, hw.gpus, strategy, offload, recipe, nvme)
+    estimate = _estimate(work, parts, hw)
     state = max(parts.gpu_bytes, estimate["gpu_bytes"] if estimate else 0.0)
     element = int(memory.get_recipe(recipe).weight_bytes)
     activations = work.activations(checkpointed, element)
@@ -305,7 +317,7 @@ def _node_plan(
         "gathered weights": parts.gathered_bytes,
         **activations.terms(),
     }
-    net = hw.interconnect or ASSUMED_INTERCONNECT
+    net = hw.collective_rate
     both, _ = budget.both_directions_rate(mine.link, duplex)
     # With only the optimizer offloaded the new weights go up after the update; with parameters
     # offloaded they stay on the host and come up with the next step's gathers.
@@ -328,10 +340,11 @@ def _node_plan(
         parts.nvme_after / drive,
         checkpointed,
         work.layers,
-        _host_need(work, parts, estimate),
+        _host_need(work, parts, estimate, n),
         estimate,
         serial_upload=engine_of(strategy) == "deepspeed",
         gpu_terms=terms,
+        node_gpus=n,
     )
 
 

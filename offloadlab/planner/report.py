@@ -10,7 +10,7 @@ from ..units import format_bandwidth, format_duration, format_size
 from .node import NodePlan
 from .share import OptimizerShare
 from .single import Candidate, Plan, offloaded_activations
-from .workload import ASSUMED_INTERCONNECT, Hardware, Workload
+from .workload import Hardware, Workload
 
 __all__ = ["PlanReport"]
 
@@ -102,14 +102,16 @@ class PlanReport:
             f"CPU update {format_duration(c.t_cpu)}{nvme}, overlapped where the order allows)"
         )
         if isinstance(c, NodePlan):
-            n, net = c.layout.gpus, self.hardware.interconnect or ASSUMED_INTERCONNECT
+            n, net = c.layout.gpus, self.hardware.collective_rate
+            where = f"{c.nodes} nodes' " if c.nodes > 1 else ""
+            over = "the network between nodes" if c.nodes > 1 else "the interconnect"
             if n > 1:
                 lines.append(
-                    f"  each of the {n} GPUs: collectives carry "
+                    f"  each of the {where}{n} GPUs: collectives carry "
                     f"{format_size(c.layout.interconnect_bytes)} per step ((N−1)/N of each "
-                    f"gathered or reduced tensor) over {format_bandwidth(net)}: "
+                    f"gathered or reduced tensor) over {over}, {format_bandwidth(net)}: "
                     f"{format_duration(c.t_interconnect + c.t_interconnect_after)}; host "
-                    f"{format_size(c.host_bytes * n)} for the node"
+                    f"{format_size(c.host_bytes * c.node_gpus)} for each node"
                 )
             if c.estimate is not None:
                 lines.append(
@@ -119,7 +121,8 @@ class PlanReport:
                 )
             if c.layout.nvme_bytes:
                 lines.append(
-                    f"  NVMe: {format_size(c.layout.nvme_bytes * n)} on the drive, "
+                    f"  NVMe: {format_size(c.layout.nvme_bytes * c.node_gpus)} on each node's "
+                    "drive, "
                     f"{format_duration(c.t_nvme_passes + c.t_nvme_after)} of reads and writes per "
                     "step"
                 )

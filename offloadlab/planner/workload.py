@@ -34,6 +34,7 @@ __all__ = [
     "ASSUMED_COMPUTE",
     "ASSUMED_CPU_ADAM",
     "ASSUMED_INTERCONNECT",
+    "ASSUMED_NETWORK",
     "ASSUMED_NVME",
     "ASSUMED_VOCAB",
     "WORKSPACE_FRACTION",
@@ -46,6 +47,8 @@ ASSUMED_COMPUTE = 200e12  # FLOP/s a modern training GPU sustains on bf16 matrix
 ASSUMED_CPU_ADAM = 100e9 / 28  # params/s: 100 GB/s of host memory at 28 B moved per parameter
 # bytes/s each way per GPU: NVLink inside a node, from the book's link table
 ASSUMED_INTERCONNECT = 450e9
+# B/s each way per GPU between nodes: one 400 Gb/s NIC (InfiniBand NDR) per GPU, rail-optimized
+ASSUMED_NETWORK = 50e9
 # Sustained bytes/s of a data-centre NVMe drive, the lower of read and write (writes sustain less
 # than the 7 GB/s read figure drives are sold on; chapter 8): used only to say what the next tier
 # would give when nothing fits in host memory and no drive was given.
@@ -61,6 +64,7 @@ ATTENTIONS = ("sdpa", "eager")
 # The smallest GPU memory and host link taken as meant when given as a bare Python number of bytes
 # (or B/s): below them the number was surely meant in GB or GB/s.
 _SMALLEST_BARE_BYTES = 2**20
+MAX_NODES = 100_000
 
 
 @dataclass(frozen=True)
@@ -319,6 +323,9 @@ class Hardware:
     # sustained NVMe bandwidth (the lower of read and write); None: no NVMe tier
     nvme: float | None = None
     sources: tuple[str, ...] = ()
+    # nodes of gpus_per_node GPUs each, and the network between them (B/s each way per GPU)
+    nodes: int = 1
+    network: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "gpu_memory", _memory(self.gpu_memory, "gpu_memory"))
@@ -343,6 +350,26 @@ class Hardware:
             object.__setattr__(self, "interconnect", _rate(self.interconnect, "interconnect"))
         if self.nvme is not None:
             object.__setattr__(self, "nvme", _rate(self.nvme, "nvme"))
+        check_integer(self.nodes, "nodes", high=MAX_NODES)
+        if self.network is not None:
+            if self.nodes == 1:
+                raise ValueError("network: the link between nodes; give it with nodes above 1")
+            object.__setattr__(self, "network", _rate(self.network, "network"))
+
+    @property
+    def gpus(self) -> int:
+        """GPUs in all: every node's."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def collective_rate(self) -> float:
+        """B/s each way per GPU that a collective over every GPU runs at: the interconnect within
+        a node, and across nodes the slower of it and the network (a ring runs at its slowest
+        hop)."""
+        within = self.interconnect or ASSUMED_INTERCONNECT
+        if self.nodes == 1:
+            return within
+        return min(within, self.network or ASSUMED_NETWORK)
 
     def share(self) -> "Hardware":
         """What one GPU of the node gets when every GPU trains at once: an Nth of host memory and of
@@ -493,5 +520,10 @@ class Hardware:
             said.append(
                 f"interconnect {format_bandwidth(ASSUMED_INTERCONNECT)} each way per GPU (assumed: "
                 f"NVLink; pass --interconnect)"
+            )
+        if self.nodes > 1 and self.network is None:
+            said.append(
+                f"network {format_bandwidth(ASSUMED_NETWORK)} each way per GPU between nodes "
+                "(assumed: a 400 Gb/s NIC per GPU; pass --network)"
             )
         return said

@@ -29,6 +29,7 @@ __all__ = [
     "pipeline",
     "crossover_batch",
     "crossover_tokens",
+    "activation_round_trip",
     "OffloadStep",
     "offload_step",
 ]
@@ -124,6 +125,15 @@ def crossover_batch(traffic_bytes, bandwidth, compute_seconds_per_sample, latenc
     per_sample = parse_duration(compute_seconds_per_sample, "compute_seconds_per_sample")
     t_transfer = stage(traffic_bytes, bandwidth, 0, latency).t_transfer
     return max(1, math.ceil(t_transfer / per_sample - 1e-9))
+
+
+def activation_round_trip(saved_bytes, bandwidth, forward_seconds, backward_seconds) -> float:
+    """Seconds offloading ``saved_bytes`` of activations adds to a step: they go down over the
+    link (``bandwidth`` bytes/s one way) beside forward and come back up beside backward; what
+    either copy takes beyond its pass is exposed. Recomputing instead adds one more forward."""
+    down = stage(saved_bytes, bandwidth, forward_seconds).stall
+    up = stage(saved_bytes, bandwidth, backward_seconds).stall
+    return down + up
 
 
 def crossover_tokens(flops, bandwidth, bytes_per_param=2.0, flops_per_param_token=6.0) -> float:

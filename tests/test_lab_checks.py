@@ -270,6 +270,12 @@ WRONG = {
             "no block kept from forward for backward",
         ),
         (
+            "offload_extra = 2 * saved_bytes / beta",
+            "the copies hide behind nothing",
+            "offload_extra = max(0.0, saved_bytes / beta - forward_seconds)",
+            "only the copy down counted",
+        ),
+        (
             "def my_stream(model, link, budget):  # the whole budget in weight buffers: the gather "
             "buffers left out\n    block = sum(p.numel() * p.element_size() for p in "
             "model.blocks[0].parameters())\n    return StreamedModel(model, link, buffers=budget "
@@ -360,6 +366,8 @@ COPIED = {
     "my_step": "planner.plan(work, planner.Hardware(roomy, beta, compute=compute, "
     "cpu_adam=cpu_rate), duplex=both, recipe=recipe).chosen.step",
     "predicted_sent": 'sharding.ring_bytes("reduce-scatter", predicted_reduce, N)',
+    "offload_extra": "overlap.activation_round_trip(saved_bytes, beta, forward_seconds, "
+    "2 * forward_seconds)",
 }
 
 

@@ -414,8 +414,9 @@ def _plan(
     if offloaded:
         activation_bytes, _ = offloaded_activations(work, int(w))
         h2d, d2h = h2d + activation_bytes, d2h + activation_bytes
-        t_copy = activation_bytes / both
-        exposed = max(0.0, t_copy - t_forward) + max(0.0, t_copy - (t_compute - t_forward))
+        exposed = overlap.activation_round_trip(
+            activation_bytes, both, t_forward, t_compute - t_forward
+        )
     t_cpu = p / (hw.cpu_adam or ASSUMED_CPU_ADAM) if level else 0.0
     laid_out = dict(duplex=duplex, recipe=recipe, clipping=clipping)
     t_step = schedule(work, hw, offload, checkpointed, **laid_out).step if level else t_compute

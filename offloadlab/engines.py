@@ -186,7 +186,7 @@ def plan_for(report, engine: str):
     if chosen is None:
         raise ValueError("report: nothing fits, so there is no configuration to emit")
     if isinstance(chosen, planner.NodePlan) and _runs(engine, chosen):
-        return chosen, None
+        return chosen, _split_note(chosen, name)
     pool = [p for p in report.plans if isinstance(p, planner.NodePlan)]  # a node's, and any on NVMe
     if report.hardware.gpus_per_node == 1:  # the engines' own plans for this one GPU
         pool += planner.node_plans(report.work, report.hardware, report.duplex, report.recipe)
@@ -220,7 +220,18 @@ def plan_for(report, engine: str):
         f"({picked.step / chosen.step:.2f}× the plan's{why}), host {format_size(picked.host_need)} "
         f"for the node by {name}'s own account"
     )
-    return picked, note
+    return picked, "; ".join(n for n in (note, _split_note(picked, name)) if n)
+
+
+def _split_note(plan, name: str) -> str | None:
+    """What the emitted setup leaves out of a plan that splits each sequence over GPUs."""
+    if getattr(plan, "context", 1) == 1:
+        return None
+    return (
+        f"the plan splits each sequence over {plan.context} GPUs (context parallelism), which "
+        f"this {name} setup does not do: add it (torch's context_parallel for FSDP2, Ulysses "
+        f"sequence parallelism for DeepSpeed), the data-parallel groups {plan.context}× fewer"
+    )
 
 
 def _wanted(chosen) -> tuple[str, str, int]:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from offloadlab import architectures, planner
+from offloadlab import architectures, engines, planner
 from tests.conftest import offloadlab
 
 P = 10e9
@@ -705,3 +705,55 @@ def test_plan_on_four_nodes_from_the_command_line(capsys):
     assert main([*args, "--network", "50 GB/s"]) == 2
     assert "network: the link between nodes; give it with nodes above 1" in capsys.readouterr().err
     assert main([*args, "--nodes", "0"]) == 2
+
+
+QWEN3_32B = {
+    "model_type": "qwen3",
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 64,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
+
+
+def test_a_sequence_split_over_c_gpus_keeps_and_computes_a_cth_and_rings_the_keys_and_values():
+    """Context parallelism over 4 GPUs at 32,768 tokens: a quarter of the tokens each, so a
+    quarter of the activations and of the compute (attention still over the whole sequence);
+    the ring brings each GPU the other 3/4 of the keys and values, 2 · 1,024 · 2 bytes a token
+    and layer, three times a step (forward, backward, gradients), once more where recomputed."""
+    arch = architectures.from_config(QWEN3_32B)
+    whole = planner.Workload.of_model(arch, seq=32768)
+    split = planner.Workload(
+        arch.params, arch.layers, arch.hidden, arch.heads, 1, 32768, arch, context=4
+    )
+    assert split.tokens == 8192
+    assert split.activations(0).layers == pytest.approx(whole.activations(0).layers / 4)
+    assert split.compute_flops(0) == pytest.approx(whole.compute_flops(0) / 4)
+    kv = 2 * 8 * 128 * 2
+    assert split.context_bytes(0) == pytest.approx(3 * 64 * kv * 32768 * 3 / 4)
+    assert split.context_bytes(16) == pytest.approx((3 * 64 + 16) * kv * 32768 * 3 / 4)
+    assert whole.context_bytes(0) == 0
+    with pytest.raises(ValueError, match="^context: expected a divisor of seq=32768"):
+        planner.Workload(1e9, seq=32768, context=3)
+
+
+def test_long_context_that_fits_nowhere_whole_is_split_over_the_fewest_gpus_that_fit(capsys):
+    """Qwen3-32B at 131,072 tokens on a node of eight 80 GB GPUs: no plan fits with whole
+    sequences (the issue's 'nothing fits'); split over the node's GPUs, one does, and the fewest
+    GPUs that fit are used."""
+    arch = architectures.from_config(QWEN3_32B)
+    work = planner.Workload.of_model(arch, seq=131072)
+    report = planner.plan(work, node(host="2 TB"))
+    assert not any(p.fits for p in report.plans if p.context == 1)
+    chosen = report.chosen
+    assert chosen is not None and chosen.context > 1 and "context parallel over" in chosen.name
+    assert not any(p.fits for p in report.plans if p.context < chosen.context)
+    assert chosen.to_dict()["context_parallel"] == chosen.context
+    report_text = report.explain()
+    assert f"each of {chosen.context} GPUs of a node computes" in report_text
+    _, note = engines.plan_for(report, "fsdp")
+    assert "context parallelism), which this FSDP2 setup does not do" in note

@@ -24,6 +24,7 @@ Units: bytes, bytes/s, seconds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .. import budget, memory, sharding
@@ -31,6 +32,7 @@ from ..units import format_duration, format_size
 from .single import HIDDEN_FRACTION, activations_name, recompute_choices
 from .workload import (
     ASSUMED_COMPUTE,
+    ASSUMED_INTERCONNECT,
     ASSUMED_CPU_ADAM,
     Hardware,
     Workload,
@@ -96,6 +98,7 @@ class NodePlan:
     serial_upload: bool = False
     gpu_terms: dict = field(default_factory=dict, compare=False)
     node_gpus: int = 1  # GPUs a node (``layout.gpus`` is every node's)
+    context: int = 1  # GPUs splitting each sequence (context parallelism)
     t_step_delayed = None
 
     @property
@@ -206,7 +209,8 @@ class NodePlan:
 
     @property
     def name(self) -> str:
-        return f"{self.layout.name}, {activations_name(self.checkpointed, self.layers)}"
+        split = f", context parallel over {self.context}" if self.context > 1 else ""
+        return f"{self.layout.name}{split}, {activations_name(self.checkpointed, self.layers)}"
 
     def to_dict(self) -> dict:
         return {
@@ -218,6 +222,7 @@ class NodePlan:
             "checkpointed_layers": self.checkpointed,
             "gpus": self.layout.gpus,
             "nodes": self.nodes,
+            "context_parallel": self.context,
             "gpu_bytes": self.gpu_bytes,
             "gpu_terms": self.gpu_terms,
             "host_bytes_per_gpu": self.host_bytes,
@@ -318,6 +323,9 @@ def _node_plan(
         **activations.terms(),
     }
     net = hw.collective_rate
+    # a context group sits within a node: its ring of keys and values runs over the interconnect,
+    # beside attention (counted with the collectives, as if on one wire)
+    ring = work.context_bytes(checkpointed, element) / (hw.interconnect or ASSUMED_INTERCONNECT)
     both, _ = budget.both_directions_rate(mine.link, duplex)
     # With only the optimizer offloaded the new weights go up after the update; with parameters
     # offloaded they stay on the host and come up with the next step's gathers.
@@ -329,7 +337,7 @@ def _node_plan(
         checkpointed > 0,
         gpu,
         t_compute,
-        parts.interconnect_overlapped / net,
+        parts.interconnect_overlapped / net + ring,
         parts.interconnect_after / net,
         budget.link_seconds(parts.h2d_bytes - after_update, parts.d2h_bytes, mine.link, both),
         after_update / mine.link,
@@ -345,6 +353,7 @@ def _node_plan(
         serial_upload=engine_of(strategy) == "deepspeed",
         gpu_terms=terms,
         node_gpus=n,
+        context=work.context,
     )
 
 
@@ -384,9 +393,20 @@ def node_plans(
     recompute="auto",
 ) -> list[NodePlan]:
     """Every (strategy, offload) on the node, with its activation choices (see
-    ``recompute_choices``)."""
-    return [
-        plan
-        for strategy, offload in NODE_CANDIDATES
-        for plan in _variants(work, hw, strategy, offload, duplex, recipe, recompute=recompute)
-    ]
+    ``recompute_choices``); where none fits, the same with each sequence split over 2, 4 … of a
+    node's GPUs (context parallelism), up to the first split with a plan that fits."""
+
+    def every(work):
+        return [
+            plan
+            for strategy, offload in NODE_CANDIDATES
+            for plan in _variants(work, hw, strategy, offload, duplex, recipe, recompute=recompute)
+        ]
+
+    plans = every(work)
+    split = 2
+    while not any(p.fits for p in plans) and split <= hw.gpus_per_node:
+        if hw.gpus_per_node % split == 0 and work.seq % split == 0:
+            plans += every(dataclasses.replace(work, context=split))
+        split *= 2
+    return plans

@@ -3,7 +3,7 @@ JSON."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import budget, memory
 from ..units import format_bandwidth, format_duration, format_size
@@ -40,7 +40,8 @@ class PlanReport:
                 f"and up in backward; {format_size(on_gpu)} on the GPU at the peak (two layers "
                 f"in flight, logits and loss); offloadlab.offload_activations runs it"
             )
-        kept = self.work.activations(c.checkpointed if c else 0, element)
+        work = replace(self.work, context=getattr(c, "context", 1))
+        kept = work.activations(c.checkpointed if c else 0, element)
         attention = (
             "SDPA (no seq × seq scores kept)"
             if self.work.attention == "sdpa"
@@ -112,6 +113,16 @@ class PlanReport:
                     f"gathered or reduced tensor) over {over}, {format_bandwidth(net)}: "
                     f"{format_duration(c.t_interconnect + c.t_interconnect_after)}; host "
                     f"{format_size(c.host_bytes * c.node_gpus)} for each node"
+                )
+            if c.context > 1:
+                ring = replace(self.work, context=c.context).context_bytes(
+                    c.checkpointed, int(memory.get_recipe(self.recipe).weight_bytes)
+                )
+                lines.append(
+                    f"  context parallel: each of {c.context} GPUs of a node computes "
+                    f"{self.work.seq // c.context:,} tokens of each sequence, attending over all "
+                    f"{self.work.seq:,}; their ring of keys and values carries {format_size(ring)} "
+                    "a step over the interconnect, beside attention (counted with the collectives)"
                 )
             if c.estimate is not None:
                 lines.append(

@@ -113,6 +113,9 @@ class Workload:
     architecture: Architecture | None = None
     attention: str = "sdpa"
     vocab: int | None = None
+    # GPUs that split each sequence (context parallelism, ring attention): each keeps and
+    # computes seq / context of its tokens, attending over the whole sequence
+    context: int = 1
     shape_assumed: bool = field(default=False, init=False)
 
     @classmethod
@@ -134,8 +137,13 @@ class Workload:
 
     def __post_init__(self):
         object.__setattr__(self, "params", parse_count(self.params, "params"))
-        for name in ("batch", "seq"):
+        for name in ("batch", "seq", "context"):
             check_integer(getattr(self, name), name)
+        if self.seq % self.context:
+            raise ValueError(
+                f"context: expected a divisor of seq={self.seq} (each GPU an equal share of the "
+                f"sequence); got {self.context}"
+            )
         if self.attention not in ATTENTIONS:
             raise ValueError(
                 f"attention: expected one of {', '.join(ATTENTIONS)}; got {self.attention!r}"
@@ -164,7 +172,19 @@ class Workload:
 
     @property
     def tokens(self) -> int:
-        return self.batch * self.seq
+        """Tokens one GPU computes a micro-batch: its share of each sequence."""
+        return self.batch * self.seq // self.context
+
+    def context_bytes(self, recompute=False, element: int = 2) -> float:
+        """Bytes one GPU receives a step from the others of its context group (ring attention):
+        in forward, and again for each recomputed layer, the keys and values of the (c−1)/c of
+        the sequence it does not hold; in backward those again and their gradients."""
+        if self.context == 1:
+            return 0.0
+        k = self.checkpointed(recompute)
+        kv = [2 * shape.k_width * element for shape in self.layer_shapes()]
+        passes = 3 * sum(kv) + sum(kv[:k])
+        return passes * self.batch * self.seq * (self.context - 1) / self.context
 
     @property
     def active_params(self) -> float:

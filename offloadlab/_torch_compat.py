@@ -40,6 +40,7 @@ __all__ = [
     "view_base",
     "storage_key",
     "WeakIdKeyDictionary",
+    "FakeTensorMode",
     "disable_dynamo",
     "foreach_copy_",
     "accepts_grad_scaler",
@@ -247,6 +248,11 @@ WeakIdKeyDictionary = _find(
 )
 
 foreach_copy_ = _find("torch._foreach_copy_", "many device copies in one call")
+
+FakeTensorMode = _find(
+    "torch._subclasses.fake_tensor.FakeTensorMode",
+    "tensors with shapes and dtypes and no storage (a model's forward measured without memory)",
+)
 
 
 # ------------------------------------------------------------------------ torch.optim and torch.amp

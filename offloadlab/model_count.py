@@ -248,7 +248,8 @@ def _fake_model(built, attention: str):
     (ValueError where transformers has no such attention for it)."""
     import torch
     import transformers
-    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ._torch_compat import FakeTensorMode
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
@@ -266,6 +267,8 @@ def _saved_per_token(model, layers_path: str, layers: int, seq: int) -> list[tup
     (in bf16, in other dtypes)."""
     import torch
 
+    from ._torch_compat import storage_key
+
     current: list = [None]
     blocks = model.get_submodule(layers_path)
     hooks = []
@@ -274,12 +277,12 @@ def _saved_per_token(model, layers_path: str, layers: int, seq: int) -> list[tup
             block.register_forward_pre_hook(lambda m, a, i=index: current.__setitem__(0, i))
         )
         hooks.append(block.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
-    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    parameters = {storage_key(p.untyped_storage()) for p in model.parameters()}
     saved: dict = {}
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        key = storage._cdata
+        key = storage_key(storage)
         if current[0] is not None and key not in parameters and key not in saved:
             saved[key] = (current[0], storage.nbytes(), tensor.dtype == torch.bfloat16)
         return tensor

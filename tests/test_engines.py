@@ -98,7 +98,9 @@ def deepspeed_reads(world):
         timeout=600,
         env=env,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    # (a failing rank's own error comes first; the launcher's report of the others last)
+    errors = [line for line in done.stderr.splitlines() if "Error" in line or "error:" in line]
+    assert done.returncode == 0, "\n".join(errors[:20]) + "\n" + done.stderr[-2000:]
     out = json.loads((folder / "out.json").read_text())
     assert out["world"] == world
     return out["results"]

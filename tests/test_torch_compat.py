@@ -214,6 +214,7 @@ def test_the_module_finds_every_api_it_names_on_this_torch():
         "_top_saved_tensors_default_hooks",
         "reparametrize_module",
         "WeakIdKeyDictionary",
+        "FakeTensorMode",
         "foreach_copy_",
         "disable_dynamo",
     ):

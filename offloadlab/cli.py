@@ -388,7 +388,9 @@ def _plan_workload(args):
     if args.count == "formula" or (args.count == "auto" and known) or not model_count.available():
         architecture = dataclasses.replace(architectures.from_config(config, name), notes=notes)
     else:
-        architecture = model_count.architecture(config, name, notes)
+        from .models import saved_bytes_by_layer  # (transformers is here, so torch is too)
+
+        architecture = model_count.architecture(config, name, notes, saved_bytes_by_layer)
     if architecture.params > _MAX_PARAMS:  # the bound --params has, so no derived figure overflows
         raise UsageError(
             f"--model-config: expected a model of at most {_MAX_PARAMS:.0e} parameters; "

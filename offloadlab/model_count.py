@@ -9,7 +9,8 @@ count is then the model's own, for any model type transformers knows; the formul
 :mod:`offloadlab.architectures` stay the fallback when transformers is not installed (and in
 the browser), and the note says whether they agree. Where no formula describes the family, each
 decoder layer's saved bytes are measured as its own code runs forward on fake tensors (shapes and
-dtypes, no memory) under saved-tensor hooks (:func:`_saved_bytes_by_layer`).
+dtypes, no memory) under saved-tensor hooks (:func:`offloadlab.models.saved_bytes_by_layer`,
+given as ``measure``: it runs the model, so it lives with the models, not with the estimates).
 
 It imports torch and transformers only when called: importing this module costs nothing.
 """
@@ -77,18 +78,20 @@ def version() -> str:
 
 
 def architecture(
-    config: dict, name: str = "config.json", notes: tuple[str, ...] = ()
+    config: dict, name: str = "config.json", notes: tuple[str, ...] = (), measure=None
 ) -> Architecture:
     """The :class:`Architecture` of ``config`` as transformers builds it (ValueError if it
-    cannot)."""
+    cannot). For a family without a formula, ``measure``
+    (:func:`offloadlab.models.saved_bytes_by_layer`, which runs the model's code) gives its
+    layers' activations; without it they are estimated."""
     if not isinstance(config, dict):
         raise ValueError(f"{name}: expected a JSON object; got {type(config).__name__}")
-    counted = _counted(json.dumps(config, sort_keys=True), name)
+    counted = _counted(json.dumps(config, sort_keys=True), name, measure)
     return replace(counted, notes=notes + counted.notes)
 
 
 @functools.lru_cache(maxsize=64)
-def _counted(config_text: str, name: str) -> Architecture:
+def _counted(config_text: str, name: str, measure=None) -> Architecture:
     import torch
     import transformers
 
@@ -177,7 +180,7 @@ def _counted(config_text: str, name: str) -> Architecture:
             else f"the formula gives {formula.params:,} (transformers' count is the one used)"
         )
     else:
-        shapes, note = _measured_shapes(counted, built, layers_path)
+        shapes, note = _measured_shapes(counted, built, layers_path, measure)
     notes = (note, *defaulted)
     if stateful:
         how = "measured" if shapes and shapes[0].measured else "estimated as an attention layer's"
@@ -188,13 +191,19 @@ def _counted(config_text: str, name: str) -> Architecture:
     return replace(counted, layer_shapes=shapes, notes=notes)
 
 
-def _measured_shapes(counted: Architecture, built, layers_path: str):
-    """(layer shapes, note) of a family without a formula: each layer's saved bytes measured from
-    transformers' own code (:func:`_saved_bytes_by_layer`), else a Llama-like estimate, and the
-    note says which."""
+def _measured_shapes(counted: Architecture, built, layers_path: str, measure):
+    """(layer shapes, note) of a family without a formula: each layer's saved bytes as
+    ``measure`` finds them running transformers' own code
+    (:func:`offloadlab.models.saved_bytes_by_layer`), else a Llama-like estimate, and the note
+    says which."""
     like = _llama_like(counted)
+    if measure is None:
+        return (like,) * counted.layers, (
+            f"no formula for {counted.family}: activations estimated as for a Llama-like layer of "
+            "the same widths (not measured: no measure given)"
+        )
     try:
-        measured, attention = _saved_bytes_by_layer(built, layers_path, counted.layers)
+        measured, attention = measure(built, layers_path, counted.layers)
     except Exception as error:  # (a forward fake tensors cannot run: data-dependent shapes, say)
         reason = f"{type(error).__name__}: {str(error).splitlines()[0][:80] if str(error) else ''}"
         return (like,) * counted.layers, (
@@ -208,95 +217,6 @@ def _measured_shapes(counted: Architecture, built, layers_path: str):
     if attention == "eager":
         note += f"; {counted.family} has no SDPA in transformers: eager attention, s² scores kept"
     return tuple(replace(like, measured=rows) for rows in measured), note
-
-
-def _saved_bytes_by_layer(built, layers_path: str, layers: int) -> tuple[list, str]:
-    """Per decoder layer, :attr:`LayerShape.measured` for SDPA and eager attention, and the
-    attention the model runs with SDPA asked for ('eager' where transformers has no SDPA for it).
-
-    The model runs forward in bf16 on fake tensors (shapes and dtypes, no memory and no
-    arithmetic: a 70 B model in about a second) under saved-tensor hooks; each storage saved for
-    backward, parameters aside, counts once, in the layer that first saved it. Two sequence
-    lengths tell the bytes a token keeps from those that grow with the sequence.
-    """
-    rows: list[list] = [[] for _ in range(layers)]
-    sdpa = "sdpa"
-    for attention in ("sdpa", "eager"):
-        try:
-            model = _fake_model(built, attention)
-        except ValueError as error:
-            if attention == "eager" or "scaled_dot_product_attention" not in str(error):
-                raise
-            sdpa = "eager"  # SDPA asked for, eager run (transformers refuses SDPA for it)
-            continue
-        short, long = (_saved_per_token(model, layers_path, layers, seq) for seq in _SEQS)
-        for layer in range(layers):
-            growth = [(b - a) / (_SEQS[1] - _SEQS[0]) for a, b in zip(short[layer], long[layer])]
-            flat = [a - g * _SEQS[0] for a, g in zip(short[layer], growth)]
-            rows[layer].append((attention, *flat, *growth))
-    if sdpa == "eager":
-        rows = [[("sdpa", *row[0][1:]), *row] for row in rows]
-    return [tuple(row) for row in rows], sdpa
-
-
-# The sequence lengths saved bytes are measured at (fake tensors: the cost is the same at any)
-_SEQS = (32, 64)
-
-
-def _fake_model(built, attention: str):
-    """``built``'s model in bf16 with ``attention``, its parameters fake tensors on the CPU
-    (ValueError where transformers has no such attention for it)."""
-    import torch
-    import transformers
-
-    from ._torch_compat import FakeTensorMode
-
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(
-            built, attn_implementation=attention, dtype=torch.bfloat16
-        )
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        model = model.to_empty(device="cpu")
-    model.fake_mode = mode
-    return model
-
-
-def _saved_per_token(model, layers_path: str, layers: int, seq: int) -> list[tuple[float, float]]:
-    """Per decoder layer, the bytes a forward over ``seq`` tokens saves for backward, per token:
-    (in bf16, in other dtypes)."""
-    import torch
-
-    from ._torch_compat import storage_key
-
-    current: list = [None]
-    blocks = model.get_submodule(layers_path)
-    hooks = []
-    for index, block in enumerate(blocks):
-        hooks.append(
-            block.register_forward_pre_hook(lambda m, a, i=index: current.__setitem__(0, i))
-        )
-        hooks.append(block.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
-    parameters = {storage_key(p.untyped_storage()) for p in model.parameters()}
-    saved: dict = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        key = storage_key(storage)
-        if current[0] is not None and key not in parameters and key not in saved:
-            saved[key] = (current[0], storage.nbytes(), tensor.dtype == torch.bfloat16)
-        return tensor
-
-    try:
-        with model.fake_mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=torch.zeros(1, seq, dtype=torch.long))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    by_layer = [[0.0, 0.0] for _ in range(layers)]
-    for layer, nbytes, compute in saved.values():
-        by_layer[layer][0 if compute else 1] += nbytes / seq
-    return [tuple(pair) for pair in by_layer]
 
 
 def _check_fields(fields: dict, name: str) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "Block",
     "TinyGPT",
     "saved_activation_bytes",
+    "saved_bytes_by_layer",
     "markov_corpus",
     "batches",
     "train",
@@ -195,3 +196,90 @@ def train(
         optimizer.step()
         losses.append(total)
     return losses
+
+
+# ------------------------------------------------- activations of a transformers model, measured
+
+
+def saved_bytes_by_layer(built, layers_path: str, layers: int) -> tuple[list, str]:
+    """Per decoder layer of transformers' config ``built`` (its list of layers at
+    ``layers_path``), :attr:`~offloadlab.architectures.LayerShape.measured` for SDPA and eager
+    attention, and the attention the model runs with SDPA asked for ('eager' where transformers
+    has no SDPA for it).
+
+    The model runs forward in bf16 on fake tensors (shapes and dtypes, no memory and no
+    arithmetic: a 70 B model in about a second) under saved-tensor hooks; each storage saved for
+    backward, parameters aside, counts once, in the layer that first saved it. Two sequence
+    lengths tell the bytes a token keeps from those that grow with the sequence.
+    """
+    rows: list[list] = [[] for _ in range(layers)]
+    sdpa = "sdpa"
+    for attention in ("sdpa", "eager"):
+        try:
+            model = _fake_model(built, attention)
+        except ValueError as error:
+            if attention == "eager" or "scaled_dot_product_attention" not in str(error):
+                raise
+            sdpa = "eager"  # SDPA asked for, eager run (transformers refuses SDPA for it)
+            continue
+        short, long = (_saved_per_token(model, layers_path, layers, seq) for seq in _SEQS)
+        for layer in range(layers):
+            growth = [(b - a) / (_SEQS[1] - _SEQS[0]) for a, b in zip(short[layer], long[layer])]
+            flat = [a - g * _SEQS[0] for a, g in zip(short[layer], growth)]
+            rows[layer].append((attention, *flat, *growth))
+    if sdpa == "eager":
+        rows = [[("sdpa", *row[0][1:]), *row] for row in rows]
+    return [tuple(row) for row in rows], sdpa
+
+
+# The sequence lengths saved bytes are measured at (fake tensors: the cost is the same at any)
+_SEQS = (32, 64)
+
+
+def _fake_model(built, attention: str):
+    """``built``'s model in bf16 with ``attention``, its parameters fake tensors on the CPU
+    (ValueError where transformers has no such attention for it)."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            built, attn_implementation=attention, dtype=torch.bfloat16
+        )
+    mode = _torch_compat.FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model = model.to_empty(device="cpu")
+    model.fake_mode = mode
+    return model
+
+
+def _saved_per_token(model, layers_path: str, layers: int, seq: int) -> list[tuple[float, float]]:
+    """Per decoder layer, the bytes a forward over ``seq`` tokens saves for backward, per token:
+    (in bf16, in other dtypes)."""
+    current: list = [None]
+    blocks = model.get_submodule(layers_path)
+    hooks = []
+    for index, block in enumerate(blocks):
+        hooks.append(
+            block.register_forward_pre_hook(lambda m, a, i=index: current.__setitem__(0, i))
+        )
+        hooks.append(block.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+    parameters = {_torch_compat.storage_key(p.untyped_storage()) for p in model.parameters()}
+    saved: dict = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        key = _torch_compat.storage_key(storage)
+        if current[0] is not None and key not in parameters and key not in saved:
+            saved[key] = (current[0], storage.nbytes(), tensor.dtype == torch.bfloat16)
+        return tensor
+
+    try:
+        with model.fake_mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=torch.zeros(1, seq, dtype=torch.long))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    by_layer = [[0.0, 0.0] for _ in range(layers)]
+    for layer, nbytes, compute in saved.values():
+        by_layer[layer][0 if compute else 1] += nbytes / seq
+    return [tuple(pair) for pair in by_layer]

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from offloadlab import model_count, planner  # noqa: E402
+from offloadlab import model_count, models, planner  # noqa: E402
 
 SEQ = 96  # (the planner measures at 32 and 64 tokens and extrapolates)
 SMALL = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
@@ -67,7 +67,10 @@ def real_layer_bytes(family: str, fields: dict, attention: str) -> float:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_measured_layer_keeps_what_a_real_forward_saves(family):
     fields = FAMILIES[family]
-    arch = model_count.architecture({"model_type": family, **fields, "num_hidden_layers": 2})
+    arch = model_count.architecture(
+        {"model_type": family, **fields, "num_hidden_layers": 2},
+        measure=models.saved_bytes_by_layer,
+    )
     assert arch.layer_shapes and all(shape.measured for shape in arch.layer_shapes)
     assert any("measured from transformers' own code" in note for note in arch.notes)
     sdpa_supported = family != "gpt_oss"  # (transformers 5 runs gpt-oss eager only)
@@ -81,7 +84,8 @@ def test_a_measured_layer_keeps_what_a_real_forward_saves(family):
 
 def test_eager_attention_keeps_scores_growing_with_the_sequence_and_sdpa_does_not():
     arch = model_count.architecture(
-        {"model_type": "granite", **FAMILIES["granite"], "num_hidden_layers": 2}
+        {"model_type": "granite", **FAMILIES["granite"], "num_hidden_layers": 2},
+        measure=models.saved_bytes_by_layer,
     )
     shape = arch.layer_shapes[0]
     # per token: SDPA's bytes do not grow with the sequence; eager's grow by the fp32 softmax and
@@ -108,10 +112,10 @@ def test_a_forward_fake_tensors_cannot_run_falls_back_to_the_estimate_and_says_s
     def refuse(built, attention):
         raise RuntimeError("data-dependent output shape")
 
-    monkeypatch.setattr(model_count, "_fake_model", refuse)
+    monkeypatch.setattr(models, "_fake_model", refuse)
     model_count._counted.cache_clear()
     config = {"model_type": "olmo2", **FAMILIES["olmo2"], "num_hidden_layers": 2}
-    arch = model_count.architecture(config)
+    arch = model_count.architecture(config, measure=models.saved_bytes_by_layer)
     model_count._counted.cache_clear()
     assert not any(shape.measured for shape in arch.layer_shapes)
     assert any(

@@ -69,10 +69,6 @@ OPTIONAL_IMPORTS = {
     "transformers": "an exact parameter count on the meta device, where transformers is installed",
     "huggingface_hub": "the error transformers raises for a config field of the wrong type",
 }
-# offloadlab's own modules that need torch, imported inside the functions that run only with it
-OPTIONAL_MODULES = {
-    "offloadlab._torch_compat": "the private torch APIs a model's forward on fake tensors needs",
-}
 
 
 # --- The estimates layer: which files, and whether they stay portable ------------------------------
@@ -143,8 +139,7 @@ def portability_problems(package: Path = PACKAGE) -> list[str]:
     """Where the shipped modules import what Pyodide's core cannot give them; [] when none does.
 
     Allowed: the standard library (less what Pyodide leaves out), ``offloadlab`` itself and the
-    modules of the layer. Inside a function, also the ``OPTIONAL_IMPORTS`` and
-    ``OPTIONAL_MODULES``. The command line's
+    modules of the layer. Inside a function, also the ``OPTIONAL_IMPORTS``. The command line's
     own imports inside functions are its handlers' business (the calculators run four of them).
     """
     missing_in_pyodide = _pyodide_leaves_out()
@@ -161,7 +156,7 @@ def portability_problems(package: Path = PACKAGE) -> list[str]:
                 continue
             if imported == "offloadlab" or (top == "offloadlab" and imported.split(".")[1] in layer):
                 continue
-            if in_function and (face or top in OPTIONAL_IMPORTS or imported in OPTIONAL_MODULES):
+            if in_function and (face or top in OPTIONAL_IMPORTS):
                 continue
             where = "inside a function" if in_function else "at module level"
             why = (" (Pyodide's core leaves it out)" if top in missing_in_pyodide else

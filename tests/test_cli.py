@@ -782,7 +782,7 @@ def test_a_known_family_is_counted_by_its_formula_and_any_other_by_transformers(
     assert main(command) == 0  # (a family without a formula: transformers counts it)
     assert "counted by: transformers " in capsys.readouterr().out
 
-    def cannot(config, name, notes=()):
+    def cannot(config, name, notes=(), measure=None):
         raise ValueError(f"{name}: transformers 9.9 cannot build this qwen3 config")
 
     monkeypatch.setattr(model_count, "architecture", cannot)

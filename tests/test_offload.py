@@ -868,6 +868,33 @@ def test_a_parameter_unfrozen_while_a_fold_runs_keeps_the_folded_gradients(link)
     assert_matches(ref, mine)
 
 
+def test_a_norm_taken_while_the_last_fold_runs_counts_every_micro_batch(link):
+    """The worker folds the last micro-batch into the fp32 sum while step() folds it again on
+    the caller's thread for max_grad_norm's norm: the two raced, and one micro-batch was lost
+    (2 runs in 12 under load, silently: weights 2 × lr from AdamW's)."""
+    ref, mine = mlp(), mlp()
+    reference = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = CPUOffloadAdam(mine.parameters(), lr=1e-3, link=link, max_grad_norm=1e9)
+    host = opt._engine.host
+    found = host.accumulation
+
+    def slow_to_write():  # a fold that has its buffer and has not yet written to it
+        buffer = found()
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.2)
+        return buffer
+
+    host.accumulation = slow_to_write
+    for micro in data(2, 2):
+        for model, optimizer in ((ref, reference), (mine, opt)):
+            optimizer.zero_grad()
+            for x, y in micro:
+                (nn.functional.mse_loss(model(x), y) / 2).backward()
+            optimizer.step()
+    opt.close()
+    assert_matches(ref, mine)
+
+
 def test_zero_grad_keeping_zeros_steps_like_adamw(link):
     ref, mine = mlp(unused=True), mlp(unused=True)
     reference = torch.optim.AdamW(ref.parameters(), lr=1e-2)

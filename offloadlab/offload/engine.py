@@ -717,13 +717,22 @@ class OffloadEngine:
             buckets = [b for b in self.host.buckets if b.received.any()]
         total = sum(part.sum_of_squares() for part in self.on_device)
         for bucket in buckets:
-            received = bucket.received
-            received.landed()
-            self.host.fold(bucket, received, final=True)
+            received = self._fold_here(bucket)
             for first, stop in bucket.runs(received.counts):
                 grad = self.host.gradient(bucket, first, stop, received)
                 total += cpu_adam.grad_sum_of_squares(grad, self.threads)
         return math.sqrt(total) / (self.scaler.scale if self.scaler is not None else 1.0)
+
+    def _fold_here(self, bucket):
+        """The bucket's received gradients summed on this thread, after the fold the worker may
+        have queued for them (two folds at once lose a micro-batch); returns its record."""
+        received = bucket.received
+        received.landed()
+        if bucket.folding is not None:
+            bucket.folding.wait()
+            bucket.folding = None
+        self.host.fold(bucket, received, final=True)
+        return received
 
     def clip(self, max_norm: float, error_if_nonfinite: bool) -> float:
         """Clip this step's update to a global gradient norm of ``max_norm``; returns the norm."""
@@ -844,9 +853,7 @@ class OffloadEngine:
         self.intake.settle()
         self.intake.take_loose()
         for bucket in self.host.buckets:
-            received = bucket.received
-            received.landed()
-            self.host.fold(bucket, received, final=True)
+            received = self._fold_here(bucket)
             for k, p in enumerate(bucket.params):
                 if received.counts[k]:
                     grad = self.host.gradient(bucket, k, k + 1, received)

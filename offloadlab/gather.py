@@ -126,8 +126,14 @@ class GradientGather:
         destination = self.sink.gradient_destination(group, positions)
         if len(positions) == len(layout):
             ranges = [(0, layout.nbytes)]
-        else:
-            ranges = [layout.byte_range(k) for k in positions]
+        else:  # one copy per run of neighbours (a parameter without a gradient splits a run)
+            ranges = []
+            for i, k in enumerate(positions):
+                a, b = layout.byte_range(k)
+                if i and positions[i - 1] == k - 1:
+                    ranges[-1] = (ranges[-1][0], b)
+                else:
+                    ranges.append((a, b))
         transfers = [
             self.link.to_host(
                 destination[a:b],

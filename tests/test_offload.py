@@ -895,6 +895,42 @@ def test_a_norm_taken_while_the_last_fold_runs_counts_every_micro_batch(link):
     assert_matches(ref, mine)
 
 
+class _WithSpare(nn.Module):
+    """Two layers, and between them (in the bucket too) a trainable one that forward never
+    calls."""
+
+    def __init__(self, spare: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(16, 64)
+        self.spare = nn.Linear(64, 64) if spare else None
+        self.last = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.last(torch.relu(self.first(x)))
+
+
+def test_a_parameter_without_a_gradient_costs_one_more_copy_not_one_per_parameter(link):
+    """A bucket that an unused parameter leaves incomplete went down one copy per parameter,
+    with a wait each (TinyGPT with a spare Linear: 27 copies a step, not 1 or 2)."""
+    counts = {}
+    for spare in (False, True):
+        model = _WithSpare(spare)
+        opt = CPUOffloadAdam(model.parameters(), lr=1e-3, link=link)
+        assert len(opt.buckets) == 1
+        before = opt.link.traffic.snapshot()
+        for ((x, y),) in data(3, 1):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        after = opt.link.traffic.snapshot()
+        counts[spare] = {k: after[k] - before[k] for k in ("d2h_copies", "syncs")}
+        opt.close()
+    # the runs before and after the spare layer: one copy more a step, and a wait for it at most
+    assert counts[True]["d2h_copies"] == counts[False]["d2h_copies"] + 3
+    assert counts[True]["syncs"] <= counts[False]["syncs"] + 3
+
+
 def test_zero_grad_keeping_zeros_steps_like_adamw(link):
     ref, mine = mlp(unused=True), mlp(unused=True)
     reference = torch.optim.AdamW(ref.parameters(), lr=1e-2)

@@ -116,15 +116,19 @@ def test_the_emulation_catches_a_copy_not_ordered_after_its_reader(link):
     a GPU."""
     for after_consumer in (True, False):
         buffer, new = link.device_buffer(1024).fill_(1.0), link.host_buffer(1024).fill_(9.0)
-        opened, seen = threading.Event(), []
+        opened, read_once, seen = threading.Event(), threading.Event(), []
 
         def consumer():
             first = buffer.clone()
+            read_once.set()
             opened.wait()
             seen.append(torch.equal(buffer, first))
 
         link.launch(consumer)
         released = link.mark()
+        if not after_consumer:
+            # its first read done (on a busy machine the copy could land before it)
+            assert read_once.wait(WATCHDOG)
         transfer = link.to_device(buffer, new, after=released if after_consumer else None)
         if not after_consumer:
             # overwrites the buffer while the consumer still reads it

@@ -58,7 +58,7 @@ def __dir__():
 # layer (top first): its modules. "Reading the package" in the book shows this map with each
 # module's job, computed from this very dict.
 LAYERS = {
-    "face: the command and the benchmarks": ["cli", "bench", "__main__"],
+    "face: the command and the benchmarks": ["cli", "bench", "fsdp_offload", "__main__"],
     "mechanisms: offload, streaming, prefetch, NVMe": [
         "offload",
         "activations",

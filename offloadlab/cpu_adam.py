@@ -127,12 +127,13 @@ _lock = threading.Lock()
 _opened: Library | None = None
 
 
-def default_threads(gpu: bool = False) -> int:
-    """Every core this process may use (its affinity and cgroup CPU quota, see
-    :mod:`offloadlab.cores`) but one, which drives the copies and the training loop; with a
-    ``gpu``, but two: backward's autograd thread launches kernels while the update runs, and a
-    starved launcher leaves the GPU idle."""
-    return max(1, cores.worker_threads() - (1 if gpu else 0))
+def default_threads(gpu: bool = False, ranks: int = 1) -> int:
+    """This process's share of the cores it may use (its affinity and cgroup CPU quota, see
+    :mod:`offloadlab.cores`), shared with ``ranks - 1`` other processes, but one, which drives
+    the copies and the training loop; with a ``gpu``, but two: backward's autograd thread
+    launches kernels while the update runs, and a starved launcher leaves the GPU idle."""
+    share = cores.usable_cores() // max(1, ranks)
+    return max(1, share - 1 - (1 if gpu else 0))
 
 
 def bytes_per_param(grad_dtype=torch.bfloat16, out_dtype=torch.bfloat16) -> int:

@@ -88,3 +88,29 @@ def test_cpu_adam_beside_a_gpu_leaves_the_launcher_and_autograd_a_core_each(monk
     training loop and backward's autograd thread both launch kernels while the update runs."""
     monkeypatch.setattr(cores, "usable_cores", lambda root="/": usable)
     assert cpu_adam.default_threads(gpu=True) == max(1, usable - 2)
+
+
+@pytest.mark.parametrize(
+    "usable, ranks, gpu, threads",
+    [(16, 8, True, 1), (64, 8, True, 6), (64, 4, False, 15), (2, 2, False, 1)],
+)
+def test_ranks_on_one_host_share_its_cores(monkeypatch, usable, ranks, gpu, threads):
+    """Eight FSDP2 ranks on one 64-core host: each rank's kernel takes its eighth, less its own
+    launcher (and autograd thread beside a GPU): 6 threads each, not 62 each."""
+    monkeypatch.setattr(cores, "usable_cores", lambda root="/": usable)
+    assert cpu_adam.default_threads(gpu=gpu, ranks=ranks) == threads
+
+
+def test_the_ranks_sharing_a_host_are_torchruns_local_world_unless_pinned(monkeypatch):
+    from offloadlab.offload.sharded import ranks_on_this_host
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    everything = set(range(os.cpu_count()))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: everything)
+    assert ranks_on_this_host() == 4
+    if os.cpu_count() > 1:  # a rank pinned to cores of its own has them to itself
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+        assert ranks_on_this_host() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: everything)
+    assert ranks_on_this_host() == 1

@@ -8,7 +8,8 @@ fingerprint on the device), :mod:`~offloadlab.offload.intake` (gradients down),
 :mod:`~offloadlab.offload.worker` (the CPU update and the weights back up),
 :mod:`~offloadlab.offload.loss_scaler` (fp16 loss scaling),
 :mod:`~offloadlab.offload.device_update` (the share updated on the device: kept there, or parked
-in host memory between steps) and
+in host memory between steps), :mod:`~offloadlab.offload.sharded` (FSDP2's shards, one rank's
+each) and
 :mod:`~offloadlab.offload.engine` (when the update runs, what ties them together and owns their
 lifetime). Importing it changes nothing in torch.
 """

@@ -187,8 +187,13 @@ class OffloadEngine:
         record_timeline: bool,
         offload_fraction: float = 1.0,
         update_on: str = "cpu",
+        ranks_on_host: int = 1,
+        sum_across_ranks=None,
     ):
         self.closed: str | None = None
+        # (sharded parameters: a rank's share of the host's cores, and its gradients' sum of
+        # squares summed with the other ranks')
+        self.ranks_on_host, self.sum_across_ranks = ranks_on_host, sum_across_ranks
         # the optimizer's own list of groups (the engine does not refer to it)
         self.param_groups = param_groups
         # What torch.optim.AdamW would find in each parameter's .grad, by id: a tensor at all (it
@@ -257,7 +262,9 @@ class OffloadEngine:
         record_timeline,
         kept,
     ) -> None:
-        self.threads = threads or cpu_adam.default_threads(gpu=not self.link.emulated)
+        self.threads = threads or cpu_adam.default_threads(
+            gpu=not self.link.emulated, ranks=self.ranks_on_host
+        )
         self.max_grad_norm = max_grad_norm
         self.fp16 = self.dtype == torch.float16
         # checked whatever the dtype: a typo is a typo
@@ -721,6 +728,8 @@ class OffloadEngine:
             for first, stop in bucket.runs(received.counts):
                 grad = self.host.gradient(bucket, first, stop, received)
                 total += cpu_adam.grad_sum_of_squares(grad, self.threads)
+        if self.sum_across_ranks is not None:
+            total = self.sum_across_ranks(total)
         return math.sqrt(total) / (self.scaler.scale if self.scaler is not None else 1.0)
 
     def _fold_here(self, bucket):

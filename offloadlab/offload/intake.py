@@ -91,7 +91,7 @@ class GradientIntake:
                 bucket.streamed.attach_sink(bucket.block, self, bucket.index)
             else:
                 self._hooks += [
-                    p.register_post_accumulate_grad_hook(self._on_gradient) for p in bucket.params
+                    p.register_post_accumulate_grad_hook(self.receive) for p in bucket.params
                 ]
 
     def position(self, param) -> tuple[Bucket, int] | None:
@@ -110,7 +110,8 @@ class GradientIntake:
 
     # ------------------------------------------------------------------ gradients in
 
-    def _on_gradient(self, param: torch.Tensor) -> None:
+    def receive(self, param: torch.Tensor) -> None:
+        """Take ``param``'s new gradient (its post-accumulate-grad hook)."""
         if not self._usable():
             return  # a failed or closed optimizer leaves gradients where autograd put them
         bucket, k = self._where[id(param)]

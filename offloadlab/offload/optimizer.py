@@ -35,6 +35,7 @@ from ..link import Link
 from ..units import check_integer, is_number
 from .engine import OffloadEngine, managed
 from .host_state import check_group, check_hyperparameters, check_state, export_state
+from .sharded import LocalShards, is_sharded, ranks_on_this_host
 
 __all__ = ["CPUOffloadAdam", "managed"]
 
@@ -45,15 +46,15 @@ class _StateView(Mapping):
     """``optimizer.state``: per parameter updated so far, live views of its host state (AdamW's
     keys)."""
 
-    def __init__(self, engine: OffloadEngine):
-        self._engine = engine
+    def __init__(self, engine: OffloadEngine, shards: LocalShards):
+        self._engine, self._shards = engine, shards
 
     def _entries(self):
         engine = self._engine
         if engine.closed is not None:
             return {}
         return {
-            p: (holder, bucket, k)
+            self._shards.sharded.get(id(p), p): (holder, bucket, k)
             for holder in (engine.host, *engine.on_device)
             for bucket in holder.buckets
             for k, p in enumerate(bucket.params)
@@ -96,6 +97,11 @@ class CPUOffloadAdam(torch.optim.Optimizer):
     ``record_timeline=True``, :attr:`timeline` holds the last step's gradient copies, CPU
     updates and weight copies as {lane: [(start, end, label)]} in seconds on the link's clock
     (:func:`offloadlab.trace.write_chrome_trace` writes it for Perfetto).
+
+    Parameters sharded by FSDP2's ``fully_shard``: each rank offloads and updates its own shard
+    (:mod:`~offloadlab.offload.sharded`); clipping and fp16's overflow check use the norm over all
+    ranks, and ``state_dict()`` holds DTensors placed like the parameters, for
+    ``torch.distributed.checkpoint``.
     """
 
     def __init__(
@@ -171,8 +177,13 @@ class CPUOffloadAdam(torch.optim.Optimizer):
                         f"params: expected each parameter once; param_groups[{i}] repeats one"
                     )
                 seen.add(id(p))
+        # FSDP2's sharded parameters: each rank offloads its own shard (see .sharded)
+        self._shards = LocalShards(self.param_groups)
+        self._engine_groups = (
+            self._shards.groups(self.param_groups) if self._shards.any else self.param_groups
+        )
         self._engine = OffloadEngine(
-            self.param_groups,
+            self._engine_groups,
             link=link,
             threads=threads,
             max_grad_norm=max_grad_norm,
@@ -183,18 +194,28 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             record_timeline=record_timeline,
             offload_fraction=float(offload_fraction),
             update_on=update_on,
+            ranks_on_host=ranks_on_this_host() if self._shards.any else 1,
+            sum_across_ranks=self._shards.sum_across_ranks if self._shards.any else None,
         )
-        self.state = _StateView(self._engine)
+        if self._shards.any:
+            self._shards.attach(self._engine.intake)
+        self.state = _StateView(self._engine, self._shards)
         # Dropped without close() (a re-run notebook cell): the engine still gets closed.
         self._finalizer = weakref.finalize(
             self, self._engine.close, "the optimizer was garbage-collected"
         )
 
     def __repr__(self) -> str:
+        engine = self._engine
+        shards = (
+            f", this rank's shards of {len(self._shards.local)} sharded, {engine.threads} "
+            f"threads of {engine.ranks_on_host} ranks on this host"
+            if self._shards.any
+            else ""
+        )
         return (
-            f"CPUOffloadAdam({sum(len(b.params) for b in self._engine.host.buckets)} parameters in "
-            f"{len(self._engine.host.buckets)} buckets, {self._engine.dtype}, "
-            f"{self._engine.link!r})"
+            f"CPUOffloadAdam({sum(len(b.params) for b in engine.host.buckets)} parameters in "
+            f"{len(engine.host.buckets)} buckets, {engine.dtype}, {engine.link!r}{shards})"
         )
 
     # ------------------------------------------------------------------ what it holds
@@ -278,8 +299,14 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             engine.check_usable()
         super().add_param_group(param_group)
         if engine is not None:
+            added = self.param_groups[-1]
             try:
-                engine.add_group(self.param_groups[-1])
+                if self._shards.any or any(map(is_sharded, added["params"])):
+                    raise ValueError(
+                        "add_param_group: CPUOffloadAdam over sharded (FSDP2) parameters takes "
+                        "every group when it is made; make it again with all of them"
+                    )
+                engine.add_group(added)
             except BaseException:
                 self.param_groups.pop()
                 raise
@@ -302,6 +329,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             raise ValueError(
                 f"norm_type: expected 2.0 (CPUOffloadAdam clips by the L2 norm); got {norm_type!r}"
             )
+        self._shards.settle()
         return torch.tensor(self._engine.clip(float(max_norm), error_if_nonfinite))
 
     @torch.no_grad()
@@ -319,6 +347,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._shards.settle()
         self._engine.step()
         return loss
 
@@ -335,6 +364,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         """Finish pending work, remove the hooks, stop the worker, free the host memory and close an
         emulated link made here. Using the optimizer afterwards raises."""
         self._finalizer.detach()
+        self._shards.detach()
         self._engine.close()
 
     @property
@@ -365,8 +395,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         """
         for hook in _torch_compat.optimizer_hooks(self, "state_dict_pre"):
             hook(self)
+        self._shards.settle()
         self._engine.synchronize()
-        state_dict = export_state([self._engine.host, *self._engine.on_device], self.param_groups)
+        holders = [self._engine.host, *self._engine.on_device]
+        state_dict = export_state(holders, self._engine_groups)
+        if self._shards.any:  # each tensor a DTensor placed like its parameter
+            state_dict = self._shards.to_sharded(state_dict, self._engine_groups)
         scaler = self._engine.scaler
         state_dict["offload"] = scaler.state_dict() if scaler is not None else {}
         for hook in _torch_compat.optimizer_hooks(self, "state_dict_post"):
@@ -394,7 +428,10 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        hyper, entries = check_state(state_dict, self.param_groups)
+        if self._shards.any:
+            state_dict = self._shards.to_local(state_dict, self._engine_groups)
+        self._shards.settle()
+        hyper, entries = check_state(state_dict, self._engine_groups)
         engine = self._engine
         scaler_state = state_dict.get("offload", {})
         if engine.scaler is not None and scaler_state:

@@ -1,0 +1,285 @@
+"""FSDP2 with the optimizer off the device, three ways, on N processes under torchrun.
+
+Each rank of :func:`main` shards TinyGPT with ``fully_shard`` (one group per block and the root)
+and trains it with one of :data:`OPTIMIZERS` on its share of one global batch: the state on the
+device (torch's AdamW), FSDP2's own ``CPUOffloadPolicy`` (shards, gradients and torch's AdamW on
+the CPU) or :class:`~offloadlab.offload.CPUOffloadAdam` on each rank's shard (at ``step()`` or
+delayed). Rank 0 writes the losses, each rank's step times and link ledger, and the trained
+weights. :func:`launch` starts it; the processes talk over gloo on CPUs and NCCL on GPUs.
+Checkpoints go through ``torch.distributed.checkpoint`` (each rank saves its shards), so a run
+may stop, and another resume it with any of the optimizers. Units: seconds, bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from .distributed import _OPTIMIZER, GLOBAL_BATCH, LAB_CONFIG, load_reference
+from .models import TinyGPT, batches, markov_corpus
+from .offload import CPUOffloadAdam
+
+__all__ = ["OPTIMIZERS", "launch", "main", "resume"]
+
+OPTIMIZERS = {
+    "adamw": "FSDP2 + torch.optim.AdamW: the state on the device",
+    "cpu-offload-policy": "FSDP2's CPUOffloadPolicy: shards, gradients and AdamW on the CPU",
+    "offload": "FSDP2 + CPUOffloadAdam: each rank's shard updated on its CPU, at step()",
+    "offload-delayed": "FSDP2 + CPUOffloadAdam(delayed_update=True): behind the next step",
+}
+
+
+def build(optimizer: str, bf16: bool, unused: bool, clip: float | None, device):
+    """The sharded model (filled with the single-process reference's weights) and its
+    optimizer.
+
+    ``bf16``: computing in bf16, gradients reduced in bf16; torch's AdamW keeps fp32 shards and
+    FSDP2 casts them for each gather, CPUOffloadAdam keeps bf16 shards on the device and the fp32
+    master weights on the host (the same numbers: bf16 of the same fp32 master)."""
+    with torch.device("meta"):
+        model = TinyGPT(LAB_CONFIG)
+        if unused:  # a parameter no forward uses: AdamW skips it, so must the offload
+            model.unused = torch.nn.Linear(4, 3)
+    offloaded = optimizer.startswith("offload")
+    if bf16 and offloaded:
+        model.to(torch.bfloat16)
+    policy = {}
+    if bf16 and not offloaded:
+        policy["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
+        )
+    if optimizer == "cpu-offload-policy":
+        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for block in model.blocks:
+        fully_shard(block, **policy)
+    fully_shard(model, **policy)
+    model.to_empty(device="cpu" if optimizer == "cpu-offload-policy" else device)
+    load_reference(model)
+    if unused:
+        with torch.no_grad():
+            model.unused.weight.fill_(0.5)
+            model.unused.bias.fill_(0.5)
+    if offloaded:
+        opt = CPUOffloadAdam(
+            model.parameters(),
+            **_OPTIMIZER,
+            max_grad_norm=clip,
+            delayed_update=optimizer == "offload-delayed",
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **_OPTIMIZER)
+    return model, opt
+
+
+def _step(model, opt, inputs, targets, micro_batches: int, clip: float | None, offloaded: bool):
+    """One optimizer step over ``micro_batches`` micro-batches; returns the mean loss."""
+    total = 0.0
+    for x, y in zip(inputs.chunk(micro_batches), targets.chunk(micro_batches)):
+        loss = model(x, y) / micro_batches
+        loss.backward()
+        total += loss.item()
+    if clip is not None and not offloaded:  # (CPUOffloadAdam clips in step(): max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad()
+    return total
+
+
+def _checkpoint(model, opt) -> dict:
+    model_state, optim_state = get_state_dict(model, opt)
+    return {"model": model_state, "optim": optim_state}
+
+
+def resume(model, opt, folder: str) -> None:
+    """Load a checkpoint ``dcp.save`` wrote of ``{"model": …, "optim": …}`` (either optimizer's,
+    any world size) into the sharded ``model`` and ``opt``.
+
+    DCP loads into a state dict of the right layout, which ``get_state_dict`` makes by stepping a
+    fresh optimizer once with zero gradients: that gives every parameter an entry, a CPUOffloadAdam
+    a ``master`` too. What the checkpoint does not hold (AdamW's has no master; a parameter that
+    never had a gradient has no entry) is dropped from it before loading, as the optimizer then
+    expects."""
+    state = _checkpoint(model, opt)
+    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    state = _only_saved(state, saved, "")
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(
+        model,
+        opt,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(strict=False),
+    )
+
+
+def _only_saved(tree: dict, saved, prefix: str) -> dict:
+    kept = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            inner = _only_saved(value, saved, f"{name}.")
+            if inner or not value:
+                kept[key] = inner
+        elif not isinstance(value, (torch.Tensor, int, float)) or name in saved:
+            kept[key] = value
+    return kept
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One rank (started by torchrun): train, and write the record and weights from rank 0."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="offload")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--unused", action="store_true")
+    parser.add_argument("--save", help="a folder: a checkpoint after --save-at steps")
+    parser.add_argument("--save-at", type=int, default=0)
+    parser.add_argument("--load", help="a folder with a checkpoint to resume from")
+    parser.add_argument("--die-at", type=int, help="(tests) the last rank is killed at this step")
+    parser.add_argument("--out", required=True, help="the JSON record (and OUT.pt, the weights)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    if not torch.cuda.is_available():
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        model, opt = build(args.optimizer, args.bf16, args.unused, args.clip, device)
+        offloaded = isinstance(opt, CPUOffloadAdam)
+        data = batches(
+            markov_corpus(LAB_CONFIG.vocab, 20_000), GLOBAL_BATCH, LAB_CONFIG.seq, seed=1
+        )
+        first = 0
+        if args.load:
+            resume(model, opt, args.load)
+            first = json.loads((Path(args.load) / "step.json").read_text())["step"]
+            for _ in range(first):
+                next(data)
+        losses, seconds = [], []
+        traffic = opt.link.traffic.snapshot() if offloaded else None
+        for step in range(first, first + args.steps):
+            inputs, targets = next(data)
+            inputs, targets = inputs[rank::world].to(device), targets[rank::world].to(device)
+            if step == args.die_at and rank == world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            losses.append(
+                _step(model, opt, inputs, targets, args.micro_batches, args.clip, offloaded)
+            )
+            if offloaded:
+                opt.synchronize() if args.optimizer == "offload" else None
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+            if args.save and step + 1 == args.save_at:
+                dcp.save(_checkpoint(model, opt), checkpoint_id=args.save)
+                if rank == 0:
+                    (Path(args.save) / "step.json").write_text(json.dumps({"step": step + 1}))
+        if offloaded:
+            opt.synchronize()  # (a delayed update's last step, applied)
+            after = opt.link.traffic.snapshot()
+            traffic = {k: after[k] - traffic[k] for k in after}
+        mean = torch.tensor(losses, dtype=torch.float64, device=device)
+        dist.all_reduce(mean)
+        ranks = [None] * world
+        dist.all_gather_object(
+            ranks, {"seconds": seconds, "traffic": traffic, "optimizer": repr(opt)}
+        )
+        weights = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if rank == 0:
+            record = {
+                "optimizer": args.optimizer,
+                "world": world,
+                "backend": dist.get_backend(),
+                "steps": args.steps,
+                "first_step": first,
+                "micro_batches": args.micro_batches,
+                "bf16": args.bf16,
+                "losses": (mean / world).tolist(),
+                "ranks": ranks,
+            }
+            Path(args.out).write_text(json.dumps(record, indent=1), encoding="utf-8")
+            torch.save({k: v.float() for k, v in weights.items()}, f"{args.out}.pt")
+        if offloaded:
+            opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(
+    optimizer: str = "offload",
+    processes: int = 2,
+    out: str | os.PathLike = "fsdp_offload.json",
+    timeout: float = 300,
+    **options,
+) -> dict:
+    """Run :func:`main` on ``processes`` gloo (or NCCL) processes and return rank 0's record,
+    with ``weights`` (the trained full weights). ``options``: steps, micro_batches, clip, bf16,
+    unused, save, save_at, load, as :func:`main` takes them."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={processes}",
+        "-m",
+        "offloadlab.fsdp_offload",
+        "--optimizer",
+        optimizer,
+        "--out",
+        str(out),
+    ]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            command.append(flag)
+        elif value not in (None, False):
+            command += [flag, str(value)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    if not (torch.cuda.is_available() and torch.cuda.device_count() >= processes):
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    if done.returncode != 0:
+        ranks = [line for line in done.stderr.splitlines() if line.startswith("[rank")]
+        detail = "\n".join(ranks[-40:]) or done.stderr[-3000:]
+        raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{detail}")
+    record = json.loads(Path(out).read_text(encoding="utf-8"))
+    record["weights"] = torch.load(f"{out}.pt")
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1019,6 +1019,71 @@ _PREFETCH_HIDDEN = 2048  # on a GPU: (rows × 2048) @ (2048 × 2048) products, r
 _PRODUCTS_PER_TRANSFER = 4
 
 
+def fsdp(quick: bool = False) -> dict:
+    """FSDP2 on two processes with the optimizer on the device (torch's AdamW), FSDP2's
+    ``CPUOffloadPolicy``, and :class:`~offloadlab.offload.CPUOffloadAdam` on each rank's shard (at
+    step and delayed): each on its own copy of lab 8's TinyGPT, in rounds that take turns in a
+    rotating order on the same batches; step time and its ratio to AdamW's within each round (the
+    median over rounds), and each rank's link bytes per step beside the arithmetic (its shard's
+    elements × the weights' bytes, each way)."""
+    import tempfile
+
+    from . import fsdp_offload
+
+    gpus = torch.cuda.device_count()
+    processes, rounds, per_round = 2, (3 if quick else 8), (2 if quick else 4)
+    with tempfile.TemporaryDirectory() as scratch:
+        record = fsdp_offload.launch_compare(
+            processes, rounds, per_round, out=Path(scratch) / "compare.json"
+        )
+    seconds = record["seconds"]
+    element = 2 if record["bf16"] else 4
+    rows = []
+    for name, description in fsdp_offload.OPTIMIZERS.items():
+        row = {
+            "contender": name,
+            "fsdp": True,
+            "description": description,
+            "seconds": statistics.median(seconds[name]),
+            "ratio_to_adamw": statistics.median(
+                mine / theirs for mine, theirs in zip(seconds[name], seconds["adamw"])
+            ),
+        }
+        if name in record["ranks"][0]["traffic"]:
+            row["ranks"] = [
+                {
+                    "h2d_bytes": rank["traffic"][name]["h2d_bytes"],
+                    "d2h_bytes": rank["traffic"][name]["d2h_bytes"],
+                    "predicted_each_way": rank["shard_elements"] * element,
+                    "syncs_in_backward": rank["traffic"][name]["syncs_in_backward"],
+                    "optimizer": rank["optimizers"][name],
+                }
+                for rank in record["ranks"]
+            ]
+        rows.append(row)
+    gpu = gpus >= processes
+    return {
+        "benchmark": "fsdp",
+        "source": "measured" if gpu else "emulated",
+        "rows": rows,
+        "ratios": {f"fsdp: {row['contender']} / adamw": row["ratio_to_adamw"] for row in rows[1:]},
+        "params": record["params"],
+        "provenance": machine.provenance(),
+        "note": (
+            f"TinyGPT of {record['params'] / 1e6:.2f} M parameters (lab 8's), global batch 8, on "
+            f"{processes} {record['backend']} processes; {rounds} rounds × {per_round} steps of "
+            "each, timed to the last update landed; ratios: median over rounds of the ratio within "
+            "a round"
+            + (
+                ""
+                if gpu
+                else "; without two GPUs the device is this CPU: AdamW 'on the device' and "
+                "CPUOffloadPolicy both run here, and the link is emulated"
+            )
+        ),
+    }
+
+
 def prefetch_shape(profile: devices.DeviceProfile) -> tuple[int, int, int]:
     """(rows, hidden, products per layer) of a layer's compute on ``profile``: products about a
     quarter of a layer's transfer long at the datasheet rate, as many as make the compute twice the
@@ -1602,6 +1667,18 @@ def format_result(result: dict) -> str:
                 f"  {row['contender']:<24} {format_duration(row['seconds']):>10} per step  "
                 + "; ".join(extra)
             )
+        elif "fsdp" in row:
+            lines.append(
+                f"  {row['contender']:<20} {format_duration(row['seconds']):>10} per step  "
+                f"{row['ratio_to_adamw']:.2f}× AdamW   {row['description']}"
+            )
+            for rank, moved in enumerate(row.get("ranks", [])):
+                lines.append(
+                    f"  {'':<20} rank {rank}: {format_size(moved['d2h_bytes'])} down, "
+                    f"{format_size(moved['h2d_bytes'])} up a step (its shard: "
+                    f"{format_size(moved['predicted_each_way'])} each way); "
+                    f"{moved['syncs_in_backward']:.0f} waits inside backward"
+                )
         elif "share" in row:
             if "measured" not in row:
                 lines.append(

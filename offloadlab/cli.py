@@ -989,7 +989,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks against peers, reported as ratios")
     bench.add_argument(
         "name",
-        choices=["link", "overlap", "adam", "offload", "activations", "prefetch", "nvme"],
+        choices=["link", "overlap", "adam", "offload", "activations", "fsdp", "prefetch", "nvme"],
         help="what to benchmark",
     )
     bench.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")

@@ -36,7 +36,7 @@ from .distributed import _OPTIMIZER, GLOBAL_BATCH, LAB_CONFIG, load_reference
 from .models import TinyGPT, batches, markov_corpus
 from .offload import CPUOffloadAdam
 
-__all__ = ["OPTIMIZERS", "launch", "main", "resume"]
+__all__ = ["OPTIMIZERS", "compare", "launch", "launch_compare", "main", "resume", "train"]
 
 OPTIMIZERS = {
     "adamw": "FSDP2 + torch.optim.AdamW: the state on the device",
@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--load", help="a folder with a checkpoint to resume from")
     parser.add_argument("--die-at", type=int, help="(tests) the last rank is killed at this step")
+    parser.add_argument(
+        "--compare", type=int, default=0, metavar="ROUNDS", help="time every optimizer instead"
+    )
+    parser.add_argument("--per-round", type=int, default=3, help="steps of each in a round")
     parser.add_argument("--out", required=True, help="the JSON record (and OUT.pt, the weights)")
     args = parser.parse_args(argv)
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -163,72 +167,144 @@ def main(argv: list[str] | None = None) -> None:
     else:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        model, opt = build(args.optimizer, args.bf16, args.unused, args.clip, device)
-        offloaded = isinstance(opt, CPUOffloadAdam)
-        data = batches(
-            markov_corpus(LAB_CONFIG.vocab, 20_000), GLOBAL_BATCH, LAB_CONFIG.seq, seed=1
-        )
-        first = 0
-        if args.load:
-            resume(model, opt, args.load)
-            first = json.loads((Path(args.load) / "step.json").read_text())["step"]
-            for _ in range(first):
-                next(data)
-        losses, seconds = [], []
-        traffic = opt.link.traffic.snapshot() if offloaded else None
-        for step in range(first, first + args.steps):
-            inputs, targets = next(data)
-            inputs, targets = inputs[rank::world].to(device), targets[rank::world].to(device)
-            if step == args.die_at and rank == world - 1:
-                os.kill(os.getpid(), signal.SIGKILL)
+        (compare if args.compare else train)(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(args, device) -> None:
+    """Train one optimizer (``args.optimizer``); rank 0 writes the losses, each rank's step times,
+    link ledger and optimizer, and the trained weights."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = build(args.optimizer, args.bf16, args.unused, args.clip, device)
+    offloaded = isinstance(opt, CPUOffloadAdam)
+    data = batches(markov_corpus(LAB_CONFIG.vocab, 20_000), GLOBAL_BATCH, LAB_CONFIG.seq, seed=1)
+    first = 0
+    if args.load:
+        resume(model, opt, args.load)
+        first = json.loads((Path(args.load) / "step.json").read_text())["step"]
+        for _ in range(first):
+            next(data)
+    losses, seconds = [], []
+    traffic = opt.link.traffic.snapshot() if offloaded else None
+    for step in range(first, first + args.steps):
+        inputs, targets = next(data)
+        inputs, targets = inputs[rank::world].to(device), targets[rank::world].to(device)
+        if step == args.die_at and rank == world - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        losses.append(_step(model, opt, inputs, targets, args.micro_batches, args.clip, offloaded))
+        if args.optimizer == "offload":  # (its weights' copies up, landed)
+            opt.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        if args.save and step + 1 == args.save_at:
+            dcp.save(_checkpoint(model, opt), checkpoint_id=args.save)
+            if rank == 0:
+                (Path(args.save) / "step.json").write_text(json.dumps({"step": step + 1}))
+    if offloaded:
+        opt.synchronize()  # (a delayed update's last step, applied)
+        after = opt.link.traffic.snapshot()
+        traffic = {k: after[k] - traffic[k] for k in after}
+    mean = torch.tensor(losses, dtype=torch.float64, device=device)
+    dist.all_reduce(mean)
+    ranks = [None] * world
+    dist.all_gather_object(ranks, {"seconds": seconds, "traffic": traffic, "optimizer": repr(opt)})
+    weights = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank == 0:
+        record = {
+            "optimizer": args.optimizer,
+            "world": world,
+            "backend": dist.get_backend(),
+            "steps": args.steps,
+            "first_step": first,
+            "micro_batches": args.micro_batches,
+            "bf16": args.bf16,
+            "losses": (mean / world).tolist(),
+            "ranks": ranks,
+        }
+        Path(args.out).write_text(json.dumps(record, indent=1), encoding="utf-8")
+        torch.save({k: v.float() for k, v in weights.items()}, f"{args.out}.pt")
+    if offloaded:
+        opt.close()
+
+
+def compare(args, device) -> None:
+    """Every optimizer of :data:`OPTIMIZERS` on its own copy of the model, timed in rounds: each
+    round gives each in turn (in an order that rotates) ``args.per_round`` steps on the same
+    batches, timed to the last step's update landed, so a delayed update is charged for the work
+    it left behind. Rank 0 writes each round's seconds per step, each rank's link bytes per step
+    and its optimizer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bf16 = device.type == "cuda"
+    contenders = {name: build(name, bf16, False, None, device) for name in OPTIMIZERS}
+    data = batches(markov_corpus(LAB_CONFIG.vocab, 20_000), GLOBAL_BATCH, LAB_CONFIG.seq, seed=1)
+    names = list(OPTIMIZERS)
+    seconds = {name: [] for name in names}
+    before = {
+        name: opt.link.traffic.snapshot()
+        for name, (_, opt) in contenders.items()
+        if isinstance(opt, CPUOffloadAdam)
+    }
+    for round_ in range(args.compare):
+        steps = [next(data) for _ in range(args.per_round)]
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            model, opt = contenders[name]
+            offloaded = isinstance(opt, CPUOffloadAdam)
+            where = torch.device("cpu") if name == "cpu-offload-policy" else device
+            dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            losses.append(
-                _step(model, opt, inputs, targets, args.micro_batches, args.clip, offloaded)
-            )
+            for inputs, targets in steps:
+                x, y = inputs[rank::world].to(where), targets[rank::world].to(where)
+                _step(model, opt, x, y, 1, None, offloaded)
             if offloaded:
-                opt.synchronize() if args.optimizer == "offload" else None
+                opt.synchronize()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - start)
-            if args.save and step + 1 == args.save_at:
-                dcp.save(_checkpoint(model, opt), checkpoint_id=args.save)
-                if rank == 0:
-                    (Path(args.save) / "step.json").write_text(json.dumps({"step": step + 1}))
-        if offloaded:
-            opt.synchronize()  # (a delayed update's last step, applied)
-            after = opt.link.traffic.snapshot()
-            traffic = {k: after[k] - traffic[k] for k in after}
-        mean = torch.tensor(losses, dtype=torch.float64, device=device)
-        dist.all_reduce(mean)
-        ranks = [None] * world
-        dist.all_gather_object(
-            ranks, {"seconds": seconds, "traffic": traffic, "optimizer": repr(opt)}
-        )
-        weights = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if rank == 0:
-            record = {
-                "optimizer": args.optimizer,
-                "world": world,
-                "backend": dist.get_backend(),
-                "steps": args.steps,
-                "first_step": first,
-                "micro_batches": args.micro_batches,
-                "bf16": args.bf16,
-                "losses": (mean / world).tolist(),
-                "ranks": ranks,
-            }
-            Path(args.out).write_text(json.dumps(record, indent=1), encoding="utf-8")
-            torch.save({k: v.float() for k, v in weights.items()}, f"{args.out}.pt")
-        if offloaded:
-            opt.close()
-    finally:
-        dist.destroy_process_group()
+            seconds[name].append((time.perf_counter() - start) / args.per_round)
+    steps_taken = args.compare * args.per_round
+    mine = {"traffic": {}, "optimizers": {}}
+    for name, start in before.items():
+        opt = contenders[name][1]
+        after = opt.link.traffic.snapshot()
+        mine["traffic"][name] = {k: (after[k] - start[k]) / steps_taken for k in after}
+        mine["optimizers"][name] = repr(opt)
+        opt.close()
+    mine["shard_elements"] = sum(p.to_local().numel() for p in contenders["adamw"][0].parameters())
+    ranks = [None] * world
+    dist.all_gather_object(ranks, mine)
+    if rank == 0:
+        record = {
+            "world": world,
+            "backend": dist.get_backend(),
+            "bf16": bf16,
+            "rounds": args.compare,
+            "per_round": args.per_round,
+            "params": sum(p.numel() for p in contenders["adamw"][0].parameters()),
+            "seconds": seconds,
+            "ranks": ranks,
+        }
+        Path(args.out).write_text(json.dumps(record, indent=1), encoding="utf-8")
+
+
+def launch_compare(
+    processes: int = 2,
+    rounds: int = 5,
+    per_round: int = 3,
+    out: str | os.PathLike = "fsdp_compare.json",
+    timeout: float = 600,
+) -> dict:
+    """Run :func:`compare` on ``processes`` processes and return rank 0's record."""
+    _torchrun(["--compare", str(rounds), "--per-round", str(per_round)], processes, out, timeout)
+    return json.loads(Path(out).read_text(encoding="utf-8"))
 
 
 def launch(
@@ -243,6 +319,22 @@ def launch(
     unused, save, save_at, load, as :func:`main` takes them."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
+    arguments = ["--optimizer", optimizer]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            arguments.append(flag)
+        elif value not in (None, False):
+            arguments += [flag, str(value)]
+    _torchrun(arguments, processes, out, timeout)
+    record = json.loads(Path(out).read_text(encoding="utf-8"))
+    record["weights"] = torch.load(f"{out}.pt")
+    return record
+
+
+def _torchrun(arguments: list[str], processes: int, out, timeout: float) -> None:
+    """``torchrun`` this module's :func:`main` on ``processes`` processes (one GPU each, or none:
+    then on CPUs with one thread each), writing to ``out``."""
     command = [
         sys.executable,
         "-m",
@@ -251,17 +343,10 @@ def launch(
         f"--nproc-per-node={processes}",
         "-m",
         "offloadlab.fsdp_offload",
-        "--optimizer",
-        optimizer,
+        *arguments,
         "--out",
         str(out),
     ]
-    for name, value in options.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            command.append(flag)
-        elif value not in (None, False):
-            command += [flag, str(value)]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -276,9 +361,6 @@ def launch(
         ranks = [line for line in done.stderr.splitlines() if line.startswith("[rank")]
         detail = "\n".join(ranks[-40:]) or done.stderr[-3000:]
         raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{detail}")
-    record = json.loads(Path(out).read_text(encoding="utf-8"))
-    record["weights"] = torch.load(f"{out}.pt")
-    return record
 
 
 if __name__ == "__main__":

@@ -162,3 +162,23 @@ def test_sharded_parameters_other_than_fsdp2s_are_refused_in_words():
             LocalShards([{"params": [weight]}])
     finally:
         dist.destroy_process_group()
+
+
+def test_the_bench_times_the_three_in_turns_with_each_ranks_bytes():
+    """bench fsdp: AdamW on the device, CPUOffloadPolicy and CPUOffloadAdam (at step, delayed) in
+    one run, ratios within rounds, each rank's bytes each way equal to its shard's."""
+    from offloadlab import bench
+
+    result = bench.fsdp(quick=True)
+    assert [row["contender"] for row in result["rows"]] == list(fsdp_offload.OPTIMIZERS)
+    assert all(row["seconds"] > 0 and row["ratio_to_adamw"] > 0 for row in result["rows"])
+    offloaded = [row for row in result["rows"] if "ranks" in row]
+    assert [row["contender"] for row in offloaded] == ["offload", "offload-delayed"]
+    for row in offloaded:
+        assert len(row["ranks"]) == 2
+        for rank in row["ranks"]:
+            assert rank["h2d_bytes"] == rank["predicted_each_way"]
+            # (and a 4-byte read of the weights' fingerprint, once in the run)
+            assert 0 <= rank["d2h_bytes"] - rank["predicted_each_way"] <= 4
+            assert rank["syncs_in_backward"] == 0
+    assert "fsdp: offload / adamw" in bench.format_result(result)

@@ -145,7 +145,9 @@ def load_reference(model) -> None:
 def main(argv: list[str] | None = None) -> None:
     """One rank of a sharded run (started by torchrun): train, count, and write JSON from rank 0."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--offload", choices=["none", "optimizer+parameters"], default="none")
+    parser.add_argument(
+        "--offload", choices=["none", "optimizer", "optimizer+parameters"], default="none"
+    )
     parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", required=True)
@@ -208,9 +210,10 @@ def launch(
     timeout: float = 300,
 ) -> dict:
     """Run :func:`main` on ``processes`` processes with torchrun and return rank 0's record."""
-    if offload not in ("none", "optimizer+parameters"):
+    if offload not in ("none", "optimizer", "optimizer+parameters"):
         raise ValueError(
-            f"offload: expected 'none' or 'optimizer+parameters' (FSDP2's choices); got {offload!r}"
+            f"offload: expected 'none', 'optimizer' (offloadlab's CPUOffloadAdam on each shard) or "
+            f"'optimizer+parameters' (FSDP2's CPUOffloadPolicy); got {offload!r}"
         )
     command = [
         sys.executable,

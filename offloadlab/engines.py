@@ -49,7 +49,8 @@ _LEVEL_STRATEGY = {
 
 
 def offered(strategy: str, offload: str) -> bool:
-    """Whether DeepSpeed and FSDP2 run this combination: they offload only sharded state."""
+    """Whether DeepSpeed and FSDP2 run this combination: they offload only sharded state (FSDP2's
+    optimizer alone with offloadlab's CPUOffloadAdam)."""
     return sharding.valid(strategy, offload) and not (strategy == "ddp" and offload != "none")
 
 
@@ -483,12 +484,14 @@ def fsdp_snippet(config: Setup) -> str:
     ``reduce_dtype`` equal to ``param_dtype``: 2 bytes a parameter, as chapter 9 counts them; an
     fp32 reduction would double those bytes); and updates with ``torch.optim.AdamW(fused=True)``,
     on the CPU's shards with ``CPUOffloadPolicy`` (the unfused loop is several times slower than
-    the CPU-Adam rate the planner assumes). FSDP2's only offload is ``CPUOffloadPolicy``
-    (parameters, gradients and the update all on the CPU); a plan that offloads only the optimizer
-    is written as the nearest FSDP2 can do, and the script says so.
+    the CPU-Adam rate the planner assumes), which moves parameters, gradients and the update to
+    the CPU. A plan that offloads only the optimizer gets offloadlab's ``CPUOffloadAdam`` on each
+    rank's shard instead: 16-bit shards on the GPU, the fp32 master weights and moments on the
+    host, clipping in its ``step()``.
     """
     dtype = "torch.bfloat16" if config.precision == "bf16" else "torch.float16"
-    offloads = config.offload != "none"
+    offloads = config.offload == "optimizer+parameters"  # FSDP2's own CPUOffloadPolicy
+    ours = config.offload == "optimizer"  # offloadlab's CPUOffloadAdam on each rank's shard
     per_node = config.gpus // config.nodes
     lines = (
         [
@@ -505,11 +508,13 @@ def fsdp_snippet(config: Setup) -> str:
             "which the",
             "# plan found too small: use DeepSpeed (ZeRO-Infinity) for this run.",
         ]
-    if config.offload == "optimizer":
+    if ours:
         lines += [
-            "# The plan offloads only the optimizer; FSDP2 offloads parameters, gradients and the "
-            "optimizer",
-            "# together (CPUOffloadPolicy), which needs more link traffic than the plan assumed.",
+            "# The plan offloads only the optimizer: offloadlab's CPUOffloadAdam keeps each rank's "
+            "16-bit shard",
+            "# on its GPU and its fp32 master weights and moments in host memory, updated on its "
+            "share of",
+            "# the CPU as each shard's gradient arrives (pip install offloadlab on every node).",
         ]
     if config.strategy != "fsdp2" and config.offload == "none" and config.stage < 3:
         lines += [
@@ -527,6 +532,7 @@ def fsdp_snippet(config: Setup) -> str:
         if offloads
         else "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
         *(["from torch.utils.checkpoint import checkpoint"] if config.recompute else []),
+        *(["", "from offloadlab import CPUOffloadAdam"] if ours else []),
     ]
     if config.build is None:
         lines += [
@@ -559,6 +565,11 @@ def fsdp_snippet(config: Setup) -> str:
         else "    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MODEL), "
         "dtype=torch.float32)"
     )
+    if ours:
+        lines += [
+            f"model.to({dtype})  # the shards in 16 bits: the fp32 master copy is the "
+            "optimizer's, on the host"
+        ]
     if config.recompute:
         lines += _recompute_lines(config)
     lines += [f"mixed = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype={dtype})"]
@@ -586,10 +597,21 @@ def fsdp_snippet(config: Setup) -> str:
         f"    {config.initialise}" if config.initialise else "    model.initialize_weights()"
     )
     fused = "  # fused: the CPU-Adam rate the plan assumes" if offloads else ""
+    if ours:
+        clipping = f", max_grad_norm={float(config.clipping)!r}" if config.clipping else ""
+        lines += [
+            f"optimizer = CPUOffloadAdam(model.parameters(), lr={config.lr!r}, "
+            f"betas={tuple(config.betas)!r}, eps={config.eps!r},",
+            f"                           weight_decay={config.weight_decay!r}{clipping})",
+        ]
+    else:
+        lines += [
+            f"optimizer = torch.optim.AdamW(model.parameters(), lr={config.lr!r}, "
+            f"betas={tuple(config.betas)!r}, eps={config.eps!r},",
+            f"                              weight_decay={config.weight_decay!r}, fused=True)"
+            f"{fused}",
+        ]
     lines += [
-        f"optimizer = torch.optim.AdamW(model.parameters(), lr={config.lr!r}, "
-        f"betas={tuple(config.betas)!r}, eps={config.eps!r},",
-        f"                              weight_decay={config.weight_decay!r}, fused=True){fused}",
         "",
         "",
         "def train_step(input_ids, labels):",
@@ -599,7 +621,7 @@ def fsdp_snippet(config: Setup) -> str:
         if config.accumulation == 1
         else f"        (loss / {config.accumulation}).backward()",
     ]
-    if config.clipping:
+    if config.clipping and not ours:  # (CPUOffloadAdam clips in step(): the gradients are its)
         lines.append(
             f"    torch.nn.utils.clip_grad_norm_(model.parameters(), {float(config.clipping)!r})"
         )

@@ -13,6 +13,7 @@ may stop, and another resume it with any of the optimizers. Units: seconds, byte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -173,6 +174,28 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
+def _train_step(args, model, opt, data, step, rank, world, device, losses, seconds) -> None:
+    """One timed step of :func:`train` (and, at ``--save-at``, a checkpoint)."""
+    offloaded = isinstance(opt, CPUOffloadAdam)
+    inputs, targets = next(data)
+    inputs, targets = inputs[rank::world].to(device), targets[rank::world].to(device)
+    if step == args.die_at and rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    losses.append(_step(model, opt, inputs, targets, args.micro_batches, args.clip, offloaded))
+    if args.optimizer == "offload":  # (its weights' copies up, landed)
+        opt.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds.append(time.perf_counter() - start)
+    if args.save and step + 1 == args.save_at:
+        dcp.save(_checkpoint(model, opt), checkpoint_id=args.save)
+        if rank == 0:
+            (Path(args.save) / "step.json").write_text(json.dumps({"step": step + 1}))
+
+
 def train(args, device) -> None:
     """Train one optimizer (``args.optimizer``); rank 0 writes the losses, each rank's step times,
     link ledger and optimizer, and the trained weights."""
@@ -188,32 +211,30 @@ def train(args, device) -> None:
             next(data)
     losses, seconds = [], []
     traffic = opt.link.traffic.snapshot() if offloaded else None
-    for step in range(first, first + args.steps):
-        inputs, targets = next(data)
-        inputs, targets = inputs[rank::world].to(device), targets[rank::world].to(device)
-        if step == args.die_at and rank == world - 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        losses.append(_step(model, opt, inputs, targets, args.micro_batches, args.clip, offloaded))
-        if args.optimizer == "offload":  # (its weights' copies up, landed)
-            opt.synchronize()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-        if args.save and step + 1 == args.save_at:
-            dcp.save(_checkpoint(model, opt), checkpoint_id=args.save)
-            if rank == 0:
-                (Path(args.save) / "step.json").write_text(json.dumps({"step": step + 1}))
+    # (every copy the optimizer's link issues, labelled)
+    with opt.link.record() if offloaded else contextlib.nullcontext() as recording:
+        for step in range(first, first + args.steps):
+            _train_step(args, model, opt, data, step, rank, world, device, losses, seconds)
+    moved = None
     if offloaded:
         opt.synchronize()  # (a delayed update's last step, applied)
         after = opt.link.traffic.snapshot()
         traffic = {k: after[k] - traffic[k] for k in after}
+        # gradients down and weights up, without the fingerprint read of weights edited by hand
+        moved = {
+            direction: sum(
+                t.nbytes
+                for t in recording.transfers
+                if t.direction == direction and not t.label.endswith("edits")
+            )
+            / args.steps
+            for direction in ("d2h", "h2d")
+        }
     mean = torch.tensor(losses, dtype=torch.float64, device=device)
     dist.all_reduce(mean)
     ranks = [None] * world
-    dist.all_gather_object(ranks, {"seconds": seconds, "traffic": traffic, "optimizer": repr(opt)})
+    mine = {"seconds": seconds, "traffic": traffic, "moved": moved, "optimizer": repr(opt)}
+    dist.all_gather_object(ranks, mine)
     weights = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )

@@ -88,14 +88,13 @@ DEEPSPEED_BUFFER_FACTOR = 1.5
 
 
 def valid(strategy: str, offload: str) -> bool:
-    """Whether this combination exists: parameters offload only with full sharding, FSDP2's offload
-    only all at once, and data parallel offloading at most the optimizer (every GPU a whole copy,
-    as offloadlab's CPUOffloadAdam under DDP does)."""
+    """Whether this combination exists: parameters offload only with full sharding (FSDP2's own
+    offload moves them with the optimizer), and data parallel offloads at most the optimizer
+    (every GPU a whole copy). offloadlab's CPUOffloadAdam offloads the optimizer under DDP and
+    under FSDP2 (each rank its shard)."""
     if strategy == "ddp":
         return offload in ("none", "optimizer")
-    if strategy == "fsdp2":
-        return offload in ("none", "optimizer+parameters")
-    return offload != "optimizer+parameters" or strategy == "zero3"
+    return offload != "optimizer+parameters" or strategy in ("zero3", "fsdp2")
 
 
 def ring_bytes(collective: str, tensor_bytes: float, gpus: int) -> float:
@@ -235,6 +234,14 @@ def layout(
         state = master + master + moments  # sharded gradients take the sharded parameters' dtype
         if offload == "none":
             gpu = state * shard + gathered
+        # CPUOffloadAdam on each rank's shard: the 16-bit shard stays, its reduced gradient goes
+        # down as FSDP2 makes it (into a landing buffer), the fp32 master and moments live and
+        # update on the host, and the new 16-bit shard comes up a layer at a time behind them
+        elif offload == "optimizer":
+            gpu = w * shard + gathered
+            host = (optimizer + g + w) * shard
+            d2h, h2d, cpu = g * shard, w * shard, shard
+            upload = h2d
         # CPUOffloadPolicy: the fp32 shard comes up before each gather; its gradient goes down
         else:
             gpu = gathered

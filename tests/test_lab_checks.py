@@ -332,6 +332,12 @@ WRONG = {
             "the fp32 state sent up too",
         ),
         (
+            "shard_down = 2 * P\nshard_up = 2 * P",
+            "the whole model, not a rank's shard",
+            "shard_down = 4 * P / N\nshard_up = 4 * P / N",
+            "fp32, but the shards are bf16",
+        ),
+        (
             "def my_choice(tensor_bytes, ranks, down, up, interconnect, host_link, duplex):  # "
             "turns, always\n    sent = (ranks - 1) / ranks * tensor_bytes\n"
             "    return 'shard' if sent / interconnect <= (down + up) / host_link else 'offload'",

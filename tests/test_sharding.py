@@ -81,7 +81,6 @@ def test_one_gpu_sends_nothing_and_holds_everything():
     [
         ("ddp", "optimizer+parameters"),
         ("zero2", "optimizer+parameters"),
-        ("fsdp2", "optimizer"),
         ("zero4", "none"),
         ("zero2", "disk"),
     ],

@@ -1056,6 +1056,7 @@ def fsdp(quick: bool = False) -> dict:
                     "d2h_bytes": rank["traffic"][name]["d2h_bytes"],
                     "predicted_each_way": rank["shard_elements"] * element,
                     "syncs_in_backward": rank["traffic"][name]["syncs_in_backward"],
+                    "threads": rank["threads"][name],
                     "optimizer": rank["optimizers"][name],
                 }
                 for rank in record["ranks"]
@@ -1677,7 +1678,8 @@ def format_result(result: dict) -> str:
                     f"  {'':<20} rank {rank}: {format_size(moved['d2h_bytes'])} down, "
                     f"{format_size(moved['h2d_bytes'])} up a step (its shard: "
                     f"{format_size(moved['predicted_each_way'])} each way); "
-                    f"{moved['syncs_in_backward']:.0f} waits inside backward"
+                    f"{moved['syncs_in_backward']:.0f} waits inside backward; "
+                    f"{moved['threads']} CPU thread" + "s" * (moved["threads"] > 1)
                 )
         elif "share" in row:
             if "measured" not in row:

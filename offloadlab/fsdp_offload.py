@@ -298,6 +298,7 @@ def compare(args, device) -> None:
         after = opt.link.traffic.snapshot()
         mine["traffic"][name] = {k: (after[k] - start[k]) / steps_taken for k in after}
         mine["optimizers"][name] = repr(opt)
+        mine.setdefault("threads", {})[name] = opt.threads
         opt.close()
     mine["shard_elements"] = sum(p.to_local().numel() for p in contenders["adamw"][0].parameters())
     ranks = [None] * world

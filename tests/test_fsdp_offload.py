@@ -4,13 +4,11 @@ cost per rank held to the book's bytes, and checkpoints through torch.distribute
 
 import pytest
 import torch
-from torch import nn
 
 from offloadlab import fsdp_offload
 from offloadlab.distributed import GLOBAL_BATCH, LAB_CONFIG, _OPTIMIZER
 from offloadlab.models import TinyGPT, batches, markov_corpus
 from offloadlab.offload import CPUOffloadAdam
-from offloadlab.offload.sharded import LocalShards
 
 pytestmark = pytest.mark.slow  # (each run starts torchrun and two or four processes)
 
@@ -145,23 +143,6 @@ def test_a_killed_rank_leaves_no_rank_waiting(tmp_path):
     TimeoutExpired instead)."""
     with pytest.raises(RuntimeError, match="torchrun failed"):
         run(tmp_path, "offload", 2, steps=4, die_at=2, timeout=240)
-
-
-def test_sharded_parameters_other_than_fsdp2s_are_refused_in_words():
-    """A DTensor replicated (not FSDP2's Shard(0) on one mesh dimension) is named and refused."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        weight = nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [Replicate()]))
-        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*Shard\(0\)"):
-            LocalShards([{"params": [weight]}])
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_bench_times_the_three_in_turns_with_each_ranks_bytes():

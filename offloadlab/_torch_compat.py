@@ -43,6 +43,7 @@ __all__ = [
     "FakeTensorMode",
     "disable_dynamo",
     "foreach_copy_",
+    "dtensor_where_it_is",
     "accepts_grad_scaler",
     "grad_scaler_stepped",
     "optimizer_hooks",
@@ -248,6 +249,25 @@ WeakIdKeyDictionary = _find(
 )
 
 foreach_copy_ = _find("torch._foreach_copy_", "many device copies in one call")
+
+
+def dtensor_where_it_is(local: torch.Tensor, like):
+    """A DTensor over ``local`` placed as the DTensor ``like`` is (its mesh, placements, shape and
+    stride), left on ``local``'s device: ``DTensor.from_local`` would copy a host tensor to the
+    mesh's GPU. (FSDP2 builds its CPU-offloaded shards this way.)"""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        meta = TensorMeta(like.shape, like.stride(), local.dtype)
+        spec = DTensorSpec(like.device_mesh, tuple(like.placements), tensor_meta=meta)
+        return DTensor(local, spec, requires_grad=False)
+    except (ImportError, TypeError, AttributeError):
+        raise MissingTorchAPI(
+            "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+            "a DTensor over host memory on a GPU mesh",
+        ) from None
+
 
 FakeTensorMode = _find(
     "torch._subclasses.fake_tensor.FakeTensorMode",

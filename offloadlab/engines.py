@@ -474,6 +474,15 @@ def deepspeed_snippet(config: Setup) -> str:
     return "\n".join(lines)
 
 
+def _backward(config: Setup, ours: bool) -> str:
+    """The backward call of the emitted loop: the loss over the micro-batches, and scaled by
+    CPUOffloadAdam's loss scale for fp16 shards (it scales its own, and divides it out)."""
+    loss = "loss" if config.accumulation == 1 else f"(loss / {config.accumulation})"
+    if ours and config.precision == "fp16":
+        return f"optimizer.scale_loss({loss.strip('()')}).backward()"
+    return f"{loss}.backward()"
+
+
 def fsdp_snippet(config: Setup) -> str:
     """A complete FSDP2 training script for ``config`` (``torchrun --nproc-per-node N train.py``).
 
@@ -553,10 +562,20 @@ def fsdp_snippet(config: Setup) -> str:
         '    device = torch.device("cpu")',
         'dist.init_process_group("nccl" if device.type == "cuda" else "gloo")',
         "",
-        "# Shapes only, no storage: no process builds the whole model. In fp32, so that the shards "
-        "each rank",
-        "# keeps are the master weights the optimizer updates; computing happens in 16 bits "
-        "(below).",
+        *(
+            [
+                "# Shapes only, no storage: no process builds the whole model. Cast to 16 bits "
+                "below: the fp32",
+                "# master weights are the optimizer's, in host memory.",
+            ]
+            if ours
+            else [
+                "# Shapes only, no storage: no process builds the whole model. In fp32, so that "
+                "the shards each rank",
+                "# keeps are the master weights the optimizer updates; computing happens in 16 "
+                "bits (below).",
+            ]
+        ),
         'with torch.device("meta"):',
     ]
     lines.append(
@@ -617,9 +636,7 @@ def fsdp_snippet(config: Setup) -> str:
         "def train_step(input_ids, labels):",
         f"    for micro in range({config.accumulation}):  # micro-batches per optimizer step",
         "        loss = model(input_ids=input_ids[micro], labels=labels[micro]).loss",
-        "        loss.backward()"
-        if config.accumulation == 1
-        else f"        (loss / {config.accumulation}).backward()",
+        f"        {_backward(config, ours)}",
     ]
     if config.clipping and not ours:  # (CPUOffloadAdam clips in step(): the gradients are its)
         lines.append(

@@ -102,15 +102,23 @@ def test_ranks_on_one_host_share_its_cores(monkeypatch, usable, ranks, gpu, thre
 
 
 def test_the_ranks_sharing_a_host_are_torchruns_local_world_unless_pinned(monkeypatch):
+    """A rank shares its cores with torchrun's other local ranks unless it was pinned to its own
+    (its mask differs from its launcher's); inside a container's or a Slurm job's cpuset every
+    rank sees fewer cores than the host has, and is still sharing them."""
     from offloadlab.offload.sharded import ranks_on_this_host
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    everything = set(range(os.cpu_count()))
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: everything)
+    parent, cpuset = os.getppid(), {0, 1, 2, 3}  # fewer than the host's cores
+
+    def masks(mine, launchers):
+        monkeypatch.setattr(
+            os, "sched_getaffinity", lambda pid: launchers if pid == parent else mine
+        )
+
+    masks(cpuset, cpuset)
     assert ranks_on_this_host() == 4
-    if os.cpu_count() > 1:  # a rank pinned to cores of its own has them to itself
-        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-        assert ranks_on_this_host() == 1
+    masks({0}, cpuset)  # numactl/taskset gave this rank a core of its own
+    assert ranks_on_this_host() == 1
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: everything)
+    masks(cpuset, cpuset)
     assert ranks_on_this_host() == 1

@@ -245,6 +245,19 @@ def test_the_fsdp2_script_does_what_a_gpu_node_needs():
     assert "CPUOffloadPolicy" not in plain and "model.to_empty(device=device)" in plain
 
 
+def test_the_fsdp2_script_with_cpuoffloadadam_scales_an_fp16_loss():
+    """CPUOffloadAdam divides fp16 gradients by its loss scale: a script that did not scale the
+    loss took steps 11 times too small (and never clipped)."""
+    fp16 = engines.fsdp_snippet(
+        engines.Setup("fsdp2", "optimizer", gpus=2, precision="fp16", accumulation=4)
+    )
+    assert "optimizer.scale_loss(loss / 4).backward()" in fp16
+    assert "model.to(torch.float16)" in fp16 and "master weights are the optimizer's" in fp16
+    assert "clip_grad_norm_" not in fp16 and "max_grad_norm=1.0" in fp16
+    bf16 = engines.fsdp_snippet(engines.Setup("fsdp2", "optimizer", gpus=2))
+    assert "        loss.backward()" in bf16 and "scale_loss" not in bf16
+
+
 def test_the_deepspeed_snippet_builds_the_model_partitioned_under_zero3():
     zero3 = engines.deepspeed_snippet(engines.Setup("zero3", "optimizer"))
     assert zero3.index("HfDeepSpeedConfig(ds_config)") < zero3.index("from_pretrained(MODEL)")

@@ -88,3 +88,89 @@ def test_a_group_added_later_is_refused_in_words_for_sharded_parameters(one_rank
         opt.add_param_group({"params": list(model[2].parameters())})
     assert len(opt.param_groups) == 1
     opt.close()
+
+
+def train(model, opt, steps=3, micro=1, before_step=None, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        if before_step is not None:
+            before_step(step)
+        for _ in range(micro):
+            x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 3, generator=generator)
+            (nn.functional.mse_loss(model(x), y) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+    if isinstance(opt, CPUOffloadAdam):
+        opt.synchronize()
+
+
+def full(model):
+    return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+
+
+def test_a_second_optimizer_takes_the_shards_over_and_a_dropped_one_lets_go(one_rank):
+    """Hooks were left on the sharded parameters: a second CPUOffloadAdam failed inside backward
+    (the first took .grad away), and after the first was garbage-collected torch's AdamW saw no
+    gradient at all."""
+    model, reference = sharded_mlp(), plain_mlp()
+    first = CPUOffloadAdam(model.parameters(), lr=1e-2)
+    train(model, first, steps=1)
+    with pytest.warns(UserWarning, match="took their parameters over"):
+        second = CPUOffloadAdam(model.parameters(), lr=1e-2)
+    assert first.closed
+    # the second's state starts afresh: AdamW's too, after one step of its own
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    train(reference, ref_opt, steps=1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    train(model, second, steps=2, seed=2)
+    train(reference, ref_opt, steps=2, seed=2)
+    for mine, theirs in zip(full(model), full(reference)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    del second
+    import gc
+
+    gc.collect()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [w.clone() for w in full(model)]
+    train(model, adamw, steps=1)
+    assert all(not torch.equal(a, b) for a, b in zip(before, full(model)))
+
+
+def test_a_shard_unfrozen_later_gets_every_micro_batch(one_rank):
+    """A parameter frozen when the optimizer was made waits in its stand-in's .grad until step()
+    takes it over; the second micro-batch replaced the first there instead of adding to it."""
+    model, reference = sharded_mlp(), plain_mlp()
+    for m in (model, reference):
+        m[2].weight.requires_grad_(False)
+    opt = CPUOffloadAdam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+
+    def unfreeze(model):
+        return lambda step: model[2].weight.requires_grad_(True) if step == 1 else None
+
+    train(model, opt, steps=3, micro=2, before_step=unfreeze(model))
+    train(reference, ref_opt, steps=3, micro=2, before_step=unfreeze(reference))
+    for mine, theirs in zip(full(model), full(reference)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    opt.close()
+
+
+@pytest.mark.parametrize("option", [dict(offload_fraction=0.5), dict(update_on="device")])
+def test_keeping_or_parking_part_of_a_shard_is_refused_in_words(one_rank, option):
+    """Both kept the stand-ins' gradients in .grad, where FSDP2's next micro-batch replaced them:
+    0.058 from AdamW after two micro-batches, silently."""
+    with pytest.raises(ValueError, match="^offload_fraction, update_on: over FSDP2's sharded"):
+        CPUOffloadAdam(sharded_mlp().parameters(), lr=1e-2, **option)
+
+
+def test_the_state_dicts_dtensors_stay_where_the_state_is(one_rank):
+    """Placed like the parameter over the host tensor itself: DTensor.from_local would copy a host
+    tensor to a GPU mesh's device (12 bytes per shard element on the GPU at every save)."""
+    from offloadlab import _torch_compat
+
+    model = sharded_mlp()
+    like = next(model.parameters())
+    host = torch.zeros(like.to_local().shape)
+    placed = _torch_compat.dtensor_where_it_is(host, like)
+    assert placed.placements == like.placements and placed.shape == like.shape
+    assert placed.to_local().data_ptr() == host.data_ptr()

@@ -94,6 +94,10 @@ class GradientIntake:
                     p.register_post_accumulate_grad_hook(self.receive) for p in bucket.params
                 ]
 
+    def accepting(self) -> bool:
+        """Whether gradients are taken (the optimizer is open and has not failed)."""
+        return self._usable()
+
     def position(self, param) -> tuple[Bucket, int] | None:
         """The bucket that holds ``param`` and its place in it (None: not one of ours)."""
         return self._where.get(id(param))

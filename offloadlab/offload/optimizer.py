@@ -42,6 +42,11 @@ __all__ = ["CPUOffloadAdam", "managed"]
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 
 
+def _close(engine: OffloadEngine, shards: LocalShards, reason: str) -> None:
+    shards.detach()
+    engine.close(reason)
+
+
 class _StateView(Mapping):
     """``optimizer.state``: per parameter updated so far, live views of its host state (AdamW's
     keys)."""
@@ -179,6 +184,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
                 seen.add(id(p))
         # FSDP2's sharded parameters: each rank offloads its own shard (see .sharded)
         self._shards = LocalShards(self.param_groups)
+        if self._shards.any and on_device:
+            raise ValueError(
+                "offload_fraction, update_on: over FSDP2's sharded parameters each rank offloads "
+                "its whole shard and updates it on the CPU; expected offload_fraction=1 and "
+                "update_on='cpu'"
+            )
         self._engine_groups = (
             self._shards.groups(self.param_groups) if self._shards.any else self.param_groups
         )
@@ -200,9 +211,10 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         if self._shards.any:
             self._shards.attach(self._engine.intake)
         self.state = _StateView(self._engine, self._shards)
-        # Dropped without close() (a re-run notebook cell): the engine still gets closed.
+        # Dropped without close() (a re-run notebook cell): the engine still gets closed, and
+        # the sharded parameters' hooks removed.
         self._finalizer = weakref.finalize(
-            self, self._engine.close, "the optimizer was garbage-collected"
+            self, _close, self._engine, self._shards, "the optimizer was garbage-collected"
         )
 
     def __repr__(self) -> str:
@@ -330,6 +342,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
                 f"norm_type: expected 2.0 (CPUOffloadAdam clips by the L2 norm); got {norm_type!r}"
             )
         self._shards.settle()
+        self._shards.mark_caller(self._engine.link)
         return torch.tensor(self._engine.clip(float(max_norm), error_if_nonfinite))
 
     @torch.no_grad()
@@ -348,16 +361,19 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._shards.settle()
+        self._shards.mark_caller(self._engine.link)
         self._engine.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard gradients received since the last step (device gradients are already gone)."""
         super().zero_grad(set_to_none=set_to_none)
+        self._shards.discard()
         self._engine.discard(set_to_none)
 
     def synchronize(self) -> None:
         """Finish every pending update and weight copy (for a delayed update: apply it now)."""
+        self._shards.mark_caller(self._engine.link)
         self._engine.synchronize()
 
     def close(self) -> None:
@@ -396,6 +412,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         for hook in _torch_compat.optimizer_hooks(self, "state_dict_pre"):
             hook(self)
         self._shards.settle()
+        self._shards.mark_caller(self._engine.link)
         self._engine.synchronize()
         holders = [self._engine.host, *self._engine.on_device]
         state_dict = export_state(holders, self._engine_groups)

@@ -18,6 +18,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .. import _torch_compat
+
 if dist.is_available():  # (a torch built without distributed has no DTensor either)
     from torch.distributed.tensor import DTensor, Shard
 else:
@@ -26,18 +28,23 @@ else:
 __all__ = ["LocalShards", "is_sharded", "ranks_on_this_host"]
 
 
+# each sharded parameter's stand-in, kept while the parameter lives: a second optimizer over the
+# same model gets the same stand-ins, so it takes them over from the first (as for any parameter)
+_STAND_INS = _torch_compat.WeakIdKeyDictionary()
+
+
 def is_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is a DTensor (FSDP2 made it one)."""
     return isinstance(p, DTensor)
 
 
 def ranks_on_this_host() -> int:
-    """Processes of this job sharing this host's cores: torchrun's ``LOCAL_WORLD_SIZE``, unless
-    this process is pinned to cores of its own (its affinity mask is less than the host), 1
-    otherwise."""
+    """Processes of this job sharing this process's cores: torchrun's ``LOCAL_WORLD_SIZE``, unless
+    this rank was pinned to cores of its own (its affinity mask differs from its launcher's, the
+    parent process; a container's or Slurm job's cpuset alone narrows both alike)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     try:
-        pinned = len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
+        pinned = os.sched_getaffinity(0) != os.sched_getaffinity(os.getppid())
     except (AttributeError, OSError):
         pinned = False
     return 1 if pinned else max(1, local)
@@ -55,7 +62,7 @@ class LocalShards:
             for j, p in enumerate(group["params"]):
                 if is_sharded(p):
                     self._add(p, f"param_groups[{i}]['params'][{j}]")
-        self._hooks: list = []
+        self._hooks: dict = {}  # id(sharded parameter) → its hook's handle
         self.intake = None  # the engine's gradient intake, set by attach()
 
     @property
@@ -76,8 +83,11 @@ class LocalShards:
                 f"params: {where} is sharded over another device mesh than the first sharded "
                 "parameter; expected one mesh for all of them"
             )
-        with torch.no_grad():
-            stand_in = p.to_local().detach().requires_grad_(p.requires_grad)
+        stand_in = _STAND_INS.get(p)
+        if stand_in is None:
+            with torch.no_grad():
+                stand_in = p.to_local().detach().requires_grad_(p.requires_grad)
+            _STAND_INS[p] = stand_in
         self.local[id(p)] = stand_in
         self.sharded[id(stand_in)] = p
 
@@ -93,24 +103,49 @@ class LocalShards:
     def attach(self, intake) -> None:
         """Hand each shard's reduced gradient to the engine's ``intake`` as FSDP2 produces it."""
         self.intake = intake
-        self._hooks = [
-            self.sharded[id(s)].register_post_accumulate_grad_hook(self._relay)
-            for s in self.local.values()
-        ]
+        self._hook_trainable()
+
+    def _hook_trainable(self) -> None:
+        """A hook on each sharded parameter that requires grad and has none yet (one unfrozen
+        later is hooked at the next step; until then FSDP2 sums its gradients in ``.grad``)."""
+        for key, stand_in in self.local.items():
+            p = self.sharded[id(stand_in)]
+            if p.requires_grad and key not in self._hooks:
+                self._hooks[key] = p.register_post_accumulate_grad_hook(self._relay)
 
     def detach(self) -> None:
-        for hook in self._hooks:
+        for hook in self._hooks.values():
             hook.remove()
-        self._hooks = []
+        self._hooks = {}
 
     @torch.no_grad()
     def _relay(self, p: DTensor) -> None:
+        if p.grad is None or not self.intake.accepting():
+            return  # (a closed optimizer leaves the gradient to whoever trains next)
         stand_in = self._follow(p)
-        stand_in.grad = p.grad.to_local()
-        p.grad = None
+        self._move_gradient(p, stand_in)
         if self.intake.position(stand_in) is not None:
             self.intake.receive(stand_in)
         # (else a parameter frozen when the optimizer was made: step() takes it over, as AdamW)
+
+    @staticmethod
+    def _move_gradient(p: DTensor, stand_in: torch.Tensor) -> None:
+        """The shard's gradient into the stand-in's ``.grad``, added to one waiting there (a
+        parameter the engine takes over at step(), over several micro-batches)."""
+        grad = p.grad.to_local()
+        stand_in.grad = grad if stand_in.grad is None else stand_in.grad + grad
+        p.grad = None
+
+    def discard(self) -> None:
+        """zero_grad(): gradients waiting in the stand-ins are dropped too."""
+        for stand_in in self.local.values():
+            stand_in.grad = None
+
+    def mark_caller(self, link) -> None:
+        """Order the step's copies against the caller's stream: FSDP2 runs the hooks on its
+        reduce-scatter stream, which the next forward does not wait for."""
+        if self.intake is not None and self.local:
+            self.intake.training = link.mark(timed=False)
 
     def _follow(self, p: DTensor) -> torch.Tensor:
         """The stand-in, over the shard's memory as it is now: FSDP2's first forward may move a
@@ -132,8 +167,9 @@ class LocalShards:
             p = self.sharded[id(stand_in)]
             self._follow(p)
             if p.grad is not None:
-                stand_in.grad = p.grad.to_local()
-                p.grad = None
+                self._move_gradient(p, stand_in)
+        if self.intake is not None:
+            self._hook_trainable()
 
     def sum_across_ranks(self, value: float) -> float:
         """``value`` summed over the mesh's ranks (a gradient's sum of squares)."""
@@ -144,7 +180,8 @@ class LocalShards:
 
     def to_sharded(self, state_dict: dict, engine_groups: list) -> dict:
         """The engine's state dict with each sharded parameter's tensors as DTensors placed like
-        the parameter (what ``torch.distributed.checkpoint`` saves shard by shard)."""
+        the parameter, still in host memory (what ``torch.distributed.checkpoint`` saves shard by
+        shard)."""
         index = [p for g in engine_groups for p in g["params"]]
         for number, entry in state_dict["state"].items():
             p = self.sharded.get(id(index[number]))
@@ -152,9 +189,7 @@ class LocalShards:
                 continue
             for key, value in entry.items():
                 if value.dim():  # (the step counts are numbers, the same on every rank)
-                    entry[key] = DTensor.from_local(
-                        value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-                    )
+                    entry[key] = _torch_compat.dtensor_where_it_is(value, p)
         return state_dict
 
     def to_local(self, state_dict: dict, engine_groups: list) -> dict:

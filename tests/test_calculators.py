@@ -674,6 +674,20 @@ def test_without_webassembly_the_form_says_so_in_one_line(playwright, served_sit
         browser.close()
 
 
+def test_a_page_opened_from_disk_says_to_serve_the_site(browser, built_site):
+    """Opened as file://, the page could not load Python ("Failed to fetch dynamically imported
+    module") and said nothing of why: it now says how to serve the site, before any click."""
+    page = browser.new_page()
+    try:
+        page.goto((built_site / "04_bandwidth_budget.html").as_uri(), wait_until="load")
+        form = page.locator("form.calculator-form")
+        status = form.locator(".calculator-status").text_content()
+        assert "Opened from disk" in status and "python -m http.server" in status
+        assert form.locator(".calculator-go").is_disabled()
+    finally:
+        page.close()
+
+
 def test_the_calculators_add_at_most_15_mb_to_the_site(built_site):
     static = built_site / "_static"
     for name in calculators.PYODIDE_FILES:

@@ -328,6 +328,70 @@ def test_header_has_the_title_one_search_box_and_follows_the_os_colour_scheme(
         )
 
 
+def test_no_page_scrolls_sideways_on_a_phone(built_site, served, browser):
+    """Long inline code widened chapters 1 and 5 and the course page to 431–801 px on a 390 px
+    phone, so the whole page slid sideways; a displayed formula wider than the column (chapter
+    3's condition) was cut at the edge with no cue. Now inline code breaks, and a formula scrolls
+    in its own box, with the shadow that says so."""
+    page = browser.new_page(viewport={"width": 390, "height": 844}, has_touch=True)
+    wide = []
+    try:
+        for html in sorted(built_site.glob("*.html")) + sorted(built_site.glob("labs/*.html")):
+            name = html.relative_to(built_site).as_posix()
+            if name in ("genindex.html", "search.html"):
+                continue
+            page.goto(f"{served}/{name}", wait_until="load")
+            width = page.evaluate("() => document.documentElement.scrollWidth")
+            if width > 391:
+                wide.append(f"{name}: {width} px")
+        page.goto(f"{served}/03_overlap_condition.html", wait_until="networkidle")
+        formulas = page.evaluate("""() => [...document.querySelectorAll(
+            'article div.math mjx-container[display="true"]')]
+          .filter((box) => box.scrollWidth > box.clientWidth + 1)
+          .map((box) => {
+            const style = getComputedStyle(box);
+            return ["auto", "scroll"].includes(style.overflowX)
+              && style.backgroundImage.includes("gradient");
+          })""")
+    finally:
+        page.close()
+    assert not wide, "pages wider than the phone: " + ", ".join(wide)
+    assert formulas and all(formulas), formulas
+
+
+def _contrast(foreground: str, background: str) -> float:
+    """WCAG's contrast ratio of two CSS rgb()/rgba() colours."""
+
+    def luminance(colour: str) -> float:
+        red, green, blue = (int(v) / 255 for v in re.findall(r"[\d.]+", colour)[:3])
+        linear = [
+            c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in (red, green, blue)
+        ]
+        return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+    lighter, darker = sorted((luminance(foreground), luminance(background)), reverse=True)
+    return (lighter + 0.05) / (darker + 0.05)
+
+
+def test_rule_boxes_stay_readable_in_both_colour_schemes(built_site, served, page_at_width):
+    """The rule boxes had a light background under dark mode's light text: 1.40:1 in the body,
+    1.24:1 in the title, where WCAG AA asks 4.5:1."""
+    page = page_at_width
+    for scheme in ("dark", "light"):
+        page.emulate_media(color_scheme=scheme)
+        page.goto(f"{served}/03_overlap_condition.html", wait_until="networkidle")
+        colours = page.evaluate("""() => {
+          const box = document.querySelector("div.admonition.rule");
+          const title = box.querySelector(".admonition-title");
+          const text = box.querySelector("p:not(.admonition-title)");
+          const style = (e) => getComputedStyle(e);
+          return {body: [style(text).color, style(box).backgroundColor],
+                  title: [style(title).color, style(title).backgroundColor]};
+        }""")
+        for part, (foreground, background) in colours.items():
+            assert _contrast(foreground, background) >= 4.5, (scheme, part, foreground, background)
+
+
 def test_without_a_repository_address_the_link_says_so(built_site):
     for name in ("index.html", "labs/lab01_account_for_every_byte.html"):
         html = (built_site / name).read_text(encoding="utf-8")

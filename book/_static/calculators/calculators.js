@@ -90,6 +90,13 @@
         "This browser runs no WebAssembly, so the calculator cannot start here; the command above gives the same answer.";
       return;
     }
+    if (location.protocol === "file:") {
+      // browsers refuse a page opened from disk the modules and files Python needs
+      button.disabled = true;
+      status.textContent =
+        "Opened from disk, this page cannot load Python: serve the site's folder (python -m http.server there) and open http://localhost:8000; the command above gives the same answer.";
+      return;
+    }
 
     const progress = (step, text) => {
       bar.hidden = false;

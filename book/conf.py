@@ -209,6 +209,36 @@ def stub_lab_answers(app, doctree):
             block.children = [nodes.Text(stubbed)]
 
 
+def fold_lab_answers_and_checks(app, doctree):
+    """A lab's worked answer folds under "Show the worked answer", not the theme's "Show code cell
+    source"; its graded check's result (which states the value expected) folds under "Show the
+    check" on the reader's site, and is left out of the student site, where it would say an
+    answer agrees under the stub students see."""
+    from offloadlab_course.student import BEGIN
+
+    for cell in list(doctree.findall(nodes.container)):
+        if cell.get("nb_element") != "cell_code":
+            continue
+        source = "".join(
+            block.astext() for block in cell.findall(nodes.literal_block)
+            if block.parent is not None and block.parent.get("nb_element") == "cell_code_source"
+        )
+        if any(line.strip() == BEGIN for line in source.splitlines()):
+            if hide_solutions:  # the stub students get, in sight
+                cell.attributes.pop("hide_mode", None)
+            else:
+                cell["prompt_show"] = "Show the worked answer"
+                cell["prompt_hide"] = "Hide the worked answer"
+        elif "points" in cell.get("cell_metadata", {}):
+            outputs = [c for c in cell.children if c.get("nb_element") == "cell_code_output"]
+            if hide_solutions:
+                for output in outputs:
+                    cell.remove(output)
+            elif outputs:
+                cell["hide_mode"] = "output"
+                cell["prompt_show"], cell["prompt_hide"] = "Show the check", "Hide the check"
+
+
 def number_exercises_per_page(app, env):
     """Number each page's exercises from 1, as JupyterLab numbers them in the notebook.
 
@@ -300,5 +330,6 @@ def setup(app):
     app.connect("doctree-resolved", alt_text_from_captions)
     if hide_solutions:
         app.connect("doctree-read", stub_lab_answers)
+    app.connect("doctree-read", fold_lab_answers_and_checks, priority=400)  # before the stubs
     app.connect("html-page-context", link_the_pdf, priority=510)  # after the theme's download menu (501)
     app.connect("html-page-context", publish_notebook_download, priority=502 if REPOSITORY_URL else 500)

@@ -359,6 +359,17 @@ def test_no_page_scrolls_sideways_on_a_phone(built_site, served, browser):
     assert formulas and all(formulas), formulas
 
 
+def test_a_labs_answers_and_checks_are_folded_and_named(built_site):
+    """Each check printed the value it expects ("✓ predicted crossover batch: 6 agrees with 6")
+    in plain sight under the folded answer, and the fold said "Show code cell source"."""
+    for page in sorted((built_site / "labs").glob("lab*.html")):
+        html = page.read_text(encoding="utf-8")
+        outside = re.sub(r"<details.*?</details>", "", html, flags=re.S)
+        assert not re.search(r"<pre><span></span>[✓✗]", outside), page.name
+        assert "Show the worked answer" in html and "Show the check" in html, page.name
+        assert "Show code cell source" not in html, page.name
+
+
 def _contrast(foreground: str, background: str) -> float:
     """WCAG's contrast ratio of two CSS rgb()/rgba() colours."""
 
@@ -631,6 +642,13 @@ def test_student_site_has_no_solutions(tmp_path):
     assert not list(target.rglob("_sources/**/*.md")) and not list(
         target.rglob("_sources/**/*.ipynb")
     )
+    # no check's result under a stub ("✓ … your answer agrees" printed under NotImplementedError),
+    # and the stubs in sight, not folded
+    for page in sorted((target / "labs").glob("lab*.html")):
+        html = page.read_text(encoding="utf-8")
+        assert "your answer agrees" not in html, page.name
+        assert not re.search(r"<pre><span></span>[✓✗]", html), page.name
+        assert "Show the worked answer" not in html, page.name
 
 
 # Checks for the content pass of issue 28 (asserts moved into hidden cells, code kept to 88

@@ -215,6 +215,17 @@ def launch(
             f"offload: expected 'none', 'optimizer' (offloadlab's CPUOffloadAdam on each shard) or "
             f"'optimizer+parameters' (FSDP2's CPUOffloadPolicy); got {offload!r}"
         )
+    arguments = ["--offload", offload, "--steps", str(steps), "--out", str(out)]
+    if recompute:
+        arguments.append("--recompute")
+    torchrun("offloadlab.distributed", arguments, processes, timeout)
+    return json.loads(Path(out).read_text(encoding="utf-8"))
+
+
+def torchrun(module: str, arguments: list[str], processes: int, timeout: float) -> None:
+    """``torchrun`` ``module`` with ``arguments`` on ``processes`` processes of one thread each (two
+    processes on two cores must not oversubscribe them), a GPU each or none (then on CPUs with
+    gloo). RuntimeError with the ranks' own error lines if it fails."""
     command = [
         sys.executable,
         "-m",
@@ -222,17 +233,9 @@ def launch(
         "--standalone",
         f"--nproc-per-node={processes}",
         "-m",
-        "offloadlab.distributed",
-        "--offload",
-        offload,
-        "--steps",
-        str(steps),
-        "--out",
-        str(out),
+        module,
+        *arguments,
     ]
-    if recompute:
-        command.append("--recompute")
-    # One thread per process: two processes on two cores must not oversubscribe them.
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -241,12 +244,12 @@ def launch(
         ),
     }
     if not (torch.cuda.is_available() and torch.cuda.device_count() >= processes):
-        # a GPU per process or none: the script then runs on CPUs with gloo
         env["CUDA_VISIBLE_DEVICES"] = ""
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
-        raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(Path(out).read_text(encoding="utf-8"))
+        ranks = [line for line in done.stderr.splitlines() if line.startswith("[rank")]
+        detail = "\n".join(ranks[-40:]) or done.stderr[-3000:]
+        raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{detail}")
 
 
 if __name__ == "__main__":

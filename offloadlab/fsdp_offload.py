@@ -17,8 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from . import distributed
 from .distributed import _OPTIMIZER, GLOBAL_BATCH, LAB_CONFIG, load_reference
 from .models import TinyGPT, batches, markov_corpus
 from .offload import CPUOffloadAdam
@@ -355,34 +354,9 @@ def launch(
 
 
 def _torchrun(arguments: list[str], processes: int, out, timeout: float) -> None:
-    """``torchrun`` this module's :func:`main` on ``processes`` processes (one GPU each, or none:
-    then on CPUs with one thread each), writing to ``out``."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={processes}",
-        "-m",
-        "offloadlab.fsdp_offload",
-        *arguments,
-        "--out",
-        str(out),
-    ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    if not (torch.cuda.is_available() and torch.cuda.device_count() >= processes):
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    if done.returncode != 0:
-        ranks = [line for line in done.stderr.splitlines() if line.startswith("[rank")]
-        detail = "\n".join(ranks[-40:]) or done.stderr[-3000:]
-        raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{detail}")
+    distributed.torchrun(
+        "offloadlab.fsdp_offload", [*arguments, "--out", str(out)], processes, timeout
+    )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ opt          learned positions (2 extra rows), biases and LayerNorms, projection
 falcon       fused QKV with one key/value head (``multi_query``) or ``num_kv_heads`` (the new
              decoder architecture, with two norms per parallel layer), MLP of 4 h, tied head
 bloom        fused QKV, biases everywhere, a LayerNorm after the embedding, tied head
+gpt_neox     fused QKV and output with biases (``attention_bias``), LayerNorms, a plain MLP of
+             ``intermediate_size`` with biases, untied head (Pythia, GPT-NeoX-20B)
 mixtral      llama attention; each layer's MLP is a router and ``num_local_experts`` gated experts
 qwen2_moe    qwen2 attention; router, ``num_experts`` experts, a shared expert and its gate
 deepseek_v2  multi-head latent attention (low-rank key/value and, with ``q_lora_rank``, query
@@ -133,6 +135,15 @@ _DEFAULTS: dict[str, dict] = {
         num_ln_in_parallel_attn=None,
     ),
     "bloom": dict(tie_word_embeddings=True),
+    "gpt_neox": dict(
+        tie_word_embeddings=False,
+        vocab_size=50432,
+        hidden_size=6144,
+        num_hidden_layers=44,
+        num_attention_heads=64,
+        intermediate_size=24576,
+        attention_bias=True,
+    ),
     "mixtral": dict(
         tie_word_embeddings=False,
         head_dim=None,
@@ -652,9 +663,14 @@ def from_config(config: dict, name: str = "config.json") -> Architecture:
             f"from transformers' own code)"
         )
     c = _Config(config, name, family)
-    builder = {"gpt2": _gpt2, "phi": _phi, "opt": _opt, "falcon": _falcon, "bloom": _bloom}.get(
-        family, _rotary
-    )
+    builder = {
+        "gpt2": _gpt2,
+        "phi": _phi,
+        "opt": _opt,
+        "falcon": _falcon,
+        "bloom": _bloom,
+        "gpt_neox": _gpt_neox,
+    }.get(family, _rotary)
     return builder(c, name)
 
 
@@ -1162,6 +1178,62 @@ def _bloom(c: _Config, name: str) -> Architecture:
         heads,
         head_dim,
         4 * hidden,
+        vocab,
+        tied,
+        weights=tuple(b.weights),
+        layer_shapes=(shape,) * layers,
+    )
+
+
+def _gpt_neox(c: _Config, name: str) -> Architecture:
+    hidden, heads, layers = (
+        c.int("hidden_size"),
+        c.int("num_attention_heads"),
+        c.int("num_hidden_layers"),
+    )
+    vocab, width, tied = (
+        c.int("vocab_size"),
+        c.int("intermediate_size"),
+        c.bool("tie_word_embeddings"),
+    )
+    bias = c.bool("attention_bias")
+    head_dim = c.divide(hidden, heads, "hidden_size", "num_attention_heads")
+    b = _Builder()
+    b.tensor("gpt_neox.embed_in", "weight", vocab, hidden)
+    for layer in range(layers):
+        b.layer = layer
+        at = f"gpt_neox.layers.{layer}"
+        b.norm(f"{at}.input_layernorm", hidden, bias=True)
+        b.norm(f"{at}.post_attention_layernorm", hidden, bias=True)
+        b.linear(f"{at}.attention.query_key_value", hidden, 3 * hidden, bias)
+        b.linear(f"{at}.attention.dense", hidden, hidden, bias)
+        b.linear(f"{at}.mlp.dense_h_to_4h", hidden, width, True)
+        b.linear(f"{at}.mlp.dense_4h_to_h", width, hidden, True)
+    b.layer = None
+    b.norm("gpt_neox.final_layer_norm", hidden, bias=True)
+    b.head(hidden, vocab, tied, "gpt_neox.embed_in")
+    shape = LayerShape(
+        hidden,
+        2,
+        "layer",
+        hidden,
+        hidden,
+        hidden,
+        hidden,
+        heads,
+        width,
+        False,
+        mlp_kept=_mlp_kept(c, "hidden_act", "gelu"),
+    )
+    return Architecture(
+        name,
+        "gpt_neox",
+        layers,
+        hidden,
+        heads,
+        heads,
+        head_dim,
+        width,
         vocab,
         tied,
         weights=tuple(b.weights),

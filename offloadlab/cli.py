@@ -489,6 +489,7 @@ def _cmd_plan(args) -> int:
                 "gpt2": "model.transformer.h",
                 "falcon": "model.transformer.h",
                 "bloom": "model.transformer.h",
+                "gpt_neox": "model.gpt_neox.layers",
                 "opt": "model.model.decoder.layers",
             }.get(work.architecture.family, "model.model.layers")
             if args.model_config is not None:

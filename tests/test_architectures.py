@@ -65,6 +65,7 @@ PUBLISHED = {
     "mixtral-8x7b": 46_702_792_704,
     "qwen3-8b": 8_190_735_360,
     "phi-3-mini-4k": 3_821_079_552,
+    "pythia-1.4b": 1_414_647_808,  # Pythia's table: 1,414,647,808 total
 }
 
 
@@ -112,6 +113,9 @@ VARIANTS = {
     "falcon sequential layers": _variant("falcon-7b", parallel_attn=False),
     "falcon new architecture, one norm": _variant("falcon-40b", num_ln_in_parallel_attn=1),
     "bloom untied": _variant("bloom-560m", tie_word_embeddings=False),
+    "gpt_neox tied, no attention bias": _variant(
+        "pythia-1.4b", tie_word_embeddings=True, attention_bias=False
+    ),
     "mixtral top-1 of 4": _variant("mixtral-8x7b", num_local_experts=4, num_experts_per_tok=1),
     "qwen-moe sparse every 2nd layer, two dense": _variant(
         "qwen1.5-moe-a2.7b", decoder_sparse_step=2, mlp_only_layers=[0, 5]
@@ -403,6 +407,7 @@ SMALL = {
     "gpt2": dict(
         n_embd=256, n_head=4, n_positions=1024, resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0
     ),
+    "gpt_neox": dict(hidden_size=256, intermediate_size=1024, num_attention_heads=4),
 }
 SEQ = 256
 
@@ -448,6 +453,7 @@ def saved_bytes(family, layers, attention):
         ("opt", "eager", 0.01),
         ("phi", "sdpa", 0.05),
         ("gpt2", "sdpa", 0.05),
+        ("gpt_neox", "sdpa", 0.05),
     ],
 )
 def test_what_a_layer_keeps_is_what_autograd_saves(family, attention, tolerance):

@@ -208,7 +208,21 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 
 class Parser(argparse.ArgumentParser):
+    def parse_known_args(self, args=None, namespace=None):
+        self._words = list(sys.argv[1:] if args is None else args)  # for error() to quote
+        return super().parse_known_args(args, namespace)
+
     def error(self, message):  # argparse calls this for every bad argument
+        # `--params -5e9`: argparse takes a value that starts with '-' for an option
+        flag = re.fullmatch(r"argument (--[a-z-]+)(?:/\S+)?: expected one argument", message)
+        words = getattr(self, "_words", [])
+        if flag and flag.group(1) in words[:-1]:
+            value = words[words.index(flag.group(1)) + 1]
+            if value.startswith("-"):
+                raise UsageError(
+                    f"{self.prog}: {flag.group(1)}: got {value!r}, which reads as an option; "
+                    f"write {flag.group(1)}={value}"
+                )
         raise UsageError(f"{self.prog}: {re.sub(r'^argument ', '', message)}")
 
     # argparse's own swallows a failed write (--help > /dev/full)

@@ -39,6 +39,9 @@ def test_state_table(capsys):
     "args, fragment",
     [
         (["state", "--params", "-1"], "must not be negative"),
+        # argparse reads -5e9 as an option: the line says how to pass it
+        (["state", "--params", "-5e9"], "--params: got '-5e9', which reads as an option; write"),
+        (["state", "--params=-5e9"], "must not be negative"),
         (["state", "--params", "ten"], "params: expected"),
         (["state", "--params", "1e9", "--recipe", "lion"], "recipe: expected one of"),
         (["state"], "--params"),

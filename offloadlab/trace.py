@@ -5,16 +5,20 @@ step, an overlap experiment — has the same shape: ``{lane: [(start, end, label
 in seconds on the recording link's clock. :func:`chrome_trace` turns that into the JSON trace
 format ``torch.profiler`` exports (complete events, ``"ph": "X"``, microseconds), one named track
 per lane, so a reader can open it beside a ``torch.profiler`` trace of the same step.
+:func:`profiler_lines_silenced` keeps the lines ``torch.profiler`` prints at each start and stop
+out of a notebook.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["chrome_trace", "write_chrome_trace"]
+__all__ = ["chrome_trace", "write_chrome_trace", "profiler_lines_silenced"]
 
 
 def chrome_trace(lanes: dict, process: str = "offloadlab") -> dict:
@@ -71,3 +75,22 @@ def write_chrome_trace(lanes: dict, path, process: str = "offloadlab") -> Path:
         Path(scratch).unlink(missing_ok=True)
         raise
     return target
+
+
+@contextlib.contextmanager
+def profiler_lines_silenced():
+    """Native standard error (file descriptor 2) goes to the null device meanwhile.
+
+    ``torch.profiler`` writes a line to it at each start and stop ("USDT:<date> <pid>:<tid>
+    SyncActivityProfilerHandler.cpp:52] profiler_start"), below Python, where Jupyter shows it in
+    red under the cell and a built page keeps the build machine's date and process id. Python's
+    own ``sys.stderr`` is flushed first and is not touched."""
+    sys.stderr.flush()
+    kept = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(kept, 2)
+        os.close(kept)

@@ -223,6 +223,59 @@ def test_code_is_never_wrapped(book_pdf):
     )
 
 
+def printed_sizes(pdf) -> list[tuple[int, float, str]]:
+    """(page, size in points, text) for every run of text the PDF draws: the font's size scaled
+    by the text and graphics matrices, as a reader's viewer draws it at 100 %."""
+    import pypdf
+
+    def times(a, b):
+        return [
+            a[0] * b[0] + a[1] * b[2],
+            a[0] * b[1] + a[1] * b[3],
+            a[2] * b[0] + a[3] * b[2],
+            a[2] * b[1] + a[3] * b[3],
+        ]
+
+    runs = []
+    for number, page in enumerate(pypdf.PdfReader(pdf).pages, 1):
+
+        def visit(text, cm, tm, font, size, number=number):
+            if text.strip():
+                m = times(tm, cm)
+                runs.append((number, size * (m[2] ** 2 + m[3] ** 2) ** 0.5, text.strip()))
+
+        page.extract_text(visitor_text=visit)
+    return runs
+
+
+def test_no_text_is_printed_under_7_points(book_pdf):
+    """A block too wide for the page gets a smaller font only down to 7 pt (print_pdf.py once
+    went to 4.9 pt, on 14 pages, and still cut five lines: an output too wide at 7 pt now wraps,
+    and a block that would still be cut fails the build)."""
+    runs = printed_sizes(book_pdf)
+    small = [(page, round(size, 2), text[:40]) for page, size, text in runs if size < 6.99]
+    assert len(runs) > 10_000 and not small, f"{len(small)} runs under 7 pt: {small[:8]}"
+
+
+def test_an_output_too_wide_for_7_points_wraps_and_loses_nothing(book_pdf, built_site):
+    """Every line of every output wider than the page at 7 pt (a plan's table runs to 300
+    characters) is in the PDF whole, wrapped: its text, spaces aside, in order."""
+    import html
+
+    printed = "".join(pdf_text(book_pdf).split())
+    wide = []
+    for page in built_site.rglob("*.html"):
+        for block in re.findall(
+            r'<div class="cell_output[^"]*".*?<pre>(.*?)</pre>',
+            page.read_text(encoding="utf-8"),
+            re.DOTALL,
+        ):
+            text = html.unescape(re.sub(r"<[^>]+>", "", block))
+            wide += [line for line in text.splitlines() if len(line) > 130]
+    lost = [line for line in wide if "".join(line.split()) not in printed]
+    assert len(wide) > 10 and not lost, f"{len(lost)} of {len(wide)} lines lost: {lost[:3]}"
+
+
 def test_the_site_offers_the_pdf(book_pdf, tmp_path):
     """Built with a PDF at hand, every page links it in its footer and in its download menu."""
     env = {**os.environ, "OFFLOADLAB_PDF": str(book_pdf)}

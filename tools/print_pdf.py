@@ -14,8 +14,10 @@ prints it to A4. Before printing it turns the page into a book:
   own (``outline=True``) say where each heading landed, and pypdf writes them again with the
   headings' text and nesting;
 - code that neither wraps nor is cut: a block whose longest line is wider than the page gets a
-  smaller font, just enough to fit; a short block is kept on one page, a long one may break
-  between lines;
+  smaller font, just enough to fit, never under 7 pt; an output (or a block in the text) still
+  too wide at 7 pt wraps its long lines, each continuation indented under its line; a code cell
+  that cannot fit fails the build;
+  a short block is kept on one page, a long one may break between lines;
 - collapsed solutions and folded lab answers printed open; figures stay vector (SVG).
 
 The print stylesheet (book/_static/offloadlab.css) does the rest.
@@ -45,7 +47,7 @@ BROWSER_ARGS = [
     "--disable-sync",
 ]
 TEXT_WIDTH_PX = round((210 - 2 * 16) / 25.4 * 96)  # A4 less the 16 mm margins @page sets, in CSS px
-SMALLEST_CODE_PX = 6.5  # a block is never printed smaller than this to make it fit (≈ 4.9 pt)
+SMALLEST_CODE_PX = 9.4  # a block is never printed smaller than this to make it fit (7.05 pt)
 SHORT_BLOCK_LINES = 24  # a block this long or shorter is kept on one page
 
 # Runs in the page before the first printing: builds the title page and the table of contents,
@@ -120,6 +122,7 @@ PREPARE = r"""
     line.href = `#${heading.closest("section")?.id || heading.id}`;
     line.dataset.target = heading.id;
     line.innerHTML = '<span class="offloadlab-contents-title"></span>'
+      + '<span class="offloadlab-contents-leader"></span>'
       + '<span class="offloadlab-contents-page">000</span>';
     line.querySelector(".offloadlab-contents-title").textContent = text(heading);
   };
@@ -134,24 +137,52 @@ PREPARE = r"""
   article.prepend(front);
   document.title = `${title}: ${subtitle}`;
 
-  // Code: never wrapped, never cut. A block wider than the page gets a smaller font.
-  for (const pre of document.querySelectorAll("div.highlight pre, div.cell_output pre")) {
-    const lines = pre.textContent.replace(/\n$/, "").split("\n").length;
+  // Code: never wrapped, never cut. A block wider than the page gets a smaller font, down to
+  // the smallest the book prints; an output (or a block of the text) wider still wraps, line by
+  // line, each continuation indented under its line's start. A code cell's lines (at most 88
+  // characters) always fit.
+  // The widest line against the room inside the padding, less 5 %: printed, glyphs come out a
+  // little wider than on the screen this measures (a block fitted exactly lost its last letter).
+  const fits = pre => {
+    const style = getComputedStyle(pre), text = document.createRange();
+    text.selectNodeContents(pre);
+    const room = pre.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+    return text.getBoundingClientRect().width <= 0.95 * room;
+  };
+  const blocks = [...document.querySelectorAll("div.highlight pre, div.cell_output pre")];
+  for (const pre of blocks) {
+    const lines = pre.textContent.replace(/\n$/, "").split("\n");
     // A short block is kept on one page with its frame (the cell around it), not left behind empty.
-    if (lines <= shortBlockLines) {
+    if (lines.length <= shortBlockLines) {
       (pre.closest(".cell_input, .cell_output") || pre).classList.add("offloadlab-keep-whole");
     }
     const size = parseFloat(getComputedStyle(pre).fontSize);
-    if (pre.scrollWidth > pre.clientWidth + 1) {
-      const fitted = Math.max(smallestCodePx,
-                              Math.floor(size * pre.clientWidth / pre.scrollWidth * 10) / 10);
+    if (!fits(pre)) {
+      let fitted = Math.max(smallestCodePx,
+                            Math.floor(0.95 * size * pre.clientWidth / pre.scrollWidth * 10) / 10);
       pre.style.fontSize = `${fitted}px`;
+      while (!fits(pre) && fitted > smallestCodePx) {  // glyphs do not scale exactly with size
+        fitted = Math.max(smallestCodePx, Math.round(fitted * 10 - 1) / 10);
+        pre.style.fontSize = `${fitted}px`;
+      }
+    }
+    if (!fits(pre) && !pre.closest("div.cell_input")) {
+      pre.classList.add("offloadlab-wrapped");
+      pre.replaceChildren(...lines.map(line => {
+        const row = document.createElement("span");
+        row.textContent = line || " ";  // a blank line keeps its height
+        return row;
+      }));
     }
   }
+  // What still runs past the page's edge would be cut: print_pdf() refuses to print it.
+  const cut = blocks.filter(pre => !pre.classList.contains("offloadlab-wrapped") && !fits(pre))
+    .map(pre => pre.textContent.trim().split("\n")[0].slice(0, 80));
   // The headings Chromium turns into bookmarks, in document order.
-  return [...document.querySelectorAll("h1, h2, h3, h4, h5, h6")]
+  const headings = [...document.querySelectorAll("h1, h2, h3, h4, h5, h6")]
     .filter(h => h.getClientRects().length)
     .map(h => ({id: h.id, title: text(h), level: Number(h.tagName[1])}));
+  return {headings, cut};
 }
 """
 
@@ -163,6 +194,11 @@ BOOK_CSS = """
 .bd-main .bd-content { margin-left: 0; }
 .bd-main .bd-content .bd-article h1 { margin-top: 0; }
 .offloadlab-title-page { break-after: page; padding-top: 35%; text-align: center; }
+pre.offloadlab-wrapped { white-space: normal; }
+pre.offloadlab-wrapped > span {
+  display: block; white-space: pre-wrap; overflow-wrap: anywhere;
+  padding-left: 4ch; text-indent: -4ch;
+}
 .offloadlab-title-page p { margin: 0 0 0.6em; }
 .offloadlab-title { font-size: 36pt; font-weight: bold; }
 .offloadlab-subtitle { font-size: 18pt; }
@@ -172,16 +208,19 @@ BOOK_CSS = """
   text-decoration: none; break-inside: avoid; }
 .offloadlab-contents-1 { font-weight: bold; margin-top: 0.8em; break-after: avoid; }
 .offloadlab-contents-2 { padding-left: 1.5em; font-size: 0.92em; }
-/* A dotted leader from the title to its page number: dots drawn behind, hidden behind the words. */
-.offloadlab-contents a {
-  background: radial-gradient(circle, #888 0.7px, transparent 0.9px) repeat-x 0 78% / 5px 100%;
+/* A dotted leader from the title to its page number: a dotted border, which prints as evenly
+   spaced vector dots (a gradient of dots was rasterised unevenly). */
+.offloadlab-contents-leader {
+  flex: 1; min-width: 1em; margin: 0 0.4em; border-bottom: 1.5px dotted #888;
+  position: relative; top: -0.25em;
 }
-.offloadlab-contents a > span { background: white; }
-.offloadlab-contents-title { padding-right: 0.4em; }
-.offloadlab-contents-page {
-  margin-left: auto; padding-left: 0.4em; font-variant-numeric: tabular-nums;
-}
+/* Three digits' room whatever the number, so that filling the numbers in moves no title. */
+.offloadlab-contents-page { font-variant-numeric: tabular-nums; min-width: 3ch; text-align: right; }
 """
+
+START_A_PAGE = """ids => ids.forEach(id => {
+  document.getElementById(id).style.breakBefore = "page";
+})"""
 
 FILL_PAGES = """pages => document.querySelectorAll(".offloadlab-contents a").forEach(line => {
   const page = pages[line.dataset.target];
@@ -201,6 +240,10 @@ def serve(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
     )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def pages_of(places: list[tuple[int, float, float]]) -> list[int]:
+    return [place[0] for place in places]
 
 
 def heading_places(headings: list[dict], pdf: bytes) -> list[tuple[int, float, float]]:
@@ -317,7 +360,13 @@ def print_pdf(site: Path, target: Path, chromium: str) -> None:
             )
             page.emulate_media(media="print")
             metadata = book_metadata()
-            headings = page.evaluate(PREPARE, metadata)
+            prepared = page.evaluate(PREPARE, metadata)
+            if prepared["cut"]:
+                raise RuntimeError(
+                    f"code wider than the page at {SMALLEST_CODE_PX} px would be cut: "
+                    + "; ".join(repr(first) for first in prepared["cut"])
+                )
+            headings = prepared["headings"]
             options = {
                 "print_background": True,
                 "prefer_css_page_size": True,
@@ -326,17 +375,25 @@ def print_pdf(site: Path, target: Path, chromium: str) -> None:
             }
             # first printing: where everything falls
             places = heading_places(headings, page.pdf(**options))
-            for _ in range(3):
+            seen = [pages_of(places)]
+            for _ in range(4):
                 page.evaluate(
                     FILL_PAGES, {h["id"]: place[0] + 1 for h, place in zip(headings, places)}
                 )
                 pdf = page.pdf(**options)
                 printed = heading_places(headings, pdf)
-                if [p[0] for p in printed] == [p[0] for p in places]:
+                if pages_of(printed) == pages_of(places):
                     break
+                if pages_of(printed) in seen:
+                    # A heading on a page break that flips between the two pages with the
+                    # numbers filled in (it did: bottom of one page, top of the next, and back)
+                    # starts the next page.
+                    moved = [h["id"] for h, a, b in zip(headings, places, printed) if a[0] != b[0]]
+                    page.evaluate(START_A_PAGE, moved)
+                seen.append(pages_of(printed))
                 places = printed  # the numbers moved a heading; print again with the new ones
             else:
-                raise RuntimeError("the table of contents did not settle in three printings")
+                raise RuntimeError("the table of contents did not settle in four printings")
             pdf = with_bookmarks(pdf, headings, printed, metadata)
             browser.close()
     finally:

@@ -414,6 +414,21 @@ class Calculator:
             else:
                 field.fill(value)
 
+    def reset(self, timeout=120_000):
+        """Back to the book's example: once Python runs, the page answers it again, with no
+        message left from before (it once kept the old error and computed nothing)."""
+        runs = int(self.form.get_attribute("data-runs") or 0)
+        self.form.locator(".calculator-reset").click()
+        if runs:
+            self.page.wait_for_function(
+                "([form, runs]) => Number(form.dataset.runs || 0) > runs",
+                arg=[self.form.element_handle(), runs],
+                timeout=timeout,
+            )
+            assert self.status == "0" and self.errors() == {}, self.errors()
+            assert self.form.locator(".calculator-status").text_content() == ""
+        return self
+
     def ask(self, timeout=120_000):
         runs = int(self.form.get_attribute("data-runs") or 0)
         self.form.locator(".calculator-go").click()
@@ -474,12 +489,18 @@ def same_as_the_command(calculator, case, tmp_path):
     kit's own environment (transformers installed, which Pyodide lacks): the text and --json, or
     the exit-2 line, under the field it names."""
     argv = calculator.argv()
+    # (flag, value) as the command reads them: a value starting with '-' is joined to its flag
+    pairs, words = [], argv[1:]
+    while words:
+        word = words.pop(0)
+        pairs.append(tuple(word.split("=", 1)) if "=" in word else (word, words.pop(0)))
+    flags = [flag for flag, _ in pairs]
     for name, value in case.items():  # the page ran what was filled in
         flag = f"--{name.replace('_', '-')}"
         if name not in ("source", "model_config") and value.strip():
-            assert [flag, value] in [argv[i : i + 2] for i in range(len(argv))], (flag, value, argv)
+            assert (flag, value) in pairs, (flag, value, argv)
         if name != "source" and not value.strip():
-            assert flag not in argv or flag in ("--link", "--window", "--params", "--compute")
+            assert flag not in flags or flag in ("--link", "--window", "--params", "--compute")
     if "model_config" in case:
         (tmp_path / "config.json").write_text(case["model_config"], encoding="utf-8")
     done = offloadlab(*argv, cwd=tmp_path)
@@ -493,11 +514,15 @@ def same_as_the_command(calculator, case, tmp_path):
     assert done.returncode == 2 and calculator.status == "2", done.stderr
     line = done.stderr.strip()
     assert "\n" not in line
-    named = [flag for flag in re.findall(r"--[a-z][a-z-]*", line) if flag in argv[1::2]]
+    named = [flag for flag in re.findall(r"--[a-z][a-z-]*", line) if flag in flags]
     start = re.match(r"offloadlab: error: (?:offloadlab [a-z]+: )?([a-z_]+): ", line)
-    if not named and start and f"--{start.group(1).replace('_', '-')}" in argv[1::2]:
+    if not named and start and f"--{start.group(1).replace('_', '-')}" in flags:
         named = [f"--{start.group(1).replace('_', '-')}"]
     assert calculator.errors() == {named[0] if named else "form": line}
+    # the status line points at the message: under its field (above) or the form's (below)
+    where = "above, under its field" if named else "below"
+    status = calculator.form.locator(".calculator-status").text_content()
+    assert status == f"Not computed: see the message {where}.", status
 
 
 CONFIG_GPT2 = (ROOT / "offloadlab" / "model_configs" / "gpt2.json").read_text(encoding="utf-8")
@@ -516,6 +541,7 @@ CASES = {
         {"params": "1e15", "recipe": "fp32-adam"},
         {"params": "10 B"},
         {"params": "1.5"},
+        {"params": "-5e9"},  # refused: passed as --params=-5e9, so the number is what is refused
         {"params": ""},  # refused
     ],
     "03_overlap_condition": [
@@ -570,12 +596,31 @@ def test_each_calculator_answers_as_the_command_does(browser, served_site, chapt
     page, calculator, requests = open_calculator(browser, served_site, chapter)
     try:
         for case in CASES[chapter]:
-            calculator.form.locator(".calculator-reset").click()  # back to the book's example
+            calculator.reset()
             calculator.fill(**case)
             calculator.ask()
             same_as_the_command(calculator, case, tmp_path)
         elsewhere = [url for url in requests if not url.startswith(served_site)]
         assert not elsewhere, elsewhere
+    finally:
+        page.close()
+
+
+def test_on_a_phone_an_answer_shows_about_50_characters_a_line(browser, served_site):
+    """A plan's lines run past 100 characters and scroll on a phone; 33 showed before."""
+    page, calculator, _ = open_calculator(browser, served_site, "09_wrong_tool")
+    try:
+        page.set_viewport_size({"width": 390, "height": 844})
+        calculator.ask()
+        shown = calculator.form.locator(".calculator-answer").evaluate(
+            """pre => { const probe = document.createElement("span");
+                        probe.textContent = "0".repeat(100);
+                        pre.append(probe);
+                        const per = probe.getBoundingClientRect().width / 100;
+                        probe.remove();
+                        return pre.clientWidth / per; }"""
+        )
+        assert shown >= 45, shown
     finally:
         page.close()
 
@@ -627,7 +672,10 @@ def test_chapter_4_gives_the_running_example_and_the_sources_5x(browser, served_
 def test_a_failed_start_says_so_and_the_next_click_tries_again(browser, served_site):
     """The interpreter does not arrive (a dropped connection): one line says so, nothing hangs, and
     asking again starts it."""
-    page, calculator, _ = open_calculator(browser, served_site, "01_memory_wall")
+    # without the service worker, whose own requests the page's routes do not see
+    page, calculator, _ = open_calculator(
+        browser, served_site, "01_memory_wall", service_workers="block"
+    )
     try:
         page.route("**/pyodide.asm.wasm", lambda route: route.abort())
         calculator.ask()
@@ -641,6 +689,44 @@ def test_a_failed_start_says_so_and_the_next_click_tries_again(browser, served_s
         assert "160 GB" in calculator.answer["text"]
     finally:
         page.close()
+
+
+def test_pyodide_is_fetched_once_a_visit_whatever_the_host_says_about_caching(browser, built_site):
+    """Two calculator pages in one visit, from a host that forbids caching (no-store): the
+    interpreter (8.6 MB of pyodide.asm.wasm) leaves the host once, not once a page."""
+    fetched = []
+
+    class NoStore(http.server.SimpleHTTPRequestHandler):
+        def end_headers(self):
+            self.send_header("Cache-Control", "no-store")
+            super().end_headers()
+
+        def do_GET(self):
+            fetched.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(NoStore, directory=str(built_site))
+    )
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    context = browser.new_context()
+    try:
+        for chapter in ("01_memory_wall", "03_overlap_condition"):
+            page = context.new_page()
+            page.goto(
+                f"http://127.0.0.1:{server.server_address[1]}/{chapter}.html",
+                wait_until="networkidle",
+            )
+            calculator = Calculator(page, page.locator("form.calculator-form").first).ask()
+            assert calculator.status == "0", calculator.errors()
+            page.close()
+    finally:
+        context.close()
+        server.shutdown()
+    assert sum(path.endswith("/pyodide.asm.wasm") for path in fetched) == 1, fetched
 
 
 def test_a_page_without_a_calculator_loads_none_of_it(browser, served_site):

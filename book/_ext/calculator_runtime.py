@@ -31,14 +31,16 @@ def calculate(command: str, fields_json: str) -> str:
     """``fields_json``: [[flag, value, required], …] in the form's order. A field left empty is
     left out, unless the command requires it (then the CLI says what it expects). Returns JSON:
     {command, status, text, json, error, field}."""
-    argv = [command]
+    argv, flags = [command], []
     for flag, value, required in json.loads(fields_json):
         if not value.strip() and not required:
             continue
         if flag == "--model-config":
             CONFIG.write_text(value, encoding="utf-8")
             value = str(CONFIG)
-        argv += [flag, value]
+        # a value starting with '-' (a negative count) would read as an option: joined to its flag
+        argv += [f"{flag}={value}"] if value.startswith("-") else [flag, value]
+        flags.append(flag)
     status, text, error = _run(argv)
     answer = {"command": shlex.join(["offloadlab", *argv]), "status": status, "text": text, "json": None,
               "error": error.strip(), "field": None}
@@ -47,7 +49,7 @@ def calculate(command: str, fields_json: str) -> str:
         if json_status != 0:  # the same arguments cannot fail with --json: a bug, shown as one
             answer.update(status=json_status, error=json_error.strip())
     elif status == cli.USAGE_ERROR:
-        answer["field"] = field_named(answer["error"], argv[1::2])
+        answer["field"] = field_named(answer["error"], flags)
     return json.dumps(answer)
 
 

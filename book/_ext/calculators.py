@@ -52,6 +52,7 @@ PYODIDE = BOOK / "_static" / "pyodide"
 PYODIDE_FILES = ("pyodide.js", "pyodide.asm.js", "pyodide.asm.wasm", "python_stdlib.zip", "pyodide-lock.json")
 RUNTIME = Path(__file__).resolve().parent / "calculator_runtime.py"  # runs the command inside Pyodide
 ARCHIVE = "calculators/offloadlab.zip"  # under the site's _static
+WORKER = "pyodide-cache.js"  # the service worker, at the site's root (its template beside this file)
 
 # The estimates layer and the base under it (design.md's table of layers): pure arithmetic on the
 # standard library. Each name is a module or a sub-package of offloadlab, walked whole.
@@ -479,10 +480,17 @@ def load_on_calculator_pages(app, pagename, templatename, context, doctree):
 
 
 def write_the_archive(app, exception):
+    """The package's archive under _static, and at the site's root the service worker that keeps
+    Pyodide's files for later pages (its cache named after the Pyodide shipped)."""
     if exception is None and app.builder.name == "html":
         target = Path(app.outdir) / "_static" / ARCHIVE
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(app.calculator_archive)
+        here = Path(__file__).resolve().parent
+        package = here.parent / "_static" / "pyodide" / "package.json"
+        version = json.loads(package.read_text(encoding="utf-8"))["version"]
+        worker = (here / WORKER).read_text(encoding="utf-8")
+        (Path(app.outdir) / WORKER).write_text(worker.replace("@VERSION@", version), encoding="utf-8")
 
 
 def setup(app):

@@ -3,13 +3,33 @@
 // This script only moves text between the page and Python: the answer, the JSON and every error
 // message come from the package's own command line (book/_ext/calculator_runtime.py), run by
 // Pyodide from the site's own _static. Nothing is fetched until the reader first asks, and then
-// only from this site: Pyodide's core once per page, and the package's estimates layer.
+// only from this site: Pyodide's core once per visit (the service worker pyodide-cache.js, at
+// the site's root, keeps it for later pages), and the package's estimates layer.
 (() => {
   "use strict";
 
   const here = new URL(".", document.currentScript.src);  // …/_static/calculators/
   const pyodideFolder = new URL("../pyodide/", here);
+  const siteRoot = new URL("../../", here);
   let runtime = null;  // a promise of calculator_runtime, shared by every calculator of the page
+
+  // The worker that keeps Pyodide's files: registered when the page opens (it fetches nothing by
+  // itself), so that it controls the page by the time the reader asks. Where a browser offers no
+  // service worker, the host's caching decides, as before.
+  const keeper = "serviceWorker" in navigator && location.protocol !== "file:"
+    ? navigator.serviceWorker.register(new URL("pyodide-cache.js", siteRoot), { scope: siteRoot.href })
+      .catch((error) => console.warn("Pyodide will be fetched on every page:", error))
+    : Promise.resolve();
+
+  // Before Python loads: wait (a few seconds at most) until the worker controls this page.
+  async function underTheKeeper() {
+    await keeper;
+    if (!("serviceWorker" in navigator) || navigator.serviceWorker.controller) return;
+    await new Promise((resolve) => {
+      navigator.serviceWorker.addEventListener("controllerchange", resolve, { once: true });
+      setTimeout(resolve, 3000);
+    });
+  }
 
   const hasWebAssembly = () =>
     typeof WebAssembly === "object" && typeof WebAssembly.instantiate === "function";
@@ -46,7 +66,8 @@
   // the start took: Python, then the package.
   async function startPython(archive, progress) {
     performance.mark("calculators:asked");
-    progress(1, "Loading Python into your browser (Pyodide, about 12 MB)…");
+    progress(1, "Loading Python into your browser (Pyodide, about 12 MB, once a visit)…");
+    await underTheKeeper();
     if (!globalThis.loadPyodide) await loadScript(new URL("pyodide.js", pyodideFolder));
     const pyodide = await loadPyodideOrFail();
     performance.mark("calculators:python-ready");
@@ -139,7 +160,9 @@
         result.hidden = answer.status !== 0;
         form.dataset.status = answer.status;
         form.dataset.runs = Number(form.dataset.runs || 0) + 1;
-        status.textContent = answer.status === 0 ? "" : "Not computed: see the message above.";
+        // a field's message sits under the field, above; the form's own below the buttons
+        status.textContent = answer.status === 0 ? ""
+          : `Not computed: see the message ${answer.field ? "above, under its field" : "below"}.`;
       } catch (error) {
         runtime = ready ? runtime : null;  // a failed start may be retried
         const lines = String(error.message).trim().split("\n");  // a Python traceback ends with its error
@@ -164,6 +187,12 @@
         compute();
       }, 0);
     };
+    // Back to the book's example: its messages cleared and, once Python runs, its answer again.
+    form.addEventListener("reset", () => setTimeout(() => {
+      showErrors({});
+      status.textContent = "";
+      if (ready) schedule();
+    }, 0));
     form.addEventListener("submit", (event) => {
       event.preventDefault();
       schedule();

@@ -116,8 +116,8 @@ mathjax_path = "mathjax/tex-chtml.js"
 nb_ipywidgets_js = {}
 
 # Build-time settings for the reader's tools (empty means: no such button). Without a
-# repository address the header's "Repository" link says so and leads to the landing page's
-# "How to use it", which says the same where it tells the reader to clone the repository.
+# repository address the header has no "Repository" link, and the landing page's "How to use
+# it" says the address was not given where it tells the reader to clone the repository.
 REPOSITORY_URL = os.environ.get("OFFLOADLAB_REPOSITORY_URL", "")
 html_theme = "sphinx_book_theme"
 html_context = {"default_mode": "auto", "offloadlab_repository": REPOSITORY_URL}  # auto: the reader's OS decides
@@ -301,9 +301,25 @@ CITE_LINK = re.compile(r"\[\([^\]]*\)\]\(cite:([^()\s]+)\)")
 LABEL_LINK = re.compile(r"\[([^\]`<>]+)\]\((?:[\w.-]+/)*[\w.-]+\.md#([\w-]+)\)")
 
 
+# A link to a glossary entry, written as Lab opens it: [pinned memory](glossary.md#term-pinned-memory)
+GLOSSARY_LINK = re.compile(r"\[([^\]`<>]+)\]\((?:[\w.-]+/)*glossary\.md#term-([\w-]+)\)")
+
+
+def glossary_terms(path: Path = BOOK / "glossary.md") -> dict[str, str]:
+    """{anchor: term} for each entry of the glossary ("term-pinned-memory": "pinned memory")."""
+    block = path.read_text(encoding="utf-8").split("```{glossary}", 1)[1].split("```", 1)[0]
+    terms = [line.strip() for line in block.splitlines() if line.strip() and not line[0].isspace()]
+    return {re.sub(r"[^a-z0-9]+", "-", term.lower()).strip("-"): term for term in terms}
+
+
 def lab_links_to_roles(app, docname, source):
-    """Turn the Lab-readable citation and reference links of a page back into Sphinx roles."""
+    """Turn the Lab-readable citation, glossary and reference links of a page back into Sphinx
+    roles (a glossary link whose entry does not exist is left to fail as a reference)."""
+    terms = glossary_terms()
     text = CITE_LINK.sub(lambda m: f"{{cite:p}}`{m[1]}`", source[0])
+    text = GLOSSARY_LINK.sub(
+        lambda m: f"{{term}}`{m[1]} <{terms[m[2]]}>`" if m[2] in terms else m[0], text
+    )
     source[0] = LABEL_LINK.sub(lambda m: f"{{ref}}`{m[1]} <{m[2]}>`", text)
 
 
@@ -322,7 +338,21 @@ def draw_single_page_as_html(app):
             handlers.setdefault("singlehtml", {}).setdefault(node, visitors)
 
 
+def note_the_readers_traces(app):
+    """Executing the chapters writes their Chrome traces beside them (*.trace.json, as a reader's
+    run does); those this build adds are removed when it finishes, so that a build leaves none in
+    Lab's file browser. A trace that was there before is the reader's: it stays."""
+    app.offloadlab_traces = set(BOOK.glob("*.trace.json"))
+
+
+def remove_the_builds_traces(app, exception):
+    for trace in set(BOOK.glob("*.trace.json")) - app.offloadlab_traces:
+        trace.unlink(missing_ok=True)
+
+
 def setup(app):
+    app.connect("builder-inited", note_the_readers_traces)
+    app.connect("build-finished", remove_the_builds_traces)
     app.connect("source-read", lab_links_to_roles)
     app.connect("builder-inited", draw_single_page_as_html)
     app.connect("builder-inited", ship_the_pdf)

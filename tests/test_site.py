@@ -245,6 +245,41 @@ def test_sidebar_buttons_open_and_close_at_every_width(built_site, served, page_
         page.wait_for_function(f"s => ({SHOWN})(s)", arg=panel, timeout=5000)
         page.keyboard.press("Escape")
         page.wait_for_function(f"s => !({SHOWN})(s)", arg=panel, timeout=5000)
+    if drawer and kind == "secondary":  # a heading chosen in the drawer closes it (it stayed)
+        button.tap()
+        page.wait_for_function(f"s => ({SHOWN})(s)", arg=panel, timeout=5000)
+        link = page.locator(f"{panel} a[href^='#']").nth(2)
+        target = link.get_attribute("href")
+        link.tap()
+        page.wait_for_function(f"s => !({SHOWN})(s)", arg=panel, timeout=5000)
+        assert button.get_attribute("aria-expanded") == "false"
+        page.wait_for_function(
+            """id => { const r = document.getElementById(id).getBoundingClientRect();
+                       return r.top >= -2 && r.top < innerHeight / 2; }""",
+            arg=target[1:],
+            timeout=5000,
+        )
+
+
+def test_a_tap_on_a_solutions_title_opens_it_rather_than_leaving_for_the_exercise(
+    built_site, served, browser
+):
+    """ "Solution to Exercise 1" holds a link to the exercise; on a phone the tap that should open
+    the solution followed it instead."""
+    page = browser.new_page(viewport={"width": 390, "height": 844}, has_touch=True)
+    try:
+        page.goto(f"{served}/03_overlap_condition.html", wait_until="networkidle")
+        solution = page.locator("div.solution.dropdown").first
+        solution.scroll_into_view_if_needed()
+        body = solution.locator(":scope > :not(.admonition-title)").first
+        assert not body.is_visible()
+        # where the reader's finger lands: on "Exercise 1", inside the title
+        box = solution.locator(".admonition-title a").bounding_box()
+        page.touchscreen.tap(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        body.wait_for(state="visible", timeout=5000)
+        assert "#" not in page.url
+    finally:
+        page.close()
 
 
 # Each visible code block or output whose lines are broken: its text is taller as laid out than
@@ -318,14 +353,8 @@ def test_header_has_the_title_one_search_box_and_follows_the_os_colour_scheme(
     searches = page.locator(".search-button-field, .search-button, form.bd-search")
     visible = [i for i in range(searches.count()) if searches.nth(i).is_visible()]
     assert len(visible) == 1, f"{len(visible)} search boxes at {page.viewport_size['width']} px"
-    repository = page.locator("a.offloadlab-repository")
-    if page.viewport_size["width"] >= 992:
-        assert repository.first.is_visible()
-    else:  # the header's links move into the ☰ drawer on a narrow screen
-        page.locator(".bd-header-article .primary-toggle").tap()
-        page.locator("dialog#pst-primary-sidebar-modal a.offloadlab-repository").wait_for(
-            state="visible", timeout=5000
-        )
+    # built without a repository address: no repository link, rather than a placeholder
+    assert page.locator("a.offloadlab-repository").count() == 0
 
 
 def test_no_page_scrolls_sideways_on_a_phone(built_site, served, browser):
@@ -403,14 +432,12 @@ def test_rule_boxes_stay_readable_in_both_colour_schemes(built_site, served, pag
             assert _contrast(foreground, background) >= 4.5, (scheme, part, foreground, background)
 
 
-def test_without_a_repository_address_the_link_says_so(built_site):
+def test_without_a_repository_address_the_header_shows_no_placeholder(built_site):
+    """Every page's header once said "Repository (address not set)": a site built without the
+    address has no repository link at all, and its landing page says why."""
     for name in ("index.html", "labs/lab01_account_for_every_byte.html"):
         html = (built_site / name).read_text(encoding="utf-8")
-        link = re.search(
-            r'<a class="offloadlab-repository[^"]*"[^>]*href="([^"]+)"[^>]*>(.*?)</a>', html, re.S
-        )
-        assert link and "address not set" in link.group(2), name
-        assert link.group(1) == ("" if name == "index.html" else "../index.html") + "#how-to-use-it"
+        assert "offloadlab-repository" not in html and "address not set" not in html, name
     landing = re.sub(r"<[^>]+>", "", (built_site / "index.html").read_text(encoding="utf-8"))
     assert "clone the repository (this copy of the site was built without its address" in " ".join(
         landing.split()
@@ -480,7 +507,8 @@ def test_references_link_to_their_doi_or_arxiv_entry(built_site):
 SMALLEST_FIGURE_TEXT_PX = {390: 9.0, 768: 11.0, 1280: 11.0}
 VISIBLE_IMAGES = """() => [...document.querySelectorAll("article.bd-article img")]
   .filter(i => i.getClientRects().length && i.getBoundingClientRect().width > 0)
-  .map(i => ({src: i.getAttribute("src"), shown: i.getBoundingClientRect().width}))"""
+  .map(i => ({src: i.getAttribute("src"), shown: i.getBoundingClientRect().width,
+              opens: i.closest("a") && i.closest("a").href === i.src}))"""
 
 
 def smallest_text(svg: str) -> tuple[float, float]:
@@ -502,6 +530,8 @@ def test_figures_are_vector_with_readable_text_at_every_width(built_site, served
             if file.suffix != ".svg":
                 problems.append(f"{path.name}: {file.name} is not vector")
                 continue
+            if not image["opens"]:  # a tap opens it alone, where a phone can zoom it
+                problems.append(f"{path.name}: {file.name} does not open on its own when tapped")
             font, view_width = smallest_text(file.read_text(encoding="utf-8"))
             shown = font * image["shown"] / view_width
             measured.append(shown)
@@ -730,3 +760,42 @@ def test_no_assert_is_visible_on_the_site(built_site):
     pages_with_asserts = sorted({line.split(":")[0] for line in found})
     skip_until_the_content_pass(found, f"visible asserts on {len(pages_with_asserts)} pages")
     assert not found, "\n".join(found[:30])
+
+
+def test_a_build_removes_the_traces_it_wrote_and_keeps_the_readers(tmp_path, monkeypatch):
+    """Executing the chapters writes *.trace.json beside them; a build left a dozen in Lab's file
+    browser. The build removes those it added, never one the reader had made before it."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("offloadlab_book_conf", ROOT / "book" / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    monkeypatch.setattr(conf, "BOOK", tmp_path)
+    (tmp_path / "overlap.trace.json").write_text("{}")  # the reader's own run
+    app = types.SimpleNamespace()
+    conf.note_the_readers_traces(app)
+    (tmp_path / "overlap.trace.json").write_text('{"traceEvents": []}')  # rewritten by the build
+    (tmp_path / "prefetch.trace.json").write_text("{}")  # written by the build
+    conf.remove_the_builds_traces(app, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["overlap.trace.json"]
+
+
+def test_the_chapters_link_their_terms_to_the_glossary(built_site):
+    """The glossary was linked from no chapter: each chapter links a term or more to its entry
+    (written as a link Lab opens, a term reference on the site), and each such link lands on an
+    entry that exists."""
+    entries = set(
+        re.findall(
+            r'id="(term-[\w-]+)"', (built_site / "glossary.html").read_text(encoding="utf-8")
+        )
+    )
+    unlinked, broken = [], []
+    for page in sorted(built_site.glob("0*.html")):
+        anchors = re.findall(
+            r'href="glossary\.html#(term-[\w-]+)"', page.read_text(encoding="utf-8")
+        )
+        if not anchors:
+            unlinked.append(page.name)
+        broken += [f"{page.name}: {anchor}" for anchor in anchors if anchor not in entries]
+    assert len(entries) >= 20 and not unlinked and not broken, (unlinked, broken)

@@ -22,8 +22,11 @@ Links and citations this tool wrote before are refreshed when a heading, a path 
 references.bib changes; anything else is left alone. Idempotent; ``--check`` writes nothing and
 exits 1 when a file would change.
 
-Not fixable this way, and left as they are: ``{numref}`` to a figure drawn by a code cell, and
-``{ref}`` to an exercise (Lab numbers neither; each logs one warning in the console).
+Not fixable this way: ``{numref}`` to a figure drawn by a code cell, and ``{ref}`` to an
+exercise (Lab numbers neither, shows a warning sign and logs one warning in the console): the
+chapters say "the figure above", and link an exercise as
+``[an exercise](01_memory_wall.md#ex-mw-idle)``, which the site reads as a reference with that
+text.
 """
 
 from __future__ import annotations

@@ -10,7 +10,11 @@
  *   button, whose handler moves the contents into the drawer and opens it, or closes an open one.
  *   A tap outside an open drawer, or Escape, closes it too (the theme's handlers).
  *
- * Each button's aria-expanded says whether what it controls is open.
+ * Each button's aria-expanded says whether what it controls is open. Choosing a heading in an
+ * open drawer closes it, so the reader sees where the link went.
+ *
+ * Also: a figure's lettering is small on a phone, so each figure opens on its own when tapped,
+ * where the reader can zoom it.
  */
 (() => {
   const PANELS = [
@@ -45,12 +49,30 @@
         announce();
       });
     });
+    drawer.addEventListener("click", (event) => {
+      if (drawer.open && event.target.closest("a[href]")) setTimeout(() => drawer.close(), 0);
+    });
     drawer.addEventListener("close", announce);
     asColumn.addEventListener("change", announce);
     announce();
   }
 
-  const run = () => PANELS.forEach(setUp);
+  function linkFigures() {
+    for (const image of document.querySelectorAll("figure img, div.cell_output img")) {
+      if (image.closest("a")) continue;
+      const link = document.createElement("a");
+      link.href = image.src;
+      link.className = "offloadlab-figure-link";
+      link.title = "Open the figure on its own, to zoom";
+      image.replaceWith(link);
+      link.append(image);
+    }
+  }
+
+  const run = () => {
+    PANELS.forEach(setUp);
+    linkFigures();
+  };
   if (document.readyState === "loading") {
     document.addEventListener("DOMContentLoaded", run);
   } else {

@@ -37,3 +37,15 @@ def test_the_readers_site_holds_the_solutions_folded(built_site):
     """The same solution that the student site leaves out (test_site.py), in a dropdown."""
     html = (built_site / "01_memory_wall.html").read_text(encoding="utf-8")
     assert "which fits only the 141 GB card" in html and "dropdown" in html
+
+
+def test_no_source_holds_a_control_character():
+    """A "\\text" written through a Python string became a tab and "ext" in chapter 3's math:
+    no chapter, lab or page holds a control character but the line end."""
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "book").glob("*.md")) + sorted((ROOT / "labs").glob("*.md"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"[\x00-\x08\x0b-\x1f\x7f]|\t", line)
+    ]
+    assert not found, found

@@ -49,14 +49,15 @@ def test_the_nbgrader_commands_name_assignments_that_make_student_writes():
     from offloadlab_course.student import assignment_name, find_labs
 
     assignments = {assignment_name(p) for p in find_labs(ROOT / "labs")}
-    named = set(
-        re.findall(
-            r"nbgrader (?:generate_assignment|release_assignment|collect|autograde|"
-            r"generate_feedback|release_feedback) (\w+)",
-            PAGE,
-        )
+    # each command names the week's lab, LAB, whose default the block sets
+    commands = re.findall(
+        r"nbgrader (?:generate_assignment|release_assignment|collect|autograde|"
+        r"generate_feedback|release_feedback) (\S+)",
+        PAGE,
     )
-    assert named and named <= assignments
+    defaults = set(re.findall(r"LAB=\$\{LAB:-(\w+)\}", PAGE))
+    assert commands and set(commands) == {'"$LAB"'}, commands
+    assert defaults and defaults <= assignments
 
 
 def test_the_page_says_what_limits_pinned_memory_and_the_hub_does_not_raise_ulimit_l():

@@ -4,12 +4,13 @@ The test takes the page's shell blocks in order and runs them: the root blocks w
 instructor's with ``runuser`` as the instructor, the hub's in the background. It skips only
 the ``apt-get`` line (.ci/run installs those packages) and the ``git clone``, for which it
 copies the checkout under test to where the page clones it. What students do in Lab it does
-through the hub, with each student's own token: spawn their server, fetch the lab from the
-Assignments tab's endpoint, run it cell by cell in a kernel of their server, save it as Lab
-does, submit, and fetch the feedback. Then it checks the grades: the solved lab scores every
-automatic point, the untouched one none; the instructor's server spawned, with nbgrader's
-instructor tools, and the students' without them; a student outside the GPU slice table got a
-server without a GPU and a line in the hub's log saying why.
+through the hub, with each student's own token: spawn their server, fetch each of two labs
+(1 and 3, the instructor's blocks run once for each, as the page says) from the Assignments
+tab's endpoint, run it cell by cell in a kernel of their server, save it as Lab does, submit,
+and fetch the feedback. Then it checks the grades: the solved lab scores every automatic point,
+the untouched one (whose first answer rebinds a check) none; the instructor's server spawned,
+with nbgrader's instructor tools, and the students' without them; a student outside the GPU
+slice table got a server without a GPU and a line in the hub's log saying why.
 
 It needs root (accounts, and a hub that starts servers as other users) and the network of the
 package registries (``make course`` installs into a fresh environment); without root it is
@@ -40,8 +41,13 @@ from offloadlab_course.student import assignment_name, find_labs, source_noteboo
 from tests.conftest import ROOT
 
 PAGE = ROOT / "book" / "course.md"
-LAB = next(p for p in find_labs(ROOT / "labs") if p.stem.startswith("lab01"))
-ASSIGNMENT, COURSE_ID = "lab01", "offload-course"
+# Two labs, each released, worked, submitted, graded and fed back: lab 1 (arithmetic and a
+# measured challenge) and lab 3 (a measured transfer).
+LABS = {
+    assignment_name(p): p for p in find_labs(ROOT / "labs") if p.stem.startswith(("lab01", "lab03"))
+}
+COURSE_ID = "offload-course"
+LAB = LABS["lab01"]  # where one lab will do: the dishonest student's reading
 # Accounts of this run alone (two runs on one host once deleted each other's users): their
 # processes are the only ones the test ends.
 RUN = secrets.token_hex(3)
@@ -293,17 +299,18 @@ def as_jupyter_output(output: dict):
     )
 
 
-def work_on(hub: Hub, user: str, solve: bool) -> dict:
+def work_on(hub: Hub, user: str, solve: bool, assignment: str) -> dict:
     """What a student does in Lab: open the fetched lab, fill in the answers (or not), run every
     cell, save. Returns the environment the student's kernel saw."""
-    path = f"{COURSE_ID}/{ASSIGNMENT}/{LAB.stem}.ipynb"
+    lab = LABS[assignment]
+    path = f"{COURSE_ID}/{assignment}/{lab.stem}.ipynb"
     notebook = nbformat.from_dict(
         hub.user(user, f"/api/contents/{path}?type=notebook&content=1")["content"]
     )
     if solve:  # the worked answers, cell by cell, where the release has stubs
         answers = {
             c.metadata["nbgrader"]["grade_id"]: c.source
-            for c in source_notebook(LAB).cells
+            for c in source_notebook(lab).cells
             if c.metadata.get("nbgrader", {}).get("solution")
         }
         for cell in notebook.cells:
@@ -341,25 +348,27 @@ def work_on(hub: Hub, user: str, solve: bool) -> dict:
 REBINDING = "check.answer = lambda *args, **kwargs: True\nprediction_fp32_adam = 1"
 
 
-def fetch_work_submit(hub: Hub, student: str, solve: bool) -> dict:
+def fetch_work_submit(hub: Hub, student: str, solve: bool, assignment: str) -> dict:
     """A student's part, through their own server: fetch, work (see work_on), validate the
     solved lab as the Assignments tab does, submit."""
-    form = {"course_id": COURSE_ID, "assignment_id": ASSIGNMENT}
+    form = {"course_id": COURSE_ID, "assignment_id": assignment}
     listed = hub.user(student, "/assignments/fetch", form, method="POST", form=True)
     assert listed["success"], listed
     assert any(
-        a["assignment_id"] == ASSIGNMENT and a["status"] == "fetched" for a in listed["value"]
+        a["assignment_id"] == assignment and a["status"] == "fetched" for a in listed["value"]
     ), listed
-    seen = work_on(hub, student, solve)
+    seen = work_on(hub, student, solve, assignment)
     if solve:  # with nbgrader's own 30 s a cell, a correct lab 1 "failed" here
-        path = f"{COURSE_ID}/{ASSIGNMENT}/{LAB.stem}.ipynb"
+        path = f"{COURSE_ID}/{assignment}/{LABS[assignment].stem}.ipynb"
         validated = hub.user(
             student, "/assignments/validate", {"path": path}, method="POST", form=True, timeout=900
         )
         assert validated["success"] and not validated["value"].get("failed"), validated
     listed = hub.user(student, "/assignments/submit", form, method="POST", form=True)
     assert listed["success"], listed
-    assert any(a["status"] == "submitted" for a in listed["value"]), listed
+    assert any(
+        a["assignment_id"] == assignment and a["status"] == "submitted" for a in listed["value"]
+    ), listed
     return seen
 
 
@@ -471,7 +480,8 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
             for user in (SOLVED, UNSOLVED):
                 hub.spawn(user)
             with stages("instructor: course and release"):
-                instructor(blocks[4][1], env)
+                for assignment in LABS:  # the block once a lab, as the page says
+                    instructor(blocks[4][1], env, assignment)
             # A table broken by hand (a trailing comma) costs the next server its GPU, not a start.
             (base / "slices.json").write_text(json.dumps({SOLVED: FAKE_SLICE})[:-1] + ",}")
             hub.spawn(INSTRUCTOR)
@@ -486,7 +496,7 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         assert sorted(a["name"] for a in listed) == sorted(
             assignment_name(path) for path in find_labs(ROOT / "labs")
         ), listed
-        assert next(a for a in listed if a["name"] == ASSIGNMENT)["id"], listed  # generated
+        assert all(next(a for a in listed if a["name"] == name)["id"] for name in LABS), listed
         for student in (SOLVED, UNSOLVED):
             assert hub.status(f"/user/{student}/formgrader", hub.user_tokens[student]) == 404
             page = hub.user(student, "/lab")
@@ -498,8 +508,13 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         # at once, as a class does: each in their own server
         with stages("students fetch, run and submit"):
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
+
+                def both_labs(student, solve):
+                    seen = [fetch_work_submit(hub, student, solve, name) for name in LABS]
+                    return seen[0]  # (one server: what its kernel saw is the same for each)
+
                 working = {
-                    student: pool.submit(fetch_work_submit, hub, student, solve)
+                    student: pool.submit(both_labs, student, solve)
                     for student, solve in ((SOLVED, True), (UNSOLVED, False))
                 }
                 seen = {student: future.result() for student, future in working.items()}
@@ -527,40 +542,32 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         assert set(tried.values()) == {"refused"}, tried
         # the servers' log: the shared settings were found
         assert "No nbgrader_config.py" not in hub_log.read_text()
-        with stages("instructor: collect and autograde"):
-            instructor(blocks[5][1], env)
-        with stages("instructor: the reflections, in the Formgrader"):
-            given = grade_by_hand(hub, {SOLVED: True, UNSOLVED: False})
-        assert given == {SOLVED: by_hand_points(), UNSOLVED: 0}, given
-        with stages("instructor: feedback and grades"):
-            instructor(blocks[6][1], env)
-        with stages("students fetch feedback"):
+        for assignment in LABS:
+            with stages(f"instructor: collect and autograde {assignment}"):
+                instructor(blocks[5][1], env, assignment)
+            with stages(f"instructor: the reflections of {assignment}, in the Formgrader"):
+                given = grade_by_hand(hub, {SOLVED: True, UNSOLVED: False}, assignment)
+            assert given == {SOLVED: by_hand_points(assignment), UNSOLVED: 0}, given
+            with stages(f"instructor: feedback and grades of {assignment}"):
+                instructor(blocks[6][1], env, assignment)
+            with stages(f"students fetch feedback of {assignment}"):
+                for student in (SOLVED, UNSOLVED):
+                    hub.user(
+                        student,
+                        "/assignments/fetch_feedback",
+                        {"course_id": COURSE_ID, "assignment_id": assignment},
+                        method="POST",
+                        form=True,
+                    )
+            grades = grades_csv(Path(f"/home/{INSTRUCTOR}/offload-course/grades.csv"), assignment)
+            automatic = automatic_points(assignment)
+            assert grades[SOLVED] == automatic + given[SOLVED], (assignment, grades)
+            assert grades[UNSOLVED] == 0, (assignment, grades)
+            assert grades[ABSENT] == 0, grades  # on the roster, though they never submitted
             for student in (SOLVED, UNSOLVED):
-                hub.user(
-                    student,
-                    "/assignments/fetch_feedback",
-                    {"course_id": COURSE_ID, "assignment_id": ASSIGNMENT},
-                    method="POST",
-                    form=True,
-                )
-        grades = grades_csv(Path(f"/home/{INSTRUCTOR}/offload-course/grades.csv"))
-        automatic = automatic_points()
-        assert grades[SOLVED] == automatic + given[SOLVED] and grades[UNSOLVED] == 0, grades
-        assert grades[ABSENT] == 0, grades  # on the roster: listed, though they never submitted
+                check_feedback(student, assignment, grades[student])
         logged = Path(f"/home/{INSTRUCTOR}/{COURSE_ID}/nbgrader.log").read_text(encoding="utf-8")
         assert "[AutogradeApp | INFO]" in logged and "[GenerateFeedbackApp | INFO]" in logged
-        for student in (SOLVED, UNSOLVED):
-            pages = list(
-                Path(f"/home/{student}/{COURSE_ID}/{ASSIGNMENT}/feedback").glob("*/*.html")
-            )
-            assert pages, f"{student} received no feedback"
-            page = pages[0].read_text(encoding="utf-8")
-            assert re.search(rf"Score: {grades[student]:g}(\.0)? / ", page), pages[0]
-            shown = page_text(page)
-            assert "HIDDEN TESTS" not in shown and hidden_line() not in shown, pages[0]
-            assert "import" in shown  # the page's code is there: only the hidden tests are not
-            screened = "this answer cell was not run: it changes the attribute answer"
-            assert (screened in shown) == (student == UNSOLVED), pages[0]
     finally:
         if hub_process is not None:
             end_with_its_children(hub_process)
@@ -572,6 +579,20 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         if not kept:
             shutil.rmtree(base, ignore_errors=True)
         print(json.dumps(stages.seconds))
+
+
+def check_feedback(student: str, assignment: str, score: float) -> None:
+    """The feedback page the student fetched: their score, the lab's code, no hidden test, and
+    for the one who rebound a check, the grader's note that it did not run that cell."""
+    pages = list(Path(f"/home/{student}/{COURSE_ID}/{assignment}/feedback").glob("*/*.html"))
+    assert pages, f"{student} received no feedback for {assignment}"
+    page = pages[0].read_text(encoding="utf-8")
+    assert re.search(rf"Score: {score:g}(\.0)? / ", page), pages[0]
+    shown = page_text(page)
+    assert "HIDDEN TESTS" not in shown and hidden_line(assignment) not in shown, pages[0]
+    assert "import" in shown  # the page's code is there: only the hidden tests are not
+    screened = "this answer cell was not run: it changes the attribute answer"
+    assert (screened in shown) == (student == UNSOLVED), pages[0]
 
 
 # What a student's kernel can reach, tried from one: each must answer "refused".
@@ -604,28 +625,31 @@ def try_to_cheat(hub: Hub, student: str, course: Path, exchange: Path, state: Pa
         "read the checkout's history": course / ".git" / "HEAD",
         "list the checkout": course,
         "read the instructor's source": Path(f"/home/{INSTRUCTOR}/{COURSE_ID}/source")
-        / ASSIGNMENT
+        / "lab01"
         / f"{LAB.stem}.ipynb",
         "read the gradebook": Path(f"/home/{INSTRUCTOR}/{COURSE_ID}/gradebook.db"),
-        "read another student's lab": Path(f"/home/{other}/{COURSE_ID}/{ASSIGNMENT}")
+        "read another student's lab": Path(f"/home/{other}/{COURSE_ID}/lab01")
         / f"{LAB.stem}.ipynb",
         "read the hub's database": state / "jupyterhub.sqlite",
         "rename the course's exchange folder": exchange / COURSE_ID,
     }
     missing = [str(path) for path in targets.values() if not path.exists()]
     assert not missing, f"nothing to try on: {missing}"
-    path = f"{COURSE_ID}/{ASSIGNMENT}/{LAB.stem}.ipynb"
+    path = f"{COURSE_ID}/lab01/{LAB.stem}.ipynb"
     code = CHEAT % json.dumps({what: str(target) for what, target in targets.items()})
     (result,) = run_cells(hub, student, path, [code])
     assert result["status"] == "ok", result
     return json.loads(result["outputs"][0]["text"])
 
 
-def grade_by_hand(hub: Hub, full_marks: dict[str, bool]) -> dict[str, float]:
+def grade_by_hand(hub: Hub, full_marks: dict[str, bool], assignment: str) -> dict[str, float]:
     """The instructor grades the reflections through the Formgrader's interface: full marks or
     none for each student. Points given, per student."""
     given = {}
-    notebooks = hub.user(INSTRUCTOR, f"/formgrader/api/submitted_notebooks/{ASSIGNMENT}/{LAB.stem}")
+    notebooks = hub.user(
+        INSTRUCTOR,
+        f"/formgrader/api/submitted_notebooks/{assignment}/{LABS[assignment].stem}",
+    )
     assert sorted(n["student"] for n in notebooks) == sorted(full_marks), notebooks
     for notebook in notebooks:
         student = notebook["student"]
@@ -651,28 +675,29 @@ def page_text(html_page: str) -> str:
     return html.unescape(re.sub(r"<[^>]*>", "", html_page))
 
 
-def hidden_line() -> str:
+def hidden_line(assignment: str) -> str:
     """The first line of code in the lab's hidden tests, as the instructor's source has it."""
-    for cell in source_notebook(LAB).cells:
+    for cell in source_notebook(LABS[assignment]).cells:
         if "### BEGIN HIDDEN TESTS" in cell.source:
             body = cell.source.split("### BEGIN HIDDEN TESTS", 1)[1]
             lines = body.split("### END HIDDEN TESTS", 1)[0].splitlines()
             return next(line.strip() for line in lines if line.strip())
-    raise AssertionError(f"{LAB.name} has no hidden tests")
+    raise AssertionError(f"{assignment} has no hidden tests")
 
 
-def by_hand_points() -> float:
+def by_hand_points(assignment: str) -> float:
     """The reflections' points: the markdown cells graded by hand."""
     return sum(
         c.metadata["nbgrader"]["points"]
-        for c in source_notebook(LAB).cells
+        for c in source_notebook(LABS[assignment]).cells
         if c.metadata.get("nbgrader", {}).get("grade") and c.cell_type == "markdown"
     )
 
 
-def instructor(commands: str, env: dict) -> None:
+def instructor(commands: str, env: dict, lab: str) -> None:
+    """The instructor's block, run as the instructor, for the lab ``lab`` (the page's LAB)."""
     home = f"/home/{INSTRUCTOR}"
-    keep = {k: env[k] for k in ("COURSE", "OFFLOADLAB_EXCHANGE")}
+    keep = {k: env[k] for k in ("COURSE", "OFFLOADLAB_EXCHANGE")} | {"LAB": lab}
     result = subprocess.run(
         [
             "runuser",
@@ -712,21 +737,21 @@ def disabled_extensions(lab_page: str) -> list[str]:
     return config.get("disabledExtensions", [])
 
 
-def grades_csv(path: Path) -> dict[str, float]:
+def grades_csv(path: Path, assignment: str) -> dict[str, float]:
     import csv
 
     with path.open(encoding="utf-8") as f:
         return {
             row["student_id"]: float(row["score"])
             for row in csv.DictReader(f)
-            if row["assignment"] == ASSIGNMENT
+            if row["assignment"] == assignment
         }
 
 
-def automatic_points() -> float:
+def automatic_points(assignment: str) -> float:
     """The points nbgrader gives by itself: every graded cell but the reflections graded by hand."""
     return sum(
         c.metadata["nbgrader"]["points"]
-        for c in source_notebook(LAB).cells
+        for c in source_notebook(LABS[assignment]).cells
         if c.metadata.get("nbgrader", {}).get("grade") and c.cell_type == "code"
     )

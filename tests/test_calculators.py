@@ -606,6 +606,38 @@ def test_each_calculator_answers_as_the_command_does(browser, served_site, chapt
         page.close()
 
 
+def test_every_shipped_model_plans_on_the_page_as_the_command_plans_it(browser, served_site):
+    """Chapter 5's calculator, for each model the package ships, gives the command's own text and
+    JSON, as the command runs where transformers is installed (here, in-process)."""
+    import contextlib
+
+    from offloadlab import architectures, cli
+
+    def command(*argv):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(list(argv)) == 0, argv
+        return out.getvalue()
+
+    page, calculator, _ = open_calculator(browser, served_site, "05_what_to_offload")
+    differ = []
+    try:
+        for model in architectures.shipped():
+            calculator.reset()
+            calculator.fill(source="--model", model=model, gpu_memory="80 GB")
+            calculator.ask()
+            argv = calculator.argv()
+            shown = calculator.answer
+            if (shown["text"], shown["json"]) != (
+                command(*argv),
+                json.loads(command(*argv, "--json")),
+            ):
+                differ.append(model)
+    finally:
+        page.close()
+    assert len(architectures.shipped()) >= 35 and not differ, differ
+
+
 def test_on_a_phone_an_answer_shows_about_50_characters_a_line(browser, served_site):
     """A plan's lines run past 100 characters and scroll on a phone; 33 showed before."""
     page, calculator, _ = open_calculator(browser, served_site, "09_wrong_tool")

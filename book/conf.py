@@ -4,6 +4,7 @@ Every chapter and lab is a Jupytext MyST notebook that myst-nb executes during t
 a cell that raises fails the build. The build needs no network.
 """
 
+import functools
 import os
 import re
 import shutil
@@ -305,6 +306,7 @@ LABEL_LINK = re.compile(r"\[([^\]`<>]+)\]\((?:[\w.-]+/)*[\w.-]+\.md#([\w-]+)\)")
 GLOSSARY_LINK = re.compile(r"\[([^\]`<>]+)\]\((?:[\w.-]+/)*glossary\.md#term-([\w-]+)\)")
 
 
+@functools.cache
 def glossary_terms(path: Path = BOOK / "glossary.md") -> dict[str, str]:
     """{anchor: term} for each entry of the glossary ("term-pinned-memory": "pinned memory")."""
     block = path.read_text(encoding="utf-8").split("```{glossary}", 1)[1].split("```", 1)[0]

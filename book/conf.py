@@ -50,9 +50,10 @@ myst_heading_anchors = 3
 # answer cell shows the stub students get) and the downloadable sources that hold them.
 hide_solutions = bool(os.environ.get("OFFLOADLAB_STUDENT"))
 
-# Execute every notebook; a failing cell fails the build. The cache keeps rebuilds fast. The
-# student site has a cache of its own: its labs run in student mode, where a check never shows
-# the expected value.
+# Execute every notebook; a failing cell fails the build. The cache keeps rebuilds fast, and
+# the student site reads the reader's: the code is the same, and the only outputs student mode
+# changes, the graded checks' (which state the value expected), are left out of that site
+# (fold_lab_answers_and_checks below).
 #
 # The cache knows a notebook only by its code; its figures also depend on what draws them: the
 # kernel settings (SVG in the book's style: etc/ipython_kernel_config.py, installed by `make env`)
@@ -66,8 +67,7 @@ def figure_settings_key() -> str:
 
 
 nb_execution_mode = "cache"
-nb_execution_cache_path = str(BOOK / "_build" / ((".jupyter_cache-student" if hide_solutions else ".jupyter_cache")
-                                                 + f"-{figure_settings_key()}"))
+nb_execution_cache_path = str(BOOK / "_build" / f".jupyter_cache-{figure_settings_key()}")
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_execution_timeout = 900

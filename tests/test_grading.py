@@ -162,6 +162,40 @@ def test_lab01_an_update_inside_backward_passes_at_six_bytes(capsys):
     assert re.search(r"✓ challenge: 6\.0\d bytes", outcome.line), outcome.line
 
 
+def adamw_silencing_the_counter(how):
+    """A plain AdamW (8 B/param inside backward) whose trainer keeps the grader's counter from
+    seeing backward: by rebinding torch's hook registration, or by removing every hook."""
+
+    def trainer(model):
+        step, optimizers = adamw_freeing_gradients_after_the_step(model)
+        if how == "rebinds":
+            torch.Tensor.register_post_accumulate_grad_hook = lambda self, hook: None
+            torch.Tensor.untyped_storage = lambda self: torch.UntypedStorage(0)
+        else:  # before each forward, so before the backward the grader counts in
+
+            def clear(module, inputs):
+                for p in model.parameters():
+                    if p._post_accumulate_grad_hooks is not None:
+                        p._post_accumulate_grad_hooks.clear()
+
+            model.register_forward_pre_hook(clear)
+        return step, optimizers
+
+    return trainer
+
+
+@pytest.mark.parametrize("how", ["rebinds", "clears"])
+def test_lab01_a_trainer_cannot_hide_backward_from_the_counter(how, monkeypatch):
+    """The counter registers its hooks and reads storages with torch's own functions, kept when
+    the course was imported; and a gradient it did not see fails the challenge."""
+    for name in ("register_post_accumulate_grad_hook", "untyped_storage"):
+        monkeypatch.setattr(torch.Tensor, name, getattr(torch.Tensor, name))  # (restored after)
+    outcome = grading.lab01_challenge(adamw_silencing_the_counter(how), LAB01_MODEL, "cpu")
+    assert not outcome, outcome.line
+    expected = "8.00 bytes" if how == "rebinds" else "the counter saw"
+    assert expected in outcome.line, outcome.line
+
+
 # Lab 7: the bar is a reference tier read in the same call, taking turns with the student's, so
 # a disk slower now than when the lab measured it (another process reading, a cache gone cold)
 # moves both rates together. The rate the lab passes in is only shown.

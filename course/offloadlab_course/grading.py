@@ -22,6 +22,8 @@ import contextlib
 import math
 import numbers
 
+import torch
+
 from offloadlab.units import check_integer, check_non_negative, check_positive, is_number
 
 __all__ = [
@@ -40,6 +42,17 @@ __all__ = [
     "lab07_challenge",
     "lab08_challenge",
 ]
+
+# Lab 1's counter reads the state with torch's functions as they were when this module was
+# imported, before any answer cell ran: a trainer that rebinds torch's own (inside a function,
+# where the screen lets it) changes nothing the counter sees.
+_REGISTER_AFTER_GRADIENT = torch.Tensor.register_post_accumulate_grad_hook
+_GRAD = torch._C.TensorBase.grad.__get__
+_PARAMETERS = torch.nn.Module.parameters
+_IS_TENSOR = torch.is_tensor
+_NUMEL, _ELEMENT_SIZE = torch.Tensor.numel, torch.Tensor.element_size
+_STORAGE, _OFFSET = torch.Tensor.untyped_storage, torch.Tensor.storage_offset
+_DATA_PTR = torch.UntypedStorage.data_ptr
 
 # Bytes per parameter that one AdamW step reads from disk and writes back: fp32 master weights
 # and both moments (lab 7, chapter 8).
@@ -125,9 +138,8 @@ def lab01_challenge(
     counted each time a gradient is complete inside backward (after the trainer's own hooks) and
     after each step (weights, gradients and optimizer state, each storage counted once; step
     counters left out). Counted after the step alone, an AdamW that frees its gradients only
-    then would pass, though it held them all at the end of backward."""
-    import torch
-
+    then would pass, though it held them all at the end of backward. A gradient the counter did
+    not see (a trainer removed its hooks) fails the challenge."""
     from offloadlab.models import TinyGPT
 
     missing = _unanswered(trainer, "trainer", "trainer(model) -> (step, optimizers)")
@@ -140,28 +152,30 @@ def lab01_challenge(
     model = TinyGPT(config).to(device, torch.bfloat16)
     model.load_state_dict({k: v.to(torch.bfloat16) for k, v in reference.state_dict().items()})
     adamw = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    params = list(_PARAMETERS(model))  # (before the trainer runs)
     step, optimizers = trainer(model)
-    params = list(model.parameters())
 
     def held_bytes() -> int:
         seen, held = set(), 0
-        tensors = [*params, *(p.grad for p in params if p.grad is not None)]
+        gradients = [_GRAD(p) for p in params]
+        tensors = [*params, *(g for g in gradients if g is not None)]
         tensors += [v for o in optimizers for state in o.state.values() for v in state.values()]
-        for tensor in filter(torch.is_tensor, tensors):
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel())
-            if tensor.numel() > 1 and key not in seen:
+        for tensor in filter(_IS_TENSOR, tensors):
+            numel = _NUMEL(tensor)
+            key = (_DATA_PTR(_STORAGE(tensor)), _OFFSET(tensor), numel)
+            if numel > 1 and key not in seen:
                 seen.add(key)
-                held += tensor.numel() * tensor.element_size()
+                held += numel * _ELEMENT_SIZE(tensor)
         return held
 
-    peak = 0
+    peak, counted = 0, 0
 
     def count_at_this_gradient(_):
-        nonlocal peak
-        peak = max(peak, held_bytes())
+        nonlocal peak, counted
+        peak, counted = max(peak, held_bytes()), counted + 1
 
     for p in params:  # after the trainer's hooks: what they free is not counted
-        p.register_post_accumulate_grad_hook(count_at_this_gradient)
+        _REGISTER_AFTER_GRADIENT(p, count_at_this_gradient)
     generator = torch.Generator().manual_seed(1)
     worst = 0.0
     for _ in range(steps):
@@ -181,7 +195,13 @@ def lab01_challenge(
         for p, state in optimizer.state.items()
         if {"exp_avg", "exp_avg_sq"} <= set(state)
     }
-    per_param = peak / sum(p.numel() for p in params)
+    per_param = peak / sum(_NUMEL(p) for p in params)
+    if counted < steps * len(params):
+        return Outcome(
+            False,
+            f"✗ challenge: the counter saw {counted} of the {steps * len(params)} gradients "
+            "backward made: leave the hooks on the parameters you did not register in place",
+        )
     if len(moments) < len(params):
         return Outcome(
             False,
@@ -220,8 +240,6 @@ def lab04_challenge(
     (what it asked ``link`` for: the gradients' gather buffers) hold at most ``budget`` times the
     model's gradient bytes, and each step sends its gradients down in at most ``copies``
     device→host copies (each pays the link's fixed cost): counted by the link, not timed."""
-    import torch
-
     missing = _unanswered(offload, "offload", "offload(model, link) -> optimizer")
     if missing is not None:
         return missing
@@ -362,8 +380,6 @@ def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
     passes when the device buffers the streaming asked ``link`` for hold at most ``budget`` bytes
     and the recorded step's host→device copies carry no more bytes than those of a StreamedModel
     with as many weight buffers as ``budget`` holds, run by the grader the same way."""
-    import torch
-
     missing = _unanswered(stream, "stream", "stream(model, link, budget) -> StreamedModel")
     if missing is not None:
         return missing
@@ -456,8 +472,6 @@ def lab07_challenge(
     _number(patience_s, "patience_s", zero=True)
     import time
     from pathlib import Path
-
-    import torch
 
     from offloadlab.nvme import FileTier
 
@@ -627,8 +641,6 @@ def _lab03_steps(
 ) -> Outcome:
     """One pass of the steps after a warm-up; ``work_intervals()`` reads the work's (start, end)
     seconds on the link's clock once the pass is done, ``forget_work()`` starts a pass afresh."""
-    import torch
-
     elements = max(1024, int(copy_share * seconds * rate) // 4096 * 1024)  # fp32, whole 4 KiB pages
     # steps alternate
     sources = [link.host_buffer(elements).fill_(float(value)) for value in (1, 2)]
@@ -785,8 +797,6 @@ def _gpu_work_and_rate(link, work_seconds: float | None) -> tuple:
 def _lab05_pass(
     prefetch, link, work, seconds: float, rate: float, budget: int, share: float, items: int
 ) -> Outcome:
-    import torch
-
     small = max(1024, int(0.25 * seconds * rate) // 4096 * 1024)  # fp32 elements, whole 4 KiB pages
     sizes = [8 * small if i % 4 == 3 else small for i in range(items)]
     sources = [link.host_buffer(size).fill_(float(i + 1)) for i, size in enumerate(sizes)]

@@ -26,6 +26,11 @@ Settings, read from the environment the hub is started with (all optional):
 - ``OFFLOADLAB_THREADS``: CPU threads each server's kernels may use (``OMP_NUM_THREADS`` and
   torch's pool; default an eighth of the server's cores, at least one): torch otherwise takes
   every core in every kernel, and a class of them starves each other's measurements;
+- ``OFFLOADLAB_MEMORY_LIMIT``: the memory each user's server, its kernels and what they start may
+  hold together (default ``4 GiB``); past it the kernel's OOM killer ends the process that
+  allocated, not a classmate's. With ``OFFLOADLAB_THREADS`` as the same group's CPU cap, it is
+  enforced through a control group per user (offloadlab_course.limits; on a systemd host the
+  hub's unit needs ``Delegate=yes``); where none can be made, the hub's log says so;
 - ``OFFLOADLAB_IDLE_TIMEOUT``: seconds after which a server nobody uses is stopped (default
   3600), freeing its memory; its files stay;
 - ``OFFLOADLAB_HUB_TOKEN``: a token for scripting the class through the hub's REST API (starting
@@ -44,6 +49,9 @@ from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner
 
+from offloadlab.units import parse_size
+from offloadlab_course.limits import UserLimits, join
+
 c = get_config()  # noqa: F821 (JupyterHub provides it)
 
 COURSE = Path(os.environ.get("OFFLOADLAB_COURSE", "/opt/offloadlab"))
@@ -52,6 +60,8 @@ STUDENTS, STAFF = "offload-students", "offload-staff"
 SLICES_FILE = Path(os.environ.get("OFFLOADLAB_GPU_SLICES", COURSE / "course" / "gpu-slices.json"))
 THREADS = int(os.environ.get("OFFLOADLAB_THREADS", max(1, (os.cpu_count() or 1) // 8)))
 IDLE_SECONDS = int(os.environ.get("OFFLOADLAB_IDLE_TIMEOUT", 3600))
+LIMITS = UserLimits(parse_size(os.environ.get("OFFLOADLAB_MEMORY_LIMIT", "4 GiB"), "OFFLOADLAB_MEMORY_LIMIT"),
+                    cpus=THREADS)
 
 
 def members(group: str) -> set[str]:
@@ -107,7 +117,25 @@ def set_up_server(spawner):
 c.JupyterHub.bind_url = os.environ.get("OFFLOADLAB_HUB_URL", "http://127.0.0.1:8000")
 # Named, not left to the proxy's default (8001), which a second hub on the host would also take.
 c.ConfigurableHTTPProxy.api_url = os.environ.get("OFFLOADLAB_PROXY_API_URL", "http://127.0.0.1:8001")
-c.JupyterHub.spawner_class = LocalProcessSpawner
+class LimitedSpawner(LocalProcessSpawner):
+    """The local spawner, each server started inside its user's control group (LIMITS)."""
+
+    def make_preexec_fn(self, name):
+        become_the_user = super().make_preexec_fn(name)
+        groups, why_none = LIMITS.prepare(name)
+        if why_none:
+            self.log.warning("offloadlab: %s: %s's server runs with no memory or CPU cap", why_none, name)
+
+        def preexec():  # in the server's process, still root
+            join(groups)
+            become_the_user()
+
+        return preexec
+
+
+c.JupyterHub.spawner_class = LimitedSpawner
+c.Spawner.mem_limit = LIMITS.memory_bytes  # (shown to the server as MEM_LIMIT; enforced above)
+c.Spawner.cpu_limit = THREADS
 c.Spawner.cmd = [str(ENVIRONMENT / "bin" / "jupyterhub-singleuser")]
 c.Spawner.default_url = "/lab"
 c.Spawner.pre_spawn_hook = set_up_server

@@ -89,3 +89,7 @@ def test_the_systemd_unit_runs_the_recipes_hub_command():
     exec_start = " ".join(service["ExecStart"].replace("\\", " ").split())  # a line continued
     assert service["Environment"] == environment and exec_start == started
     assert unit["Install"]["WantedBy"] == "multi-user.target"
+    # the hub makes each user's control group below its own (offloadlab_course.limits)
+    assert (
+        service["Delegate"] == "yes" and "c.JupyterHub.spawner_class = LimitedSpawner" in HUB_CONFIG
+    )

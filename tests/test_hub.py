@@ -54,6 +54,7 @@ RUN = secrets.token_hex(3)
 SOLVED, UNSOLVED, INSTRUCTOR = f"olab{RUN}-ada", f"olab{RUN}-grace", f"olab{RUN}-teacher"
 ABSENT = f"olab{RUN}-hopper"  # on the roster, never logs in
 THREADS = 1  # OFFLOADLAB_THREADS: each server's CPU threads
+MEMORY_LIMIT = 2 * 2**30  # OFFLOADLAB_MEMORY_LIMIT: each server's memory, kernels included
 # no GPU here: CUDA_VISIBLE_DEVICES is only passed on
 FAKE_SLICE = "MIG-00000000-test-0000-0000-000000000000"
 
@@ -397,6 +398,7 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         "OFFLOADLAB_EXCHANGE": str(exchange),
         "STUDENTS": f"{SOLVED} {UNSOLVED} {ABSENT}",
         "OFFLOADLAB_THREADS": str(THREADS),
+        "OFFLOADLAB_MEMORY_LIMIT": f"{MEMORY_LIMIT // 2**20} MiB",
         "INSTRUCTOR": INSTRUCTOR,
         "OFFLOADLAB_HUB_URL": f"http://127.0.0.1:{port}",
         "OFFLOADLAB_PROXY_API_URL": f"http://127.0.0.1:{proxy_port}",
@@ -540,6 +542,12 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         with stages("a dishonest student"):
             tried = try_to_cheat(hub, UNSOLVED, course, exchange, state)
         assert set(tried.values()) == {"refused"}, tried
+        with stages("a student takes more memory than her server's share"):
+            hogged = take_too_much_memory(hub, UNSOLVED)
+        # the OOM killer ends the process that allocated; her kernel and server live on
+        assert hogged["returncode"] == -9, hogged
+        assert f"offloadlab-{UNSOLVED}" in hogged["groups"], hogged
+        assert "runs with no memory or CPU cap" not in hub_log.read_text()
         # the servers' log: the shared settings were found
         assert "No nbgrader_config.py" not in hub_log.read_text()
         for assignment in LABS:
@@ -614,6 +622,22 @@ for what, path in json.loads(%r).items():
         tried[what] = "missing"
 print(json.dumps(tried))
 """
+
+
+HOG = """
+import json, subprocess, sys
+hog = subprocess.run([sys.executable, "-c", "b = bytearray(%d)"], capture_output=True)
+print(json.dumps({"returncode": hog.returncode, "groups": open("/proc/self/cgroup").read()}))
+"""
+
+
+def take_too_much_memory(hub: Hub, student: str) -> dict:
+    """From ``student``'s kernel, start a process that fills one and a half times the server's
+    memory cap: its exit status, and the kernel's control groups."""
+    path = f"{COURSE_ID}/lab01/{LAB.stem}.ipynb"
+    (result,) = run_cells(hub, student, path, [HOG % (3 * MEMORY_LIMIT // 2)])
+    assert result["status"] == "ok", result
+    return json.loads(result["outputs"][0]["text"])
 
 
 def try_to_cheat(hub: Hub, student: str, course: Path, exchange: Path, state: Path) -> dict:

@@ -50,7 +50,7 @@ from pathlib import Path
 from jupyterhub.spawner import LocalProcessSpawner
 
 from offloadlab.units import parse_size
-from offloadlab_course.limits import UserLimits, join
+from offloadlab_course.limits import UserLimits, join, remove
 
 c = get_config()  # noqa: F821 (JupyterHub provides it)
 
@@ -131,6 +131,10 @@ class LimitedSpawner(LocalProcessSpawner):
             become_the_user()
 
         return preexec
+
+    async def stop(self, now=False):
+        await super().stop(now=now)
+        remove(LIMITS.groups_of(self.user.name))
 
 
 c.JupyterHub.spawner_class = LimitedSpawner

@@ -37,6 +37,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from offloadlab_course.limits import remove
 from offloadlab_course.student import assignment_name, find_labs, source_notebook
 from tests.conftest import ROOT
 
@@ -576,6 +577,18 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
                 check_feedback(student, assignment, grades[student])
         logged = Path(f"/home/{INSTRUCTOR}/{COURSE_ID}/nbgrader.log").read_text(encoding="utf-8")
         assert "[AutogradeApp | INFO]" in logged and "[GenerateFeedbackApp | INFO]" in logged
+        # a server the hub stops (as the idle culler does) leaves no control group behind
+        hogged_in = [Path(line.split(":", 2)[2]).name for line in hogged["groups"].splitlines()]
+        assert f"offloadlab-{UNSOLVED}" in hogged_in
+        try:
+            hub.call(f"/hub/api/users/{UNSOLVED}/server", method="DELETE")
+        except urllib.error.HTTPError as error:
+            assert error.code in (202, 204), error.code
+        deadline = time.monotonic() + 60
+        while hub.call(f"/hub/api/users/{UNSOLVED}").get("servers") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = list(Path("/sys/fs/cgroup").rglob(f"offloadlab-{UNSOLVED}"))
+        assert not left, left
     finally:
         if hub_process is not None:
             end_with_its_children(hub_process)
@@ -584,6 +597,8 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
             subprocess.run(["pkill", "-u", user], capture_output=True)
         for user in (SOLVED, UNSOLVED, ABSENT, INSTRUCTOR):
             subprocess.run(["userdel", "-r", user], capture_output=True)
+        # the control groups of servers the hub did not stop itself
+        remove(sorted(Path("/sys/fs/cgroup").rglob(f"offloadlab-olab{RUN}-*")))
         if not kept:
             shutil.rmtree(base, ignore_errors=True)
         print(json.dumps(stages.seconds))

@@ -104,6 +104,15 @@ class UserLimits:
         return made
 
 
+def remove(groups: list[Path]) -> None:
+    """Remove ``groups`` once their processes have ended (one still in use, or gone, is left)."""
+    for group in groups:
+        try:
+            group.rmdir()
+        except OSError:
+            pass
+
+
 def join(groups: list[Path]) -> None:
     """Move the calling process into ``groups`` (run in the server's process before it drops
     root: what it starts afterwards stays in them)."""

@@ -23,7 +23,7 @@ PYODIDE_NPM := pyodide@0.29.5
 # nbgrader's server side, off for a reader alone (Lab's side: etc/self-study/labconfig).
 NO_NBGRADER := {$(foreach e,formgrader course_list assignment_list validate_assignment,"nbgrader.server_extensions.$(e)": False,)"jupyterlab": True}
 # What ruff lints and formats (pyproject.toml's [tool.ruff]); the notebooks are `make format`'s.
-PYTHON_SOURCES := offloadlab course/offloadlab_course tests tools
+PYTHON_SOURCES := offloadlab course/offloadlab_course course/*.py tests tools
 STUDENT_DIR ?= build/student
 NBGRADER_DIR ?= build/nbgrader/source
 

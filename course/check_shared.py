@@ -31,17 +31,24 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python course/check_shared.py CHECKOUT", file=sys.stderr)
         return 2
-    checks = [("PYTHON", Path(sys.executable)), ("PYTHON's standard library", Path(sysconfig.get_path("stdlib"))),
-              ("the checkout", Path(argv[0]))]
+    checks = [
+        ("PYTHON", Path(sys.executable)),
+        ("PYTHON's standard library", Path(sysconfig.get_path("stdlib"))),
+        ("the checkout", Path(argv[0])),
+    ]
     for what, path in checks:
         if not path.exists():
             print(f"make course: {what}: {str(path)!r} does not exist", file=sys.stderr)
             return 2
         stop = blocked(path)
         if stop is not None:
-            print(f"make course: {what}: other users cannot read {str(stop)!r} (on the way to {str(path)!r}), so "
-                  "students could not run the environment; use a Python every user can run (PYTHON=/usr/bin/python3) "
-                  "and a checkout outside private homes (/opt/offloadlab)", file=sys.stderr)
+            print(
+                f"make course: {what}: other users cannot read {str(stop)!r} (on the way to "
+                f"{str(path)!r}), so students could not run the environment; use a Python every "
+                "user can run (PYTHON=/usr/bin/python3) and a checkout outside private homes "
+                "(/opt/offloadlab)",
+                file=sys.stderr,
+            )
             return 2
     return 0
 

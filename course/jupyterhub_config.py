@@ -17,7 +17,8 @@ then run on the emulated link and say so), and the hub's log says why; nobody ge
 Settings, read from the environment the hub is started with (all optional):
 
 - ``OFFLOADLAB_COURSE``: the kit's folder (default ``/opt/offloadlab``);
-- ``OFFLOADLAB_GPU_SLICES``: the table's path (default ``$OFFLOADLAB_COURSE/course/gpu-slices.json``);
+- ``OFFLOADLAB_GPU_SLICES``: the table's path (default
+  ``$OFFLOADLAB_COURSE/course/gpu-slices.json``);
 - ``OFFLOADLAB_HUB_URL``: where the hub listens (default ``http://127.0.0.1:8000``; put your HTTPS
   reverse proxy in front of it);
 - ``OFFLOADLAB_PROXY_API_URL``: where the hub talks to its proxy (default
@@ -60,8 +61,10 @@ STUDENTS, STAFF = "offload-students", "offload-staff"
 SLICES_FILE = Path(os.environ.get("OFFLOADLAB_GPU_SLICES", COURSE / "course" / "gpu-slices.json"))
 THREADS = int(os.environ.get("OFFLOADLAB_THREADS", max(1, (os.cpu_count() or 1) // 8)))
 IDLE_SECONDS = int(os.environ.get("OFFLOADLAB_IDLE_TIMEOUT", 3600))
-LIMITS = UserLimits(parse_size(os.environ.get("OFFLOADLAB_MEMORY_LIMIT", "4 GiB"), "OFFLOADLAB_MEMORY_LIMIT"),
-                    cpus=THREADS)
+LIMITS = UserLimits(
+    parse_size(os.environ.get("OFFLOADLAB_MEMORY_LIMIT", "4 GiB"), "OFFLOADLAB_MEMORY_LIMIT"),
+    cpus=THREADS,
+)
 
 
 def members(group: str) -> set[str]:
@@ -82,41 +85,59 @@ def gpu_slices() -> tuple[dict[str, str], str]:
     except (OSError, ValueError) as error:
         return {}, f"the GPU slice table {SLICES_FILE} could not be read ({error})"
     if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
-        return {}, f"the GPU slice table {SLICES_FILE} is not an object of user names to device UUIDs"
+        return (
+            {},
+            f"the GPU slice table {SLICES_FILE} is not an object of user names to device UUIDs",
+        )
     return table, f"{SLICES_FILE} has no entry for them"
 
 
 def set_up_server(spawner):
     """Per user: student mode and tools or the instructor's, and a GPU slice or none."""
     name = spawner.user.name
-    environment = {"PATH": f"{ENVIRONMENT / 'bin'}:/usr/local/bin:/usr/bin:/bin",
-                   "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
-    if "OFFLOADLAB_EXCHANGE" in os.environ:  # an exchange elsewhere than course/nbgrader_config.py's default
+    environment = {
+        "PATH": f"{ENVIRONMENT / 'bin'}:/usr/local/bin:/usr/bin:/bin",
+        "OMP_NUM_THREADS": str(THREADS),
+        "MKL_NUM_THREADS": str(THREADS),
+    }
+    # an exchange elsewhere than course/nbgrader_config.py's default
+    if "OFFLOADLAB_EXCHANGE" in os.environ:
         environment["OFFLOADLAB_EXCHANGE"] = os.environ["OFFLOADLAB_EXCHANGE"]
     if name in members(STAFF):
         environment["OFFLOADLAB_STUDENT"] = "0"
     else:
         environment["OFFLOADLAB_STUDENT"] = "1"
-        # nbgrader's instructor tools off: the Lab side through course/students/labconfig, the server side
-        # here (the environment's own settings, which enable them, would override a settings file).
+        # nbgrader's instructor tools off: the Lab side through course/students/labconfig, the
+        # server side here (the environment's own settings, which enable them, would override a
+        # settings file).
         environment["JUPYTER_CONFIG_PATH"] = str(COURSE / "course" / "students")
-        spawner.args = [*spawner.args, "--ServerApp.jpserver_extensions=" + repr(  # traitlets reads a Python literal
-            {"nbgrader.server_extensions.formgrader": False, "nbgrader.server_extensions.course_list": False})]
+        off = {
+            "nbgrader.server_extensions.formgrader": False,
+            "nbgrader.server_extensions.course_list": False,
+        }
+        # (traitlets reads a Python literal)
+        spawner.args = [*spawner.args, f"--ServerApp.jpserver_extensions={off!r}"]
     slices, why_none = gpu_slices()
     device = slices.get(name)
     if device:
         environment["CUDA_VISIBLE_DEVICES"] = device
     else:
         environment["CUDA_VISIBLE_DEVICES"] = ""
-        environment["OFFLOADLAB_GPU_NOTE"] = (f"no GPU for {name} ({why_none}): this server has no GPU, "
-                                              "and the labs run on the emulated link")
+        environment["OFFLOADLAB_GPU_NOTE"] = (
+            f"no GPU for {name} ({why_none}): this server has no GPU, "
+            "and the labs run on the emulated link"
+        )
         spawner.log.warning("offloadlab: %s", environment["OFFLOADLAB_GPU_NOTE"])
     spawner.environment.update(environment)
 
 
 c.JupyterHub.bind_url = os.environ.get("OFFLOADLAB_HUB_URL", "http://127.0.0.1:8000")
 # Named, not left to the proxy's default (8001), which a second hub on the host would also take.
-c.ConfigurableHTTPProxy.api_url = os.environ.get("OFFLOADLAB_PROXY_API_URL", "http://127.0.0.1:8001")
+c.ConfigurableHTTPProxy.api_url = os.environ.get(
+    "OFFLOADLAB_PROXY_API_URL", "http://127.0.0.1:8001"
+)
+
+
 class LimitedSpawner(LocalProcessSpawner):
     """The local spawner, each server started inside its user's control group (LIMITS)."""
 
@@ -124,7 +145,9 @@ class LimitedSpawner(LocalProcessSpawner):
         become_the_user = super().make_preexec_fn(name)
         groups, why_none = LIMITS.prepare(name)
         if why_none:
-            self.log.warning("offloadlab: %s: %s's server runs with no memory or CPU cap", why_none, name)
+            self.log.warning(
+                "offloadlab: %s: %s's server runs with no memory or CPU cap", why_none, name
+            )
 
         def preexec():  # in the server's process, still root
             join(groups)
@@ -148,15 +171,31 @@ c.PAMAuthenticator.allowed_groups = {STUDENTS, STAFF}
 
 # Staff see the class and start or stop its servers; the culler stops servers left idle.
 c.JupyterHub.load_roles = [
-    {"name": "course-staff", "users": sorted(members(STAFF)),
-     "scopes": ["self", "list:users", "read:users:activity", "admin:servers"]},
-    {"name": "idle-culler", "services": ["idle-culler"],
-     "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"]},
+    {
+        "name": "course-staff",
+        "users": sorted(members(STAFF)),
+        "scopes": ["self", "list:users", "read:users:activity", "admin:servers"],
+    },
+    {
+        "name": "idle-culler",
+        "services": ["idle-culler"],
+        "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"],
+    },
 ]
 c.JupyterHub.services = [
-    {"name": "idle-culler", "command": [sys.executable, "-m", "jupyterhub_idle_culler", f"--timeout={IDLE_SECONDS}"]},
+    {
+        "name": "idle-culler",
+        "command": [sys.executable, "-m", "jupyterhub_idle_culler", f"--timeout={IDLE_SECONDS}"],
+    },
 ]
 if os.environ.get("OFFLOADLAB_HUB_TOKEN"):
-    c.JupyterHub.services.append({"name": "course-admin", "api_token": os.environ["OFFLOADLAB_HUB_TOKEN"]})
-    c.JupyterHub.load_roles.append({"name": "course-admin", "services": ["course-admin"],
-                                    "scopes": ["admin:users", "admin:servers", "tokens", "access:servers", "list:users"]})
+    c.JupyterHub.services.append(
+        {"name": "course-admin", "api_token": os.environ["OFFLOADLAB_HUB_TOKEN"]}
+    )
+    c.JupyterHub.load_roles.append(
+        {
+            "name": "course-admin",
+            "services": ["course-admin"],
+            "scopes": ["admin:users", "admin:servers", "tokens", "access:servers", "list:users"],
+        }
+    )

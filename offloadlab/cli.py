@@ -389,7 +389,8 @@ def _plan_workload(args):
             f"--model-config: expected a config.json file or the folder of a model snapshot; got "
             f"{args.model_config!r}"
         )
-    with arguments(model="--model", model_config="--model-config"):
+    # (read_config names its argument "model": the flag the user typed is the one to name)
+    with arguments(model="--model" if args.model is not None else "--model-config"):
         config, name, notes = architectures.read_config(
             source if args.model is not None else Path(source)
         )
@@ -789,7 +790,10 @@ def _refuse_a_stale_peer_build() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = Parser(prog="offloadlab", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"offloadlab {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     state = commands.add_parser("state", help="bytes of training state for a model size")

@@ -1,5 +1,5 @@
 """Writing result files safely: checked before a long run, never half-written, never replaced by
-surprise.
+surprise; and a write that does not stop short (:func:`write_all`).
 
 :func:`check_target` says, before a measurement starts, whether a file can be written at a path
 later; :func:`write_atomically` writes it: into a new temporary file beside the target, flushed to
@@ -22,7 +22,7 @@ import secrets
 import stat
 from pathlib import Path
 
-__all__ = ["check_target", "write_atomically"]
+__all__ = ["check_target", "write_atomically", "write_all"]
 
 # File systems without hard links (FAT, some FUSE mounts) refuse os.link with one of these.
 _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
@@ -185,3 +185,25 @@ def _link_new(scratch: Path, target: Path) -> None:
         os.replace(scratch, target)
         return
     os.unlink(scratch)
+
+
+def write_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` at ``offset``, resuming after a short write; the OSError that stops
+    it names the cause: ENOSPC (the disk is full) or EFBIG (the process's file size limit)."""
+    done = 0
+    # (released on the way out: a view left exported keeps an mmap from closing)
+    with memoryview(data) as whole, whole.cast("B") as view:
+        while done < len(view):
+            with view[done:] as rest:
+                try:
+                    written = os.pwritev(fd, [rest], offset + done)
+                except OSError as error:
+                    if error.errno != errno.EFBIG:
+                        raise
+                    raise OSError(
+                        errno.EFBIG,
+                        "File too large: the file size limit (ulimit -f) stopped the write",
+                    ) from None
+            if written == 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            done += written

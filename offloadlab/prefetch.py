@@ -78,9 +78,15 @@ class Prefetcher:
             buffers - 1,
             expected=f"an integer in [0, buffers - 1] = [0, {buffers - 1}]",
         )
+        if not isinstance(link, Link):
+            raise ValueError(
+                f"link: expected an offloadlab.link.Link (open_link(), EmulatedLink(...), "
+                f"CudaLink()); got {link!r}"
+            )
         self.link, self.buffers, self.depth = link, buffers, 0 if synchronous else depth
         self.synchronous, self.pinned = bool(synchronous), bool(pinned)
-        if not hasattr(items, "__iter__"):
+        if isinstance(items, torch.Tensor) or not hasattr(items, "__iter__"):
+            # (a tensor iterates over its rows: one tensor would become many 0-dim items)
             raise ValueError(
                 "items: expected a sequence of host tensors or of tuples of them; got "
                 f"{type(items).__name__}"

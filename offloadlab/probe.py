@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm  # plain bars: hidden where stderr is not a terminal (notebooks, CI)
 
 from . import cores, machine
+from .files import write_all
 from .link import Link
 from .units import check_integer, format_bandwidth, format_size, parse_count, parse_size
 
@@ -457,8 +458,7 @@ def _timed_write(fd: int, buffer, count: int, depth: int) -> float:
     chunk = len(buffer)
 
     def one(i):
-        if os.pwrite(fd, buffer, i * chunk) < chunk:
-            raise OSError(errno.ENOSPC, "No space left on device")
+        write_all(fd, buffer, i * chunk)
 
     start = time.perf_counter()
     _at_depth(count, depth, one)

@@ -172,9 +172,17 @@ def test_exact_answers_leak_nothing_to_students(student):
         (2**20, "binary prefix (MiB)"),
     ],
 )
-def test_unit_slips_are_named(student, ratio, slip):
+def test_unit_slips_are_named(book, ratio, slip):
     verdict = check.answer("size", 3e9 * ratio, 3e9, rel_tol=0.001)
     assert not verdict and slip in verdict.message
+
+
+@pytest.mark.parametrize("ratio", [8, 1 / 8, 2**30 / 1e9, 1e-3, 2**20])
+def test_the_student_release_says_units_without_the_factor(student, ratio):
+    """Named, the factor gives the expected value away (800 / 8 then passes)."""
+    verdict = check.answer("size", 3e9 * ratio, 3e9, rel_tol=0.001)
+    assert not verdict and verdict.message.endswith("Check your units.")
+    assert "factor of" not in verdict.message.split("(it must")[1]
 
 
 def test_no_unit_slip_for_an_ordinary_miss(student):

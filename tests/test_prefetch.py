@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from offloadlab import trace
-from offloadlab.link import CudaLink, EmulatedLink
+from offloadlab.link import CudaLink, EmulatedLink, Link
 from offloadlab.prefetch import Layout, Prefetcher
 from tests.cuda_semantics import CudaOrderLink
 
@@ -52,6 +52,9 @@ class Recorder:
         marker = self.link.mark()
         self.marks.append(marker)
         return marker
+
+
+Link.register(Recorder)  # (a link, to the Prefetcher that refuses anything else)
 
 
 def items(count=6, numel=4096):

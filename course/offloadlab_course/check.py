@@ -104,8 +104,11 @@ def answer(name: str, yours, expected, rel_tol: float = 0.05, hint: str = "") ->
         must = "match exactly" if rel_tol == 0 else f"be {tolerance}"
         line = f"✗ {name}: your answer is {_how_far_off(value, target)} (it must {must})."
     else:
+        yours, expected = _show(value), _show(target)
+        if yours == expected:  # (0.1 + 0.2 against 0.3: six figures do not tell them apart)
+            yours, expected = _show(value, digits=17), _show(target, digits=17)
         line = (
-            f"✗ {name}: {_show(value)}, but {_show(target)} was expected ({tolerance}); yours is "
+            f"✗ {name}: {yours}, but {expected} was expected ({tolerance}); yours is "
             f"{_how_far_off(value, target)}."
         )
     return _report(
@@ -154,12 +157,13 @@ def _number(x) -> Fraction | None:
     return Fraction(value) if math.isfinite(value) else None
 
 
-def _show(x: Fraction) -> str:
-    """Whole numbers in full (byte counts), others to six significant figures, at any size
+def _show(x: Fraction, digits: int = 6) -> str:
+    """Whole numbers in full (byte counts), others to ``digits`` significant figures, at any size
     (through Decimal: a float would overflow past 1e308)."""
     if x.denominator == 1 and abs(x.numerator) < 10**15:
         return f"{x.numerator:,}"
-    mantissa, _, exponent = f"{Decimal(x.numerator) / Decimal(x.denominator):.6g}".partition("e")
+    quotient = Decimal(x.numerator) / Decimal(x.denominator)
+    mantissa, _, exponent = f"{quotient:.{digits}g}".partition("e")
     if "." in mantissa:
         mantissa = mantissa.rstrip("0").rstrip(".")
     return mantissa + (f"e{exponent}" if exponent else "")
@@ -188,6 +192,8 @@ def _unit_slip(value: Fraction, target: Fraction) -> str:
     for factor, slip in UNIT_SLIPS:
         for candidate in (factor, 1 / factor):
             if abs(ratio / candidate - 1) <= UNIT_SLIP_WINDOW:
+                if student_release():  # (the factor would give the expected value away)
+                    return " Check your units."
                 return f" That is a factor of {factor:.6g}: {slip}?"
     return ""
 

@@ -695,6 +695,10 @@ def hidden_share(copies, computes) -> float:
     """The share of the copies' time that ran while compute ran, from their intervals
     ``[(start, end), ...]`` on one clock (seconds; compute intervals from one in-order stream, so
     they do not overlap one another). 1.0 when there were no copies."""
+    for name, intervals in (("copies", copies), ("computes", computes)):
+        for start, end in intervals:
+            if not end >= start:  # (a reversed interval would cancel real time)
+                raise ValueError(f"{name}: interval ({start}, {end}) ends before it starts")
     total = sum(end - start for start, end in copies)
     behind = sum(
         max(0.0, min(end, c_end) - max(start, c_start))
@@ -709,7 +713,7 @@ class _WatchedLink:
     link's."""
 
     def __init__(self, link):
-        _register_watched_link()  # (here: importing this module loads no torch)
+        _register_watched_link()
         self._link, self.device_bytes, self.storages = link, 0, set()
 
     def device_buffer(self, *args, **kwargs):

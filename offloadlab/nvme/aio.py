@@ -14,6 +14,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ..files import write_all
 from ..units import check_integer
 from .direct_io import PAGE, round_up
 
@@ -57,11 +58,12 @@ class BlockQueue:
 
     def write(self, view: memoryview, offset: int) -> None:
         """Write ``view`` at ``offset`` (blocking, in the calling thread)."""
-        done = os.pwritev(self.fd, [view], offset)
-        if done != len(view):
+        try:
+            write_all(self.fd, view, offset)
+        except OSError as error:
             raise OSError(
-                errno.ENOSPC, f"{self.name}: {done} of {len(view)} bytes written at offset {offset}"
-            )
+                error.errno, f"{self.name}: {error.strerror} (at offset {offset})"
+            ) from None
 
     def submit(self, fn, *args) -> Future:
         return self._pool.submit(fn, *args)

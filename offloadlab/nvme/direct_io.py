@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..files import write_all
+
 __all__ = [
     "PAGE",
     "round_up",
@@ -75,9 +77,7 @@ def reserve(fd: int, nbytes: int) -> None:
         return
     zeros = bytes(1 << 20)
     for offset in range(0, nbytes, len(zeros)):
-        chunk = zeros[: min(len(zeros), nbytes - offset)]
-        if os.pwrite(fd, chunk, offset) != len(chunk):
-            raise OSError(errno.ENOSPC, "No space left on device")
+        write_all(fd, zeros[: min(len(zeros), nbytes - offset)], offset)
 
 
 def reopen_direct(fd: int) -> tuple[int, bool]:

@@ -285,6 +285,8 @@ class OffloadEngine:
         # Whether zero_grad() came since the last step: AdamW's next step would add that step's
         # gradients to its own without it; this optimizer's step consumes them, and says so once.
         self._zeroed_since_step, self._said_not_zeroed = True, False
+        # the groups' hyperparameters when this step's first update began during backward
+        self._hyperparameters_at_eager = None
         # find or build the kernel now, not on the worker in the middle of a backward
         cpu_adam.load()
 
@@ -444,6 +446,7 @@ class OffloadEngine:
         for i, group in enumerate(self.param_groups):  # a scheduler's bad value is refused, not run
             check_group(group, f"param_groups[{i}]: ")
         self._check_params_as_made()
+        self._warn_if_changed_since_eager()
         with interrupts_held():
             try:
                 self._step()
@@ -535,11 +538,17 @@ class OffloadEngine:
                 "optimizer)"
             )
         if not self._zeroed_since_step and not ready and not self._submitted() and self.step_count:
+            effect = (
+                "adds no update of its own, but applies now the update the last step left "
+                "pending, which the next step would have applied (delayed_update)"
+                if self.delayed
+                else "changes nothing"
+            )
             warn_user(
                 "CPUOffloadAdam: step() again with no backward and no zero_grad() since the last "
                 "step: torch.optim.AdamW would apply the last step's gradients a second time (they "
-                "stay in .grad until zero_grad()), but this optimizer consumed them, so this step "
-                "changes nothing"
+                f"stay in .grad until zero_grad()), but this optimizer consumed them, so this step "
+                f"{effect}"
             )
 
     def _to_step_boundary(self) -> None:
@@ -569,7 +578,28 @@ class OffloadEngine:
         # refuses it before anything happens (refused here, inside backward, the pass would stop
         # half done).
         if all(p.is_contiguous() for p in bucket.params):
+            if self._hyperparameters_at_eager is None:
+                self._hyperparameters_at_eager = self._hyperparameters()
             self.worker.submit(bucket, 1.0, self.step_count + 1)
+
+    def _hyperparameters(self) -> list[tuple]:
+        return [
+            (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in self.param_groups
+        ]
+
+    def _warn_if_changed_since_eager(self) -> None:
+        """With accumulation_steps, a bucket's update runs with the hyperparameters of the moment
+        its last gradient landed: a change made after that, before step(), is said to wait."""
+        began, self._hyperparameters_at_eager = self._hyperparameters_at_eager, None
+        if began is not None and began != self._hyperparameters():
+            changed = [i for i, (a, b) in enumerate(zip(began, self._hyperparameters())) if a != b]
+            warn_user(
+                f"CPUOffloadAdam: the lr, betas, eps or weight_decay of param group(s) {changed} "
+                f"changed "
+                f"after this step's update began during backward (accumulation_steps="
+                f"{self.eager_after}): this step used the values of then, and the new ones apply "
+                f"from the next step. Set them before the last backward pass of a step"
+            )
 
     def _record_arrival(self, lane, interval, label) -> None:
         self.timeline.record(lane, interval, label, self.step_count + 1)

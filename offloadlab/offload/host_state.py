@@ -25,6 +25,7 @@ keeps it but moves ``step`` on) is recognised as stale and rebuilt from the weig
 
 from __future__ import annotations
 
+import numbers
 import threading
 
 import torch
@@ -306,7 +307,7 @@ def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None
     def number(x):
         if isinstance(x, torch.Tensor) and x.numel() == 1 and x.is_floating_point():
             x = x.item()  # AdamW takes a one-element tensor too
-        return is_number(x)
+        return is_number(as_float(x))
 
     if not (number(lr) and lr >= 0):
         raise ValueError(f"{where}lr: expected a number ≥ 0; got {lr!r}")
@@ -322,9 +323,21 @@ def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None
         raise ValueError(f"{where}weight_decay: expected a number ≥ 0; got {weight_decay!r}")
 
 
+def as_float(x):
+    """A real scalar of another type (numpy's float32, say, which AdamW takes) as a Python float;
+    anything else as it is."""
+    if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)):
+        return float(x)
+    return x
+
+
 def check_group(group: dict, where: str = "") -> None:
     """A param group's hyperparameters, and no AdamW option turned on that this class does not
-    implement."""
+    implement; numpy's scalars among them become Python floats, of the same value."""
+    for key in ("lr", "eps", "weight_decay"):
+        group[key] = as_float(group[key])
+    if isinstance(group["betas"], (tuple, list)):
+        group["betas"] = type(group["betas"])(as_float(b) for b in group["betas"])
     for flag in UNSUPPORTED_FLAGS:
         if group.get(flag):
             raise ValueError(

@@ -47,6 +47,22 @@ def _close(engine: OffloadEngine, shards: LocalShards, reason: str) -> None:
     engine.close(reason)
 
 
+class _LiveEntry(dict):
+    """One parameter's state: views of its host buffers. Assigning a key would only replace the
+    view in this dict (torch.optim.AdamW would use the new tensor), so it is refused."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError(
+            "optimizer.state[p]: its entries are live views of the host state; write into one "
+            "(optimizer.state[p]['exp_avg'].copy_(new)) or load a state dict"
+        )
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _refuse
+
+    def __reduce__(self):  # (a copy or a pickle is a plain dict of its tensors)
+        return dict, (dict(self),)
+
+
 class _StateView(Mapping):
     """``optimizer.state``: per parameter updated so far, live views of its host state (AdamW's
     keys)."""
@@ -70,9 +86,9 @@ class _StateView(Mapping):
         entries = self._entries()
         if param not in entries:
             # as torch.optim's defaultdict(dict) answers for a parameter without state yet
-            return {}
+            return _LiveEntry()
         holder, bucket, k = entries[param]
-        return holder.entry(bucket, k)
+        return _LiveEntry(holder.entry(bucket, k))
 
     def __iter__(self):
         return iter(self._entries())
@@ -147,6 +163,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         for flag, value in (("foreach", foreach), ("fused", fused)):
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{flag}: expected True, False or None; got {value!r}")
+        for flag, value in (
+            ("delayed_update", delayed_update),
+            ("record_timeline", record_timeline),
+        ):
+            if not isinstance(value, bool):  # ("no" is true to Python)
+                raise ValueError(f"{flag}: expected True or False; got {value!r}")
         if link is not None and not isinstance(link, Link):
             raise ValueError(
                 f"link: expected an offloadlab.link.Link (open_link(), EmulatedLink(...), "
@@ -199,7 +221,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             threads=threads,
             max_grad_norm=max_grad_norm,
             accumulation_steps=accumulation_steps,
-            delayed_update=bool(delayed_update),
+            delayed_update=delayed_update,
             loss_scale=loss_scale,
             bucket_bytes=bucket_bytes,
             record_timeline=record_timeline,

@@ -9,7 +9,7 @@ act on it. Units: bytes, bytes/s, seconds.
 from __future__ import annotations
 
 from .. import budget, memory
-from ..units import format_bandwidth, format_duration, format_size
+from ..units import check_integer, format_bandwidth, format_duration, format_size
 from .node import NodePlan, node_plans, nvme_plans
 from .report import PlanReport
 from .share import optimizer_share
@@ -45,6 +45,11 @@ def plan(
     plan that offloads the optimizer hides its traffic behind, and decides whether its share is
     updated in place or parked (:mod:`.share`).
     """
+    if not isinstance(work, Workload):
+        raise TypeError(f"work: expected an offloadlab.Workload; got {work!r}")
+    if not isinstance(hw, Hardware):
+        raise TypeError(f"hw: expected an offloadlab.Hardware; got {hw!r}")
+    check_integer(micro_batches, "micro_batches")
     recipe = memory.get_recipe(recipe).name
     budget.both_directions_rate(hw.link, duplex)  # refuse a bad duplex before planning
     ranking = candidates(work, recipe)

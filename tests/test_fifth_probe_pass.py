@@ -46,7 +46,7 @@ def test_numpy_hyperparameters_are_taken_as_adamw_takes_them():
         for model, step in ((ours, optimizer), (theirs, reference)):
             model(X).sum().backward()
             step.step()
-        assert optimizer.param_groups[0]["lr"] == float(lr)
+        assert optimizer.param_groups[0]["lr"] == lr
         assert torch.equal(ours.weight, theirs.weight)
     finally:
         optimizer.close()

@@ -324,8 +324,8 @@ def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None
 
 
 def as_float(x):
-    """A real scalar of another type (numpy's float32, say, which AdamW takes) as a Python float;
-    anything else as it is."""
+    """A real scalar of another type (numpy's float32, say, which AdamW takes) as a Python float,
+    to check; anything else as it is. (The update reads every value through float().)"""
     if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)):
         return float(x)
     return x
@@ -333,11 +333,8 @@ def as_float(x):
 
 def check_group(group: dict, where: str = "") -> None:
     """A param group's hyperparameters, and no AdamW option turned on that this class does not
-    implement; numpy's scalars among them become Python floats, of the same value."""
-    for key in ("lr", "eps", "weight_decay"):
-        group[key] = as_float(group[key])
-    if isinstance(group["betas"], (tuple, list)):
-        group["betas"] = type(group["betas"])(as_float(b) for b in group["betas"])
+    implement. (Nothing is written into the group: over FSDP2's shards it is a view whose writes
+    would hide a scheduler's later changes.)"""
     for flag in UNSUPPORTED_FLAGS:
         if group.get(flag):
             raise ValueError(

@@ -240,6 +240,20 @@ def open_in_lab(page, base: str, path: str) -> None:
     )
 
 
+def settled(path, seconds: float = 30) -> bytes:
+    """The file's bytes once a save has finished writing them: the server writes in place, so a
+    read just after the file's time changed can find it empty or half written (it once did)."""
+    deadline = time.monotonic() + seconds
+    last = path.read_bytes()
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = path.read_bytes()
+        if now == last and now:
+            return now
+        last = now
+    return last
+
+
 @pytest.mark.parametrize(
     "path",
     [ROOT / "book" / "03_overlap_condition.md", ROOT / "labs" / "lab02_measure_your_link.md"],
@@ -262,7 +276,7 @@ def test_open_and_save_in_the_browser_leaves_the_file_alone(lab_server, lab_page
         while path.stat().st_mtime_ns == before and time.monotonic() < deadline:
             time.sleep(0.2)  # the save reached the disk (no timing is asserted)
         assert path.stat().st_mtime_ns != before, "Lab did not save the file"
-        assert path.read_bytes() == original, f"saving {path.name} in Lab rewrote it"
+        assert settled(path) == original, f"saving {path.name} in Lab rewrote it"
         # Lab's checkpoint went to the test's folder: none is left for the next `make test` to
         # collect.
         assert checkpoint_files() == checkpoints_in_checkout

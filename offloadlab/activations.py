@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from . import _torch_compat
-from .link import Link, open_link
+from .link import Link, check_link, open_link
 from .units import check_integer
 
 __all__ = ["ActivationOffload", "offload_activations", "DEFAULT_MIN_BYTES"]
@@ -78,11 +78,7 @@ class ActivationOffload:
         prefetch: int = 1,
         in_flight: int = 4,
     ):
-        if link is not None and not isinstance(link, Link):
-            raise ValueError(
-                f"link: expected an offloadlab.link.Link (open_link(), EmulatedLink(...), "
-                f"CudaLink()) or None; got {link!r}"
-            )
+        check_link(link, optional=True)
         check_integer(min_bytes, "min_bytes", 0, expected="a whole number of bytes ≥ 0")
         check_integer(prefetch, "prefetch", expected="a positive integer")
         check_integer(in_flight, "in_flight", expected="a positive integer")

@@ -22,7 +22,7 @@ import weakref
 import torch
 
 from .layout import Layout
-from .link import Link
+from .link import Link, check_link
 from .units import check_integer
 
 __all__ = ["Prefetcher", "Layout"]
@@ -78,11 +78,7 @@ class Prefetcher:
             buffers - 1,
             expected=f"an integer in [0, buffers - 1] = [0, {buffers - 1}]",
         )
-        if not isinstance(link, Link):
-            raise ValueError(
-                f"link: expected an offloadlab.link.Link (open_link(), EmulatedLink(...), "
-                f"CudaLink()); got {link!r}"
-            )
+        check_link(link)
         self.link, self.buffers, self.depth = link, buffers, 0 if synchronous else depth
         self.synchronous, self.pinned = bool(synchronous), bool(pinned)
         if isinstance(items, torch.Tensor) or not hasattr(items, "__iter__"):

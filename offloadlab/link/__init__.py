@@ -55,12 +55,24 @@ __all__ = [
     "Marker",
     "Recording",
     "open_link",
+    "check_link",
     "pinned_allocation_bytes",
     "DEFAULT_EMULATED_BANDWIDTH",
     "DEFAULT_EMULATED_LATENCY",
     "POISON_BYTE",
     "poison",
 ]
+
+
+def check_link(link, optional: bool = False) -> None:
+    """ValueError unless ``link`` is a :class:`Link` (or, with ``optional``, None): a string such as
+    "emulated" would fail later with an AttributeError from inside."""
+    if not (isinstance(link, Link) or (optional and link is None)):
+        none = " or None" if optional else ""
+        raise ValueError(
+            f"link: expected an offloadlab.link.Link (open_link(), EmulatedLink(...), "
+            f"CudaLink()){none}; got {link!r}"
+        )
 
 
 def open_link(emulated: bool | None = None, **emulation) -> Link:

@@ -591,12 +591,12 @@ class OffloadEngine:
         """With accumulation_steps, a bucket's update runs with the hyperparameters of the moment
         its last gradient landed: a change made after that, before step(), is said to wait."""
         began, self._hyperparameters_at_eager = self._hyperparameters_at_eager, None
-        if began is not None and began != self._hyperparameters():
-            changed = [i for i, (a, b) in enumerate(zip(began, self._hyperparameters())) if a != b]
+        now = self._hyperparameters()
+        if began is not None and began != now:
+            changed = [i for i, values in enumerate(now) if i >= len(began) or began[i] != values]
             warn_user(
                 f"CPUOffloadAdam: the lr, betas, eps or weight_decay of param group(s) {changed} "
-                f"changed "
-                f"after this step's update began during backward (accumulation_steps="
+                f"changed after this step's update began during backward (accumulation_steps="
                 f"{self.eager_after}): this step used the values of then, and the new ones apply "
                 f"from the next step. Set them before the last backward pass of a step"
             )

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import torch
 
 from .. import _torch_compat
-from ..link import Link
+from ..link import check_link
 from ..units import check_integer, is_number
 from .engine import OffloadEngine, managed
 from .host_state import check_group, check_hyperparameters, check_state, export_state
@@ -169,11 +169,7 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         ):
             if not isinstance(value, bool):  # ("no" is true to Python)
                 raise ValueError(f"{flag}: expected True or False; got {value!r}")
-        if link is not None and not isinstance(link, Link):
-            raise ValueError(
-                f"link: expected an offloadlab.link.Link (open_link(), EmulatedLink(...), "
-                f"CudaLink()) or None; got {link!r}"
-            )
+        check_link(link, optional=True)
         if max_grad_norm is not None and not (is_number(max_grad_norm) and max_grad_norm > 0):
             raise ValueError(
                 f"max_grad_norm: expected a positive number or None; got {max_grad_norm!r}"

@@ -329,9 +329,10 @@ def _cmd_overlap(args) -> int:
         return f"{max(1, math.ceil(t - 1e-9)):,}"
 
     print(
-        f"crossover: T* = R/(3B) = {format_count(args.compute)}FLOP/s ÷ (3 × "
-        f"{format_bandwidth(args.link)}): from {whole(tokens)} tokens per step with all of forward "
-        f"and backward as the window; R/(2B): from {whole(behind_backward)} with backward alone"
+        f"crossover: T* = R/(2B) = {format_count(args.compute)}FLOP/s ÷ (2 × "
+        f"{format_bandwidth(args.link)}): from {whole(behind_backward)} tokens per step with "
+        f"backward as the window (an update at step()); R/(3B): from {whole(tokens)} with all of "
+        f"forward and backward (a delayed update)"
     )
     print(f"  assumes {_CROSSOVER_ASSUMES}")
     return 0

@@ -105,7 +105,8 @@ def test_the_overlap_command_states_the_condition_and_the_crossover():
         "250 ms",
     )
     # ⌈2083.3⌉
-    assert "compute-bound (transfer hidden)" in text.stdout and "from 2,084 tokens" in text.stdout
+    assert "compute-bound (transfer hidden)" in text.stdout and "from 2,084 with" in text.stdout
+    assert "R/(2B) = 200 TFLOP/s ÷ (2 × 32 GB/s): from 3,125 tokens" in text.stdout  # backward
     alone = json.loads(
         offloadlab("overlap", "--link", "25 GB/s", "--compute", "200e12", "--json").stdout
     )

@@ -79,8 +79,11 @@ class Prefetcher:
             expected=f"an integer in [0, buffers - 1] = [0, {buffers - 1}]",
         )
         check_link(link)
+        for flag, value in (("synchronous", synchronous), ("pinned", pinned)):
+            if not isinstance(value, bool):  # ("no" is true to Python)
+                raise ValueError(f"{flag}: expected True or False; got {value!r}")
         self.link, self.buffers, self.depth = link, buffers, 0 if synchronous else depth
-        self.synchronous, self.pinned = bool(synchronous), bool(pinned)
+        self.synchronous, self.pinned = synchronous, pinned
         if isinstance(items, torch.Tensor) or not hasattr(items, "__iter__"):
             # (a tensor iterates over its rows: one tensor would become many 0-dim items)
             raise ValueError(
@@ -138,7 +141,9 @@ class Prefetcher:
 
     def __iter__(self):
         running = self._pass() if self._pass is not None else None
-        if running is not None and running.gi_frame is not None:
+        in_progress = running is not None and running.gi_frame is not None
+        del running  # (the refusal's traceback keeps this frame, and must not keep the pass)
+        if in_progress:
             raise RuntimeError(
                 "Prefetcher: a pass over its buffers is still in progress; finish it (or leave it "
                 "with break) before starting another"

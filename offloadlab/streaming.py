@@ -30,7 +30,7 @@ from torch import nn
 from . import _torch_compat, ownership
 from .gather import GradientGather
 from .layout import ALIGN, Layout
-from .link import Link, Marker
+from .link import Link, Marker, check_link
 from .ownership import GradientSink
 from .units import check_integer
 
@@ -102,9 +102,16 @@ class StreamedModel:
     """
 
     def __init__(self, model: nn.Module, link: Link, blocks=None, buffers: int = 2):
-        chosen = list(blocks) if blocks is not None else list(getattr(model, "blocks", []))
+        check_link(link)
+        if blocks is None:
+            chosen = list(getattr(model, "blocks", []))
+            given = "none given, and model.blocks holds none"
+        else:
+            iterable = hasattr(blocks, "__iter__")
+            chosen = list(blocks) if iterable else []
+            given = f"got {type(blocks).__name__}" + (f" of {len(chosen)} item(s)" * iterable)
         if not chosen or not all(isinstance(b, nn.Module) for b in chosen):
-            raise ValueError("blocks: expected the modules to stream (the model has no .blocks)")
+            raise ValueError(f"blocks: expected a non-empty list of the modules to stream; {given}")
         if len({id(b) for b in chosen}) != len(chosen):
             raise ValueError("blocks: expected each block once")
         check_integer(

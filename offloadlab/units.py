@@ -17,6 +17,7 @@ is in base units, as computed values are.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 __all__ = [
@@ -202,6 +203,14 @@ def is_integer(value) -> bool:
     """True for a Python int that is not a bool (``True`` is an int to Python, never a count
     here)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def plain_scalar(value):
+    """A real scalar of another type (numpy's float32 or int64, say, which Python code passes
+    around as numbers) as the Python int or float it stands for; anything else as it is."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def is_number(value) -> bool:

@@ -64,10 +64,15 @@ __all__ = [
 ]
 
 
+_LINK_CALLS = ("host_buffer", "device_buffer", "to_device", "to_host", "mark")
+
+
 def check_link(link, optional: bool = False) -> None:
-    """ValueError unless ``link`` is a :class:`Link` (or, with ``optional``, None): a string such as
-    "emulated" would fail later with an AttributeError from inside."""
-    if not (isinstance(link, Link) or (optional and link is None)):
+    """ValueError unless ``link`` is a :class:`Link`, or an object that answers its calls (a
+    wrapper that counts them, say), or with ``optional`` None: a string such as "emulated" would
+    fail later with an AttributeError from inside."""
+    answers = all(hasattr(link, call) for call in _LINK_CALLS)
+    if not (isinstance(link, Link) or answers or (optional and link is None)):
         none = " or None" if optional else ""
         raise ValueError(
             f"link: expected an offloadlab.link.Link (open_link(), EmulatedLink(...), "

@@ -95,7 +95,11 @@ class _EmulatedStream:
         self._jobs.put(job)
 
     def mark(self, timed: bool = True) -> Marker:
-        link = self._link()  # (alive: its caller holds it)
+        link = self._link()  # alive while its caller holds it
+        if link is None:  # collected with its caller (a generator finalised at interpreter exit)
+            marker = Marker(None, timed=False)
+            marker._reached.set()
+            return marker
         marker = Marker(link, timed=timed)
         with self._lock:
             if self._pending == 0:

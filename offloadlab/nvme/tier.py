@@ -29,6 +29,11 @@ from .format import ChecksumError, FileLayout, new_layout
 __all__ = ["FileTier"]
 
 
+def _identity(stat: os.stat_result) -> tuple:
+    """What tells one file from another that later takes its name and freed inode number."""
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_ctime_ns
+
+
 class FileTier:
     """A file holding ``numel`` elements of ``dtype``, versioned by step (see the module's
     docstring).
@@ -58,7 +63,8 @@ class FileTier:
             raise ValueError("path: expected a file name; got ''")
         path = Path(path)
         if not path.parent.is_dir():
-            raise ValueError(f"path: folder {str(path.parent)!r} does not exist")
+            missing = "is not a folder" if path.parent.exists() else "does not exist"
+            raise ValueError(f"path: folder {str(path.parent)!r} {missing}")
         if path.is_dir():
             raise ValueError(f"path: expected a file name; got {str(path)!r}, which is a folder")
         if path.exists() or path.is_symlink():
@@ -139,9 +145,7 @@ class FileTier:
     def _start(self, fd: int, path: Path | None, layout: FileLayout, queue_depth: int) -> None:
         """Take the lock, reserve the space (a new file), open the I/O descriptor and the queue."""
         self._fd, self.path, self._layout = fd, path, layout
-        identity = os.fstat(fd)
-        # which file is ours, whatever its path names later
-        self._identity = (identity.st_dev, identity.st_ino)
+        self._identity = None  # (see remove())
         self.numel, self.dtype, self.itemsize, self.block = (
             layout.numel,
             layout.dtype,
@@ -464,6 +468,7 @@ class FileTier:
             os.close(self._io_fd)
         self._io_fd = None
         if getattr(self, "_fd", None) is not None:
+            self._identity = _identity(os.fstat(self._fd))  # as we leave it
             os.close(self._fd)  # releases the lock
             self._fd = None
 
@@ -473,15 +478,22 @@ class FileTier:
         self._shut()
 
     def remove(self) -> None:
-        """Close, and delete the file if its path still names this tier's file (not another's)."""
-        self._shut()
+        """Close, and delete the file if its path still names this tier's file, not another's that
+        took the name: while the tier is open its inode says so (the open file keeps it), once
+        closed its inode, size and change time as the tier left them."""
         if self.path is None:
+            self._shut()
             return
         try:
-            theirs = os.stat(self.path, follow_symlinks=False)
+            theirs = _identity(os.stat(self.path, follow_symlinks=False))
         except FileNotFoundError:
-            return
-        if (theirs.st_dev, theirs.st_ino) == self._identity:
+            theirs = None
+        if getattr(self, "_fd", None) is not None:
+            mine = _identity(os.fstat(self._fd))
+            if theirs == mine:
+                os.unlink(self.path)
+            self._shut()
+        elif theirs is not None and theirs == self._identity:
             os.unlink(self.path)
 
     def __enter__(self):

@@ -567,6 +567,7 @@ class OffloadEngine:
         """Before a step or a clip: close a backward pass that raised, and take in gradients left in
         ``.grad`` (see :meth:`GradientIntake.take_existing`)."""
         self.intake.settle()
+        self._check_no_param_removed()
         self._check_unmanaged_gradients()
         self.intake.take_loose()
 
@@ -603,6 +604,21 @@ class OffloadEngine:
 
     def _record_arrival(self, lane, interval, label) -> None:
         self.timeline.record(lane, interval, label, self.step_count + 1)
+
+    def _check_no_param_removed(self) -> None:
+        """AdamW stops updating a parameter taken out of its groups; this optimizer's buckets are
+        laid out once, so it refuses instead of updating it on."""
+        in_groups = {id(p) for group in self.param_groups for p in group["params"]}
+        managed = [p for b in self.intake.buckets for p in b.params]
+        managed += [p for part in self.on_device for p in part.params]
+        removed = sum(id(p) not in in_groups for p in managed)
+        if removed:
+            raise RuntimeError(
+                f"CPUOffloadAdam: {removed} parameter(s) left param_groups after the optimizer was "
+                "made; torch.optim.AdamW would stop updating them, but this optimizer's buckets "
+                "are fixed. Freeze them instead (p.requires_grad_(False)), or make the optimizer "
+                "again over the parameters to train"
+            )
 
     def _check_unmanaged_gradients(self) -> None:
         """AdamW updates every parameter of its groups that has a gradient: one that did not require
@@ -824,6 +840,7 @@ class OffloadEngine:
             return
         if self.eager_after is not None and self._submitted():
             # updates that started during backward: their step is finished, not left half-done
+            self._say_eager_update_stands("zero_grad()")
             self.step()
         self._zeroed_since_step = True
         self._note_zero_grad(
@@ -838,6 +855,16 @@ class OffloadEngine:
         for bucket in self.host.buckets:
             if not bucket.submitted:  # a submitted bucket's gradients already belong to an update
                 bucket.discard()
+
+    def _say_eager_update_stands(self, call: str) -> None:
+        began, buckets = len(self._submitted()), len(self.host.buckets)
+        warn_user(
+            f"CPUOffloadAdam: {call} without step() after a backward pass whose update had begun "
+            f"(accumulation_steps={self.eager_after}; {began} of {buckets} bucket(s)): an "
+            f"update cannot be taken back, so those buckets' update stands as this step, where "
+            f"torch.optim.AdamW would drop the gradients. Under the eager schedule, drop a batch "
+            f"before its last backward pass"
+        )
 
     def synchronize(self) -> None:
         """Finish every pending update and weight copy (for a delayed update: apply it now)."""
@@ -869,6 +896,8 @@ class OffloadEngine:
             return
         try:
             if self.worker.error is None:
+                if self.eager_after is not None and self._submitted():
+                    self._say_eager_update_stands("close()")
                 self.synchronize()
                 if return_gradients:
                     self._return_gradients()

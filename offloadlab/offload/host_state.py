@@ -25,13 +25,12 @@ keeps it but moves ``step`` on) is recognised as stale and rebuilt from the weig
 
 from __future__ import annotations
 
-import numbers
 import threading
 
 import torch
 
 from ..link import Link
-from ..units import is_number
+from ..units import is_number, plain_scalar
 from .bucket import Bucket, Received
 
 __all__ = [
@@ -307,7 +306,7 @@ def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None
     def number(x):
         if isinstance(x, torch.Tensor) and x.numel() == 1 and x.is_floating_point():
             x = x.item()  # AdamW takes a one-element tensor too
-        return is_number(as_float(x))
+        return is_number(plain_scalar(x))
 
     if not (number(lr) and lr >= 0):
         raise ValueError(f"{where}lr: expected a number ≥ 0; got {lr!r}")
@@ -321,14 +320,6 @@ def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None
         raise ValueError(f"{where}eps: expected a number ≥ 0; got {eps!r}")
     if not (number(weight_decay) and weight_decay >= 0):
         raise ValueError(f"{where}weight_decay: expected a number ≥ 0; got {weight_decay!r}")
-
-
-def as_float(x):
-    """A real scalar of another type (numpy's float32, say, which AdamW takes) as a Python float,
-    to check; anything else as it is. (The update reads every value through float().)"""
-    if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)):
-        return float(x)
-    return x
 
 
 def check_group(group: dict, where: str = "") -> None:

@@ -15,8 +15,12 @@ micro-batches. Gradients of parameters updated on the device stay in ``.grad``.
 
 Gradients leave the model during backward, so clipping (``max_grad_norm``, or
 ``optimizer.clip_grad_norm_``) and discarding them (``optimizer.zero_grad()``) go to the
-optimizer: ``torch.nn.utils.clip_grad_norm_`` over the model finds no gradient (norm 0), and
-``model.zero_grad()`` does not reach them. Where a user does by hand what AdamW allows (weights
+optimizer: ``torch.nn.utils.clip_grad_norm_`` over the model finds none of the offloaded ones (a
+norm of 0, or with ``offload_fraction`` < 1 the device share's norm alone), ``model.zero_grad()``
+does not reach them, and a post-accumulate-grad hook of yours sees ``.grad`` as None unless it
+was registered before the optimizer was made (hooks run in that order). Under the eager schedule
+an update that began in backward stands: ``zero_grad()`` or ``close()`` before ``step()`` says
+so. Where a user does by hand what AdamW allows (weights
 edited, Ctrl-C in step(), a reload mid-accumulation, a state dict in another order) it does what
 AdamW does or says at once that it cannot: chapter 6 lists the cases, and
 tests/test_offload_contract.py holds each one.
@@ -32,7 +36,7 @@ import torch
 
 from .. import _torch_compat
 from ..link import check_link
-from ..units import check_integer, is_number
+from ..units import check_integer, is_number, plain_scalar
 from .engine import OffloadEngine, managed
 from .host_state import check_group, check_hyperparameters, check_state, export_state
 from .sharded import LocalShards, is_sharded, ranks_on_this_host
@@ -150,6 +154,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         offload_fraction: float = 1.0,
         update_on: str = "cpu",
     ):
+        # numpy's scalars as the Python numbers they stand for (the hyperparameters stay as given,
+        # in the groups, as AdamW keeps them)
+        max_grad_norm, offload_fraction, threads, accumulation_steps, bucket_bytes = map(
+            plain_scalar,
+            (max_grad_norm, offload_fraction, threads, accumulation_steps, bucket_bytes),
+        )
         check_hyperparameters(lr, betas, eps, weight_decay)
         # AdamW's own flags: at their defaults they ask for AdamW's update, which this is; the
         # variants they switch on are not implemented, and foreach/fused pick torch's kernels,
@@ -190,7 +200,10 @@ class CPUOffloadAdam(torch.optim.Optimizer):
                 "delayed_update: expected False with offload_fraction < 1 or update_on='device' "
                 "(the device's update is not delayed); got True"
             )
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        # AdamW's keys, so that code written against its groups finds them
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
+        defaults.update(flags, fused=fused, decoupled_weight_decay=True)
+        super().__init__(params, defaults)
         seen: set[int] = set()
         for i, group in enumerate(self.param_groups):
             check_group(group, f"param_groups[{i}]: ")

@@ -397,7 +397,7 @@ def test_nbgrader_sources_are_one_assignment_per_lab(tmp_path):
 
 @pytest.mark.parametrize(
     "arguments, complaint",
-    [(["no-such-folder", "out"], "source_dir"), (["tests", "out"], "found none"), ([], "usage")],
+    [(["no-such-folder", "out"], "labs_dir"), (["tests", "out"], "found none"), ([], "usage")],
 )
 def test_bad_arguments(arguments, complaint, tmp_path):
     result = subprocess.run(

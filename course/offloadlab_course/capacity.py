@@ -25,6 +25,7 @@ import math
 import torch
 
 from offloadlab.models import GPTConfig, saved_activation_bytes
+from offloadlab.units import check_integer, plain_scalar
 
 __all__ = [
     "HEADROOM",
@@ -73,6 +74,7 @@ def offloaded_need(
 ) -> DeviceNeed:
     """The device memory of training ``config`` on ``batch`` sequences under CPUOffloadAdam, with
     device weights in ``dtype`` and buckets of ``bucket_bytes`` (see the module docstring)."""
+    batch = check_integer(plain_scalar(batch), "batch")  # numpy's integers too
     params = config.params
     itemsize = torch.tensor([], dtype=dtype).element_size()
     buffers = 3 * bucket_bytes  # two gather buffers and the staging buffer of the weights going up

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 
-from offloadlab.units import is_number
+from offloadlab.units import is_number, plain_scalar
 
 __all__ = ["Verdict", "answer", "exact", "student_release", "STUDENT_VARIABLE"]
 
@@ -81,8 +81,9 @@ def answer(name: str, yours, expected, rel_tol: float = 0.05, hint: str = "") ->
     string, NaN, infinity, a tensor of several elements — fails with a line saying so.
     ``expected`` must be a finite real number, since the lab computes it.
     """
-    if not (is_number(rel_tol) and 0 <= rel_tol < 1):
+    if not (is_number(plain_scalar(rel_tol)) and 0 <= rel_tol < 1):  # (numpy's numbers too)
         raise ValueError(f"rel_tol: expected a fraction in [0, 1); got {rel_tol!r}")
+    rel_tol = float(rel_tol)
     target = _number(expected)
     if target is None:
         raise ValueError(f"expected: expected a finite real number; got {expected!r}")

@@ -693,12 +693,9 @@ def _lab03_steps(
 
 def hidden_share(copies, computes) -> float:
     """The share of the copies' time that ran while compute ran, from their intervals
-    ``[(start, end), ...]`` on one clock (seconds; compute intervals from one in-order stream, so
-    they do not overlap one another). 1.0 when there were no copies."""
-    for name, intervals in (("copies", copies), ("computes", computes)):
-        for start, end in intervals:
-            if not end >= start:  # (a reversed interval would cancel real time)
-                raise ValueError(f"{name}: interval ({start}, {end}) ends before it starts")
+    ``[(start, end), ...]`` on one clock (seconds). Time under two compute intervals at once (a
+    repeated record, two streams) is hidden once. 1.0 when there were no copies."""
+    copies, computes = _intervals(copies, "copies"), _merged(_intervals(computes, "computes"))
     total = sum(end - start for start, end in copies)
     behind = sum(
         max(0.0, min(end, c_end) - max(start, c_start))
@@ -706,6 +703,40 @@ def hidden_share(copies, computes) -> float:
         for c_start, c_end in computes
     )
     return behind / total if total > 0 else 1.0
+
+
+def _intervals(intervals, name: str) -> list[tuple[float, float]]:
+    """``intervals`` as (start, end) pairs of floats: finite real numbers (numpy's too), each pair
+    ending no earlier than it starts, else ValueError naming ``name``."""
+    expected = f"{name}: expected (start, end) pairs of finite seconds"
+    try:
+        items = list(intervals)
+    except TypeError:
+        raise ValueError(f"{expected}; got {intervals!r}") from None
+    pairs = []
+    for item in items:
+        try:
+            start, end = item
+        except (TypeError, ValueError):
+            raise ValueError(f"{expected}; got {item!r}") from None
+        for t in (start, end):
+            if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
+                raise ValueError(f"{expected}; got {item!r}")
+        if not end >= start:  # (a reversed interval would cancel real time)
+            raise ValueError(f"{name}: interval ({start}, {end}) ends before it starts")
+        pairs.append((float(start), float(end)))
+    return pairs
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``intervals`` in order, those that overlap or touch joined into one."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 class _WatchedLink:

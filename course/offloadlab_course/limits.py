@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from offloadlab.units import check_positive, plain_scalar
+
 CGROUPS = Path("/sys/fs/cgroup")
 CFS_PERIOD_US = 100_000  # cgroup v1's default scheduling period, in microseconds
 
@@ -44,7 +46,8 @@ class UserLimits:
     file system (a test gives a folder of its own)."""
 
     def __init__(self, memory_bytes: int, cpus: float, root: Path = CGROUPS):
-        self.memory_bytes, self.cpus, self.root = int(memory_bytes), float(cpus), root
+        self.memory_bytes = int(check_positive(plain_scalar(memory_bytes), "memory_bytes"))
+        self.cpus, self.root = check_positive(plain_scalar(cpus), "cpus"), root
         groups = own_groups(Path("/proc/self/cgroup").read_text(encoding="utf-8"))
         self.unified = (root / "cgroup.controllers").exists()  # v2 only, no v1 hierarchy
         if self.unified:

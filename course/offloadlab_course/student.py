@@ -265,34 +265,48 @@ def points(notebook) -> float:
     )
 
 
-def find_labs(source_dir: Path) -> list[Path]:
-    """The Jupytext labs in ``source_dir``, in order."""
-    source_dir = Path(source_dir)
-    if not source_dir.is_dir():
-        raise ValueError(f"source_dir: expected a folder of labs; got {str(source_dir)!r}")
+def find_labs(labs_dir: Path) -> list[Path]:
+    """The Jupytext labs in ``labs_dir``, in order."""
+    labs_dir = Path(labs_dir)
+    if not labs_dir.is_dir():
+        raise ValueError(f"labs_dir: expected a folder of labs; got {str(labs_dir)!r}")
     found = [
         p
-        for p in sorted(source_dir.glob("lab*.md"))
+        for p in sorted(labs_dir.glob("lab*.md"))
         if "jupytext:" in p.read_text(encoding="utf-8")[:2000]
     ]
     if not found:
         raise ValueError(
-            f"source_dir: expected Jupytext labs (lab*.md) in {str(source_dir)!r}; found none"
+            f"labs_dir: expected Jupytext labs (lab*.md) in {str(labs_dir)!r}; found none"
         )
     return found
 
 
+def _target_folder(target_dir: Path) -> Path:
+    """``target_dir`` as a Path, if it is a folder or one can be made there (the nearest thing on
+    its path that exists is a folder)."""
+    target_dir = Path(target_dir)
+    present = next(p for p in (target_dir, *target_dir.parents) if p.exists() or p.is_symlink())
+    if not present.is_dir():
+        raise ValueError(
+            f"target_dir: expected a folder, or a path where one can be made; got "
+            f"{str(target_dir)!r} ({str(present)!r} is not a folder)"
+        )
+    return target_dir
+
+
 def write_release(
-    source_dir: Path,
+    labs_dir: Path,
     target_dir: Path,
     overwrite: bool = False,
     keep: bool = False,
     book_url: str | None = None,
 ) -> list[Path]:
-    """Write the student notebook of every lab in ``source_dir`` as ``target_dir/<lab>.ipynb``."""
+    """Write the student notebook of every lab in ``labs_dir`` as ``target_dir/<lab>.ipynb``."""
+    labs, target_dir = find_labs(labs_dir), _target_folder(target_dir)
     notebooks = {
-        Path(target_dir) / path.with_suffix(".ipynb").name: released_lab(path, target_dir, book_url)
-        for path in find_labs(source_dir)
+        target_dir / path.with_suffix(".ipynb").name: released_lab(path, target_dir, book_url)
+        for path in labs
     }
     return _write(notebooks, overwrite, keep)
 
@@ -307,26 +321,27 @@ def released_lab(path: Path, target_dir: Path, book_url: str | None = None):
 
 
 def write_sources(
-    source_dir: Path,
+    labs_dir: Path,
     target_dir: Path,
     overwrite: bool = False,
     keep: bool = False,
     book_url: str | None = None,
 ) -> list[Path]:
     """Write every lab's nbgrader source notebook as ``target_dir/<assignment>/<lab>.ipynb``."""
+    labs, target_dir = find_labs(labs_dir), _target_folder(target_dir)
     links = _Links(
-        Path(source_dir),
-        Path(target_dir),
+        Path(labs_dir),
+        target_dir,
         book_url,
         lambda label_path: f"../{assignment_name(label_path)}/{label_path.stem}.ipynb",
     )
     notebooks = {
-        Path(target_dir) / assignment_name(path) / path.with_suffix(".ipynb").name: links.apply(
+        target_dir / assignment_name(path) / path.with_suffix(".ipynb").name: links.apply(
             source_notebook(path)
         )
-        for path in find_labs(source_dir)
+        for path in labs
     }
-    return _write(notebooks, overwrite, keep, made_below=Path(target_dir))
+    return _write(notebooks, overwrite, keep, made_below=target_dir)
 
 
 class _Links:

@@ -1,0 +1,124 @@
+"""The course kit's findings of issue 38's sixth probe pass: each wrong result or unclear message
+a user met, reproduced as they met it. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from offloadlab.models import GPTConfig
+from offloadlab_course import capacity, check, grading, student
+from offloadlab_course.limits import UserLimits
+from tests.conftest import ROOT
+
+TINY = GPTConfig(layers=2, hidden=64, heads=4, vocab=128, seq=32)
+
+
+def student_command(capsys, *arguments) -> tuple[int, list[str]]:
+    status = student.main([str(argument) for argument in arguments])
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("labs", ["missing", "a file"])
+def test_the_student_command_names_labs_dir_as_its_help_does(tmp_path, capsys, labs):
+    """X21, X22: the error named source_dir, an argument the command does not have."""
+    labs_dir = tmp_path / "labs"
+    if labs == "a file":
+        labs_dir.write_text("not a folder", encoding="utf-8")
+    status, error = student_command(capsys, labs_dir, tmp_path / "out")
+    assert status == 2 and len(error) == 1, error
+    assert error[0].startswith("offloadlab_course.student: error: labs_dir: expected a folder")
+
+
+@pytest.mark.parametrize("target", ["a file", "below a file"])
+def test_the_student_command_says_target_dir_must_be_a_folder(tmp_path, capsys, target):
+    """X23: a file as target_dir gave "[Errno 17] File exists: '/tmp/afile'"."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine", encoding="utf-8")
+    target_dir = afile if target == "a file" else afile / "out"
+    status, error = student_command(capsys, ROOT / "labs", target_dir)
+    assert status == 2 and len(error) == 1, error
+    assert error[0].startswith("offloadlab_course.student: error: target_dir: expected a folder")
+    assert str(afile) in error[0] and afile.read_text(encoding="utf-8") == "mine"
+
+
+@pytest.mark.parametrize("rel_tol", [np.float32(0.05), np.float64(0.05)])
+def test_a_numpy_tolerance_is_a_tolerance(rel_tol, capsys):
+    """G7: rel_tol=np.float32(0.05) was refused as not "a fraction in [0, 1)"."""
+    assert check.answer("x", 104, 100, rel_tol=rel_tol)
+    assert not check.answer("x", 106, 100, rel_tol=rel_tol)
+    with pytest.raises(ValueError, match=r"^rel_tol: expected a fraction in \[0, 1\)"):
+        check.answer("x", 100, 100, rel_tol=np.float32("nan"))
+
+
+@pytest.mark.parametrize(
+    "copies, computes, name",
+    [
+        ([(0, math.inf)], [(0, 1)], "copies"),
+        ([(0, 1)], [(-math.inf, 1)], "computes"),
+        ([(0, 1)], [(0.5, math.nan)], "computes"),
+    ],
+)
+def test_hidden_share_refuses_an_interval_without_a_finite_end(copies, computes, name):
+    """G34: a copy that never ended hid a share of 0.0 (inf / inf arithmetic)."""
+    with pytest.raises(ValueError, match=rf"^{name}: expected .*finite"):
+        grading.hidden_share(copies, computes)
+
+
+@pytest.mark.parametrize(
+    "copies, computes, name",
+    [
+        (None, [], "copies"),
+        ([(0, 1, 2)], [], "copies"),
+        ([(0, 1)], [0, 1], "computes"),
+        ([(0, 1)], [("0", "1")], "computes"),
+        ([(True, 1)], [], "copies"),
+    ],
+)
+def test_hidden_share_says_it_takes_start_end_pairs(copies, computes, name):
+    """G35, G36: None gave "'NoneType' object is not iterable", a triple "too many values to
+    unpack"; neither named the argument."""
+    with pytest.raises(ValueError, match=rf"^{name}: expected \(start, end\) pairs"):
+        grading.hidden_share(copies, computes)
+
+
+@pytest.mark.parametrize(
+    "computes",
+    [[(0, 1), (0, 1)], [(0, 0.75), (0.25, 1)], [(0.25, 1), (0, 0.5)]],
+    ids=["repeated", "overlapping", "unsorted"],
+)
+def test_hidden_share_counts_time_under_overlapping_computes_once(computes):
+    """G38: a compute interval recorded twice hid the whole of a copy half under it (1.0, not
+    0.5)."""
+    assert grading.hidden_share([(0, 2)], computes) == 0.5
+    assert grading.hidden_share([(np.float32(0), np.float64(2))], computes) == 0.5
+
+
+@pytest.mark.parametrize("batch", [0, -3, True, 2.0, "2"])
+def test_the_device_need_refuses_a_batch_that_is_not_one(batch):
+    """G48, G49: batch=0 gave a need, batch=-3 torch's "negative dimension" error."""
+    with pytest.raises(ValueError, match=r"^batch: expected a positive integer; got"):
+        capacity.offloaded_need(TINY, batch)
+
+
+def test_the_device_need_takes_a_numpy_batch():
+    assert capacity.offloaded_need(TINY, np.int64(2)) == capacity.offloaded_need(TINY, 2)
+
+
+@pytest.mark.parametrize(
+    "memory_bytes, cpus, name",
+    [("4G", 1, "memory_bytes"), (-1, 1, "memory_bytes"), (2**30, math.nan, "cpus")],
+)
+def test_user_limits_refuse_what_is_not_a_cap(tmp_path, memory_bytes, cpus, name):
+    """G50, G51: '4G' gave "invalid literal for int()"; -1 bytes and nan cores were taken."""
+    with pytest.raises(ValueError, match=rf"^{name}: expected a positive number; got"):
+        UserLimits(memory_bytes, cpus, root=tmp_path)
+
+
+def test_user_limits_take_numpy_numbers_and_a_parsed_size(tmp_path):
+    limits = UserLimits(np.int64(2**30), np.float32(1.5), root=tmp_path)
+    assert (limits.memory_bytes, limits.cpus) == (2**30, 1.5)
+    assert type(limits.memory_bytes) is int and type(limits.cpus) is float
+    assert UserLimits(4.0 * 2**30, 2, root=tmp_path).memory_bytes == 4 * 2**30

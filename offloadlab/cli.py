@@ -331,8 +331,8 @@ def _cmd_overlap(args) -> int:
     print(
         f"crossover: T* = R/(2B) = {format_count(args.compute)}FLOP/s ÷ (2 × "
         f"{format_bandwidth(args.link)}): from {whole(behind_backward)} tokens per step with "
-        f"backward as the window (an update at step()); R/(3B): from {whole(tokens)} with all of "
-        f"forward and backward (a delayed update)"
+        f"backward as the window (an offloaded optimizer's); R/(3B): from {whole(tokens)} with "
+        f"all of forward and backward (copies that can start before backward)"
     )
     print(f"  assumes {_CROSSOVER_ASSUMES}")
     return 0

@@ -659,9 +659,9 @@ def test_on_a_phone_an_answer_shows_about_50_characters_a_line(browser, served_s
 
 
 def test_chapter_4_gives_the_running_example_and_the_sources_5x(browser, served_site):
-    """Pre-filled with the chapter's canonical reading (25 GB/s each way, one 2,048-token step,
-    full duplex): 0.8 s, 1.3× the window. The sources' reading (32 GB/s, half duplex, 250 ms):
-    1.25 s, 5× over."""
+    """Pre-filled with the chapter's canonical reading (25 GB/s each way, one 2,048-token step's
+    backward, full duplex): 0.8 s, 1.95× the window. The sources' reading (32 GB/s, half duplex,
+    250 ms): 1.25 s, 5× over."""
     page, calculator, requests = open_calculator(browser, served_site, "04_bandwidth_budget")
     try:
         # not before asked
@@ -671,11 +671,11 @@ def test_chapter_4_gives_the_running_example_and_the_sources_5x(browser, served_
         loaded = time.monotonic() - started
         shown = calculator.answer
         assert shown["command"] == (
-            "offloadlab budget --link '25 GB/s' --window '614.4 ms' --params 10e9 "
+            "offloadlab budget --link '25 GB/s' --window '409.6 ms' --params 10e9 "
             "--offload optimizer --duplex full --recipe mixed-adam"
         )
         assert "20 GB up, 20 GB down → 800 ms on the link" in shown["text"]
-        assert shown["json"]["transfer_s"] == 0.8 and round(shown["json"]["ratio"], 2) == 1.3
+        assert shown["json"]["transfer_s"] == 0.8 and round(shown["json"]["ratio"], 2) == 1.95
         calculator.fill(link="32 GB/s", window="250 ms", duplex="half")
         calculator.ask()
         sources = calculator.answer
@@ -862,7 +862,7 @@ def test_lab_shows_the_note_as_readable_text(lab_server, browser):  # noqa: F811
         # (its text as the page holds it: Lab may hide a cell it draws again, and a hidden
         # element has no inner text)
         text = " ".join(note.text_content().split())
-        assert 'offloadlab budget --link "25 GB/s" --window "614.4 ms" --params 10e9' in text
+        assert 'offloadlab budget --link "25 GB/s" --window "409.6 ms" --params 10e9' in text
         assert "above" in text and "Unknown" not in text and ":class:" not in text
     finally:
         page.close()

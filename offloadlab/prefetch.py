@@ -23,7 +23,7 @@ import torch
 
 from .layout import Layout
 from .link import Link, check_link
-from .units import check_integer
+from .units import check_integer, plain_scalar
 
 __all__ = ["Prefetcher", "Layout"]
 
@@ -51,7 +51,9 @@ class Prefetcher:
     a backward that saved an earlier item there (its in-place check) instead of reading the new
     item's data; and an item still referenced when the item that refilled its buffer is delivered
     (and the consumer has moved past it) makes iteration raise: ``list(prefetcher)`` would keep
-    every item, so it is refused.
+    every item, so it is refused. That check lives within a pass: an item kept past its pass's
+    end (the loop variable after a loop, one saved before a ``break``) is not followed into the
+    next pass, whose refill of its buffer changes it. Clone what you keep.
 
     Iterating again starts a new pass over the same buffers, once the last pass is over: run to its
     end, or left with a ``break`` (its iterator dropped). Two passes at once would share the
@@ -69,6 +71,7 @@ class Prefetcher:
         synchronous: bool = False,
         pinned: bool = True,
     ):
+        buffers, depth = plain_scalar(buffers), plain_scalar(depth)  # (numpy's as Python's)
         check_integer(buffers, "buffers")
         depth = buffers - 1 if depth is None else depth
         check_integer(

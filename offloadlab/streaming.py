@@ -32,7 +32,7 @@ from .gather import GradientGather
 from .layout import ALIGN, Layout
 from .link import Link, Marker, check_link
 from .ownership import GradientSink
-from .units import check_integer
+from .units import check_integer, plain_scalar
 
 __all__ = ["StreamedModel", "streamed_model_of"]
 
@@ -114,8 +114,11 @@ class StreamedModel:
             raise ValueError(f"blocks: expected a non-empty list of the modules to stream; {given}")
         if len({id(b) for b in chosen}) != len(chosen):
             raise ValueError("blocks: expected each block once")
-        check_integer(
-            buffers, "buffers", 2, expected="an integer ≥ 2 (one block computing, one arriving)"
+        buffers = check_integer(
+            plain_scalar(buffers),
+            "buffers",
+            2,
+            expected="an integer ≥ 2 (one block computing, one arriving)",
         )
         names = {id(m): n for n, m in model.named_modules()}
         self.model, self.link, self.blocks, self.buffers = model, link, chosen, buffers

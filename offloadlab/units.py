@@ -72,6 +72,8 @@ def _split(value, name: str, forms: str) -> tuple[float, str | None]:
     if isinstance(value, bool):
         raise _fail(name, value, forms)
     if isinstance(value, (int, float)):
+        if isinstance(value, int) and abs(value) > 10**308:  # beyond any float
+            raise _fail(name, value, forms, "must be finite")
         return float(value), None
     if not isinstance(value, str):
         raise _fail(name, value, forms)
@@ -201,7 +203,8 @@ def check_non_negative(value, name: str) -> float:
 
 def is_integer(value) -> bool:
     """True for a Python int that is not a bool (``True`` is an int to Python, never a count
-    here)."""
+    here). numpy's integers are not: they overflow silently in later arithmetic; an argument that
+    takes them converts them first (:func:`plain_scalar`)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -215,7 +218,12 @@ def plain_scalar(value):
 
 def is_number(value) -> bool:
     """True for a finite Python int or float that is not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        return False
 
 
 def check_integer(
@@ -225,13 +233,15 @@ def check_integer(
     ValueError: "{name}: expected {expected}; got {value!r}". ``expected`` defaults to 'a positive
     integer' (low 1, no high), 'an integer ≥ {low}' or 'an integer from {low} to {high}'."""
     if is_integer(value) and value >= low and (high is None or value <= high):
-        return value
+        return int(value)
     if expected is None:
         if high is not None:
             expected = f"an integer from {low} to {high}"
         else:
             expected = "a positive integer" if low == 1 else f"an integer ≥ {low}"
-    raise ValueError(f"{name}: expected {expected}; got {value!r}")
+    numpy = isinstance(value, numbers.Integral) and not isinstance(value, (int, bool))
+    hint = " (a numpy integer: pass int(...))" if numpy else ""
+    raise ValueError(f"{name}: expected {expected}; got {value!r}{hint}")
 
 
 def _scaled(number: float, steps: list[tuple[float, str]], digits: int) -> str:

@@ -1,5 +1,5 @@
-"""The course kit's findings of issue 38's sixth probe pass: each wrong result or unclear message
-a user met, reproduced as they met it. Each test failed before its fix."""
+"""The course kit's findings of issue 37's sixth and seventh probe passes: each wrong result or
+unclear message a user met, reproduced as they met it. Each test failed before its fix."""
 
 from __future__ import annotations
 
@@ -122,3 +122,42 @@ def test_user_limits_take_numpy_numbers_and_a_parsed_size(tmp_path):
     assert (limits.memory_bytes, limits.cpus) == (2**30, 1.5)
     assert type(limits.memory_bytes) is int and type(limits.cpus) is float
     assert UserLimits(4.0 * 2**30, 2, root=tmp_path).memory_bytes == 4 * 2**30
+
+
+# --- The seventh pass's
+
+
+def test_hidden_share_names_an_end_beyond_any_float():
+    """G11: hidden_share([(0, 10**400)], []) raised a bare OverflowError."""
+    with pytest.raises(ValueError, match=r"^copies: expected \(start, end\) pairs of finite"):
+        grading.hidden_share([(0, 10**400)], [])
+
+
+def test_the_device_need_names_a_bad_config_or_bucket_size():
+    """G35, G38: bucket_bytes=0 gave a result; config=None an AttributeError."""
+    with pytest.raises(ValueError, match=r"^config: expected a GPTConfig; got NoneType"):
+        capacity.offloaded_need(None, 2)
+    with pytest.raises(ValueError, match=r"^bucket_bytes: expected a positive whole number"):
+        capacity.offloaded_need(TINY, 2, bucket_bytes=0)
+    assert capacity.offloaded_need(TINY, 2, bucket_bytes=np.int64(2**20)).total > 0
+
+
+def test_user_limits_refuse_a_memory_cap_under_a_byte(tmp_path):
+    """G41: UserLimits(0.5, 1) set a cap of 0 bytes."""
+    with pytest.raises(ValueError, match=r"^memory_bytes: expected at least one byte"):
+        UserLimits(0.5, 1, root=tmp_path)
+
+
+# --- The eighth pass's
+
+
+def test_a_small_numpy_bucket_size_does_not_overflow():
+    """G15, G16: bucket_bytes=np.int16(30000) reported 24,464 bytes of buffers, not 90,000."""
+    need = capacity.offloaded_need(TINY, 2, bucket_bytes=np.int16(30000))
+    assert need.buffers == 90000 and type(need.buffers) is int
+
+
+def test_user_limits_name_a_cap_beyond_any_float(tmp_path):
+    """G27: UserLimits(10**400, 1) raised a bare OverflowError."""
+    with pytest.raises(ValueError, match=r"^memory_bytes: expected a positive number"):
+        UserLimits(10**400, 1, root=tmp_path)

@@ -177,7 +177,8 @@ def test_remove_after_close_leaves_a_file_that_took_the_name(tmp_path):
         tier.close()
         os.unlink(path)
         path.write_text("user data")
-        tier.remove()
+        with pytest.warns(UserWarning, match="left in place"):
+            tier.remove()
         assert path.read_text() == "user data"
         path.unlink()
     tier = FileTier(path, 10)
@@ -219,3 +220,240 @@ def test_adamw_takes_the_groups_and_back():
         optimizer.load_state_dict(reference.state_dict())
     finally:
         optimizer.close()
+
+
+# --- The seventh pass's findings (282 fresh probes), each failing before its fix
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_batch_thrown_away_is_thrown_away_under_the_delayed_update_too(delayed):
+    """With delayed_update=True, zero_grad() after a backward kept that batch's gradients: they
+    went into the next step (the bucket, its update pending, was skipped)."""
+
+    def run(drop):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        optimizer = ol.CPUOffloadAdam(model.parameters(), delayed_update=delayed, weight_decay=0)
+        try:
+            for batch in range(2):
+                if drop and batch == 1:
+                    (-1000 * model(X).sum()).backward()
+                    optimizer.zero_grad()
+                model(X).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            optimizer.synchronize()
+            return model.weight.detach().clone()
+        finally:
+            optimizer.close()
+
+    assert torch.equal(run(drop=True), run(drop=False))
+
+
+def test_a_parameter_moved_to_another_group_is_refused_not_updated_with_the_old_settings():
+    """AdamW uses the new group's lr; the buckets kept the old group's (a 1.15e-2 drift)."""
+    model = nn.Linear(4, 2)
+    optimizer = ol.CPUOffloadAdam(
+        [{"params": [model.weight]}, {"params": [model.bias], "lr": 1e-2}]
+    )
+    try:
+        optimizer.param_groups[1]["params"].append(optimizer.param_groups[0]["params"].pop())
+        model(X).sum().backward()
+        with pytest.raises(RuntimeError, match=r"0 parameter\(s\) left param_groups and 1 moved"):
+            optimizer.step()
+        with pytest.raises(RuntimeError, match="moved to another group"):
+            optimizer.state_dict()  # (a bare KeyError for a removed one, before)
+    finally:
+        optimizer.close()
+
+
+def test_adams_l2_decay_set_on_a_group_is_refused():
+    """group["decoupled_weight_decay"] = False asks for torch.optim.Adam's decay; it was ignored."""
+    model = nn.Linear(4, 2)
+    optimizer = ol.CPUOffloadAdam(model.parameters(), weight_decay=0.1)
+    try:
+        optimizer.param_groups[0]["decoupled_weight_decay"] = False
+        model(X).sum().backward()
+        with pytest.raises(ValueError, match=r"decoupled_weight_decay: .* expected True"):
+            optimizer.step()
+    finally:
+        optimizer.close()
+
+
+def test_a_deleted_group_key_is_named():
+    model = nn.Linear(4, 2)
+    optimizer = ol.CPUOffloadAdam(model.parameters())
+    try:
+        del optimizer.param_groups[0]["betas"]
+        model(X).sum().backward()
+        with pytest.raises(ValueError, match=r"^param_groups\[0\]: expected 'betas' in the group"):
+            optimizer.step()
+    finally:
+        optimizer.close()
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "capturable"])
+def test_an_adamw_flag_that_is_not_a_bool_is_named_as_such(flag):
+    with pytest.raises(ValueError, match=rf"^{flag}: expected False \(AdamW's default\); got 'no'"):
+        ol.CPUOffloadAdam(nn.Linear(4, 2).parameters(), **{flag: "no"})
+
+
+def test_a_link_class_instead_of_a_link_is_refused_by_name():
+    """link=EmulatedLink (the class) passed the duck-typed check, then failed inside."""
+    from offloadlab.link import EmulatedLink
+
+    with pytest.raises(ValueError, match=r"^link: expected an offloadlab.link.Link"):
+        ol.CPUOffloadAdam(nn.Linear(4, 2).parameters(), link=EmulatedLink)
+    with pytest.raises(ValueError, match=r"^link: expected an offloadlab.link.Link"):
+        ol.Prefetcher([torch.ones(3)], EmulatedLink)
+
+
+def test_the_loss_scaler_takes_numpy_numbers_and_true_or_false_only():
+    from offloadlab.offload.loss_scaler import LossScaler
+
+    scaler = LossScaler(init_scale=np.float32(1024), growth_interval=np.int64(100))
+    assert (scaler.scale, scaler.growth_interval) == (1024.0, 100)
+    assert type(scaler.growth_interval) is int
+    assert LossScaler.from_argument(np.float32(128)).scale == 128.0
+    with pytest.raises(ValueError, match=r"^dynamic: expected True or False; got 'no'"):
+        LossScaler(dynamic="no")
+
+
+def test_an_adamw_state_dict_with_numpy_step_counts_loads():
+    torch.manual_seed(0)
+    ours, theirs = nn.Linear(4, 2), nn.Linear(4, 2)
+    reference = torch.optim.AdamW(theirs.parameters())
+    theirs(X).sum().backward()
+    reference.step()
+    saved = reference.state_dict()
+    for entry in saved["state"].values():
+        entry["step"] = np.int64(entry["step"].item())
+    optimizer = ol.CPUOffloadAdam(ours.parameters())
+    try:
+        optimizer.load_state_dict(saved)
+        assert [int(e["step"]) for e in optimizer.state_dict()["state"].values()] == [1, 1]
+    finally:
+        optimizer.close()
+
+
+def test_numpy_integers_count_wherever_python_ints_do(tmp_path):
+    with ol.open_link(emulated=True) as link:
+        prefetcher = ol.Prefetcher(
+            [torch.ones(3)] * 3, link, buffers=np.int64(2), depth=np.int64(1)
+        )
+        assert [item.sum().item() for item in prefetcher] == [3.0] * 3
+    tier = FileTier(
+        tmp_path / "t", np.int64(1024), block_bytes=np.int64(4096), queue_depth=np.int64(4)
+    )
+    try:
+        tier.write(np.int64(0), torch.ones(1024))
+    finally:
+        tier.remove()
+
+
+def test_remove_leaves_a_file_another_handle_holds_and_says_so(tmp_path):
+    """A closed tier's remove() deleted the file while another FileTier had it open and locked."""
+    path = tmp_path / "t"
+    tier = FileTier(path, 1024)
+    tier.close()
+    other = FileTier.open(path)
+    with pytest.warns(UserWarning, match="another FileTier holds it open"):
+        tier.remove()
+    assert path.exists()
+    other.close()
+    tier.remove()
+    assert not path.exists()
+
+
+def test_remove_says_when_it_leaves_a_changed_file(tmp_path):
+    path = tmp_path / "t"
+    tier = FileTier(path, 1024)
+    tier.close()
+    os.chmod(path, 0o600)  # its change time moves
+    with pytest.warns(UserWarning, match="left in place: it is not this tier's file"):
+        tier.remove()
+    assert path.exists()
+
+
+def test_a_fifo_is_not_a_tier_file(tmp_path):
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    with pytest.raises(
+        ValueError, match=r"^path: .* is not an offloadlab tier file \(not a file\)"
+    ):
+        FileTier.open(fifo)
+
+
+def test_a_state_dict_taken_after_an_eager_update_began_says_it_holds_it():
+    """I17: state_dict() between backward and step() under the eager schedule held this step's
+    update in silence (AdamW's would not before step())."""
+    model = nn.Linear(4, 2)
+    optimizer = ol.CPUOffloadAdam(model.parameters(), accumulation_steps=1)
+    try:
+        model(X).sum().backward()
+        with pytest.warns(UserWarning, match=r"state_dict\(\) without step\(\) .* holds that"):
+            optimizer.state_dict()
+        optimizer.step()
+    finally:
+        optimizer.close()
+
+
+# --- The eighth pass's findings (160 fresh probes), each failing before its fix
+
+
+def test_numpy_integers_are_refused_by_name_where_they_would_overflow_later():
+    """numpy's np.int32 sizes overflowed in silence (a negative parameter count) once accepted."""
+    from offloadlab import memory
+
+    with pytest.raises(ValueError, match=r"\(a numpy integer: pass int\(\.\.\.\)\)$"):
+        memory.transformer_params(
+            layers=np.int32(80), hidden=np.int32(8192), vocab=np.int32(128256)
+        )
+
+
+def test_the_engine_setup_checks_what_it_writes_for_the_optimizer():
+    """lr=-1, betas=(0.9,), weight_decay="0.1" and recompute="no" went into DeepSpeed's config."""
+    from offloadlab import engines
+
+    for bad, message in (
+        ({"lr": -1}, r"^lr: expected a number ≥ 0"),
+        ({"betas": (0.9,)}, r"^betas: expected two numbers in \[0, 1\)"),
+        ({"weight_decay": "0.1"}, r"^weight_decay: expected a number ≥ 0"),
+        ({"recompute": "no"}, r"^recompute: expected True or False"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            engines.Setup(**bad)
+    setup = engines.Setup(clipping=np.float32(1.0), lr=np.float32(1e-4))
+    assert type(setup.clipping) is float and type(setup.lr) is float
+
+
+def test_a_false_numpy_flag_is_off_as_for_adamw():
+    optimizer = ol.CPUOffloadAdam(nn.Linear(4, 2).parameters(), amsgrad=np.False_)
+    optimizer.close()
+
+
+def test_an_int_beyond_any_float_is_named():
+    from offloadlab.offload.loss_scaler import LossScaler
+
+    with pytest.raises(ValueError, match=r"^init_scale: expected a positive number"):
+        LossScaler(init_scale=10**400)
+
+
+def test_the_loss_scaler_restores_what_it_saves():
+    """load_state_dict ignored growth_interval, growth_factor, backoff_factor and dynamic, refused
+    a numpy scale and met a string with an AttributeError."""
+    from offloadlab.offload.loss_scaler import LossScaler
+
+    saved = LossScaler(
+        init_scale=512, growth_factor=4.0, backoff_factor=0.25, growth_interval=7, dynamic=False
+    ).state_dict()
+    saved["scale"] = np.float32(512)
+    restored = LossScaler()
+    restored.load_state_dict(saved)
+    assert (restored.scale, restored.growth_factor, restored.backoff_factor) == (512, 4.0, 0.25)
+    assert (restored.growth_interval, restored.dynamic) == (7, False)
+    with pytest.raises(ValueError, match=r"^state_dict: offload: expected the dict"):
+        restored.load_state_dict("x")
+    with pytest.raises(ValueError, match=r"^state_dict: offload: init_scale: expected"):
+        restored.load_state_dict({"scale": -1})
+    assert restored.scale == 512

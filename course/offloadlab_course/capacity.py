@@ -74,7 +74,12 @@ def offloaded_need(
 ) -> DeviceNeed:
     """The device memory of training ``config`` on ``batch`` sequences under CPUOffloadAdam, with
     device weights in ``dtype`` and buckets of ``bucket_bytes`` (see the module docstring)."""
-    batch = check_integer(plain_scalar(batch), "batch")  # numpy's integers too
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"config: expected a GPTConfig; got {type(config).__name__}")
+    batch = check_integer(plain_scalar(batch), "batch")  # (numpy's integers as Python's)
+    bucket_bytes = check_integer(
+        plain_scalar(bucket_bytes), "bucket_bytes", expected="a positive whole number of bytes"
+    )
     params = config.params
     itemsize = torch.tensor([], dtype=dtype).element_size()
     buffers = 3 * bucket_bytes  # two gather buffers and the staging buffer of the weights going up

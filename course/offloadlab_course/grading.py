@@ -720,7 +720,12 @@ def _intervals(intervals, name: str) -> list[tuple[float, float]]:
         except (TypeError, ValueError):
             raise ValueError(f"{expected}; got {item!r}") from None
         for t in (start, end):
-            if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
+            try:
+                real = isinstance(t, numbers.Real) and not isinstance(t, bool)
+                finite = real and math.isfinite(t)
+            except OverflowError:  # an int beyond any float
+                finite = False
+            if not finite:
                 raise ValueError(f"{expected}; got {item!r}")
         if not end >= start:  # (a reversed interval would cancel real time)
             raise ValueError(f"{name}: interval ({start}, {end}) ends before it starts")

@@ -47,6 +47,8 @@ class UserLimits:
 
     def __init__(self, memory_bytes: int, cpus: float, root: Path = CGROUPS):
         self.memory_bytes = int(check_positive(plain_scalar(memory_bytes), "memory_bytes"))
+        if self.memory_bytes < 1:
+            raise ValueError(f"memory_bytes: expected at least one byte; got {memory_bytes!r}")
         self.cpus, self.root = check_positive(plain_scalar(cpus), "cpus"), root
         groups = own_groups(Path("/proc/self/cgroup").read_text(encoding="utf-8"))
         self.unified = (root / "cgroup.controllers").exists()  # v2 only, no v1 hierarchy

@@ -71,7 +71,7 @@ def check_link(link, optional: bool = False) -> None:
     """ValueError unless ``link`` is a :class:`Link`, or an object that answers its calls (a
     wrapper that counts them, say), or with ``optional`` None: a string such as "emulated" would
     fail later with an AttributeError from inside."""
-    answers = all(hasattr(link, call) for call in _LINK_CALLS)
+    answers = not isinstance(link, type) and all(hasattr(link, call) for call in _LINK_CALLS)
     if not (isinstance(link, Link) or answers or (optional and link is None)):
         none = " or None" if optional else ""
         raise ValueError(

@@ -13,7 +13,7 @@ import time
 import torch
 
 from .. import cpu_adam
-from ..units import is_integer
+from ..units import is_integer, plain_scalar
 from .aio import all_of
 from .direct_io import aligned_empty, round_up
 from .tier import FileTier
@@ -94,7 +94,7 @@ def adam_from_file(
             f"exp_avg: expected the three files at one step; got steps {[t.step for t in tiers]} "
             "(open_state reopens them at the step they all hold)"
         )
-    step = master.step + 1 if step is None else step
+    step = master.step + 1 if step is None else plain_scalar(step)  # (numpy's as Python's)
     if step != master.step + 1:
         raise ValueError(
             f"step: expected {master.step + 1}, one more than the files' committed step; got "
@@ -107,7 +107,7 @@ def adam_from_file(
             f"{[t.block for t in tiers]} elements"
         )
     # reads of one chunk + writes of another fill the depth
-    chunk = chunk or block * max(1, master.queue_depth // 2)
+    chunk = plain_scalar(chunk) or block * max(1, master.queue_depth // 2)
     if not is_integer(chunk) or chunk <= 0 or chunk % block:
         raise ValueError(
             f"chunk: expected a positive multiple of the tiers' block ({block} elements); got "

@@ -15,14 +15,14 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..files import write_all
-from ..units import check_integer
+from ..units import check_integer, plain_scalar
 from .direct_io import PAGE, round_up
 
 __all__ = ["BlockQueue", "checked_depth", "all_of"]
 
 
 def checked_depth(depth) -> int:
-    return check_integer(depth, "queue_depth", 1, 1024)
+    return check_integer(plain_scalar(depth), "queue_depth", 1, 1024)  # (numpy's as Python's)
 
 
 class BlockQueue:

@@ -14,7 +14,7 @@ from array import array
 
 import torch
 
-from ..units import check_integer, is_integer
+from ..units import check_integer, is_integer, plain_scalar
 from .direct_io import PAGE, round_up
 
 __all__ = ["FORMAT_VERSION", "ChecksumError", "FileLayout", "new_layout", "DTYPES"]
@@ -150,6 +150,7 @@ class FileLayout:
 
 def new_layout(numel, dtype, block_bytes, init, checksums) -> FileLayout:
     """The layout of a new tier, every argument checked before any file is made."""
+    numel, block_bytes = plain_scalar(numel), plain_scalar(block_bytes)  # (numpy's as Python's)
     check_integer(numel, "numel")
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}; got {dtype!r}")

@@ -12,7 +12,9 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 import threading
+import warnings
 import zlib
 from array import array
 from concurrent.futures import Future
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..units import format_size, is_integer
+from ..units import format_size, is_integer, plain_scalar
 from . import direct_io
 from .aio import BlockQueue, all_of, checked_depth
 from .direct_io import PAGE, round_up
@@ -125,6 +127,8 @@ class FileTier:
         tier = cls.__new__(cls)
         fd = tier._fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"path: {str(path)!r} is not an offloadlab tier file (not a file)")
             head = os.pread(fd, PAGE, 0)
             if len(head) < PAGE:
                 raise ValueError(f"path: {str(path)!r} is not an offloadlab tier file (too short)")
@@ -229,6 +233,7 @@ class FileTier:
     def _blocks(self, start: int, tensor: torch.Tensor, name: str) -> list[tuple[int, int, int]]:
         """Check a transfer and cut it into (block, first element, past-the-last element) pieces."""
         self._check_open()
+        start = plain_scalar(start)  # (numpy's integers as Python's)
         if (
             not isinstance(tensor, torch.Tensor)
             or tensor.dtype != self.dtype
@@ -239,7 +244,7 @@ class FileTier:
                 f"{name}: expected a contiguous host tensor of {self.dtype}; got "
                 f"{getattr(tensor, 'dtype', type(tensor).__name__)}"
             )
-        stop = start + tensor.numel() if isinstance(start, int) else None
+        stop = start + tensor.numel() if is_integer(start) else None
         if not is_integer(start) or start < 0 or stop > self.numel or stop == start:
             raise ValueError(
                 f"start: expected a non-empty range inside [0, {self.numel}); got {start!r}"
@@ -480,21 +485,50 @@ class FileTier:
     def remove(self) -> None:
         """Close, and delete the file if its path still names this tier's file, not another's that
         took the name: while the tier is open its inode says so (the open file keeps it), once
-        closed its inode, size and change time as the tier left them."""
+        closed its inode, size and change time as the tier left them, and no other handle may
+        hold it. Where it cannot delete, it says why and leaves the file."""
         if self.path is None:
             self._shut()
             return
         try:
             theirs = _identity(os.stat(self.path, follow_symlinks=False))
         except FileNotFoundError:
-            theirs = None
+            self._shut()
+            return
         if getattr(self, "_fd", None) is not None:
             mine = _identity(os.fstat(self._fd))
             if theirs == mine:
                 os.unlink(self.path)
             self._shut()
-        elif theirs is not None and theirs == self._identity:
-            os.unlink(self.path)
+        else:
+            mine = self._identity
+            if theirs == mine and not self._unlink_unless_held():
+                return
+        if theirs != mine:
+            warnings.warn(
+                f"FileTier.remove(): {str(self.path)!r} left in place: it is not this tier's file "
+                "as the tier left it (a link, another file that took the name, or changed since)",
+                stacklevel=2,
+            )
+
+    def _unlink_unless_held(self) -> bool:
+        """Delete the closed tier's file unless another handle holds its lock (it says so)."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            warnings.warn(
+                f"FileTier.remove(): {str(self.path)!r} left in place: another FileTier holds it "
+                "open",
+                stacklevel=3,
+            )
+            return False
+        else:
+            if _identity(os.fstat(fd)) == self._identity:
+                os.unlink(self.path)
+            return True
+        finally:
+            os.close(fd)
 
     def __enter__(self):
         return self

@@ -567,7 +567,7 @@ class OffloadEngine:
         """Before a step or a clip: close a backward pass that raised, and take in gradients left in
         ``.grad`` (see :meth:`GradientIntake.take_existing`)."""
         self.intake.settle()
-        self._check_no_param_removed()
+        self.check_groups_as_made()
         self._check_unmanaged_gradients()
         self.intake.take_loose()
 
@@ -605,19 +605,25 @@ class OffloadEngine:
     def _record_arrival(self, lane, interval, label) -> None:
         self.timeline.record(lane, interval, label, self.step_count + 1)
 
-    def _check_no_param_removed(self) -> None:
-        """AdamW stops updating a parameter taken out of its groups; this optimizer's buckets are
-        laid out once, so it refuses instead of updating it on."""
-        in_groups = {id(p) for group in self.param_groups for p in group["params"]}
-        managed = [p for b in self.intake.buckets for p in b.params]
-        managed += [p for part in self.on_device for p in part.params]
-        removed = sum(id(p) not in in_groups for p in managed)
-        if removed:
+    def check_groups_as_made(self) -> None:
+        """AdamW stops updating a parameter taken out of its groups, and updates one moved to
+        another group with that group's settings; this optimizer's buckets are laid out once, so
+        it refuses either instead of going on as before."""
+        group_of = {id(p): group for group in self.param_groups for p in group["params"]}
+        buckets = [*self.intake.buckets, *(b for part in self.on_device for b in part.buckets)]
+        removed = moved = 0
+        for bucket in buckets:
+            for p, made_in in zip(bucket.params, bucket.groups):
+                now_in = group_of.get(id(p))
+                removed += now_in is None
+                moved += now_in is not None and now_in is not made_in
+        if removed or moved:
             raise RuntimeError(
-                f"CPUOffloadAdam: {removed} parameter(s) left param_groups after the optimizer was "
-                "made; torch.optim.AdamW would stop updating them, but this optimizer's buckets "
-                "are fixed. Freeze them instead (p.requires_grad_(False)), or make the optimizer "
-                "again over the parameters to train"
+                f"CPUOffloadAdam: {removed} parameter(s) left param_groups and {moved} moved to "
+                "another group after the optimizer was made; torch.optim.AdamW would stop "
+                "updating them or use the new group's settings, but this optimizer's buckets are "
+                "fixed. Freeze a parameter instead (p.requires_grad_(False)), set a group's "
+                "values, or make the optimizer again"
             )
 
     def _check_unmanaged_gradients(self) -> None:
@@ -798,8 +804,7 @@ class OffloadEngine:
                 "starts during backward, before anything can be clipped; pass max_grad_norm=… to "
                 "the constructor instead"
             )
-        self.intake.settle()
-        self.intake.take_loose()
+        self._take_in_gradients()
         norm = self.gradient_norm()
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(
@@ -840,7 +845,7 @@ class OffloadEngine:
             return
         if self.eager_after is not None and self._submitted():
             # updates that started during backward: their step is finished, not left half-done
-            self._say_eager_update_stands("zero_grad()")
+            self.say_if_update_began("zero_grad()")
             self.step()
         self._zeroed_since_step = True
         self._note_zero_grad(
@@ -853,17 +858,23 @@ class OffloadEngine:
             streamed.settle()
         self.intake.settle()
         for bucket in self.host.buckets:
-            if not bucket.submitted:  # a submitted bucket's gradients already belong to an update
-                bucket.discard()
+            # (a submitted bucket, its delayed update pending, has handed that step's gradients
+            # over: what it holds now are the next step's)
+            bucket.discard()
 
-    def _say_eager_update_stands(self, call: str) -> None:
+    def say_if_update_began(self, call: str, effect: str | None = None) -> None:
+        """Warn when ``call`` comes between a backward pass whose eager update began and step()."""
+        if self.eager_after is None or not self._submitted():
+            return
         began, buckets = len(self._submitted()), len(self.host.buckets)
+        effect = effect or (
+            "an update cannot be taken back, so those buckets' update stands as this step, where "
+            "torch.optim.AdamW would drop the gradients. Under the eager schedule, drop a batch "
+            "before its last backward pass"
+        )
         warn_user(
             f"CPUOffloadAdam: {call} without step() after a backward pass whose update had begun "
-            f"(accumulation_steps={self.eager_after}; {began} of {buckets} bucket(s)): an "
-            f"update cannot be taken back, so those buckets' update stands as this step, where "
-            f"torch.optim.AdamW would drop the gradients. Under the eager schedule, drop a batch "
-            f"before its last backward pass"
+            f"(accumulation_steps={self.eager_after}; {began} of {buckets} bucket(s)): {effect}"
         )
 
     def synchronize(self) -> None:
@@ -896,8 +907,7 @@ class OffloadEngine:
             return
         try:
             if self.worker.error is None:
-                if self.eager_after is not None and self._submitted():
-                    self._say_eager_update_stands("close()")
+                self.say_if_update_began("close()")
                 self.synchronize()
                 if return_gradients:
                     self._return_gradients()

@@ -331,6 +331,15 @@ def check_group(group: dict, where: str = "") -> None:
             raise ValueError(
                 f"{where}{flag}: CPUOffloadAdam does not implement it; got {group[flag]!r}"
             )
+    if not group.get("decoupled_weight_decay", True) and group.get("weight_decay"):
+        raise ValueError(  # torch.optim.Adam's decay, added to the gradient
+            f"{where}decoupled_weight_decay: CPUOffloadAdam decays weights as AdamW does; "
+            f"expected True (or weight_decay 0); got {group['decoupled_weight_decay']!r}"
+        )
+    missing = [key for key in ("lr", "betas", "eps", "weight_decay") if key not in group]
+    if missing:
+        keys = ", ".join(map(repr, missing))
+        raise ValueError(f"{where}expected {keys} in the group, as AdamW's groups have; missing")
     check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
 
 
@@ -341,6 +350,7 @@ def _step_count(value, where: str) -> int:
                 f"{where}step: expected a single number; got a tensor of shape {tuple(value.shape)}"
             )
         value = value.item()
+    value = plain_scalar(value)  # (numpy's numbers as Python's)
     if not is_number(value) or value < 0 or value != int(value):
         raise ValueError(f"{where}step: expected a whole number of steps ≥ 0; got {value!r}")
     return int(value)

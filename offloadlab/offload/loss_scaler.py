@@ -8,7 +8,7 @@ gradients overflowed (an inf or nan anywhere) is skipped and the scale multiplie
 
 from __future__ import annotations
 
-from ..units import check_integer, is_number
+from ..units import check_integer, is_number, plain_scalar
 
 __all__ = ["LossScaler"]
 
@@ -30,6 +30,11 @@ class LossScaler:
         growth_interval: int = 2000,
         dynamic: bool = True,
     ):
+        init_scale, growth_factor, backoff_factor, growth_interval = map(
+            plain_scalar, (init_scale, growth_factor, backoff_factor, growth_interval)
+        )  # (numpy's numbers as Python's)
+        if not isinstance(dynamic, bool):  # ("no" is true to Python)
+            raise ValueError(f"dynamic: expected True or False; got {dynamic!r}")
         self.scale = _positive(init_scale, "init_scale")
         self.growth_factor = _positive(growth_factor, "growth_factor")
         self.backoff_factor = _positive(backoff_factor, "backoff_factor")
@@ -37,8 +42,8 @@ class LossScaler:
             raise ValueError(f"growth_factor: expected a number > 1; got {growth_factor!r}")
         if self.backoff_factor >= 1:
             raise ValueError(f"backoff_factor: expected a number < 1; got {backoff_factor!r}")
-        check_integer(growth_interval, "growth_interval")
-        self.growth_interval, self.dynamic = growth_interval, bool(dynamic)
+        self.growth_interval = check_integer(growth_interval, "growth_interval")
+        self.dynamic = dynamic
         self.good_steps = 0  # steps in a row without overflow
         self.skipped_steps = 0  # steps skipped for overflow, over the whole run
 
@@ -48,7 +53,8 @@ class LossScaler:
         ``loss_scale`` takes)."""
         if isinstance(loss_scale, cls):
             return loss_scale
-        if loss_scale == "dynamic":
+        loss_scale = plain_scalar(loss_scale)  # (numpy's numbers as Python's)
+        if isinstance(loss_scale, str) and loss_scale == "dynamic":
             return cls()
         if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
             return cls(init_scale=_positive(loss_scale, "loss_scale"), dynamic=False)
@@ -80,10 +86,27 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore from :meth:`state_dict` (validated before anything changes)."""
-        scale = _positive(state.get("scale", self.scale), "state_dict: offload: loss_scale")
-        counts = {k: state.get(k, getattr(self, k)) for k in ("good_steps", "skipped_steps")}
+        """Restore from :meth:`state_dict`, the scale, its counts and its knobs (validated
+        before anything changes)."""
+        if not isinstance(state, dict):
+            raise ValueError(
+                f"state_dict: offload: expected the dict LossScaler.state_dict() gives; got "
+                f"{type(state).__name__}"
+            )
+        saved = {key: plain_scalar(value) for key, value in state.items()}
+        try:
+            restored = LossScaler(
+                init_scale=saved.get("scale", self.scale),
+                growth_factor=saved.get("growth_factor", self.growth_factor),
+                backoff_factor=saved.get("backoff_factor", self.backoff_factor),
+                growth_interval=saved.get("growth_interval", self.growth_interval),
+                dynamic=saved.get("dynamic", self.dynamic),
+            )
+        except ValueError as error:
+            raise ValueError(f"state_dict: offload: {error}") from None
+        counts = {k: saved.get(k, getattr(self, k)) for k in ("good_steps", "skipped_steps")}
         for name, value in counts.items():
-            check_integer(value, f"state_dict: offload: {name}", 0, expected="a whole number ≥ 0")
-        self.scale = scale
-        self.good_steps, self.skipped_steps = counts["good_steps"], counts["skipped_steps"]
+            counts[name] = check_integer(
+                value, f"state_dict: offload: {name}", 0, expected="a whole number ≥ 0"
+            )
+        self.__dict__.update(restored.__dict__, **counts)

@@ -168,8 +168,10 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             amsgrad=amsgrad, maximize=maximize, capturable=capturable, differentiable=differentiable
         )
         for flag, value in flags.items():
-            if value:
-                raise ValueError(f"{flag}: CPUOffloadAdam does not implement it; got {value!r}")
+            if value is True:
+                raise ValueError(f"{flag}: CPUOffloadAdam does not implement it; got True")
+            if value:  # AdamW switches the option on for any true value ("no" is one)
+                raise ValueError(f"{flag}: expected False (AdamW's default); got {value!r}")
         for flag, value in (("foreach", foreach), ("fused", fused)):
             if not (value is None or isinstance(value, bool)):
                 raise ValueError(f"{flag}: expected True, False or None; got {value!r}")
@@ -444,6 +446,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
             hook(self)
         self._shards.settle()
         self._shards.mark_caller(self._engine.link)
+        self._engine.check_groups_as_made()
+        self._engine.say_if_update_began(
+            "state_dict()",
+            "the state holds that update, which torch.optim.AdamW's would not "
+            "hold before step(). Save it after step()",
+        )
         self._engine.synchronize()
         holders = [self._engine.host, *self._engine.on_device]
         state_dict = export_state(holders, self._engine_groups)

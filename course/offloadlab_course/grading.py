@@ -662,26 +662,32 @@ def _lab03_steps(
         return [(t.start, t.end) for t in recording.transfers if t.direction == "h2d"]
 
     run()  # a warm-up: the first pass allocates
-    copies = run()
-    computes = work_intervals()
-    if len(computes) != steps:
-        return Outcome(
-            False,
-            f"✗ challenge: the work ran {len(computes)} times in {steps} steps; launch it once a "
-            "step",
-        )
-    bad = wrong.cpu().nonzero()
-    if len(bad):
-        return Outcome(
-            False,
-            f"✗ challenge: step {int(bad[0])}'s check read the bytes of another step: was the "
-            "copy ordered after the last use of the buffer, and the compute after the copy?",
-        )
-    copy_total = sum(end - start for start, end in copies)
-    behind = hidden_share(copies, computes) * copy_total
-    # each step's shorter side
-    could = sum(min(end - start, copy_total / steps) for start, end in computes)
-    achieved = behind / could if could > 0 else 0.0
+    achieved = 0.0
+    # The best of up to three passes: on a machine busy with other work the emulated link's copy
+    # thread can be starved for one pass; a step whose copy does not overlap misses in all three.
+    for _ in range(3):
+        copies = run()
+        computes = work_intervals()
+        if len(computes) != steps:
+            return Outcome(
+                False,
+                f"✗ challenge: the work ran {len(computes)} times in {steps} steps; launch it once "
+                "a step",
+            )
+        bad = wrong.cpu().nonzero()
+        if len(bad):
+            return Outcome(
+                False,
+                f"✗ challenge: step {int(bad[0])}'s check read the bytes of another step: was the "
+                "copy ordered after the last use of the buffer, and the compute after the copy?",
+            )
+        copy_total = sum(end - start for start, end in copies)
+        behind = hidden_share(copies, computes) * copy_total
+        # each step's shorter side
+        could = sum(min(end - start, copy_total / steps) for start, end in computes)
+        achieved = max(achieved, behind / could if could > 0 else 0.0)
+        if achieved >= share:
+            break
     passed = achieved >= share
     return Outcome(
         passed,

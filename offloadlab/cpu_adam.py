@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from . import cores, kernel_build
-from .units import check_integer, is_number, plain_scalar
+from .units import check_adamw_settings, check_integer, is_number, plain_scalar
 
 __all__ = [
     "adamw_step",
@@ -397,16 +397,8 @@ def adamw_step(
     """
     n = _check_arrays(master, exp_avg, exp_avg_sq, grad, out)
     check_integer(step, "step", expected="the 1-based step count")
-    if not (
-        isinstance(betas, (tuple, list))
-        and len(betas) == 2
-        and all(is_number(plain_scalar(b)) and 0 <= b < 1 for b in betas)
-    ):
-        raise ValueError(f"betas: expected two numbers in [0, 1); got {betas!r}")
+    check_adamw_settings(lr, betas, eps, weight_decay)
     beta1, beta2 = map(float, betas)
-    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        if not (is_number(plain_scalar(value)) and value >= 0):
-            raise ValueError(f"{name}: expected a number ≥ 0; got {value!r}")
     if not is_number(plain_scalar(grad_scale)):
         raise ValueError(f"grad_scale: expected a finite number; got {grad_scale!r}")
     threads = _check_threads(threads)

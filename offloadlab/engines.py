@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from . import sharding
 from .units import (
+    check_adamw_settings,
     check_integer,
     format_duration,
     format_size,
@@ -121,17 +122,8 @@ class Setup:
         # what the configurations write for the optimizer, checked as AdamW checks it
         for name in ("lr", "eps", "weight_decay", "clipping", "offload_ratio"):
             object.__setattr__(self, name, plain_scalar(getattr(self, name)))  # (for JSON)
-        for name in ("lr", "eps", "weight_decay"):
-            if not (is_number(getattr(self, name)) and getattr(self, name) >= 0):
-                raise ValueError(f"{name}: expected a number ≥ 0; got {getattr(self, name)!r}")
-        betas = self.betas
-        if not (
-            isinstance(betas, (tuple, list))
-            and len(betas) == 2
-            and all(is_number(plain_scalar(b)) and 0 <= b < 1 for b in betas)
-        ):
-            raise ValueError(f"betas: expected two numbers in [0, 1); got {betas!r}")
-        object.__setattr__(self, "betas", tuple(float(b) for b in betas))
+        check_adamw_settings(self.lr, self.betas, self.eps, self.weight_decay)
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         if not isinstance(self.recompute, bool):  # ("no" is true to Python)
             raise ValueError(f"recompute: expected True or False; got {self.recompute!r}")
         if self.gpus % self.nodes:

@@ -216,6 +216,29 @@ def plain_scalar(value):
     return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
+def check_adamw_settings(lr, betas, eps, weight_decay, where: str = "") -> None:
+    """ValueError naming the first of AdamW's settings it would not accept: numbers (numpy's, or a
+    one-element float tensor, as AdamW takes) ≥ 0, and two betas in [0, 1)."""
+
+    def number(x):
+        if getattr(x, "is_floating_point", lambda: False)() and x.numel() == 1:
+            x = x.item()
+        return is_number(plain_scalar(x))
+
+    if not (number(lr) and lr >= 0):
+        raise ValueError(f"{where}lr: expected a number ≥ 0; got {lr!r}")
+    if not (
+        isinstance(betas, (tuple, list))
+        and len(betas) == 2
+        and all(number(b) and 0 <= b < 1 for b in betas)
+    ):
+        raise ValueError(f"{where}betas: expected two numbers in [0, 1); got {betas!r}")
+    if not (number(eps) and eps >= 0):
+        raise ValueError(f"{where}eps: expected a number ≥ 0; got {eps!r}")
+    if not (number(weight_decay) and weight_decay >= 0):
+        raise ValueError(f"{where}weight_decay: expected a number ≥ 0; got {weight_decay!r}")
+
+
 def is_number(value) -> bool:
     """True for a finite Python int or float that is not a bool."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):

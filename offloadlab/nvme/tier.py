@@ -31,9 +31,9 @@ from .format import ChecksumError, FileLayout, new_layout
 __all__ = ["FileTier"]
 
 
-def _identity(stat: os.stat_result) -> tuple:
+def _identity(status: os.stat_result) -> tuple:
     """What tells one file from another that later takes its name and freed inode number."""
-    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_ctime_ns
+    return status.st_dev, status.st_ino, status.st_size, status.st_ctime_ns
 
 
 class FileTier:

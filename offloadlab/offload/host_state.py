@@ -30,7 +30,7 @@ import threading
 import torch
 
 from ..link import Link
-from ..units import is_number, plain_scalar
+from ..units import check_adamw_settings, is_number, plain_scalar
 from .bucket import Bucket, Received
 
 __all__ = [
@@ -302,24 +302,7 @@ def export_state(holders: list, param_groups: list) -> dict:
 
 def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None:
     """ValueError naming the first hyperparameter AdamW would not accept."""
-
-    def number(x):
-        if isinstance(x, torch.Tensor) and x.numel() == 1 and x.is_floating_point():
-            x = x.item()  # AdamW takes a one-element tensor too
-        return is_number(plain_scalar(x))
-
-    if not (number(lr) and lr >= 0):
-        raise ValueError(f"{where}lr: expected a number ≥ 0; got {lr!r}")
-    if not (
-        isinstance(betas, (tuple, list))
-        and len(betas) == 2
-        and all(number(b) and 0 <= b < 1 for b in betas)
-    ):
-        raise ValueError(f"{where}betas: expected two numbers in [0, 1); got {betas!r}")
-    if not (number(eps) and eps >= 0):
-        raise ValueError(f"{where}eps: expected a number ≥ 0; got {eps!r}")
-    if not (number(weight_decay) and weight_decay >= 0):
-        raise ValueError(f"{where}weight_decay: expected a number ≥ 0; got {weight_decay!r}")
+    check_adamw_settings(lr, betas, eps, weight_decay, where)
 
 
 def check_group(group: dict, where: str = "") -> None:

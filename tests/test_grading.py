@@ -202,6 +202,41 @@ def adamw_silencing_the_counter(how):
     return trainer
 
 
+def adamw_hiding_gradients(how):
+    """A plain AdamW whose hooks take each gradient off its parameter as backward makes it and
+    keep it (or a copy) in a list of the trainer's own, handed back for the step: every gradient
+    is alive at the end of backward, 8 B/param, though no ``.grad`` holds one."""
+
+    def trainer(model):
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        hidden = {}
+
+        def hide(p):
+            hidden[p] = p.grad.clone() if how == "copies" else p.grad
+            p.grad = None
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(hide)
+
+        def step():
+            for p in params:
+                p.grad = hidden.pop(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step, [optimizer]
+
+    return trainer
+
+
+@pytest.mark.parametrize("how", ["keeps", "copies"])
+def test_lab01_gradients_kept_off_the_parameters_still_count(how, capsys):
+    outcome = grading.lab01_challenge(adamw_hiding_gradients(how), LAB01_MODEL, "cpu")
+    assert not outcome, outcome.line
+    assert "8.00 bytes of state a parameter at the peak" in outcome.line, outcome.line
+
+
 @pytest.mark.parametrize("how", ["rebinds", "clears"])
 def test_lab01_a_trainer_cannot_hide_backward_from_the_counter(how, monkeypatch):
     """The counter registers its hooks and reads storages with torch's own functions, kept when

@@ -21,8 +21,11 @@ import ast
 import contextlib
 import math
 import numbers
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from offloadlab.units import check_integer, check_non_negative, check_positive, is_number
 
@@ -53,6 +56,30 @@ _IS_TENSOR = torch.is_tensor
 _NUMEL, _ELEMENT_SIZE = torch.Tensor.numel, torch.Tensor.element_size
 _STORAGE, _OFFSET = torch.Tensor.untyped_storage, torch.Tensor.storage_offset
 _DATA_PTR = torch.UntypedStorage.data_ptr
+
+
+class _Kept(TorchDispatchMode):
+    """While on, every tensor an operation makes is noted by weak reference; ``alive()`` lists
+    those something still holds: a gradient a trainer copied into a list of its own, say."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def note(self, tensor) -> None:
+        if tensor is not None:
+            self.made.append(weakref.ref(tensor))
+
+    def alive(self) -> list:
+        tensors = [ref() for ref in self.made]
+        self.made = [ref for ref, t in zip(self.made, tensors) if t is not None]
+        return [t for t in tensors if t is not None]
+
 
 # Bytes per parameter that one AdamW step reads from disk and writes back: fp32 master weights
 # and both moments (lab 7, chapter 8).
@@ -138,8 +165,11 @@ def lab01_challenge(
     counted each time a gradient is complete inside backward (after the trainer's own hooks) and
     after each step (weights, gradients and optimizer state, each storage counted once; step
     counters left out). Counted after the step alone, an AdamW that frees its gradients only
-    then would pass, though it held them all at the end of backward. A gradient the counter did
-    not see (a trainer removed its hooks) fails the challenge."""
+    then would pass, though it held them all at the end of backward. Also counted: every
+    gradient backward made and every tensor the trainer's gradient hooks and ``step`` made, while
+    anything still holds them (a gradient kept in the trainer's own list, or a copy of it, is
+    state too). A gradient the counter did not see (a trainer removed its hooks) fails the
+    challenge."""
     from offloadlab.models import TinyGPT
 
     missing = _unanswered(trainer, "trainer", "trainer(model) -> (step, optimizers)")
@@ -153,6 +183,15 @@ def lab01_challenge(
     model.load_state_dict({k: v.to(torch.bfloat16) for k, v in reference.state_dict().items()})
     adamw = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     params = list(_PARAMETERS(model))  # (before the trainer runs)
+    kept, noting = _Kept(), []
+
+    def before_the_trainers_hooks(p):  # registered first, so it runs first
+        kept.note(_GRAD(p))
+        kept.__enter__()
+        noting.append(p)
+
+    for p in params:
+        _REGISTER_AFTER_GRADIENT(p, before_the_trainers_hooks)
     step, optimizers = trainer(model)
 
     def held_bytes() -> int:
@@ -160,6 +199,7 @@ def lab01_challenge(
         gradients = [_GRAD(p) for p in params]
         tensors = [*params, *(g for g in gradients if g is not None)]
         tensors += [v for o in optimizers for state in o.state.values() for v in state.values()]
+        tensors += kept.alive()
         for tensor in filter(_IS_TENSOR, tensors):
             numel = _NUMEL(tensor)
             key = (_DATA_PTR(_STORAGE(tensor)), _OFFSET(tensor), numel)
@@ -172,6 +212,9 @@ def lab01_challenge(
 
     def count_at_this_gradient(_):
         nonlocal peak, counted
+        if noting:  # (a trainer may have removed the hook before its own)
+            kept.__exit__(None, None, None)
+            noting.clear()
         peak, counted = max(peak, held_bytes()), counted + 1
 
     for p in params:  # after the trainer's hooks: what they free is not counted
@@ -186,7 +229,8 @@ def lab01_challenge(
         adamw.zero_grad(set_to_none=True)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
-        step()
+        with kept:
+            step()
         peak = max(peak, held_bytes())
         worst = max(worst, abs(loss.item() - expected.item()) / expected.item())
     moments = {

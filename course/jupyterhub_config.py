@@ -6,9 +6,14 @@ nbgrader and JupyterLab. Who is who comes from two Unix groups:
 
 - ``offload-students``: student mode (``OFFLOADLAB_STUDENT=1``: the answer checks never show an
   expected value) and nbgrader's student tools only (Assignments, Validate);
-- ``offload-staff``: instructors and TAs, with nbgrader's Formgrader and Create Assignment,
-  no student mode, and the right to list the class and start or stop its servers (not hub
-  admins: nobody is). Read when the hub starts: restart it after adding staff.
+- ``offload-staff``: instructors and TAs, no student mode, the right to list the class and start
+  or stop its servers (not hub admins: nobody is), and access to the course's grading server.
+  Read when the hub starts: restart it after adding staff.
+
+The grading server is nbgrader's shared grader (its JupyterHub guide, "multiple graders"): a
+hub service named after the course, at ``/services/offload-course/``, running as one Unix
+account that holds the course folder, the gradebook and nbgrader's instructor tools. Staff open
+it; their own servers, like students', carry no instructor tool that could find no course.
 
 A GPU (or MIG slice) per user comes from an optional JSON table, user name -> device UUID as
 ``nvidia-smi -L`` prints it. A user without an entry gets a server with no GPU at all (the labs
@@ -24,6 +29,9 @@ Settings, read from the environment the hub is started with (all optional):
 - ``OFFLOADLAB_PROXY_API_URL``: where the hub talks to its proxy (default
   ``http://127.0.0.1:8001``; a second hub on the same host needs another port);
 - ``OFFLOADLAB_EXCHANGE``: nbgrader's exchange, when not ``/srv/nbgrader/exchange``;
+- ``OFFLOADLAB_GRADER``: the grading account (default ``grader-offload-course``); without that
+  account there is no grading server, and the hub's log says so;
+- ``OFFLOADLAB_GRADER_URL``: where the grading server listens (default ``http://127.0.0.1:9999``);
 - ``OFFLOADLAB_THREADS``: CPU threads each server's kernels may use (``OMP_NUM_THREADS`` and
   torch's pool; default an eighth of the server's cores, at least one): torch otherwise takes
   every core in every kernel, and a class of them starves each other's measurements;
@@ -44,7 +52,9 @@ that measures something real", gives the sources), so raising it would change no
 
 import grp
 import json
+import logging
 import os
+import pwd
 import sys
 from pathlib import Path
 
@@ -58,6 +68,10 @@ c = get_config()  # noqa: F821 (JupyterHub provides it)
 COURSE = Path(os.environ.get("OFFLOADLAB_COURSE", "/opt/offloadlab"))
 ENVIRONMENT = COURSE / ".venv"
 STUDENTS, STAFF = "offload-students", "offload-staff"
+COURSE_ID = "offload-course"  # course/nbgrader_config.py's; the grading service takes its name
+GRADER = os.environ.get("OFFLOADLAB_GRADER", "grader-offload-course")
+GRADER_URL = os.environ.get("OFFLOADLAB_GRADER_URL", "http://127.0.0.1:9999")
+LOG = logging.getLogger("JupyterHub")  # the hub's own log
 SLICES_FILE = Path(os.environ.get("OFFLOADLAB_GPU_SLICES", COURSE / "course" / "gpu-slices.json"))
 THREADS = int(os.environ.get("OFFLOADLAB_THREADS", max(1, (os.cpu_count() or 1) // 8)))
 IDLE_SECONDS = int(os.environ.get("OFFLOADLAB_IDLE_TIMEOUT", 3600))
@@ -92,31 +106,18 @@ def gpu_slices() -> tuple[dict[str, str], str]:
     return table, f"{SLICES_FILE} has no entry for them"
 
 
-def set_up_server(spawner):
-    """Per user: student mode and tools or the instructor's, and a GPU slice or none."""
-    name = spawner.user.name
+def server_environment(name: str, log) -> dict[str, str]:
+    """What every server of ``name`` runs with: the kit's Python, the thread cap, the exchange,
+    student mode for students only, and a GPU slice or none (the log says why none)."""
     environment = {
         "PATH": f"{ENVIRONMENT / 'bin'}:/usr/local/bin:/usr/bin:/bin",
         "OMP_NUM_THREADS": str(THREADS),
         "MKL_NUM_THREADS": str(THREADS),
+        "OFFLOADLAB_STUDENT": "0" if name in members(STAFF) else "1",
     }
     # an exchange elsewhere than course/nbgrader_config.py's default
     if "OFFLOADLAB_EXCHANGE" in os.environ:
         environment["OFFLOADLAB_EXCHANGE"] = os.environ["OFFLOADLAB_EXCHANGE"]
-    if name in members(STAFF):
-        environment["OFFLOADLAB_STUDENT"] = "0"
-    else:
-        environment["OFFLOADLAB_STUDENT"] = "1"
-        # nbgrader's instructor tools off: the Lab side through course/students/labconfig, the
-        # server side here (the environment's own settings, which enable them, would override a
-        # settings file).
-        environment["JUPYTER_CONFIG_PATH"] = str(COURSE / "course" / "students")
-        off = {
-            "nbgrader.server_extensions.formgrader": False,
-            "nbgrader.server_extensions.course_list": False,
-        }
-        # (traitlets reads a Python literal)
-        spawner.args = [*spawner.args, f"--ServerApp.jpserver_extensions={off!r}"]
     slices, why_none = gpu_slices()
     device = slices.get(name)
     if device:
@@ -127,8 +128,22 @@ def set_up_server(spawner):
             f"no GPU for {name} ({why_none}): this server has no GPU, "
             "and the labs run on the emulated link"
         )
-        spawner.log.warning("offloadlab: %s", environment["OFFLOADLAB_GPU_NOTE"])
-    spawner.environment.update(environment)
+        log.warning("offloadlab: %s", environment["OFFLOADLAB_GPU_NOTE"])
+    return environment
+
+
+def set_up_server(spawner):
+    """A user's own server: its environment, and nbgrader's instructor tools off (they live in
+    the grading server): the Lab side through course/students/labconfig, the server side here
+    (the environment's own settings, which enable them, would override a settings file)."""
+    spawner.environment.update(server_environment(spawner.user.name, spawner.log))
+    spawner.environment["JUPYTER_CONFIG_PATH"] = str(COURSE / "course" / "students")
+    off = {
+        "nbgrader.server_extensions.formgrader": False,
+        "nbgrader.server_extensions.course_list": False,
+    }
+    # (traitlets reads a Python literal)
+    spawner.args = [*spawner.args, f"--ServerApp.jpserver_extensions={off!r}"]
 
 
 c.JupyterHub.bind_url = os.environ.get("OFFLOADLAB_HUB_URL", "http://127.0.0.1:8000")
@@ -188,6 +203,30 @@ c.JupyterHub.services = [
         "command": [sys.executable, "-m", "jupyterhub_idle_culler", f"--timeout={IDLE_SECONDS}"],
     },
 ]
+# The grading server: nbgrader's instructor tools over the grading account's course folder.
+try:
+    grader_home = pwd.getpwnam(GRADER).pw_dir
+except KeyError:
+    LOG.warning("offloadlab: no grading server: no account %s (book/course.md, step 3)", GRADER)
+else:
+    c.JupyterHub.services.append(
+        {
+            "name": COURSE_ID,
+            "url": GRADER_URL,
+            "command": [str(ENVIRONMENT / "bin" / "jupyterhub-singleuser")],
+            "user": GRADER,
+            "cwd": grader_home,
+            "environment": {
+                **server_environment(GRADER, LOG),
+                "JUPYTERHUB_DEFAULT_URL": "/lab",
+            },
+        }
+    )
+    c.JupyterHub.load_roles[0]["scopes"] += [
+        f"access:services!service={COURSE_ID}",
+        f"read:services!service={COURSE_ID}",
+        "list:services",
+    ]
 if os.environ.get("OFFLOADLAB_HUB_TOKEN"):
     c.JupyterHub.services.append(
         {"name": "course-admin", "api_token": os.environ["OFFLOADLAB_HUB_TOKEN"]}

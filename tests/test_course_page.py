@@ -25,7 +25,7 @@ def test_the_hub_configuration_needs_no_docker_and_sets_student_mode_for_student
     tree = ast.parse(HUB_CONFIG)
     assert tree.body and "DockerSpawner" not in HUB_CONFIG and "dockerspawner" not in PAGE.lower()
     assert 'c.Spawner.cmd = [str(ENVIRONMENT / "bin" / "jupyterhub-singleuser")]' in HUB_CONFIG
-    assert 'environment["OFFLOADLAB_STUDENT"] = "1"' in HUB_CONFIG
+    assert '"OFFLOADLAB_STUDENT": "0" if name in members(STAFF) else "1"' in HUB_CONFIG
     assert ".get(name)" in HUB_CONFIG  # a user outside the GPU table is no KeyError
 
 

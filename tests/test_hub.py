@@ -1,16 +1,19 @@
 """The course page's hub recipe, run as written, with real users, end to end (book/course.md).
 
 The test takes the page's shell blocks in order and runs them: the root blocks with bash, the
-instructor's with ``runuser`` as the instructor, the hub's in the background. It skips only
+staff's with ``runuser`` as the grading account (as its terminal would), the hub's in the
+background. It skips only
 the ``apt-get`` line (.ci/run installs those packages) and the ``git clone``, for which it
 copies the checkout under test to where the page clones it. What students do in Lab it does
 through the hub, with each student's own token: spawn their server, fetch each of two labs
 (1 and 3, the instructor's blocks run once for each, as the page says) from the Assignments
 tab's endpoint, run it cell by cell in a kernel of their server, save it as Lab does, submit,
 and fetch the feedback. Then it checks the grades: the solved lab scores every automatic point,
-the untouched one (whose first answer rebinds a check) none; the instructor's server spawned,
-with nbgrader's instructor tools, and the students' without them; a student outside the GPU
-slice table got a server without a GPU and a line in the hub's log saying why.
+the untouched one (whose first answer rebinds a check) none; the grading server (a hub service
+running as the grading account) lists the course for the instructor and the TA, who each grade
+one lab's reflections in its Formgrader, and refuses students; nobody's own server has the
+instructor tools; a student outside the GPU slice table got a server without a GPU and a line in
+the hub's log saying why.
 
 It needs root (accounts, and a hub that starts servers as other users) and the network of the
 package registries (``make course`` installs into a fresh environment); without root it is
@@ -54,6 +57,9 @@ LAB = LABS["lab01"]  # where one lab will do: the dishonest student's reading
 RUN = secrets.token_hex(3)
 SOLVED, UNSOLVED, INSTRUCTOR = f"olab{RUN}-ada", f"olab{RUN}-grace", f"olab{RUN}-teacher"
 ABSENT = f"olab{RUN}-hopper"  # on the roster, never logs in
+TA, GRADER = f"olab{RUN}-ta", f"olab{RUN}-grader"  # a TA; the account the grading server runs as
+GRADER_HOME = Path(f"/home/{GRADER}")
+SERVICE = f"/services/{COURSE_ID}"  # the grading server, as staff reach it through the hub
 THREADS = 1  # OFFLOADLAB_THREADS: each server's CPU threads
 MEMORY_LIMIT = 2 * 2**30  # OFFLOADLAB_MEMORY_LIMIT: each server's memory, kernels included
 # no GPU here: CUDA_VISIBLE_DEVICES is only passed on
@@ -176,20 +182,24 @@ class Hub:
         except urllib.error.HTTPError as error:
             return error.code
 
-    def spawn(self, user: str) -> None:
-        """Start the user's server as an admin script would (the recipe's token service)."""
-        # not logged in yet: the admin adds them
+    def add_token(self, user: str) -> None:
+        """A token of the user's own, as their browser session would have (made by the recipe's
+        token service; a user not logged in yet is added first)."""
         if self.status(f"/hub/api/users/{user}", None) == 404:
             self.call(f"/hub/api/users/{user}", {}, method="POST")
+        self.user_tokens[user] = self.call(
+            f"/hub/api/users/{user}/tokens", {"note": "hub test", "expires_in": 3600}, method="POST"
+        )["token"]
+
+    def spawn(self, user: str) -> None:
+        """Start the user's server as an admin script would (the recipe's token service)."""
+        self.add_token(user)
         try:
             self.call(f"/hub/api/users/{user}/server", {}, method="POST")
         except urllib.error.HTTPError as error:
             assert error.code in (201, 202), (
                 f"spawning {user}: HTTP {error.code}: {error.read().decode()[:500]}"
             )
-        self.user_tokens[user] = self.call(
-            f"/hub/api/users/{user}/tokens", {"note": "hub test", "expires_in": 3600}, method="POST"
-        )["token"]
 
     def wait_ready(self, user: str, seconds: float = 180) -> None:
         deadline = time.monotonic() + seconds
@@ -202,6 +212,18 @@ class Hub:
                 break
             time.sleep(0.5)
         pytest.fail(f"{user}'s server did not start:\n" + self.log.read_text()[-3000:])
+
+    def grading(self, staff: str, path: str, body=None, method=None):
+        """A request to the grading server, as the member of staff ``staff``."""
+        return self.call(f"{SERVICE}{path}", body, method=method, token=self.user_tokens[staff])
+
+    def wait_for_grading_server(self, seconds: float = 180) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.status(f"{SERVICE}/api/status", self.user_tokens[INSTRUCTOR]) == 200:
+                return
+            time.sleep(0.5)
+        pytest.fail("the grading server did not start:\n" + self.log.read_text()[-3000:])
 
     def user(self, user: str, path: str, body=None, method=None, form=False, timeout=300):
         return self.call(
@@ -401,6 +423,9 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         "OFFLOADLAB_THREADS": str(THREADS),
         "OFFLOADLAB_MEMORY_LIMIT": f"{MEMORY_LIMIT // 2**20} MiB",
         "INSTRUCTOR": INSTRUCTOR,
+        "TAS": TA,
+        "OFFLOADLAB_GRADER": GRADER,
+        "OFFLOADLAB_GRADER_URL": f"http://127.0.0.1:{free_port()}",
         "OFFLOADLAB_HUB_URL": f"http://127.0.0.1:{port}",
         "OFFLOADLAB_PROXY_API_URL": f"http://127.0.0.1:{proxy_port}",
         "OFFLOADLAB_HUB_TOKEN": token,
@@ -492,22 +517,27 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
                 hub.wait_ready(user)
         broken = rf"no GPU for {INSTRUCTOR} \(the GPU slice table \S+ could not be read"
         assert re.search(broken, hub_log.read_text())
-        # Instructor tools for the instructor only, and no error for anybody; the Formgrader
-        # finds the course (an empty one answers 200 too).
-        assert hub.status(f"/user/{INSTRUCTOR}/formgrader", hub.user_tokens[INSTRUCTOR]) == 200
-        listed = hub.user(INSTRUCTOR, "/formgrader/api/assignments")
-        assert sorted(a["name"] for a in listed) == sorted(
-            assignment_name(path) for path in find_labs(ROOT / "labs")
-        ), listed
-        assert all(next(a for a in listed if a["name"] == name)["id"] for name in LABS), listed
+        # The instructor tools in the grading server, for staff only, and no error for anybody;
+        # its Formgrader finds the course (an empty one answers 200 too), for the instructor and
+        # the TA alike.
+        hub.add_token(TA)
+        hub.wait_for_grading_server()
+        for staff in (INSTRUCTOR, TA):
+            listed = hub.grading(staff, "/formgrader/api/assignments")
+            assert sorted(a["name"] for a in listed) == sorted(
+                assignment_name(path) for path in find_labs(ROOT / "labs")
+            ), listed
+            assert all(next(a for a in listed if a["name"] == name)["id"] for name in LABS), listed
+        assert "@jupyter/nbgrader:create-assignment" not in disabled_extensions(
+            hub.grading(TA, "/lab")
+        )
         for student in (SOLVED, UNSOLVED):
-            assert hub.status(f"/user/{student}/formgrader", hub.user_tokens[student]) == 404
-            page = hub.user(student, "/lab")
+            assert hub.status(f"{SERVICE}/formgrader", hub.user_tokens[student]) == 403
+        for user in (SOLVED, UNSOLVED, INSTRUCTOR):
+            assert hub.status(f"/user/{user}/formgrader", hub.user_tokens[user]) == 404
+            page = hub.user(user, "/lab")
             assert "@jupyter/nbgrader:create-assignment" in disabled_extensions(page)
             assert "@jupyter/nbgrader:assignment-list" not in disabled_extensions(page)
-        assert "@jupyter/nbgrader:create-assignment" not in disabled_extensions(
-            hub.user(INSTRUCTOR, "/lab")
-        )
         # at once, as a class does: each in their own server
         with stages("students fetch, run and submit"):
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -554,8 +584,9 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
         for assignment in LABS:
             with stages(f"instructor: collect and autograde {assignment}"):
                 instructor(blocks[5][1], env, assignment)
-            with stages(f"instructor: the reflections of {assignment}, in the Formgrader"):
-                given = grade_by_hand(hub, {SOLVED: True, UNSOLVED: False}, assignment)
+            grader = INSTRUCTOR if assignment == "lab01" else TA
+            with stages(f"{grader}: the reflections of {assignment}, in the Formgrader"):
+                given = grade_by_hand(hub, grader, {SOLVED: True, UNSOLVED: False}, assignment)
             assert given == {SOLVED: by_hand_points(assignment), UNSOLVED: 0}, given
             with stages(f"instructor: feedback and grades of {assignment}"):
                 instructor(blocks[6][1], env, assignment)
@@ -568,14 +599,14 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
                         method="POST",
                         form=True,
                     )
-            grades = grades_csv(Path(f"/home/{INSTRUCTOR}/offload-course/grades.csv"), assignment)
+            grades = grades_csv(GRADER_HOME / COURSE_ID / "grades.csv", assignment)
             automatic = automatic_points(assignment)
             assert grades[SOLVED] == automatic + given[SOLVED], (assignment, grades)
             assert grades[UNSOLVED] == 0, (assignment, grades)
             assert grades[ABSENT] == 0, grades  # on the roster, though they never submitted
             for student in (SOLVED, UNSOLVED):
                 check_feedback(student, assignment, grades[student])
-        logged = Path(f"/home/{INSTRUCTOR}/{COURSE_ID}/nbgrader.log").read_text(encoding="utf-8")
+        logged = (GRADER_HOME / COURSE_ID / "nbgrader.log").read_text(encoding="utf-8")
         assert "[AutogradeApp | INFO]" in logged and "[GenerateFeedbackApp | INFO]" in logged
         # a server the hub stops (as the idle culler does) leaves no control group behind
         hogged_in = [Path(line.split(":", 2)[2]).name for line in hogged["groups"].splitlines()]
@@ -592,10 +623,10 @@ def test_the_course_page_recipe_runs_a_class_end_to_end():
     finally:
         if hub_process is not None:
             end_with_its_children(hub_process)
-        for user in (SOLVED, UNSOLVED, INSTRUCTOR):
+        for user in (SOLVED, UNSOLVED, INSTRUCTOR, GRADER):
             # the servers the hub left behind
             subprocess.run(["pkill", "-u", user], capture_output=True)
-        for user in (SOLVED, UNSOLVED, ABSENT, INSTRUCTOR):
+        for user in (SOLVED, UNSOLVED, ABSENT, INSTRUCTOR, TA, GRADER):
             subprocess.run(["userdel", "-r", user], capture_output=True)
         # the control groups of servers the hub did not stop itself
         remove(sorted(Path("/sys/fs/cgroup").rglob(f"offloadlab-olab{RUN}-*")))
@@ -663,10 +694,12 @@ def try_to_cheat(hub: Hub, student: str, course: Path, exchange: Path, state: Pa
         "read a lab's worked answers": course / "labs" / LAB.name,
         "read the checkout's history": course / ".git" / "HEAD",
         "list the checkout": course,
-        "read the instructor's source": Path(f"/home/{INSTRUCTOR}/{COURSE_ID}/source")
+        "read the course's source": GRADER_HOME
+        / COURSE_ID
+        / "source"
         / "lab01"
         / f"{LAB.stem}.ipynb",
-        "read the gradebook": Path(f"/home/{INSTRUCTOR}/{COURSE_ID}/gradebook.db"),
+        "read the gradebook": GRADER_HOME / COURSE_ID / "gradebook.db",
         "read another student's lab": Path(f"/home/{other}/{COURSE_ID}/lab01")
         / f"{LAB.stem}.ipynb",
         "read the hub's database": state / "jupyterhub.sqlite",
@@ -681,24 +714,25 @@ def try_to_cheat(hub: Hub, student: str, course: Path, exchange: Path, state: Pa
     return json.loads(result["outputs"][0]["text"])
 
 
-def grade_by_hand(hub: Hub, full_marks: dict[str, bool], assignment: str) -> dict[str, float]:
-    """The instructor grades the reflections through the Formgrader's interface: full marks or
+def grade_by_hand(
+    hub: Hub, staff: str, full_marks: dict[str, bool], assignment: str
+) -> dict[str, float]:
+    """``staff`` grades the reflections through the grading server's Formgrader: full marks or
     none for each student. Points given, per student."""
     given = {}
-    notebooks = hub.user(
-        INSTRUCTOR,
-        f"/formgrader/api/submitted_notebooks/{assignment}/{LABS[assignment].stem}",
+    notebooks = hub.grading(
+        staff, f"/formgrader/api/submitted_notebooks/{assignment}/{LABS[assignment].stem}"
     )
     assert sorted(n["student"] for n in notebooks) == sorted(full_marks), notebooks
     for notebook in notebooks:
         student = notebook["student"]
         given[student] = 0.0
-        grades = hub.user(INSTRUCTOR, f"/formgrader/api/grades?submission_id={notebook['id']}")
+        grades = hub.grading(staff, f"/formgrader/api/grades?submission_id={notebook['id']}")
         for grade in grades:
             if grade["needs_manual_grade"]:
                 score = grade["max_score"] if full_marks[student] else 0.0
-                hub.user(
-                    INSTRUCTOR,
+                hub.grading(
+                    staff,
                     f"/formgrader/api/grade/{grade['id']}",
                     {"manual_score": score},
                     method="PUT",
@@ -734,18 +768,19 @@ def by_hand_points(assignment: str) -> float:
 
 
 def instructor(commands: str, env: dict, lab: str) -> None:
-    """The instructor's block, run as the instructor, for the lab ``lab`` (the page's LAB)."""
-    home = f"/home/{INSTRUCTOR}"
+    """A staff block, run as the grading account (as in the grading server's terminal), for the
+    lab ``lab`` (the page's LAB)."""
+    home = str(GRADER_HOME)
     keep = {k: env[k] for k in ("COURSE", "OFFLOADLAB_EXCHANGE")} | {"LAB": lab}
     result = subprocess.run(
         [
             "runuser",
             "-u",
-            INSTRUCTOR,
+            GRADER,
             "--",
             "env",
             f"HOME={home}",
-            f"USER={INSTRUCTOR}",
+            f"USER={GRADER}",
             "PATH=/usr/local/bin:/usr/bin:/bin",
             *(f"{k}={v}" for k, v in keep.items()),
             "bash",
@@ -759,7 +794,7 @@ def instructor(commands: str, env: dict, lab: str) -> None:
         text=True,
     )
     assert result.returncode == 0, (
-        f"the instructor's commands failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        f"the staff's commands failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     )
     errors = [line for line in result.stderr.splitlines() if "| ERROR]" in line]
     assert not errors, "\n".join(errors)

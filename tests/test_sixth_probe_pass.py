@@ -457,3 +457,16 @@ def test_the_loss_scaler_restores_what_it_saves():
     with pytest.raises(ValueError, match=r"^state_dict: offload: init_scale: expected"):
         restored.load_state_dict({"scale": -1})
     assert restored.scale == 512
+
+
+def test_a_mock_is_no_link():
+    """A MagicMock answers every call the duck test asked for, and a step on it returned
+    nonsense; a link must also say whether it is emulated, with a bool."""
+    from unittest import mock
+
+    from offloadlab.link import check_link
+
+    with pytest.raises(ValueError, match="link: expected an offloadlab.link.Link"):
+        check_link(mock.MagicMock())
+    with pytest.raises(ValueError, match="link: expected"):
+        ol.CPUOffloadAdam(torch.nn.Linear(2, 2).parameters(), link=mock.MagicMock())

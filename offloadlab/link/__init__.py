@@ -68,10 +68,15 @@ _LINK_CALLS = ("host_buffer", "device_buffer", "to_device", "to_host", "mark")
 
 
 def check_link(link, optional: bool = False) -> None:
-    """ValueError unless ``link`` is a :class:`Link`, or an object that answers its calls (a
-    wrapper that counts them, say), or with ``optional`` None: a string such as "emulated" would
-    fail later with an AttributeError from inside."""
-    answers = not isinstance(link, type) and all(hasattr(link, call) for call in _LINK_CALLS)
+    """ValueError unless ``link`` is a :class:`Link`, or an object that answers its calls and
+    says whether it is emulated (a wrapper that counts them, say), or with ``optional`` None: a
+    string such as "emulated" would fail later with an AttributeError from inside, and a mock,
+    which answers everything, with a wrong result."""
+    answers = (
+        not isinstance(link, type)
+        and all(hasattr(link, call) for call in _LINK_CALLS)
+        and isinstance(getattr(link, "emulated", None), bool)
+    )
     if not (isinstance(link, Link) or answers or (optional and link is None)):
         none = " or None" if optional else ""
         raise ValueError(

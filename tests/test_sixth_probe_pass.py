@@ -470,3 +470,85 @@ def test_a_mock_is_no_link():
         check_link(mock.MagicMock())
     with pytest.raises(ValueError, match="link: expected"):
         ol.CPUOffloadAdam(torch.nn.Linear(2, 2).parameters(), link=mock.MagicMock())
+
+
+# The ninth probe pass: clip_grad_norm_ as torch composes it.
+def clip_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def clip_loss(model, i):
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
+    return ((model(x) - y) ** 2).mean()
+
+
+def test_a_second_clip_sees_the_first_ones_clipped_gradients():
+    """P30, P18: torch's second clip_grad_norm_ before a step measures the gradients the first
+    one scaled (and returns that norm); ours replaced the first with the second."""
+    ours_model, theirs_model = clip_model(), clip_model()
+    ours = ol.CPUOffloadAdam(ours_model.parameters(), lr=1e-2)
+    theirs = torch.optim.AdamW(theirs_model.parameters(), lr=1e-2)
+    for i in range(3):
+        clip_loss(ours_model, i).backward()
+        clip_loss(theirs_model, i).backward()
+        norms = []
+        for max_norm in (0.01, 1.0):
+            a = ours.clip_grad_norm_(max_norm)
+            b = torch.nn.utils.clip_grad_norm_(theirs_model.parameters(), max_norm)
+            norms.append((float(a), float(b)))
+        ours.step(), theirs.step()
+        ours.zero_grad(), theirs.zero_grad()
+        for a, b in norms:
+            assert a == pytest.approx(b, rel=1e-5)
+    for p, q in zip(ours_model.parameters(), theirs_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    ours.close()
+
+
+def test_a_backward_after_a_clip_is_refused_not_clipped_as_one():
+    """P33: clip after the first micro-batch, then a second backward: torch clips only the
+    first; ours clipped the sum by the first's factor, in silence."""
+    model = clip_model()
+    optimizer = ol.CPUOffloadAdam(model.parameters(), lr=1e-2)
+    clip_loss(model, 0).backward()
+    optimizer.clip_grad_norm_(0.01)
+    clip_loss(model, 1).backward()
+    with pytest.raises(RuntimeError, match="gradients arrived after clip_grad_norm_"):
+        optimizer.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()  # drops the step, and its clip
+    clip_loss(model, 2).backward()
+    optimizer.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    optimizer.close()
+
+
+def test_a_clip_is_dropped_with_the_gradients_it_clipped():
+    """zero_grad() after clip_grad_norm_: the next step's gradients are not clipped by the old
+    factor (torch scaled the dropped gradients, not the next ones)."""
+    ours_model, theirs_model = clip_model(), clip_model()
+    ours = ol.CPUOffloadAdam(ours_model.parameters(), lr=1e-2)
+    theirs = torch.optim.AdamW(theirs_model.parameters(), lr=1e-2)
+    for optimizer, model in ((ours, ours_model), (theirs, theirs_model)):
+        clip_loss(model, 0).backward()
+        if optimizer is ours:
+            optimizer.clip_grad_norm_(0.001)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.001)
+        optimizer.zero_grad()
+        clip_loss(model, 1).backward()
+        optimizer.step()
+    for p, q in zip(ours_model.parameters(), theirs_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    ours.close()
+
+
+def test_clip_takes_a_numpy_max_norm():
+    """P19: torch's clip_grad_norm_ takes np.float32(1.0)."""
+    model = clip_model()
+    optimizer = ol.CPUOffloadAdam(model.parameters())
+    clip_loss(model, 0).backward()
+    assert float(optimizer.clip_grad_norm_(np.float32(1.0))) > 0
+    optimizer.close()

@@ -277,7 +277,9 @@ class OffloadEngine:
         self.accumulation_steps = accumulation_steps
         # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
         self.step_count = 0
-        self._clip_now: tuple | None = None  # clip_grad_norm_'s (max_norm, norm) for this step
+        # clip_grad_norm_'s (factor, norm was finite, gradients it saw) for this step: the factor
+        # is the product of its calls, as torch's in-place scaling composes
+        self._clip: tuple | None = None
         self._device_steps: list = []  # the device's shares still to update in the step taken
         # (buckets, scale) of a step taken but not yet done (see _to_step_boundary)
         self._taken: tuple | None = None
@@ -476,12 +478,18 @@ class OffloadEngine:
     def _step(self) -> None:
         self._checked_edits = set()  # buckets checked for weights edited by hand, this step
         self._take_in_gradients()
+        if self._clip is not None and self._clip[2] != self._gradients_received():
+            raise RuntimeError(
+                "step: gradients arrived after clip_grad_norm_ in this step; torch would have "
+                "clipped only those before it, and here the step's sum is clipped as one: call "
+                "clip_grad_norm_ after the step's last backward (zero_grad() drops this step)"
+            )
         if self.delayed:  # the last step's update, applied now: its weights go up
             self._finish(self._submitted(), upload=True)
         self._take_zero_gradients()
         ready = [b for b in self.host.buckets if b.received.any() and not b.submitted]
         scale = self._grad_scale(ready)  # None: an fp16 overflow, the step is skipped
-        self._clip_now = None
+        self._clip = None
         self._warn_unless_zeroed(ready)
         self._zeroed_since_step = False
         # from here on the step is taken: an interrupt finishes it rather than undoing it
@@ -752,13 +760,15 @@ class OffloadEngine:
     def _grad_scale(self, ready: list) -> float | None:
         """1 / loss scale × clipping factor; None when an fp16 overflow means skip the step."""
         scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        max_norm, norm = (
-            self._clip_now if self._clip_now is not None else (self.max_grad_norm, None)
-        )
+        if self._clip is not None:  # clip_grad_norm_ chose it
+            factor, finite, _ = self._clip
+            if self.scaler is not None and not finite:
+                return None
+            return scale * factor
+        max_norm = self.max_grad_norm
         if max_norm is None and self.scaler is None:
             return scale
-        if norm is None:
-            norm = self.gradient_norm(ready)
+        norm = self.gradient_norm(ready)
         if not math.isfinite(norm):
             if self.scaler is not None:
                 return None
@@ -767,6 +777,16 @@ class OffloadEngine:
         if max_norm is not None and norm > max_norm:
             scale *= max_norm / (norm + 1e-6)
         return scale
+
+    def _gradients_received(self) -> tuple:
+        """What gradients this step holds so far: micro-batches landed per host bucket, and the
+        version of each gradient kept on the device (a backward adds to it in place)."""
+        device = tuple(
+            (id(p.grad), _torch_compat.version(p.grad)) if p.grad is not None else None
+            for part in self.on_device
+            for p in part.params
+        )
+        return tuple(tuple(b.received.counts) for b in self.host.buckets), device
 
     def gradient_norm(self, buckets: list | None = None) -> float:
         """The global L2 norm of this step's gradients (loss scale divided out), once they have
@@ -805,13 +825,24 @@ class OffloadEngine:
                 "the constructor instead"
             )
         self._take_in_gradients()
-        norm = self.gradient_norm()
+        # the gradients as torch would hold them now: scaled by the clips before this one
+        earlier = self._clip[0] if self._clip is not None else 1.0
+        norm = self.gradient_norm() * earlier
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(
                 f"clip_grad_norm_: the total norm of the gradients is {norm}; "
                 f"set error_if_nonfinite=False to clip anyway"
             )
-        self._clip_now = (max_norm, norm)
+        if self._clip is not None and self._clip[2] != self._gradients_received():
+            raise RuntimeError(
+                "clip_grad_norm_: gradients arrived since the last clip_grad_norm_ of this step; "
+                "torch would clip the earlier ones twice and the new ones once, and here the "
+                "step's sum is clipped as one: clip once, after the step's last backward"
+            )
+        # (a non-finite norm clips nothing, as before: torch would scale by nan)
+        finite = math.isfinite(norm)
+        factor = max_norm / (norm + 1e-6) if finite and norm > max_norm else 1.0
+        self._clip = (earlier * factor, finite, self._gradients_received())
         return norm
 
     # ------------------------------------------------------------------ lifecycle
@@ -848,6 +879,7 @@ class OffloadEngine:
             self.say_if_update_began("zero_grad()")
             self.step()
         self._zeroed_since_step = True
+        self._clip = None  # a clip of the gradients dropped here
         self._note_zero_grad(
             [p for bucket in self.host.buckets for p in bucket.params], set_to_none
         )

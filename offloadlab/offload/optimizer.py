@@ -366,8 +366,12 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         """Clip this step's gradients to a global L2 norm of ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_`` does over the model, and return the norm before clipping.
 
-        Call it between backward and :meth:`step`; the clipping is applied by the CPU update.
+        Call it between the step's last backward and :meth:`step`; the clipping is applied by
+        the CPU update. Calls compose as torch's do (a second sees the first's clipped norm); a
+        backward after it in the same step is refused at :meth:`step`, since torch would clip
+        only the micro-batches before it.
         """
+        max_norm = plain_scalar(max_norm)
         if not (is_number(max_norm) and max_norm > 0):
             raise ValueError(f"max_norm: expected a positive number; got {max_norm!r}")
         if norm_type != 2.0:

@@ -454,7 +454,7 @@ def test_the_loss_scaler_restores_what_it_saves():
     assert (restored.growth_interval, restored.dynamic) == (7, False)
     with pytest.raises(ValueError, match=r"^state_dict: offload: expected the dict"):
         restored.load_state_dict("x")
-    with pytest.raises(ValueError, match=r"^state_dict: offload: init_scale: expected"):
+    with pytest.raises(ValueError, match=r"^state_dict: offload: scale: expected"):
         restored.load_state_dict({"scale": -1})
     assert restored.scale == 512
 
@@ -552,3 +552,56 @@ def test_clip_takes_a_numpy_max_norm():
     clip_loss(model, 0).backward()
     assert float(optimizer.clip_grad_norm_(np.float32(1.0))) > 0
     optimizer.close()
+
+
+def test_a_state_dict_with_a_meta_tensor_is_refused_and_changes_nothing():
+    """D19, D11: a moment on the meta device failed inside the copy (NotImplementedError) after
+    the groups' lr and every step count had been set from the refused state dict."""
+    model = clip_model()
+    optimizer = ol.CPUOffloadAdam(model.parameters(), lr=1e-2)
+    for i in range(2):
+        clip_loss(model, i).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    before = copy.deepcopy(optimizer.state_dict())
+    saved = copy.deepcopy(before)
+    saved["param_groups"][0]["lr"] = 0.05
+    last = max(saved["state"])
+    moment = saved["state"][last]["exp_avg"]
+    saved["state"][last]["exp_avg"] = torch.empty_like(moment, device="meta")
+    with pytest.raises(ValueError, match="exp_avg: expected a dense tensor holding data"):
+        optimizer.load_state_dict(saved)
+    after = optimizer.state_dict()
+    assert after["param_groups"][0]["lr"] == 1e-2
+    for k, state in before["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(after["state"][k][name], value)
+    optimizer.close()
+
+
+def test_one_loss_scaler_scales_one_optimizer():
+    """S12: a LossScaler shared by two fp16 optimizers moved twice an iteration, and the second
+    unscaled gradients made at one scale by the next."""
+    scaler = ol.LossScaler(1024.0, growth_interval=1)
+    first = ol.CPUOffloadAdam(nn.Linear(4, 4).half().parameters(), loss_scale=scaler)
+    with pytest.raises(ValueError, match="loss_scale: this LossScaler already scales another"):
+        ol.CPUOffloadAdam(nn.Linear(4, 4).half().parameters(), loss_scale=scaler)
+    first.close()  # then it is free again
+    second = ol.CPUOffloadAdam(nn.Linear(4, 4).half().parameters(), loss_scale=scaler)
+    second.close()
+
+
+def test_a_scale_backed_off_to_nothing_says_so():
+    """S7, S5: every step overflowing backed the scale off to 0.0, then a ZeroDivisionError."""
+    scaler = ol.LossScaler(init_scale=1e-323)
+    scaler.update(overflowed=True)  # 5e-324, the smallest there is
+    with pytest.raises(RuntimeError, match="backed off to nothing after 2 skipped steps"):
+        scaler.update(overflowed=True)
+    assert scaler.scale > 0
+    ol.LossScaler().load_state_dict(scaler.state_dict())  # (its state stays loadable)
+
+
+def test_a_bad_saved_scale_is_named_by_its_key():
+    """S13: {'scale': -1} was reported as init_scale."""
+    with pytest.raises(ValueError, match="state_dict: offload: scale: expected a positive"):
+        ol.LossScaler().load_state_dict({"scale": -1})

@@ -270,6 +270,8 @@ class OffloadEngine:
         # checked whatever the dtype: a typo is a typo
         scaler = LossScaler.from_argument(loss_scale)
         self.scaler = scaler if self.fp16 else None
+        if self.scaler is not None:
+            self.scaler.claim(self)
         self.bucket_bytes = bucket_bytes
         self.eager_after, self.delayed = when_update_runs(
             accumulation_steps, delayed_update, clipping=max_grad_norm is not None, fp16=self.fp16
@@ -506,25 +508,26 @@ class OffloadEngine:
         if scale is None:
             for bucket in ready:
                 bucket.discard()
-            self.scaler.update(overflowed=True)
-        else:
-            while ready:
-                if not ready[0].submitted:  # (an interrupt may have come after it was)
-                    self.worker.submit(
-                        ready[0],
-                        scale,
-                        self.step_count,
-                        check_edits=ready[0].index not in self._checked_edits,
-                    )
-                ready.pop(0)
-            # while the CPU updates its share, the device updates its own
-            while self._device_steps:
-                self._device_steps[0].step(scale)
-                self._device_steps.pop(0)
-            if not self.delayed:
-                self._finish(self._submitted(), upload=False)
-            if self.scaler is not None:
-                self.scaler.update(overflowed=False)
+            self._taken = None
+            self.scaler.update(overflowed=True)  # (raises when no scale is left)
+            return
+        while ready:
+            if not ready[0].submitted:  # (an interrupt may have come after it was)
+                self.worker.submit(
+                    ready[0],
+                    scale,
+                    self.step_count,
+                    check_edits=ready[0].index not in self._checked_edits,
+                )
+            ready.pop(0)
+        # while the CPU updates its share, the device updates its own
+        while self._device_steps:
+            self._device_steps[0].step(scale)
+            self._device_steps.pop(0)
+        if not self.delayed:
+            self._finish(self._submitted(), upload=False)
+        if self.scaler is not None:
+            self.scaler.update(overflowed=False)
         self._taken = None
 
     def _warn_unless_zeroed(self, ready: list) -> None:

@@ -433,6 +433,11 @@ def check_state(state_dict, param_groups) -> tuple[list[dict], dict]:
                     f"{where}{name}: expected shape {tuple(p.shape)} like its parameter; "
                     f"got {tuple(value.shape)}"
                 )
+            if value.is_meta or value.layout is not torch.strided:
+                raise ValueError(
+                    f"{where}{name}: expected a dense tensor holding data; got one on the "
+                    f"{value.device} device with layout {value.layout}"
+                )
             checked[name] = value
         if p.requires_grad:
             entries[p] = checked

@@ -8,6 +8,8 @@ gradients overflowed (an inf or nan anywhere) is skipped and the scale multiplie
 
 from __future__ import annotations
 
+import weakref
+
 from ..units import check_integer, is_number, plain_scalar
 
 __all__ = ["LossScaler"]
@@ -20,7 +22,10 @@ def _positive(value, name: str) -> float:
 
 
 class LossScaler:
-    """The loss scale of one fp16 training run (a fixed scale with ``dynamic=False``)."""
+    """The loss scale of one fp16 training run (a fixed scale with ``dynamic=False``), for one
+    optimizer at a time: each step moves it."""
+
+    _user = None  # a weak reference to the optimizer whose steps it scales
 
     def __init__(
         self,
@@ -62,12 +67,30 @@ class LossScaler:
             f"loss_scale: expected 'dynamic', a positive number or a LossScaler; got {loss_scale!r}"
         )
 
+    def claim(self, user) -> None:
+        """Scale ``user``'s steps; ValueError while another optimizer that is not closed does
+        (both would move the scale each step, and one would unscale by the other's)."""
+        other = self._user() if self._user is not None else None
+        if other is not None and other is not user and getattr(other, "closed", None) is None:
+            raise ValueError(
+                "loss_scale: this LossScaler already scales another optimizer's steps, and each "
+                "step moves it; give each optimizer its own (or close the other first)"
+            )
+        self._user = weakref.ref(user)
+
     def update(self, overflowed: bool) -> None:
-        """After a step: back off and count a skip on overflow; grow after enough good steps."""
+        """After a step: back off and count a skip on overflow; grow after enough good steps.
+        RuntimeError when backing off leaves no scale at all (every step overflowed)."""
         if overflowed:
             self.skipped_steps += 1
             self.good_steps = 0
             if self.dynamic:
+                if self.scale * self.backoff_factor == 0.0:
+                    raise RuntimeError(
+                        f"loss scale: backed off to nothing after {self.skipped_steps} skipped "
+                        "steps; the gradients overflow at any scale (is the loss itself nan or "
+                        "inf?)"
+                    )
                 self.scale *= self.backoff_factor
             return
         self.good_steps += 1
@@ -102,8 +125,10 @@ class LossScaler:
                 growth_interval=saved.get("growth_interval", self.growth_interval),
                 dynamic=saved.get("dynamic", self.dynamic),
             )
-        except ValueError as error:
-            raise ValueError(f"state_dict: offload: {error}") from None
+        except ValueError as error:  # (named by the key it came from)
+            raise ValueError(
+                f"state_dict: offload: {str(error).replace('init_scale:', 'scale:', 1)}"
+            ) from None
         counts = {k: saved.get(k, getattr(self, k)) for k in ("good_steps", "skipped_steps")}
         for name, value in counts.items():
             counts[name] = check_integer(

@@ -495,12 +495,13 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         engine = self._engine
         scaler_state = state_dict.get("offload", {})
         if engine.scaler is not None and scaler_state:
-            engine.scaler.load_state_dict(scaler_state)
+            engine.scaler.load_state_dict(scaler_state)  # (checks it all before it sets any)
         engine.synchronize()
-        for own, values in zip(self.param_groups, hyper):
-            own.update(values)
         passed_over = engine.host.load(entries)
         passed_over += sum(part.load(entries) for part in engine.on_device)
+        # the settings last, once the state they go with is in
+        for own, values in zip(self.param_groups, hyper):
+            own.update(values)
         engine.upload_all()
         if passed_over:
             warnings.warn(

@@ -605,3 +605,42 @@ def test_a_bad_saved_scale_is_named_by_its_key():
     """S13: {'scale': -1} was reported as init_scale."""
     with pytest.raises(ValueError, match="state_dict: offload: scale: expected a positive"):
         ol.LossScaler().load_state_dict({"scale": -1})
+
+
+@pytest.mark.parametrize("step", [1.0, True, "1"])
+def test_a_tier_opens_at_a_whole_step_only(tmp_path, step):
+    """T3, T4: FileTier.open(step=1.0) was accepted, and the first commit then failed inside
+    struct after writing the data."""
+    FileTier(tmp_path / "t", 1024).close()
+    with pytest.raises(ValueError, match="step: expected a step number ≥ 0"):
+        FileTier.open(tmp_path / "t", step=step)
+
+
+def test_a_tier_opened_at_a_numpy_step_commits_and_feeds_adam(tmp_path):
+    """T5, T24: step=np.int64(0) stayed a numpy integer in tier.step, and adam_from_file then
+    refused the step the tier itself reported."""
+    FileTier(tmp_path / "t", 1024).close()
+    with FileTier.open(tmp_path / "t", step=np.int64(0)) as tier:
+        assert type(tier.step) is int
+        tier.write(0, torch.zeros(1024))
+        assert tier.commit() == 1 and type(tier.step) is int
+
+
+@pytest.mark.parametrize("path", [None, 123])
+def test_a_tier_names_a_path_that_is_no_file_name(path):
+    """T1, T2: pathlib's TypeError, naming nothing."""
+    with pytest.raises(ValueError, match="path: expected a file name"):
+        FileTier(path, 1024)
+    with pytest.raises(ValueError, match="path: expected a file name"):
+        FileTier.open(path)
+
+
+def test_a_tier_made_under_a_relative_name_is_removed_after_a_chdir(tmp_path, monkeypatch):
+    """T6: remove() after a chdir looked for the relative name in the new folder and left the
+    file, silently."""
+    monkeypatch.chdir(tmp_path)
+    tier = FileTier("relative.tier", 1024)
+    tier.close()
+    monkeypatch.chdir("/")
+    tier.remove()
+    assert not (tmp_path / "relative.tier").exists()

@@ -13,7 +13,7 @@ Blocks may run in any order (skipped, recomputed under checkpointing, twice in o
 always get their own weights; what it cannot do it refuses by name: every buffer held, parameters
 replaced after streaming began (``load_state_dict(assign=True)``), ``torch.autograd.grad`` with a
 streamed input, ``fullgraph=True`` under ``torch.compile`` (each block's forward is compiled; the
-fetches run outside the graph). Code that writes the host weights in place itself calls
+fetches run outside the graph), a gradient hook (``register_hook``) on a streamed weight. Code that writes the host weights in place itself calls
 ``link.synchronize()`` first, as for any pinned buffer a copy may still read. Chapter 7 explains
 the design.
 """
@@ -384,6 +384,14 @@ class StreamedModel:
                     "replaced after streaming began (load_state_dict(assign=True), `.data = …` or "
                     ".to()); load weights with the default load_state_dict(), which copies into "
                     f"the streamed host memory, or build a new StreamedModel"
+                )
+            if p._backward_hooks:  # (torch keeps a leaf's register_hook hooks there)
+                raise RuntimeError(
+                    f"StreamedModel: the parameter {name!r} of block {self.names[index]!r} has a "
+                    "gradient hook (register_hook); its gradient goes to the StreamedModel in one "
+                    "copy per block, not through autograd, so the hook could neither see, change "
+                    "nor stop it: remove it, and hook the block's output or read .grad after "
+                    "backward"
                 )
 
     # ------------------------------------------------------------------ device buffers

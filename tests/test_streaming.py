@@ -684,3 +684,18 @@ def test_autograd_grad_of_a_streamed_weight_is_refused_by_name_and_training_goes
     assert torch.equal(got, expected) and all(p.grad is None for p in streamed.parameters())
     plain(x, y).backward(), streamed(x, y).backward()
     assert same_gradients(plain, streamed)
+
+
+def test_a_gradient_hook_on_a_streamed_weight_is_refused_at_forward(link):
+    """Ninth probe pass F29, F30, F21: a register_hook on a streamed weight got None (and
+    returning a tensor raised a TypeError inside backward), and one that raised KeyboardInterrupt
+    did not stop that weight's gradient, which the StreamedModel had already sent; now the
+    forward that would use the weight refuses, naming it."""
+    _, streamed = twins()
+    StreamedModel(streamed, link, buffers=2)
+    handle = next(streamed.blocks[1].parameters()).register_hook(lambda g: g * 2)
+    x, y = batch()
+    with pytest.raises(RuntimeError, match="has a gradient hook \\(register_hook\\)"):
+        streamed(x, y)
+    handle.remove()
+    streamed(x, y).backward()  # without it, as before

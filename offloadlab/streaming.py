@@ -13,9 +13,9 @@ Blocks may run in any order (skipped, recomputed under checkpointing, twice in o
 always get their own weights; what it cannot do it refuses by name: every buffer held, parameters
 replaced after streaming began (``load_state_dict(assign=True)``), ``torch.autograd.grad`` with a
 streamed input, ``fullgraph=True`` under ``torch.compile`` (each block's forward is compiled; the
-fetches run outside the graph), a gradient hook (``register_hook``) on a streamed weight. Code that writes the host weights in place itself calls
-``link.synchronize()`` first, as for any pinned buffer a copy may still read. Chapter 7 explains
-the design.
+fetches run outside the graph), a gradient hook (``register_hook``) on a streamed weight. Code that
+writes the host weights in place itself calls ``link.synchronize()`` first, as for any pinned buffer
+a copy may still read. Chapter 7 explains the design.
 """
 
 from __future__ import annotations

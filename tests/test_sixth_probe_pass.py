@@ -644,3 +644,16 @@ def test_a_tier_made_under_a_relative_name_is_removed_after_a_chdir(tmp_path, mo
     monkeypatch.chdir("/")
     tier.remove()
     assert not (tmp_path / "relative.tier").exists()
+
+
+def test_a_plan_refuses_a_shape_it_cannot_lay_out(capsys):
+    """L14: --layers 1e9 ran a Python loop per layer for minutes (no answer within 100 s at
+    1e7), and a shape holding 1e28 parameters was planned as --params 1e15."""
+    from offloadlab import cli
+
+    common = ["plan", "--params", "1e15", "--gpu-memory", "80 GB", "--link", "25 GB/s"]
+    deep = ["--layers", "1000000000", "--hidden", "1024", "--heads", "8"]
+    assert cli.main([*common, *deep]) == 2
+    assert "layers: expected at most 100,000 layers" in capsys.readouterr().err
+    assert cli.main([*common, "--layers", "1000", "--hidden", "10000000", "--heads", "8"]) == 2
+    assert "more than ten times the 1e+15 given" in capsys.readouterr().err

@@ -169,6 +169,17 @@ class Workload:
                 f"heads: expected a divisor of hidden={self.hidden} (each head gets an equal "
                 f"slice); got {self.heads}"
             )
+        elif self.layers > MAX_LAYERS:  # (each layer is laid out, one by one)
+            raise ValueError(
+                f"layers: expected at most {MAX_LAYERS:,} layers (the deepest models have a few "
+                f"hundred); got {self.layers:,}"
+            )
+        elif 12 * self.layers * self.hidden**2 > 10 * self.params:
+            raise ValueError(
+                f"layers, hidden: {self.layers:,} layers of width {self.hidden:,} hold about "
+                f"{12 * self.layers * self.hidden**2:.3g} parameters (12·L·h²), more than ten "
+                f"times the {self.params:.3g} given; check the shape or the count"
+            )
 
     @property
     def tokens(self) -> int:
@@ -290,6 +301,9 @@ class Workload:
 def usable_host(host_memory: float) -> float:
     """Of ``host_memory`` bytes, what a plan's state may fill."""
     return host_memory * (1 - HOST_RESERVE_FRACTION)
+
+
+MAX_LAYERS = 100_000
 
 
 def typical_shape(params: float) -> tuple[int, int, int]:

@@ -675,3 +675,22 @@ def test_cuda_a_copy_queued_behind_a_scatter_is_not_held_by_its_kernel():
         scattered.synchronize()
         again.synchronize()
         assert all(torch.equal(t.cpu(), v) for t, v in zip(targets, host.split(n)))
+
+
+def test_an_interrupt_between_counting_a_job_and_queueing_it_leaves_no_hang():
+    """A KeyboardInterrupt that lands after an emulated stream counted a job but before it
+    queued it (a fresh clone under load hung a lab's re-run cell this way) left the count one
+    high, and synchronize() waited for a count of zero forever; it now waits for a mark."""
+    import threading
+
+    from offloadlab.link import EmulatedLink
+
+    with EmulatedLink() as link:
+        stream = link._compute
+        with stream._lock:
+            stream._pending += 1  # counted; the interrupt came before the put
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (link.synchronize(), done.set()), daemon=True)
+        waiter.start()
+        assert done.wait(30), "synchronize() hung on a job that was never queued"
+        assert link.mark().time >= 0  # (marks now go through the queue, and are reached)

@@ -76,15 +76,17 @@ class _EmulatedStream:
     """An in-order queue of work served by one thread: the emulated compute stream or a copy engine.
 
     Work items are callables; :meth:`mark` returns a :class:`Marker` reached when every item put
-    before it has run (at once, if the stream is idle).
+    before it has run (at once, if the stream is idle). A KeyboardInterrupt can land between any
+    two lines of the caller: the count of pending items may then stay one too high (the stream
+    never looks idle again, and marks take the queue), never too low, and :meth:`drain` waits for
+    a mark, not for the count.
     """
 
     def __init__(self, link: "EmulatedLink", name: str):
         self._link = weakref.ref(link)  # its thread must not keep a dropped link alive
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (put and get are single C calls)
         self._lock = threading.Lock()
         self._pending = 0
-        self._idle = threading.Condition(self._lock)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, daemon=True, name=name)
         self._thread.start()
@@ -116,8 +118,7 @@ class _EmulatedStream:
 
     def drain(self) -> None:
         """Block until every item put so far has run."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0)
+        self.mark(timed=False)._reached.wait()
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -144,10 +145,8 @@ class _EmulatedStream:
                 job = None
                 if announce is not None:
                     announce()
-                with self._idle:
+                with self._lock:
                     self._pending -= 1
-                    if self._pending == 0:
-                        self._idle.notify_all()
 
 
 class _CoreReservation:

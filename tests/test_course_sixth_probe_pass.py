@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from offloadlab.models import GPTConfig
 from offloadlab_course import capacity, check, grading, student
@@ -161,3 +162,58 @@ def test_user_limits_name_a_cap_beyond_any_float(tmp_path):
     """G27: UserLimits(10**400, 1) raised a bare OverflowError."""
     with pytest.raises(ValueError, match=r"^memory_bytes: expected a positive number"):
         UserLimits(10**400, 1, root=tmp_path)
+
+
+# The ninth probe pass.
+def test_two_users_whose_names_differ_only_in_replaced_characters_get_two_groups():
+    """C2: jo@x.com and jo_x.com shared one control group and one cap."""
+    from offloadlab_course.limits import group_name
+
+    names = ["jo@x.com", "jo_x.com", "a b", "a_b", "plain"]
+    assert len({group_name(n) for n in names}) == len(names)
+    assert group_name("plain") == "offloadlab-plain"  # (names that need nothing keep it)
+
+
+def test_user_limits_take_a_str_root_and_refuse_a_quota_below_the_kernels(tmp_path):
+    """C1, C3: a str root raised a TypeError; cpus=0.001 wrote a quota the kernel refuses."""
+    from offloadlab_course.limits import UserLimits
+
+    assert UserLimits(2**30, 1, root=str(tmp_path)).root == tmp_path
+    with pytest.raises(ValueError, match="cpus: expected at least 0.01 of a core"):
+        UserLimits(2**30, 0.001, root=tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "tensor"])
+def test_lab02_challenge_takes_a_numpy_or_tensor_bandwidth(kind, capsys):
+    """C26, C28: a correct β as np.float32 or a 0-d tensor failed as 'expected a bandwidth'."""
+    import numpy as np
+
+    from offloadlab.link import EmulatedLink
+
+    with EmulatedLink(bandwidth=2e9) as link:
+        value = np.float32(2e9) if kind == "numpy" else torch.tensor(2e9)
+        outcome = grading.lab02_challenge(lambda link: value, link, 2e9)
+    assert outcome, outcome.line
+
+
+def test_challenges_name_a_missing_link_config_or_folder():
+    """C27, C29, C30: AttributeErrors from inside, and tempfile's FileNotFoundError."""
+    with pytest.raises(ValueError, match="link: expected"):
+        grading.lab02_challenge(lambda link: 1.0, None, 2e9)
+    with pytest.raises(ValueError, match="config: expected the lab's GPTConfig"):
+        grading.lab04_challenge(lambda *a: None, None, "cpu")
+    with pytest.raises(ValueError, match="folder: expected an existing folder"):
+        grading.lab07_challenge("/nonexistent/folder", 2**20, 8, 1e9)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "tensor"])
+def test_check_exact_compares_arrays_and_tensors(kind):
+    """C12, C13: two arrays (or tensors) raised numpy's ambiguous-truth ValueError."""
+    import numpy as np
+
+    from offloadlab_course import check
+
+    make = np.array if kind == "numpy" else torch.tensor
+    assert check.exact("order", make([1, 2, 3]), make([1, 2, 3]))
+    assert not check.exact("order", make([1, 2, 3]), make([1, 2, 4]))
+    assert not check.exact("order", make([1, 2]), make([1, 2, 3]))

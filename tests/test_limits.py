@@ -30,7 +30,7 @@ def test_own_groups_reads_v1_and_v2_lines():
 
 def test_a_user_name_cannot_leave_its_folder():
     assert group_name("ada") == "offloadlab-ada"
-    assert group_name("../../etc") == "offloadlab-.._.._etc"
+    assert group_name("../../etc").startswith("offloadlab-.._.._etc-")  # (and a digest)
     assert "/" not in group_name("a/b")
 
 

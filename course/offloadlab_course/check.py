@@ -128,13 +128,28 @@ def exact(name: str, yours, expected, hint: str = "") -> Verdict:
         return answer(name, yours, expected, rel_tol=0, hint=hint)
     if yours is Ellipsis:
         return _report(Verdict(False, f"✗ {name}: no answer yet"))
-    if type(yours) is type(expected) and yours == expected:
+    if _same(yours, expected):
         shown = "your answer agrees" if student_release() else f"{yours!r} agrees"
         return _report(Verdict(True, f"✓ {name}: {shown}"))
     shown = (
         f"{yours!r} is not it" if student_release() else f"{yours!r}, but {expected!r} was expected"
     )
     return _report(Verdict(False, f"✗ {name}: {shown}." + (f" Hint: {hint}" if hint else "")))
+
+
+def _same(yours, expected) -> bool:
+    """Equal, and of one type; arrays and tensors element by element, shapes included (their
+    ``==`` is an array, whose truth is ambiguous)."""
+    if type(yours) is not type(expected):
+        return False
+    try:
+        return bool(yours == expected)
+    except (ValueError, RuntimeError):
+        import numpy as np
+
+        if hasattr(yours, "equal") and callable(yours.equal):  # a torch tensor
+            return bool(yours.equal(expected))
+        return bool(np.array_equal(yours, expected))
 
 
 def _number(x) -> Fraction | None:

@@ -27,7 +27,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from offloadlab.units import check_integer, check_non_negative, check_positive, is_number
+from offloadlab.link import check_link
+from offloadlab.units import (
+    check_integer,
+    check_non_negative,
+    check_positive,
+    is_number,
+    plain_scalar,
+)
 
 __all__ = [
     "recomputed",
@@ -103,6 +110,14 @@ def _whole(value, name: str, low: int = 1, expected: str | None = None) -> int:
     return check_integer(value, name, low, expected=expected)
 
 
+def _config(config) -> None:
+    """ValueError unless ``config`` is a GPTConfig (the lab's model)."""
+    from offloadlab.models import GPTConfig
+
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"config: expected the lab's GPTConfig; got {config!r}")
+
+
 def _share(value, name: str) -> float:
     """A fraction in (0, 1]."""
     if _number(value, name) > 1:
@@ -176,6 +191,7 @@ def lab01_challenge(
     if missing is not None:
         return missing
     _number(budget, "budget"), _whole(steps, "steps"), _number(rel_tol, "rel_tol")
+    _config(config)
 
     torch.manual_seed(0)
     reference = TinyGPT(config).to(device)
@@ -288,7 +304,7 @@ def lab04_challenge(
     if missing is not None:
         return missing
     _number(budget, "budget"), _whole(copies, "copies"), _whole(steps, "steps")
-    _number(rel_tol, "rel_tol")
+    _number(rel_tol, "rel_tol"), _config(config)
 
     from offloadlab.link import open_link
     from offloadlab.models import TinyGPT
@@ -428,6 +444,7 @@ def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
     if missing is not None:
         return missing
     budget = _whole(budget, "budget", expected="a whole number of bytes ≥ 1")
+    _config(config)
 
     from offloadlab.link import open_link
     from offloadlab.models import TinyGPT
@@ -519,6 +536,9 @@ def lab07_challenge(
 
     from offloadlab.nvme import FileTier
 
+    if not isinstance(folder, (str, Path)) or not Path(folder).is_dir():
+        raise ValueError(f"folder: expected an existing folder on the disk to test; got {folder!r}")
+
     values = torch.randn(params)
     with tempfile.TemporaryDirectory(dir=folder, prefix="lab07-challenge-") as scratch:
         tiers = []
@@ -574,9 +594,13 @@ def lab02_challenge(
         return missing
     reference = _number(reference, "reference")
     _whole(budget, "budget", expected="a whole number of bytes ≥ 1"), _number(rel_tol, "rel_tol")
+    check_link(link)
     with link.record() as recording:
         beta = probe(link)
     moved = sum(t.nbytes for t in recording.transfers)
+    if getattr(beta, "numel", lambda: 0)() == 1 and beta.is_floating_point():
+        beta = beta.item()  # (a one-element tensor, as a measurement made with torch is)
+    beta = plain_scalar(beta)  # (numpy's numbers as Python's)
     if not is_number(beta) or beta <= 0:
         return Outcome(
             False, f"✗ challenge: the probe returned {beta!r}; expected a bandwidth in bytes/s"

@@ -15,6 +15,7 @@ below the hub's own in the ``memory`` and ``cpu`` hierarchies. Where neither can
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from offloadlab.units import check_positive, plain_scalar
 
 CGROUPS = Path("/sys/fs/cgroup")
 CFS_PERIOD_US = 100_000  # cgroup v1's default scheduling period, in microseconds
+MIN_CPUS = 1_000 / CFS_PERIOD_US  # the kernel's smallest quota, 1 ms, over that period
 
 
 def own_groups(proc_cgroup: str) -> dict[str, str]:
@@ -37,8 +39,12 @@ def own_groups(proc_cgroup: str) -> dict[str, str]:
 
 def group_name(user: str) -> str:
     """The folder name of ``user``'s group: the name, with anything but letters, digits, ``-``,
-    ``_`` and ``.`` replaced."""
-    return "offloadlab-" + "".join(c if c.isalnum() or c in "-_." else "_" for c in user)
+    ``_`` and ``.`` replaced by ``_`` and, when anything was, a digest of the name appended, so
+    that two users (``jo@x.com`` and ``jo_x.com``) never share a group and its caps."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in user)
+    if safe != user:
+        safe += "-" + hashlib.sha256(user.encode()).hexdigest()[:12]
+    return "offloadlab-" + safe
 
 
 class UserLimits:
@@ -49,16 +55,18 @@ class UserLimits:
         self.memory_bytes = int(check_positive(plain_scalar(memory_bytes), "memory_bytes"))
         if self.memory_bytes < 1:
             raise ValueError(f"memory_bytes: expected at least one byte; got {memory_bytes!r}")
-        self.cpus, self.root = check_positive(plain_scalar(cpus), "cpus"), root
+        self.cpus, self.root = check_positive(plain_scalar(cpus), "cpus"), Path(root)
+        if self.cpus < MIN_CPUS:  # (a quota below the kernel's 1 ms a period is refused there)
+            raise ValueError(f"cpus: expected at least {MIN_CPUS} of a core; got {cpus!r}")
         groups = own_groups(Path("/proc/self/cgroup").read_text(encoding="utf-8"))
-        self.unified = (root / "cgroup.controllers").exists()  # v2 only, no v1 hierarchy
+        self.unified = (self.root / "cgroup.controllers").exists()  # v2 only, no v1 hierarchy
         if self.unified:
-            self.parents = {"": root / groups.get("", "/").lstrip("/")}
+            self.parents = {"": self.root / groups.get("", "/").lstrip("/")}
         else:
             self.parents = {
-                kind: root / kind / groups[kind].lstrip("/")
+                kind: self.root / kind / groups[kind].lstrip("/")
                 for kind in ("memory", "cpu")
-                if kind in groups and (root / kind).is_dir()
+                if kind in groups and (self.root / kind).is_dir()
             }
 
     def prepare(self, user: str) -> tuple[list[Path], str]:

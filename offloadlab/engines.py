@@ -118,10 +118,15 @@ class Setup:
                 f"offload {self.offload!r}"
             )
         for name in ("gpus", "micro_batch", "accumulation", "nvme_buffer", "seq", "nodes"):
-            check_integer(getattr(self, name), name)
-        # what the configurations write for the optimizer, checked as AdamW checks it
+            value = plain_scalar(getattr(self, name))  # (numpy's integers as Python's)
+            object.__setattr__(self, name, check_integer(value, name))
+        # what the configurations write for the optimizer, checked as AdamW checks it, as the
+        # plain numbers JSON and Python source take (a tensor lr would write 'tensor(0.0003)')
         for name in ("lr", "eps", "weight_decay", "clipping", "offload_ratio"):
-            object.__setattr__(self, name, plain_scalar(getattr(self, name)))  # (for JSON)
+            value = getattr(self, name)
+            if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
+                value = value.item()  # (a one-element tensor; torch is not imported here)
+            object.__setattr__(self, name, plain_scalar(value))
         check_adamw_settings(self.lr, self.betas, self.eps, self.weight_decay)
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         if not isinstance(self.recompute, bool):  # ("no" is true to Python)

@@ -46,13 +46,14 @@ _TIME_UNITS = {
     "ns": 1e-9,
     "us": 1e-6,
     "µs": 1e-6,
+    "μs": 1e-6,
     "ms": 1e-3,
     "s": 1.0,
     "min": 60.0,
     "h": 3600.0,
 }
 _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
-_QUANTITY = re.compile(rf"^\s*({_NUMBER})\s*([A-Za-zµ/]*)\s*$")
+_QUANTITY = re.compile(rf"^\s*({_NUMBER})\s*([A-Za-zµμ/]*)\s*$")  # (the micro sign, or Greek mu)
 
 # (In Python a number is taken in base units: bytes, bytes/s, seconds.)
 SIZE_FORMS = "a size with its unit, such as '80 GB', '512 MiB', '1.5 TB'"
@@ -71,6 +72,7 @@ def _split(value, name: str, forms: str) -> tuple[float, str | None]:
     ''."""
     if isinstance(value, bool):
         raise _fail(name, value, forms)
+    value = plain_scalar(value)  # (numpy's numbers as Python's)
     if isinstance(value, (int, float)):
         if isinstance(value, int) and abs(value) > 10**308:  # beyond any float
             raise _fail(name, value, forms, "must be finite")

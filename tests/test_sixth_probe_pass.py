@@ -657,3 +657,43 @@ def test_a_plan_refuses_a_shape_it_cannot_lay_out(capsys):
     assert "layers: expected at most 100,000 layers" in capsys.readouterr().err
     assert cli.main([*common, "--layers", "1000", "--hidden", "10000000", "--heads", "8"]) == 2
     assert "more than ten times the 1e+15 given" in capsys.readouterr().err
+
+
+def test_engine_setup_writes_plain_numbers():
+    """E1, E9, E15: numpy integers refused with an int(...) hint, though numpy floats were
+    converted; E2, E3: a tensor lr was kept, and DeepSpeed's JSON failed while the FSDP2 snippet
+    wrote lr=tensor(0.0003)."""
+    import json
+
+    from offloadlab import engines
+
+    setup = engines.Setup(
+        "zero2",
+        "optimizer",
+        gpus=np.int64(2),
+        micro_batch=1,
+        accumulation=1,
+        seq=np.int64(1024),
+        nodes=np.int64(1),
+        lr=torch.tensor(3e-4),
+    )
+    assert type(setup.gpus) is int and type(setup.lr) is float
+    json.dumps(engines.deepspeed_config(setup))
+    assert "lr=0.0003" in engines.fsdp_snippet(setup).replace(" ", "")
+
+
+def test_links_take_numpy_numbers_and_refuse_truthy_strings():
+    """N6, N10: open_link(emulated='no') and EmulatedLink(reserve_core='no') were taken as
+    true; N8, N9, U31, U32: numpy numbers for bandwidth, pageable_fraction and sizes refused;
+    U33: '40 μs' with the Greek mu refused."""
+    from offloadlab.link import EmulatedLink, open_link
+    from offloadlab.units import parse_duration, parse_size
+
+    with pytest.raises(ValueError, match="emulated: expected True, False or None"):
+        open_link(emulated="no")
+    with pytest.raises(ValueError, match="reserve_core: expected True or False"):
+        EmulatedLink(reserve_core="no")
+    with EmulatedLink(bandwidth=np.float32(1e9), pageable_fraction=np.float32(0.5)) as link:
+        assert link.bandwidth == 1e9 and link.pageable_fraction == 0.5
+    assert parse_size(np.int64(2**30)) == 2**30 and parse_size(np.float32(1024)) == 1024
+    assert parse_duration("40 μs") == pytest.approx(40e-6)

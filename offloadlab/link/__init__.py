@@ -92,6 +92,8 @@ def open_link(emulated: bool | None = None, **emulation) -> Link:
     """
     if emulated is None:
         emulated = not torch.cuda.is_available()
+    elif not isinstance(emulated, bool):  # ("no" is true to Python)
+        raise ValueError(f"emulated: expected True, False or None; got {emulated!r}")
     if emulated:
         return EmulatedLink(**emulation)
     if emulation:

@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from .. import _torch_compat, cores
-from ..units import is_number, parse_bandwidth, parse_duration
+from ..units import is_number, parse_bandwidth, parse_duration, plain_scalar
 from .base import Link, Marker, Transfer, _nbytes, poison
 
 __all__ = ["EmulatedLink", "DEFAULT_EMULATED_BANDWIDTH", "DEFAULT_EMULATED_LATENCY"]
@@ -215,6 +215,9 @@ class EmulatedLink(Link):
         super().__init__()
         self.bandwidth = parse_bandwidth(bandwidth, "bandwidth")
         self.latency = parse_duration(latency, "latency", allow_zero=True)
+        pageable_fraction = plain_scalar(pageable_fraction)  # (numpy's numbers as Python's)
+        if not isinstance(reserve_core, bool):  # ("no" is true to Python)
+            raise ValueError(f"reserve_core: expected True or False; got {reserve_core!r}")
         if not (is_number(pageable_fraction) and 0 < pageable_fraction <= 1):
             raise ValueError(
                 f"pageable_fraction: expected a fraction in (0, 1]; got {pageable_fraction!r}"

@@ -255,7 +255,13 @@ class StreamedModel:
     # ------------------------------------------------- optimizers (the ownership.Streamer protocol)
 
     def block_of(self, param: torch.Tensor) -> int:
-        """The index of the streamed block ``param`` belongs to."""
+        """The index of the streamed block ``param`` belongs to; ValueError for a parameter this
+        model does not stream."""
+        if id(param) not in self._block_of:
+            raise ValueError(
+                f"param: expected a parameter of a streamed block; got one of shape "
+                f"{tuple(getattr(param, 'shape', ()))} that this StreamedModel does not stream"
+            )
         return self._block_of[id(param)]
 
     def gradient_layout(self, block: int) -> tuple[list[torch.Tensor], Layout]:

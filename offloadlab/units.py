@@ -220,11 +220,11 @@ def plain_scalar(value):
 
 def check_adamw_settings(lr, betas, eps, weight_decay, where: str = "") -> None:
     """ValueError naming the first of AdamW's settings it would not accept: numbers (numpy's, or a
-    one-element float tensor, as AdamW takes) ≥ 0, and two betas in [0, 1)."""
+    one-element tensor, as AdamW takes) ≥ 0, and two betas in [0, 1)."""
 
     def number(x):
-        if getattr(x, "is_floating_point", lambda: False)() and x.numel() == 1:
-            x = x.item()
+        if hasattr(x, "item") and getattr(x, "numel", lambda: 0)() == 1:
+            x = x.item()  # (a bool tensor gives a bool, which is no number)
         return is_number(plain_scalar(x))
 
     if not (number(lr) and lr >= 0):

@@ -697,3 +697,35 @@ def test_links_take_numpy_numbers_and_refuse_truthy_strings():
         assert link.bandwidth == 1e9 and link.pageable_fraction == 0.5
     assert parse_size(np.int64(2**30)) == 2**30 and parse_size(np.float32(1024)) == 1024
     assert parse_duration("40 μs") == pytest.approx(40e-6)
+
+
+def test_small_refusals_of_the_ninth_pass_name_their_argument(tmp_path):
+    """U24: an integer-tensor lr (AdamW takes it); D13: saved params as a tuple (torch takes it);
+    T15: adam_from_file with a numpy gradient (AttributeError 'numel'); F24: block_of a
+    parameter that is not streamed (a bare KeyError)."""
+    from offloadlab.link import EmulatedLink
+    from offloadlab.models import GPTConfig, TinyGPT
+    from offloadlab.nvme import adam_from_file
+    from offloadlab.streaming import StreamedModel
+
+    model = clip_model()
+    optimizer = ol.CPUOffloadAdam(model.parameters(), lr=torch.tensor(1))
+    clip_loss(model, 0).backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    saved["param_groups"][0]["params"] = tuple(saved["param_groups"][0]["params"])
+    optimizer.load_state_dict(saved)
+    optimizer.close()
+
+    tiers = [FileTier(tmp_path / name, 2048) for name in ("m", "a", "b")]
+    with pytest.raises(ValueError, match="grad: expected a floating-point torch tensor"):
+        adam_from_file(*tiers, np.ones(2048), lr=1e-3)
+    for tier in tiers:
+        tier.close()
+
+    gpt = TinyGPT(GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=8))
+    with EmulatedLink() as link:
+        streamed = StreamedModel(gpt, link)
+        with pytest.raises(ValueError, match="param: expected a parameter of a streamed block"):
+            streamed.block_of(gpt.head.weight)
+        streamed.remove()

@@ -87,6 +87,8 @@ def adam_from_file(
             "exp_avg: expected three different tiers for master, exp_avg and exp_avg_sq; got one "
             "twice"
         )
+    if not isinstance(grad, torch.Tensor) or not grad.is_floating_point():
+        raise ValueError(f"grad: expected a floating-point torch tensor; got {type(grad).__name__}")
     if not (master.numel == exp_avg.numel == exp_avg_sq.numel == grad.numel()):
         raise ValueError("grad: expected as many elements as each state file holds")
     if len({t.step for t in tiers}) != 1:

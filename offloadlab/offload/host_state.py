@@ -356,13 +356,20 @@ def check_state(state_dict, param_groups) -> tuple[list[dict], dict]:
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups) or any(
         not isinstance(s, dict)
-        or not isinstance(s.get("params"), list)
+        or not isinstance(s.get("params"), (list, tuple))
         or len(s["params"]) != len(g["params"])
         for s, g in zip(saved_groups, param_groups)
     ):
+        saved = [
+            len(s["params"])
+            if isinstance(s, dict) and isinstance(s.get("params"), (list, tuple))
+            else "?"
+            for s in saved_groups
+        ]
         raise ValueError(
             f"state_dict: expected {len(param_groups)} parameter groups of "
-            f"{[len(g['params']) for g in param_groups]} parameters, as this optimizer has"
+            f"{[len(g['params']) for g in param_groups]} parameters, as this optimizer has; got "
+            f"{len(saved_groups)} of {saved}"
         )
     hyper, param_of = [], {}
     for i, (saved, own) in enumerate(zip(saved_groups, param_groups)):

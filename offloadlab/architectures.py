@@ -475,6 +475,10 @@ def _parse_json(text: str, source: str):
         raise ValueError(
             f"{source}: expected a JSON config; got nesting too deep to read"
         ) from None
+    except ValueError as error:  # Python's limit on an integer's digits (4,300 by default)
+        raise ValueError(
+            f"{source}: expected a JSON config of numbers Python can read; got {error}"
+        ) from None
 
 
 def read_config(model: str | Path) -> tuple[dict, str, tuple[str, ...]]:

@@ -114,7 +114,9 @@ def _rate_or_bare(unit: str, floor: float, example: str):
     prefixes = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
 
     def parse(text, name):
-        match = re.fullmatch(rf"\s*([0-9.eE+-]+)\s*([kKmMgGtTpP]?){unit}/s\s*", text)
+        match = re.fullmatch(
+            rf"\s*([0-9.eE+-]+)\s*([kKmMgGtTpP]?){unit}/s\s*", text, flags=re.IGNORECASE
+        )  # ('400 tflop/s' as well)
         if match:
             return units.check_positive(
                 float(match.group(1)) * prefixes[match.group(2).lower()], name
@@ -754,7 +756,7 @@ def _cmd_bench(args) -> int:
     if args.disk is not None and args.name != "nvme":
         raise UsageError(f"--disk: only bench nvme uses a disk; got it with bench {args.name}")
     if args.name == "nvme":
-        if not Path(args.disk or ".").is_dir():
+        if args.disk == "" or not Path(args.disk or ".").is_dir():  # ('' would be the cwd)
             raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
         with arguments():
             # OSError: a fault, found before the run

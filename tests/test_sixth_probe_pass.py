@@ -729,3 +729,26 @@ def test_small_refusals_of_the_ninth_pass_name_their_argument(tmp_path):
         with pytest.raises(ValueError, match="param: expected a parameter of a streamed block"):
             streamed.block_of(gpt.head.weight)
         streamed.remove()
+
+
+def test_the_command_line_reads_rates_in_any_case_and_refuses_an_empty_disk(tmp_path, capsys):
+    """L12: '200 tflop/s' refused as taking no unit; L41: bench nvme --disk '' ran in the
+    current folder (probe --disk '' was refused); L29: a 5000-digit vocab_size gave Python's
+    digit-limit message naming neither the file nor the field."""
+    from offloadlab import cli
+
+    common = ["plan", "--params", "7e9", "--gpu-memory", "80 GB", "--link", "25 GB/s"]
+    assert cli.main([*common, "--compute", "200 tflop/s"]) == 0
+    capsys.readouterr()
+    assert cli.main(["bench", "nvme", "--disk", "", "--quick"]) == 2
+    assert "--disk: expected an existing folder" in capsys.readouterr().err
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "vocab_size": ' + "9" * 5000 + "}")
+    assert (
+        cli.main(
+            ["plan", "--model-config", str(config), "--gpu-memory", "80 GB", "--link", "25 GB/s"]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert str(config) in err and "numbers Python can read" in err and "Traceback" not in err

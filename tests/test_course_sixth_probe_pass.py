@@ -217,3 +217,25 @@ def test_check_exact_compares_arrays_and_tensors(kind):
     assert check.exact("order", make([1, 2, 3]), make([1, 2, 3]))
     assert not check.exact("order", make([1, 2, 3]), make([1, 2, 4]))
     assert not check.exact("order", make([1, 2]), make([1, 2, 3]))
+
+
+def test_offloaded_need_names_a_dtype_it_cannot_train_in():
+    """C8: complex64 gave torch's embedding error, naming no argument."""
+    config = GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=8)
+    with pytest.raises(ValueError, match="dtype: expected a floating-point torch dtype"):
+        capacity.offloaded_need(config, 2, dtype=torch.complex64)
+
+
+def test_the_release_names_a_lab_that_is_no_text_and_skips_a_fifo(tmp_path):
+    """C33: a non-UTF-8 lab*.md gave a decode error naming no file; C35: a FIFO named
+    lab97_fifo.md blocked the release forever."""
+    import os
+
+    labs = tmp_path / "labs"
+    labs.mkdir()
+    (labs / "lab01_x.md").write_text("---\njupytext:\n  formats: md:myst\n---\n# Lab 1\n")
+    os.mkfifo(labs / "lab97_fifo.md")
+    assert [p.name for p in student.find_labs(labs)] == ["lab01_x.md"]
+    (labs / "lab02_bad.md").write_bytes(b"---\njupytext:\n\xff\xfe not text\n")
+    with pytest.raises(ValueError, match="labs_dir: lab02_bad.md is not UTF-8 text"):
+        student.find_labs(labs)

@@ -81,6 +81,8 @@ def offloaded_need(
         plain_scalar(bucket_bytes), "bucket_bytes", expected="a positive whole number of bytes"
     )
     params = config.params
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype: expected a floating-point torch dtype; got {dtype!r}")
     itemsize = torch.tensor([], dtype=dtype).element_size()
     buffers = 3 * bucket_bytes  # two gather buffers and the staging buffer of the weights going up
     return DeviceNeed(

@@ -270,16 +270,27 @@ def find_labs(labs_dir: Path) -> list[Path]:
     labs_dir = Path(labs_dir)
     if not labs_dir.is_dir():
         raise ValueError(f"labs_dir: expected a folder of labs; got {str(labs_dir)!r}")
-    found = [
-        p
-        for p in sorted(labs_dir.glob("lab*.md"))
-        if "jupytext:" in p.read_text(encoding="utf-8")[:2000]
-    ]
+    found = [p for p in sorted(labs_dir.glob("lab*.md")) if _is_a_lab(p)]
     if not found:
         raise ValueError(
             f"labs_dir: expected Jupytext labs (lab*.md) in {str(labs_dir)!r}; found none"
         )
     return found
+
+
+def _is_a_lab(path: Path) -> bool:
+    """A Jupytext lab: a regular file (a FIFO named lab*.md would block the read) whose start
+    names Jupytext; ValueError naming a file that is no UTF-8 text."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        start = f.read(2000)
+    try:
+        return "jupytext:" in start.decode("utf-8", errors="strict")
+    except UnicodeDecodeError as error:
+        if error.start < len(start) - 4:  # (not a character cut at the 2000th byte)
+            raise ValueError(f"labs_dir: {path.name} is not UTF-8 text ({error.reason})") from None
+        return "jupytext:" in start[: error.start].decode("utf-8")
 
 
 def _target_folder(target_dir: Path) -> Path:

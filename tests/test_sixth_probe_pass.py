@@ -468,6 +468,8 @@ def test_a_mock_is_no_link():
 
     with pytest.raises(ValueError, match="link: expected an offloadlab.link.Link"):
         check_link(mock.MagicMock())
+    with pytest.raises(ValueError, match="link: expected an offloadlab.link.Link"):
+        check_link(mock.MagicMock(spec=ol.link.EmulatedLink))  # (N4: it passes isinstance)
     with pytest.raises(ValueError, match="link: expected"):
         ol.CPUOffloadAdam(torch.nn.Linear(2, 2).parameters(), link=mock.MagicMock())
 

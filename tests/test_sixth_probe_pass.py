@@ -754,3 +754,26 @@ def test_the_command_line_reads_rates_in_any_case_and_refuses_an_empty_disk(tmp_
     )
     err = capsys.readouterr().err
     assert str(config) in err and "numbers Python can read" in err and "Traceback" not in err
+
+
+def test_max_grad_norm_clips_what_a_clip_grad_norm_call_left():
+    """Tenth pass P6, P7, P15, P37: with max_grad_norm=0.1 in the constructor, a step whose
+    gradients the user clipped to 1e6 first was not clipped to 0.1 at all. P5: max_norm=inf,
+    torch's idiom for reading the norm, was refused."""
+    ours_model, theirs_model = clip_model(), clip_model()
+    ours = ol.CPUOffloadAdam(ours_model.parameters(), lr=1e-2, max_grad_norm=0.1)
+    theirs = torch.optim.AdamW(theirs_model.parameters(), lr=1e-2)
+    for i in range(3):
+        clip_loss(ours_model, i).backward()
+        clip_loss(theirs_model, i).backward()
+        a = ours.clip_grad_norm_(float("inf"))
+        b = torch.nn.utils.clip_grad_norm_(theirs_model.parameters(), float("inf"))
+        assert float(a) == pytest.approx(float(b), rel=1e-5)
+        ours.clip_grad_norm_(1e6)
+        torch.nn.utils.clip_grad_norm_(theirs_model.parameters(), 1e6)
+        torch.nn.utils.clip_grad_norm_(theirs_model.parameters(), 0.1)  # the constructor's
+        ours.step(), theirs.step()
+        ours.zero_grad(), theirs.zero_grad()
+    for p, q in zip(ours_model.parameters(), theirs_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    ours.close()

@@ -279,8 +279,8 @@ class OffloadEngine:
         self.accumulation_steps = accumulation_steps
         # optimizer steps taken (the step whose gradients are arriving is step_count + 1)
         self.step_count = 0
-        # clip_grad_norm_'s (factor, norm was finite, gradients it saw) for this step: the factor
-        # is the product of its calls, as torch's in-place scaling composes
+        # clip_grad_norm_'s (factor, norm was finite, gradients it saw, norm after it) for this
+        # step: the factor is the product of its calls, as torch's in-place scaling composes
         self._clip: tuple | None = None
         self._device_steps: list = []  # the device's shares still to update in the step taken
         # (buckets, scale) of a step taken but not yet done (see _to_step_boundary)
@@ -763,11 +763,15 @@ class OffloadEngine:
     def _grad_scale(self, ready: list) -> float | None:
         """1 / loss scale × clipping factor; None when an fp16 overflow means skip the step."""
         scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        if self._clip is not None:  # clip_grad_norm_ chose it
-            factor, finite, _ = self._clip
+        if self._clip is not None:  # clip_grad_norm_'s, then max_grad_norm's over what it left
+            factor, finite, _, clipped_norm = self._clip
             if self.scaler is not None and not finite:
                 return None
-            return scale * factor
+            scale *= factor
+            limit = self.max_grad_norm
+            if limit is not None and finite and clipped_norm > limit:
+                scale *= limit / (clipped_norm + 1e-6)
+            return scale
         max_norm = self.max_grad_norm
         if max_norm is None and self.scaler is None:
             return scale
@@ -845,7 +849,7 @@ class OffloadEngine:
         # (a non-finite norm clips nothing, as before: torch would scale by nan)
         finite = math.isfinite(norm)
         factor = max_norm / (norm + 1e-6) if finite and norm > max_norm else 1.0
-        self._clip = (earlier * factor, finite, self._gradients_received())
+        self._clip = (earlier * factor, finite, self._gradients_received(), norm * factor)
         return norm
 
     # ------------------------------------------------------------------ lifecycle

@@ -369,10 +369,13 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         Call it between the step's last backward and :meth:`step`; the clipping is applied by
         the CPU update. Calls compose as torch's do (a second sees the first's clipped norm); a
         backward after it in the same step is refused at :meth:`step`, since torch would clip
-        only the micro-batches before it.
+        only the micro-batches before it. ``max_grad_norm`` given to the constructor clips what
+        this leaves. A non-finite norm clips nothing, where torch would scale every gradient by
+        nan; ``error_if_nonfinite=True`` refuses it, as torch does. ``max_norm=inf`` only
+        reads the norm.
         """
         max_norm = plain_scalar(max_norm)
-        if not (is_number(max_norm) and max_norm > 0):
+        if not ((is_number(max_norm) or max_norm == float("inf")) and max_norm > 0):
             raise ValueError(f"max_norm: expected a positive number; got {max_norm!r}")
         if norm_type != 2.0:
             raise ValueError(

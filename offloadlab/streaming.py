@@ -415,10 +415,14 @@ class StreamedModel:
                 )
             self._fill(buffer, index)
         buffer.holds += 1
-        buffer.last_use = next(self._uses)
-        self._prefetch(index, direction)
-        for transfer in buffer.fill:
-            transfer.wait()
+        try:  # (a Ctrl-C while the weights arrive lets the buffer go again)
+            buffer.last_use = next(self._uses)
+            self._prefetch(index, direction)
+            for transfer in buffer.fill:
+                transfer.wait()
+        except BaseException:
+            self._release(buffer)
+            raise
         return buffer
 
     @_torch_compat.eager_under_compile(_EAGER)

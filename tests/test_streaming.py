@@ -699,3 +699,32 @@ def test_a_gradient_hook_on_a_streamed_weight_is_refused_at_forward(link):
         streamed(x, y)
     handle.remove()
     streamed(x, y).backward()  # without it, as before
+
+
+def test_a_ctrl_c_while_a_block_waits_for_its_weights_lets_the_buffer_go(monkeypatch):
+    """Tenth probe pass K10, K15, K16: a KeyboardInterrupt inside the wait for a block's weights
+    left its device buffer held for good; two such interrupts and every later pass was refused,
+    'all 2 hold blocks still in use'."""
+    from offloadlab.link import emulated
+
+    _, streamed = twins()
+    x, y = batch()
+    with EmulatedLink() as link:
+        StreamedModel(streamed, link, buffers=2)
+        real_wait, waits = emulated._EmulatedTransfer.wait, {"n": 0, "at": 0}
+
+        def interrupted_wait(self, on=None):
+            waits["n"] += 1
+            if waits["n"] == waits["at"]:
+                raise KeyboardInterrupt
+            return real_wait(self, on)
+
+        monkeypatch.setattr(emulated._EmulatedTransfer, "wait", interrupted_wait)
+        for at in (3, 2):  # the third wait of one pass, the second of the next
+            waits.update(n=0, at=at)
+            with pytest.raises(KeyboardInterrupt):
+                streamed.zero_grad()
+                streamed(x, y).backward()
+        monkeypatch.setattr(emulated._EmulatedTransfer, "wait", real_wait)
+        streamed.zero_grad()
+        streamed(x, y).backward()  # the buffers are free again

@@ -505,3 +505,82 @@ def test_an_unanswered_challenge_says_what_is_missing(challenge, name, capsys):
     outcome = challenge()
     assert not outcome and outcome.line.startswith(f"✗ challenge: {name}: expected your function")
     assert outcome.line.endswith("got None") and capsys.readouterr().out == outcome.line + "\n"
+
+
+def adamw_with_a_master_out_of_sight(how):
+    """Lab 1's worked answer (AdamW inside backward, bf16 moments: 6 B/param) plus an fp32
+    master copy of each weight kept where the counter did not look: in numpy arrays, or in
+    tensors made at set-up and swapped through .data (10 B/param)."""
+    import numpy as np
+
+    def trainer(model):
+        step, optimizers = adamw_inside_backward(model)
+        masters = {}
+        for p in model.parameters():
+            masters[p] = np.zeros(p.numel(), np.float32) if how == "numpy" else torch.zeros(1)
+
+            def keep(p):
+                if how == "numpy":
+                    masters[p][:] = p.detach().float().reshape(-1).numpy()
+                else:
+                    masters[p].data = p.detach().float().reshape(-1).clone()
+
+            p.register_post_accumulate_grad_hook(keep)
+        return step, optimizers
+
+    return trainer
+
+
+@pytest.mark.parametrize("how", ["numpy", "swapped"])
+def test_lab01_a_master_copy_out_of_sight_still_counts(how, capsys):
+    outcome = grading.lab01_challenge(adamw_with_a_master_out_of_sight(how), LAB01_MODEL, "cpu")
+    assert not outcome and "10.0" in outcome.line, outcome.line
+
+
+def adamw_kept_out_of_sight(how):
+    """Tenth probe pass C3, C4: fp32 AdamW state (14 B/param with the bf16 weights) kept where
+    the counter did not look: numpy arrays, or tensors made at set-up and swapped through .data,
+    with one-element placeholders standing in for the moments in optimizer.state."""
+    import numpy as np
+
+    def trainer(model):
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(params, lr=1e-3)  # (only its state dict is shown)
+        kept = {}
+        for p in params:
+            n = p.numel()
+            if how == "numpy":
+                kept[p] = [np.zeros(n, np.float32) for _ in range(3)]
+                optimizer.state[p] = {"exp_avg": kept[p][0], "exp_avg_sq": kept[p][1]}
+            else:
+                kept[p] = [torch.zeros(n) for _ in range(3)]
+                optimizer.state[p] = {"exp_avg": torch.zeros(1), "exp_avg_sq": torch.zeros(1)}
+
+        def update(p):  # not AdamW's arithmetic: the counter's verdict is what is tested
+            if how == "numpy":
+                kept[p][2][:] = p.detach().float().reshape(-1).numpy()
+            else:
+                kept[p][2].data = p.detach().float().reshape(-1).clone()
+            p.grad = None
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(update)
+        return (lambda: None), [optimizer]
+
+    return trainer
+
+
+@pytest.mark.parametrize("how", ["numpy", "swapped"])
+def test_lab01_state_kept_out_of_sight_still_counts(how, capsys):
+    outcome = grading.lab01_challenge(adamw_kept_out_of_sight(how), LAB01_MODEL, "cpu")
+    assert not outcome, outcome.line
+    assert "have no AdamW moments" in outcome.line or "14.00 bytes" in outcome.line, outcome.line
+
+
+@pytest.mark.parametrize(
+    "made", [None, ((lambda: None), None), 3], ids=["none", "no optimizers", "a number"]
+)
+def test_lab01_a_trainer_that_returns_the_wrong_thing_fails_by_name(made, capsys):
+    """Tenth pass C11, C12: a TypeError from the unpacking."""
+    outcome = grading.lab01_challenge(lambda model: made, LAB01_MODEL, "cpu")
+    assert not outcome and "must return (step, optimizers)" in outcome.line, outcome.line

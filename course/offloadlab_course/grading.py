@@ -18,9 +18,12 @@ does nothing.
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
+import functools
 import math
 import numbers
+import types
 import weakref
 
 import torch
@@ -86,6 +89,59 @@ class _Kept(TorchDispatchMode):
         tensors = [ref() for ref in self.made]
         self.made = [ref for ref, t in zip(self.made, tensors) if t is not None]
         return [t for t in tensors if t is not None]
+
+
+def _held_by(roots, limit: int = 200_000) -> list:
+    """Every tensor, numpy array and storage reachable from ``roots`` through closures, bound
+    methods, objects' attributes and containers (never through a module, a class or a function's
+    globals): what a trainer keeps between steps, wherever it keeps it."""
+    import numpy as np
+
+    found, seen, todo = [], set(), list(roots)
+    while todo and len(seen) < limit:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (torch.Tensor, np.ndarray, torch.UntypedStorage)):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            todo += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            todo += list(obj)
+        elif isinstance(obj, types.MethodType):
+            todo += [obj.__self__, obj.__func__]
+        elif isinstance(obj, types.FunctionType):
+            todo += [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+            todo += [*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+        elif isinstance(obj, functools.partial):
+            todo += [obj.func, *obj.args, *obj.keywords.values()]
+        elif not isinstance(obj, (types.ModuleType, type, str, bytes, numbers.Number)):
+            attributes = getattr(obj, "__dict__", None)
+            if isinstance(attributes, dict):
+                todo.append(attributes)
+    return found
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a cell not yet assigned
+        return False
+    return True
+
+
+def _extent(thing) -> tuple[int, int]:
+    """(first address, bytes) of a tensor, numpy array or storage: one key for views of one
+    memory, however reached."""
+    if isinstance(thing, torch.UntypedStorage):
+        return _DATA_PTR(thing), thing.nbytes()
+    if isinstance(thing, torch.Tensor):
+        return (
+            _DATA_PTR(_STORAGE(thing)) + _OFFSET(thing) * _ELEMENT_SIZE(thing),
+            _NUMEL(thing) * _ELEMENT_SIZE(thing),
+        )
+    return thing.__array_interface__["data"][0], thing.nbytes
 
 
 # Bytes per parameter that one AdamW step reads from disk and writes back: fp32 master weights
@@ -208,21 +264,39 @@ def lab01_challenge(
 
     for p in params:
         _REGISTER_AFTER_GRADIENT(p, before_the_trainers_hooks)
-    step, optimizers = trainer(model)
+    with kept:  # (what the set-up makes is followed too)
+        made = trainer(model)
+    if not (
+        isinstance(made, (tuple, list))
+        and len(made) == 2
+        and callable(made[0])
+        and isinstance(made[1], (list, tuple))
+        and all(isinstance(getattr(o, "state", None), dict) for o in made[1])
+    ):
+        return Outcome(
+            False,
+            f"✗ challenge: trainer(model) must return (step, optimizers), a function and a list "
+            f"of optimizers; got {made!r:.200}",
+        )
+    step, optimizers = made
+
+    def trainers_hooks() -> list:
+        """The gradient hooks the trainer put on the parameters (not the counter's)."""
+        hooks = []
+        for p in params:
+            for table in (p._post_accumulate_grad_hooks, p._backward_hooks):
+                hooks += [h for h in (table or {}).values() if h not in ours]
+        return hooks
 
     def held_bytes() -> int:
-        seen, held = set(), 0
+        """The state held now: weights, gradients, what the optimizers and the trainer keep
+        (however it keeps it: reachable from its step, its optimizers, the model or its hooks),
+        and what the trainer made that something still holds."""
         gradients = [_GRAD(p) for p in params]
-        tensors = [*params, *(g for g in gradients if g is not None)]
-        tensors += [v for o in optimizers for state in o.state.values() for v in state.values()]
-        tensors += kept.alive()
-        for tensor in filter(_IS_TENSOR, tensors):
-            numel = _NUMEL(tensor)
-            key = (_DATA_PTR(_STORAGE(tensor)), _OFFSET(tensor), numel)
-            if numel > 1 and key not in seen:
-                seen.add(key)
-                held += numel * _ELEMENT_SIZE(tensor)
-        return held
+        things = [*params, *(g for g in gradients if g is not None)]
+        things += _held_by([step, optimizers, model, *trainers_hooks()]) + kept.alive()
+        extents = {_extent(thing) for thing in things}
+        return sum(nbytes for _, nbytes in extents if nbytes > 8)  # (step counters left out)
 
     peak, counted = 0, 0
 
@@ -233,6 +307,7 @@ def lab01_challenge(
             noting.clear()
         peak, counted = max(peak, held_bytes()), counted + 1
 
+    ours = (before_the_trainers_hooks, count_at_this_gradient)
     for p in params:  # after the trainer's hooks: what they free is not counted
         _REGISTER_AFTER_GRADIENT(p, count_at_this_gradient)
     generator = torch.Generator().manual_seed(1)
@@ -249,11 +324,15 @@ def lab01_challenge(
             step()
         peak = max(peak, held_bytes())
         worst = max(worst, abs(loss.item() - expected.item()) / expected.item())
-    moments = {
+    moments = {  # AdamW's two moments, each a tensor shaped like its parameter
         id(p)
         for optimizer in optimizers
         for p, state in optimizer.state.items()
-        if {"exp_avg", "exp_avg_sq"} <= set(state)
+        if isinstance(state, dict)
+        and all(
+            _IS_TENSOR(state.get(k)) and _IS_TENSOR(p) and _NUMEL(state[k]) == _NUMEL(p)
+            for k in ("exp_avg", "exp_avg_sq")
+        )
     }
     per_param = peak / sum(_NUMEL(p) for p in params)
     if counted < steps * len(params):

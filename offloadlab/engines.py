@@ -136,6 +136,8 @@ class Setup:
                 f"nodes: expected a divisor of gpus={self.gpus} (each node the same GPUs); got "
                 f"{self.nodes}"
             )
+        if self.checkpointed is not None:  # (numpy's integers as Python's)
+            object.__setattr__(self, "checkpointed", plain_scalar(self.checkpointed))
         if self.checkpointed is not None and (
             not is_integer(self.checkpointed) or self.checkpointed < 1 or not self.recompute
         ):

@@ -239,3 +239,69 @@ def test_the_release_names_a_lab_that_is_no_text_and_skips_a_fifo(tmp_path):
     (labs / "lab02_bad.md").write_bytes(b"---\njupytext:\n\xff\xfe not text\n")
     with pytest.raises(ValueError, match="labs_dir: lab02_bad.md is not UTF-8 text"):
         student.find_labs(labs)
+
+
+# The tenth probe pass.
+def test_a_name_that_ends_like_a_digest_cannot_pose_as_another_user():
+    """C13: group_name('a b') == group_name('a_b-c8687a08aa5d'); C18: group_name(None)."""
+    from offloadlab_course.limits import group_name
+
+    assert group_name("a b") != group_name(group_name("a b").removeprefix("offloadlab-"))
+    with pytest.raises(ValueError, match="user: expected a user name"):
+        group_name(None)
+
+
+@pytest.mark.parametrize("root", [None, b"/sys/fs/cgroup"])
+def test_user_limits_name_a_root_that_is_no_path(root):
+    """C24, C25: pathlib's TypeError."""
+    with pytest.raises(ValueError, match="root: expected the cgroup folder"):
+        UserLimits(2**30, 1, root=root)
+
+
+def test_check_exact_compares_containers_and_odd_tensors():
+    """C36, C37, C39: a dict of tensors, meta and sparse tensors raised."""
+    a = {"x": torch.tensor([1, 2])}
+    assert check.exact("d", a, {"x": torch.tensor([1, 2])})
+    assert not check.exact("d", a, {"x": torch.tensor([1, 3])})
+    meta = torch.empty(2, device="meta")
+    assert not check.exact("m", meta, torch.empty(2, device="meta"))
+    sparse = torch.tensor([1, 0, 2]).to_sparse()
+    assert check.exact("s", sparse, torch.tensor([1, 0, 2]).to_sparse())
+
+
+def test_lab_three_and_five_name_a_missing_link_and_lab_four_a_missing_optimizer(capsys):
+    """C59, C60: AttributeErrors on a non-link; C49: an offload that returns nothing."""
+    with pytest.raises(ValueError, match="link: expected"):
+        grading.lab03_challenge(lambda *a: None, None)
+    with pytest.raises(ValueError, match="link: expected"):
+        grading.lab05_challenge(lambda items, link: iter(items), "emulated")
+    config = GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=8)
+    outcome = grading.lab04_challenge(lambda model, link: None, config, "cpu")
+    assert not outcome and "must return an optimizer" in outcome.line
+
+
+def test_the_release_skips_fifos_and_names_bad_pages_beside_the_labs(tmp_path):
+    """C62, C73 (a FIFO .md in the labs folder or the book beside it blocked the release),
+    C63, C72 (a non-UTF-8 .md there exited without naming it), C70 (broken front matter gave a
+    yaml traceback)."""
+    import os
+    import subprocess
+    import sys
+
+    labs, book = tmp_path / "labs", tmp_path / "book"
+    labs.mkdir(), book.mkdir()
+    source = (ROOT / "labs" / "lab03_hide_a_transfer.md").read_text(encoding="utf-8")
+    (labs / "lab03_hide_a_transfer.md").write_text(source, encoding="utf-8")
+    os.mkfifo(labs / "notes.md")
+    os.mkfifo(book / "fifo.md")
+    run = [sys.executable, "-m", "offloadlab_course.student", str(labs), str(tmp_path / "out")]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (book / "bad.md").write_bytes(b"\xff\xfe not text")
+    done = subprocess.run([*run, "--force"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "bad.md: not UTF-8 text" in done.stderr, done.stderr
+    (book / "bad.md").unlink()
+    (labs / "lab91_bad.md").write_text("---\njupytext:\n  nonsense: [\n---\n")
+    done = subprocess.run([*run, "--force"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "lab91_bad.md" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

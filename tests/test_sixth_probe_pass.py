@@ -595,9 +595,10 @@ def test_one_loss_scaler_scales_one_optimizer():
 
 def test_a_scale_backed_off_to_nothing_says_so():
     """S7, S5: every step overflowing backed the scale off to 0.0, then a ZeroDivisionError."""
-    scaler = ol.LossScaler(init_scale=1e-323)
-    scaler.update(overflowed=True)  # 5e-324, the smallest there is
-    with pytest.raises(RuntimeError, match="backed off to nothing after 2 skipped steps"):
+    scaler = ol.LossScaler(init_scale=2.0**-1000)
+    for _ in range(23):  # down to 2**-1023, whose reciprocal is still a float
+        scaler.update(overflowed=True)
+    with pytest.raises(RuntimeError, match="backed off to nothing after 24 skipped steps"):
         scaler.update(overflowed=True)
     assert scaler.scale > 0
     ol.LossScaler().load_state_dict(scaler.state_dict())  # (its state stays loadable)
@@ -777,3 +778,35 @@ def test_max_grad_norm_clips_what_a_clip_grad_norm_call_left():
     for p, q in zip(ours_model.parameters(), theirs_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     ours.close()
+
+
+def test_a_loss_scale_never_grows_to_inf_nor_starts_out_of_range():
+    """Tenth pass S11, S13, S38: init_scale=1e308 or growth_factor=1e308 grew the scale to inf,
+    after which every step was skipped, silently (GradScaler stops at the float range)."""
+    scaler = ol.LossScaler(init_scale=2.0**64, growth_factor=1e308, growth_interval=1)
+    for _ in range(3):
+        scaler.update(overflowed=False)
+    assert scaler.scale == 2.0**64
+    for bad in (1e308, 1e-320):
+        with pytest.raises(ValueError, match="init_scale: expected a scale from 1e-308 to 2"):
+            ol.LossScaler(init_scale=bad)
+
+
+def test_a_failed_optimizer_does_not_keep_its_loss_scaler():
+    """Tenth pass S7, S37: an optimizer whose construction failed after it claimed the scaler
+    (its exception kept, as a notebook keeps it) left the scaler refused to a corrected retry."""
+    scaler = ol.LossScaler()
+    params = list(nn.Linear(4, 4).half().parameters())
+    try:
+        ol.CPUOffloadAdam(params, loss_scale=scaler, lr=1e-3, bucket_bytes=-1)
+    except ValueError as error:
+        kept = error  # noqa: F841 (kept alive, traceback and all)
+    ol.CPUOffloadAdam(params, loss_scale=scaler, lr=1e-3).close()
+
+
+def test_engine_setup_takes_a_numpy_checkpointed():
+    """Tenth pass E17: checkpointed=np.int64(2) was refused, unlike the other integer fields."""
+    from offloadlab import engines
+
+    setup = engines.Setup("zero2", "optimizer", recompute=True, checkpointed=np.int64(2))
+    assert type(setup.checkpointed) is int

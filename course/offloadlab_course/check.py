@@ -142,14 +142,24 @@ def _same(yours, expected) -> bool:
     ``==`` is an array, whose truth is ambiguous)."""
     if type(yours) is not type(expected):
         return False
+    if isinstance(yours, dict):
+        return yours.keys() == expected.keys() and all(_same(yours[k], expected[k]) for k in yours)
+    if isinstance(yours, (list, tuple)):
+        return len(yours) == len(expected) and all(map(_same, yours, expected))
     try:
         return bool(yours == expected)
-    except (ValueError, RuntimeError):
+    except (ValueError, RuntimeError, NotImplementedError):
         import numpy as np
 
-        if hasattr(yours, "equal") and callable(yours.equal):  # a torch tensor
-            return bool(yours.equal(expected))
-        return bool(np.array_equal(yours, expected))
+        try:
+            if hasattr(yours, "equal") and callable(yours.equal):  # a torch tensor
+                dense = getattr(yours, "is_sparse", False)
+                return bool(
+                    yours.to_dense().equal(expected.to_dense()) if dense else yours.equal(expected)
+                )
+            return bool(np.array_equal(yours, expected))
+        except (ValueError, RuntimeError, NotImplementedError):  # (meta tensors hold no values)
+            return False
 
 
 def _number(x) -> Fraction | None:

@@ -400,6 +400,12 @@ def lab04_challenge(
     with open_link() as link:
         watched = _WatchedLink(link)
         optimizer = offload(model, watched)
+        if not all(callable(getattr(optimizer, m, None)) for m in ("step", "zero_grad")):
+            return Outcome(
+                False,
+                f"✗ challenge: offload(model, link) must return an optimizer (with step and "
+                f"zero_grad); got {optimizer!r:.200}",
+            )
         try:
             for _ in range(steps):
                 tokens = torch.randint(0, config.vocab, (2, config.seq), generator=generator).to(
@@ -730,6 +736,7 @@ def lab03_challenge(
     _number(copy_share, "copy_share"), _share(share, "share"), _whole(steps, "steps")
     if work_seconds is not None:
         _number(work_seconds, "work_seconds")
+    check_link(link)
     if link.emulated:
         seconds = 0.02 if work_seconds is None else work_seconds
         with EmulatedLink(bandwidth=0.5e9, latency=20e-6) as own:
@@ -953,6 +960,7 @@ def lab05_challenge(
     _whole(budget, "budget"), _share(share, "share"), _whole(items, "items")
     if work_seconds is not None:
         _number(work_seconds, "work_seconds")
+    check_link(link)
     if link.emulated:
         seconds = 0.025 if work_seconds is None else work_seconds
         with EmulatedLink(bandwidth=0.5e9, latency=20e-6) as own:

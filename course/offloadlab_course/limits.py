@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 from offloadlab.units import check_positive, plain_scalar
@@ -37,12 +38,18 @@ def own_groups(proc_cgroup: str) -> dict[str, str]:
     return groups
 
 
+_DIGEST_END = re.compile(r"-[0-9a-f]{12}$")
+
+
 def group_name(user: str) -> str:
     """The folder name of ``user``'s group: the name, with anything but letters, digits, ``-``,
     ``_`` and ``.`` replaced by ``_`` and, when anything was, a digest of the name appended, so
     that two users (``jo@x.com`` and ``jo_x.com``) never share a group and its caps."""
+    if not isinstance(user, str) or not user:
+        raise ValueError(f"user: expected a user name; got {user!r}")
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in user)
-    if safe != user:
+    # (a name that already ends like a digest gets one too, so none can pose as another's)
+    if safe != user or _DIGEST_END.search(user):
         safe += "-" + hashlib.sha256(user.encode()).hexdigest()[:12]
     return "offloadlab-" + safe
 
@@ -55,6 +62,8 @@ class UserLimits:
         self.memory_bytes = int(check_positive(plain_scalar(memory_bytes), "memory_bytes"))
         if self.memory_bytes < 1:
             raise ValueError(f"memory_bytes: expected at least one byte; got {memory_bytes!r}")
+        if not isinstance(root, (str, os.PathLike)):
+            raise ValueError(f"root: expected the cgroup folder (a str or a Path); got {root!r}")
         self.cpus, self.root = check_positive(plain_scalar(cpus), "cpus"), Path(root)
         if self.cpus < MIN_CPUS:  # (a quota below the kernel's 1 ms a period is refused there)
             raise ValueError(f"cpus: expected at least {MIN_CPUS} of a core; got {cpus!r}")

@@ -153,7 +153,15 @@ def source_notebook(path: Path):
     import nbformat
 
     path = Path(path)
-    notebook = jupytext.read(path)
+    try:
+        notebook = jupytext.reads(_text(path), fmt="md:myst")
+    except ValueError:
+        raise
+    except Exception as error:  # (a front matter YAML cannot parse, say: named, not a traceback)
+        raise ValueError(
+            f"{path.name}: not a Jupytext notebook ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''})"
+        ) from None
     answers = checks = 0
     waiting_for_check = None  # the answer cell no graded cell has followed yet
     for index, cell in enumerate(notebook.cells, 1):
@@ -278,6 +286,14 @@ def find_labs(labs_dir: Path) -> list[Path]:
     return found
 
 
+def _text(path: Path) -> str:
+    """The file's text; ValueError naming it when it is no UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+
+
 def _is_a_lab(path: Path) -> bool:
     """A Jupytext lab: a regular file (a FIFO named lab*.md would block the read) whose start
     names Jupytext; ValueError naming a file that is no UTF-8 text."""
@@ -367,7 +383,9 @@ class _Links:
         self.pages = {}  # label -> (folder on the site, the .md file that defines it)
         for folder, site_folder in ((self.labs_dir.parent / "book", ""), (self.labs_dir, "labs/")):
             for page in sorted(folder.glob("*.md")):
-                for label in TARGET.findall(page.read_text(encoding="utf-8")):
+                if not page.is_file():  # (a FIFO would block the read)
+                    continue
+                for label in TARGET.findall(_text(page)):
                     self.pages.setdefault(label, (site_folder, page))
 
     def url(self, label: str) -> str | None:

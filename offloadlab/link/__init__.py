@@ -72,7 +72,7 @@ def check_link(link, optional: bool = False) -> None:
     says whether it is emulated (a wrapper that counts them, say), or with ``optional`` None: a
     string such as "emulated" would fail later with an AttributeError from inside, and a mock,
     which answers everything, with a wrong result."""
-    says_what_it_is = isinstance(getattr(link, "emulated", None), bool)  # (a mock's is a mock)
+    says_what_it_is = type(getattr(link, "emulated", None)) is bool  # (a mock's is a mock)
     answers = not isinstance(link, type) and all(hasattr(link, call) for call in _LINK_CALLS)
     is_a_link = (isinstance(link, Link) or answers) and says_what_it_is
     if not (is_a_link or (optional and link is None)):

@@ -248,6 +248,8 @@ class OffloadEngine:
             if self._own_link:
                 self.link.close()
             raise
+        if self.scaler is not None:  # (once built: a failed optimizer claims nothing)
+            self.scaler.claim(self)
 
     def _build(
         self,
@@ -271,7 +273,7 @@ class OffloadEngine:
         scaler = LossScaler.from_argument(loss_scale)
         self.scaler = scaler if self.fp16 else None
         if self.scaler is not None:
-            self.scaler.claim(self)
+            self.scaler.check_free(self)  # (claimed once the engine is built)
         self.bucket_bytes = bucket_bytes
         self.eager_after, self.delayed = when_update_runs(
             accumulation_steps, delayed_update, clipping=max_grad_norm is not None, fp16=self.fp16

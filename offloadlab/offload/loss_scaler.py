@@ -8,6 +8,7 @@ gradients overflowed (an inf or nan anywhere) is skipped and the scale multiplie
 
 from __future__ import annotations
 
+import math
 import weakref
 
 from ..units import check_integer, is_number, plain_scalar
@@ -41,6 +42,10 @@ class LossScaler:
         if not isinstance(dynamic, bool):  # ("no" is true to Python)
             raise ValueError(f"dynamic: expected True or False; got {dynamic!r}")
         self.scale = _positive(init_scale, "init_scale")
+        if not math.isfinite(1.0 / self.scale) or self.scale > 2.0**64:  # (fp16 tops at 65504)
+            raise ValueError(
+                f"init_scale: expected a scale from 1e-308 to 2**64; got {init_scale!r}"
+            )
         self.growth_factor = _positive(growth_factor, "growth_factor")
         self.backoff_factor = _positive(backoff_factor, "backoff_factor")
         if self.growth_factor <= 1:
@@ -67,8 +72,8 @@ class LossScaler:
             f"loss_scale: expected 'dynamic', a positive number or a LossScaler; got {loss_scale!r}"
         )
 
-    def claim(self, user) -> None:
-        """Scale ``user``'s steps; ValueError while another optimizer that is not closed does
+    def check_free(self, user) -> None:
+        """ValueError while an optimizer other than ``user`` that is not closed uses this scaler
         (both would move the scale each step, and one would unscale by the other's)."""
         other = self._user() if self._user is not None else None
         if other is not None and other is not user and getattr(other, "closed", None) is None:
@@ -76,6 +81,10 @@ class LossScaler:
                 "loss_scale: this LossScaler already scales another optimizer's steps, and each "
                 "step moves it; give each optimizer its own (or close the other first)"
             )
+
+    def claim(self, user) -> None:
+        """Scale ``user``'s steps (see :meth:`check_free`)."""
+        self.check_free(user)
         self._user = weakref.ref(user)
 
     def update(self, overflowed: bool) -> None:
@@ -85,7 +94,7 @@ class LossScaler:
             self.skipped_steps += 1
             self.good_steps = 0
             if self.dynamic:
-                if self.scale * self.backoff_factor == 0.0:
+                if not math.isfinite(1.0 / max(self.scale * self.backoff_factor, 1e-320)):
                     raise RuntimeError(
                         f"loss scale: backed off to nothing after {self.skipped_steps} skipped "
                         "steps; the gradients overflow at any scale (is the loss itself nan or "
@@ -94,8 +103,9 @@ class LossScaler:
                 self.scale *= self.backoff_factor
             return
         self.good_steps += 1
-        if self.dynamic and self.good_steps % self.growth_interval == 0:
-            self.scale *= self.growth_factor
+        grown = self.scale * self.growth_factor
+        if self.dynamic and self.good_steps % self.growth_interval == 0 and math.isfinite(grown):
+            self.scale = grown  # (never to inf, after which every step would be skipped)
 
     def state_dict(self) -> dict:
         return {

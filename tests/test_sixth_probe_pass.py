@@ -581,6 +581,89 @@ def test_a_state_dict_with_a_meta_tensor_is_refused_and_changes_nothing():
     optimizer.close()
 
 
+_METADATA = {"__get__", "is_floating_point", "dim", "size", "numel", "__len__", "element_size"}
+
+
+class _Unreadable(torch.Tensor):
+    """A moment whose data cannot be read: every torch operation on it raises ``error``."""
+
+    error = RuntimeError("this tensor cannot be read")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__repr__, torch.Tensor.__format__):
+            return "<unreadable>"
+        if func.__name__ in _METADATA:
+            return super().__torch_function__(func, types, args, kwargs or {})
+        raise cls.error
+
+
+class _Interrupted(_Unreadable):
+    error = KeyboardInterrupt()
+
+
+def _fake(moment):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode().from_tensor(moment)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"delayed_update": True}, {"offload_fraction": 0.5}, {"half": True}],
+    ids=["plain", "delayed", "fraction", "fp16"],
+)
+@pytest.mark.parametrize(
+    "unreadable, error",
+    [
+        (lambda m: m.as_subclass(_Unreadable), ValueError),
+        (_fake, ValueError),
+        (lambda m: m.as_subclass(_Interrupted), KeyboardInterrupt),
+    ],
+    ids=["raises", "fake", "ctrl-c"],
+)
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_moment_that_cannot_be_read_changes_nothing(options, unreadable, error, where):
+    """D24, D25, D39, D42, D45, D50: the steps were set first and each parameter copied in turn,
+    so a moment that failed to read (a FakeTensor, a subclass that raises, a Ctrl-C) left the step
+    counts, the moments before it and the loss scale from the refused state dict."""
+    options = dict(options)
+    half = options.pop("half", False)
+    model = clip_model().half() if half else clip_model()
+    optimizer = ol.CPUOffloadAdam(model.parameters(), lr=1e-2, **options)
+    for i in range(2):
+        if half:
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
+            loss = ((model(x.half()).float() - y) ** 2).mean()
+            optimizer.scale_loss(loss).backward()
+        else:
+            clip_loss(model, i).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    before = copy.deepcopy(optimizer.state_dict())
+    saved = copy.deepcopy(before)
+    saved["param_groups"][0]["lr"] = 0.05
+    for state in saved["state"].values():
+        state["step"] = state["step"] + 5
+        state["exp_avg"] = state["exp_avg"] + 1
+    if half:
+        saved["offload"]["scale"] = 8.0
+    key = min(saved["state"]) if where == "first" else max(saved["state"])
+    saved["state"][key]["exp_avg_sq"] = unreadable(saved["state"][key]["exp_avg_sq"])
+    with pytest.raises(error) as raised:
+        optimizer.load_state_dict(saved)
+    if error is ValueError:
+        assert str(raised.value).startswith(f"state_dict: state[{key}]: exp_avg_sq: ")
+    after = optimizer.state_dict()
+    assert after["param_groups"][0]["lr"] == 1e-2
+    assert after["offload"] == before["offload"]
+    for k, state in before["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(after["state"][k][name], value)
+    optimizer.close()
+
+
 def test_one_loss_scaler_scales_one_optimizer():
     """S12: a LossScaler shared by two fp16 optimizers moved twice an iteration, and the second
     unscaled gradients made at one scale by the next."""

@@ -339,6 +339,25 @@ def _step_count(value, where: str) -> int:
     return int(value)
 
 
+def _readable(value: torch.Tensor, where: str) -> torch.Tensor:
+    """``value`` as a plain tensor whose data is known to read, so that the copies into the
+    buffers cannot fail halfway: a plain tensor as it is, a subclass (a FakeTensor, a wrapper)
+    copied out here, with its failure named."""
+    if type(value) in (torch.Tensor, torch.nn.Parameter):
+        return value.detach()
+    try:
+        plain = torch.empty(value.shape, dtype=value.dtype)
+        plain.copy_(value)
+    except Exception as error:  # (a subclass raises whatever it likes)
+        raise ValueError(
+            f"{where}expected a tensor whose data can be read; reading this "
+            f"{type(value).__name__} raised {type(error).__name__}: {error}"
+        ) from None
+    if type(plain) is not torch.Tensor:
+        raise ValueError(f"{where}expected a tensor holding data; got {type(value).__name__}")
+    return plain
+
+
 def check_state(state_dict, param_groups) -> tuple[list[dict], dict]:
     """Validate a state dict from CPUOffloadAdam or torch.optim.AdamW against ``param_groups``
     before anything is changed. Returns (saved groups' settings, every key but the parameters;
@@ -445,7 +464,7 @@ def check_state(state_dict, param_groups) -> tuple[list[dict], dict]:
                     f"{where}{name}: expected a dense tensor holding data; got one on the "
                     f"{value.device} device with layout {value.layout}"
                 )
-            checked[name] = value
+            checked[name] = _readable(value, f"{where}{name}: ")
         if p.requires_grad:
             entries[p] = checked
     extra = state_dict.get("offload", {})

@@ -37,7 +37,7 @@ import torch
 from .. import _torch_compat
 from ..link import check_link
 from ..units import check_integer, is_number, plain_scalar
-from .engine import OffloadEngine, managed
+from .engine import OffloadEngine, interrupts_held, managed
 from .host_state import check_group, check_hyperparameters, check_state, export_state
 from .sharded import LocalShards, is_sharded, ranks_on_this_host
 
@@ -494,18 +494,19 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         if self._shards.any:
             state_dict = self._shards.to_local(state_dict, self._engine_groups)
         self._shards.settle()
-        hyper, entries = check_state(state_dict, self._engine_groups)
+        hyper, entries = check_state(state_dict, self._engine_groups)  # (every tensor read)
         engine = self._engine
-        scaler_state = state_dict.get("offload", {})
-        if engine.scaler is not None and scaler_state:
-            engine.scaler.load_state_dict(scaler_state)  # (checks it all before it sets any)
         engine.synchronize()
-        passed_over = engine.host.load(entries)
-        passed_over += sum(part.load(entries) for part in engine.on_device)
-        # the settings last, once the state they go with is in
-        for own, values in zip(self.param_groups, hyper):
-            own.update(values)
-        engine.upload_all()
+        with interrupts_held():  # from here on nothing is refused: a Ctrl-C waits till the end
+            scaler_state = state_dict.get("offload", {})
+            if engine.scaler is not None and scaler_state:
+                engine.scaler.load_state_dict(scaler_state)  # (checks it all before it sets any)
+            passed_over = engine.host.load(entries)
+            passed_over += sum(part.load(entries) for part in engine.on_device)
+            # the settings last, once the state they go with is in
+            for own, values in zip(self.param_groups, hyper):
+                own.update(values)
+            engine.upload_all()
         if passed_over:
             warnings.warn(
                 f"CPUOffloadAdam.load_state_dict: {passed_over} saved fp32 master weight(s) do not "

@@ -13,9 +13,12 @@ Blocks may run in any order (skipped, recomputed under checkpointing, twice in o
 always get their own weights; what it cannot do it refuses by name: every buffer held, parameters
 replaced after streaming began (``load_state_dict(assign=True)``), ``torch.autograd.grad`` with a
 streamed input, ``fullgraph=True`` under ``torch.compile`` (each block's forward is compiled; the
-fetches run outside the graph), a gradient hook (``register_hook``) on a streamed weight. Code that
-writes the host weights in place itself calls ``link.synchronize()`` first, as for any pinned buffer
-a copy may still read. Chapter 7 explains the design.
+fetches run outside the graph), a gradient hook (``register_hook``) on a streamed weight. Two other
+kinds still run but see None: ``register_post_accumulate_grad_hook`` (CPUOffloadAdam's own intake
+uses it) and a hook on the weight's AccumulateGrad node, where DDP and DeepSpeed place theirs; read
+``.grad`` after backward instead. Code that writes the host weights in place itself calls
+``link.synchronize()`` first, as for any pinned buffer a copy may still read. Chapter 7 explains the
+design.
 """
 
 from __future__ import annotations
@@ -87,8 +90,11 @@ class _Fetch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if _torch_compat.grad_captures(ctx.next_functions[0][0]):
+        weight = ctx.next_functions[0][0]  # (the host parameter's AccumulateGrad)
+        if _torch_compat.grad_captures(weight):
             ctx.streamed._refuse_autograd_grad(ctx.block, ctx.which)
+        if weight.variable._backward_hooks:  # (one registered after forward)
+            ctx.streamed._refuse_hook(ctx.block, ctx.which)
         ctx.streamed._gradient(ctx.block, ctx.which, grad)
         return None, None, None, None, None
 
@@ -379,7 +385,9 @@ class StreamedModel:
 
     def _check_parameters(self, index: int) -> None:
         block = self.blocks[index]
-        for (name, p), address in zip(self._params[index], self._addresses[index]):
+        for which, ((name, p), address) in enumerate(
+            zip(self._params[index], self._addresses[index])
+        ):
             try:
                 current = block.get_parameter(name)
             except AttributeError:
@@ -392,13 +400,7 @@ class StreamedModel:
                     f"the streamed host memory, or build a new StreamedModel"
                 )
             if p._backward_hooks:  # (torch keeps a leaf's register_hook hooks there)
-                raise RuntimeError(
-                    f"StreamedModel: the parameter {name!r} of block {self.names[index]!r} has a "
-                    "gradient hook (register_hook); its gradient goes to the StreamedModel in one "
-                    "copy per block, not through autograd, so the hook could neither see, change "
-                    "nor stop it: remove it, and hook the block's output or read .grad after "
-                    "backward"
-                )
+                self._refuse_hook(index, which)
 
     # ------------------------------------------------------------------ device buffers
 
@@ -564,6 +566,15 @@ class StreamedModel:
         buffer = self._backward_holds.pop(index, None)
         if buffer is not None:
             self._release(buffer)
+
+    def _refuse_hook(self, index: int, which: int) -> None:
+        raise RuntimeError(
+            f"StreamedModel: the parameter {self._params[index][which][0]!r} of block "
+            f"{self.names[index]!r} has a gradient hook (register_hook); its gradient goes to the "
+            "StreamedModel in one copy per block, not through autograd, so the hook could neither "
+            "see, change nor stop it: remove it, and hook the block's output or read .grad after "
+            "backward"
+        )
 
     def _refuse_autograd_grad(self, index: int, which: int) -> None:
         raise RuntimeError(

@@ -516,12 +516,11 @@ def test_a_failed_backward_leaves_the_streaming_usable(link):
     StreamedModel(streamed, link)
     x, y = batch()
     loss = streamed(x, y)
-    streamed.blocks[1].fc.weight.register_hook(
-        lambda g: (_ for _ in ()).throw(ArithmeticError("in backward"))
-    )
-    with pytest.raises(ArithmeticError):
+    # a hook added after forward: backward fails at block 1, after the blocks above it
+    handle = streamed.blocks[1].fc.weight.register_hook(lambda g: g)
+    with pytest.raises(RuntimeError, match="has a gradient hook"):
         loss.backward()
-    streamed.blocks[1].fc.weight._backward_hooks.clear()
+    handle.remove()
     streamed.zero_grad(), plain.zero_grad()
     expected, got = plain(x, y), streamed(x, y)
     expected.backward(), got.backward()
@@ -699,6 +698,24 @@ def test_a_gradient_hook_on_a_streamed_weight_is_refused_at_forward(link):
         streamed(x, y)
     handle.remove()
     streamed(x, y).backward()  # without it, as before
+
+
+@pytest.mark.parametrize("hook", [lambda g: g * 2, lambda g: None], ids=["changes", "observes"])
+def test_a_gradient_hook_added_after_forward_is_refused_in_backward(link, hook):
+    """Tenth probe pass F2, F3: a hook registered between forward and backward was called with
+    None (one that changed the gradient raised a TypeError inside torch; one that observed saw
+    None); the forward-time check had run before it existed."""
+    plain, streamed = twins()
+    StreamedModel(streamed, link, buffers=2)
+    x, y = batch()
+    loss = streamed(x, y)
+    handle = streamed.blocks[1].fc.weight.register_hook(hook)
+    with pytest.raises(RuntimeError, match="has a gradient hook \\(register_hook\\)"):
+        loss.backward()
+    handle.remove()
+    streamed.zero_grad()
+    plain(x, y).backward(), streamed(x, y).backward()  # without it, as before
+    assert same_gradients(plain, streamed)
 
 
 def test_a_ctrl_c_while_a_block_waits_for_its_weights_lets_the_buffer_go(monkeypatch):

@@ -22,10 +22,33 @@ import secrets
 import stat
 from pathlib import Path
 
-__all__ = ["check_target", "write_atomically", "write_all"]
+__all__ = ["check_target", "file_name", "write_atomically", "write_all"]
 
 # File systems without hard links (FAT, some FUSE mounts) refuse os.link with one of these.
 _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}
+
+
+def file_name(path, name: str = "path") -> Path:
+    """``path`` (a str or os.PathLike naming a file) as an absolute Path, so that a later chdir
+    does not move it; ValueError naming ``name`` for anything else: not a name, empty, holding a
+    NUL, ending in a separator (a folder's name), or relative to a current folder since deleted."""
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"{name}: expected a file name (a str or a Path); got {path!r}")
+    if "\0" in text:
+        raise ValueError(f"{name}: expected a file name without a NUL character; got {text!r}")
+    if text.endswith(tuple(filter(None, (os.sep, os.altsep)))):
+        raise ValueError(
+            f"{name}: expected a file name; got {text!r}, which ends in {text[-1]!r} as a "
+            "folder's name does"
+        )
+    try:
+        return Path(text).absolute()
+    except FileNotFoundError:  # (os.getcwd() of a deleted folder)
+        raise ValueError(
+            f"{name}: {text!r} is relative to the current folder, which was deleted; give a full "
+            "path"
+        ) from None
 
 
 def check_target(
@@ -42,6 +65,7 @@ def check_target(
     """
     if not str(path):
         raise ValueError(f"{name}: expected a file name; got ''")
+    file_name(path, name)
     # (os.stat follows every link, /proc's for /dev/stdout on a pipe too, which realpath cannot)
     if _is_stream(Path(path)):
         if stat.S_ISBLK(os.stat(path).st_mode):

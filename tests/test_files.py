@@ -100,3 +100,20 @@ def test_a_link_planted_at_the_name_is_refused_unless_replacing(tmp_path, dangli
     files.check_target(planted, replace=True)  # asked for: written where it points
     files.write_atomically(planted, "new", replace=True)
     assert victim.read_text() == "new" and planted.is_symlink()
+
+
+def test_check_target_refuses_a_folders_name_a_nul_and_a_deleted_current_folder(
+    tmp_path, monkeypatch
+):
+    """As FileTier's names (tenth probe pass T4, T8, T34): 'out/' was taken as the file 'out'."""
+    with pytest.raises(ValueError, match="^out: expected a file name; got '.*new/', which ends"):
+        files.check_target(f"{tmp_path}/new/", name="out")
+    with pytest.raises(ValueError, match="^out: expected a file name without a NUL character"):
+        files.check_target(f"{tmp_path}/a\0b", name="out")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(ValueError, match="^out: 'x.json' is relative to the current folder"):
+        files.check_target("x.json", name="out")
+    assert list(tmp_path.iterdir()) == []

@@ -97,6 +97,25 @@ def test_round_trip_partial_reads_and_bounds(tmp_path, io_path):
         tier.write(0, data)
 
 
+def test_names_that_are_no_file_name_are_refused_by_name(tmp_path, monkeypatch):
+    """Tenth probe pass T4, T8, T34: a name ending in '/' made a tier file under the folder's name;
+    a NUL failed inside the direct I/O layer without naming the path; a relative name after the
+    current folder was deleted raised a bare FileNotFoundError."""
+    with pytest.raises(ValueError, match=r"^path: expected a file name; got '.*nodir/', which "):
+        FileTier(f"{tmp_path}/nodir/", 10)
+    with pytest.raises(ValueError, match=r"^path: expected a file name without a NUL character"):
+        FileTier(f"{tmp_path}/x\0y", 10)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(ValueError, match=r"^path: 'x\.bin' is relative to the current folder, "):
+        FileTier("x.bin", 10)
+    with pytest.raises(ValueError, match=r"^path: 'x\.bin' is relative to the current folder, "):
+        FileTier.open("x.bin")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_refuses_to_overwrite_and_bad_sizes_leave_nothing_behind(tmp_path):
     (tmp_path / "mine.bin").write_bytes(b"precious")
     with pytest.raises(ValueError, match="exists"):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import file_name
 from ..units import check_integer, format_size, is_integer, plain_scalar
 from . import direct_io
 from .aio import BlockQueue, all_of, checked_depth
@@ -34,14 +35,6 @@ __all__ = ["FileTier"]
 def _identity(status: os.stat_result) -> tuple:
     """What tells one file from another that later takes its name and freed inode number."""
     return status.st_dev, status.st_ino, status.st_size, status.st_ctime_ns
-
-
-def _file_name(path) -> Path:
-    """``path`` (a str or os.PathLike) as an absolute Path, so that a later chdir does not move
-    the file a tier removes; ValueError naming ``path`` otherwise."""
-    if not isinstance(path, (str, os.PathLike)) or not str(os.fspath(path)):
-        raise ValueError(f"path: expected a file name (a str or a Path); got {path!r}")
-    return Path(path).absolute()
 
 
 class FileTier:
@@ -69,7 +62,7 @@ class FileTier:
     ):
         layout = new_layout(numel, dtype, block_bytes, init, checksums)
         checked_depth(queue_depth)
-        path = _file_name(path)
+        path = file_name(path)
         if not path.parent.is_dir():
             missing = "is not a folder" if path.parent.exists() else "does not exist"
             raise ValueError(f"path: folder {str(path.parent)!r} {missing}")
@@ -129,7 +122,7 @@ class FileTier:
         """Resume the tier in ``path`` at its newest committed step (or at ``step``, if it holds
         it)."""
         checked_depth(queue_depth)
-        path = _file_name(path)
+        path = file_name(path)
         if step is not None:  # (numpy's integers as Python's; 1.0 and True are no step)
             step = check_integer(plain_scalar(step), "step", 0, expected="a step number ≥ 0")
         tier = cls.__new__(cls)

@@ -527,6 +527,30 @@ def test_a_backward_after_a_clip_is_refused_not_clipped_as_one():
     optimizer.close()
 
 
+def test_a_device_gradient_edited_after_a_clip_is_named_as_an_edit():
+    """P66: with a share updated on the device, an in-place edit of its .grad after the clip was
+    refused as 'gradients arrived after clip_grad_norm_', as if a backward had run; and (P65) the
+    clip reaches the update, not .grad, which the docstring now says."""
+    model = clip_model()
+    optimizer = ol.CPUOffloadAdam(model.parameters(), lr=1e-2, offload_fraction=0.5)
+    clip_loss(model, 0).backward()
+    optimizer.clip_grad_norm_(0.01)
+    kept = [p for p in model.parameters() if p.grad is not None]
+    assert kept, "the device share keeps its .grad"
+    with torch.no_grad():
+        kept[0].grad.mul_(1.0)
+    with pytest.raises(RuntimeError, match=r"^step: a \.grad of the share updated on the device "):
+        optimizer.step()
+    optimizer.zero_grad()
+    clip_loss(model, 1).backward()
+    optimizer.clip_grad_norm_(0.01)
+    clip_loss(model, 2).backward()  # a backward is still named as one
+    with pytest.raises(RuntimeError, match="^step: gradients arrived after clip_grad_norm_"):
+        optimizer.step()
+    assert "not to ``.grad``" in " ".join(ol.CPUOffloadAdam.clip_grad_norm_.__doc__.split())
+    optimizer.close()
+
+
 def test_a_clip_is_dropped_with_the_gradients_it_clipped():
     """zero_grad() after clip_grad_norm_: the next step's gradients are not clipped by the old
     factor (torch scaled the dropped gradients, not the next ones)."""

@@ -482,6 +482,8 @@ class OffloadEngine:
     def _step(self) -> None:
         self._checked_edits = set()  # buckets checked for weights edited by hand, this step
         self._take_in_gradients()
+        if self._device_gradients_edited_since_clip():
+            self._refuse_device_edit("step")
         if self._clip is not None and self._clip[2] != self._gradients_received():
             raise RuntimeError(
                 "step: gradients arrived after clip_grad_norm_ in this step; torch would have "
@@ -797,6 +799,22 @@ class OffloadEngine:
         )
         return tuple(tuple(b.received.counts) for b in self.host.buckets), device
 
+    def _device_gradients_edited_since_clip(self) -> bool:
+        """Whether only the device share's gradients changed since this step's clip (an in-place
+        edit of a .grad, or a backward that reached no host bucket)."""
+        if self._clip is None:
+            return False
+        host, device = self._gradients_received()
+        return host == self._clip[2][0] and device != self._clip[2][1]
+
+    def _refuse_device_edit(self, caller: str) -> None:
+        raise RuntimeError(
+            f"{caller}: a .grad of the share updated on the device changed after clip_grad_norm_ "
+            "(an in-place edit, or a backward that reached only that share); the clip applies to "
+            "the update, not to .grad, so the change would be clipped where torch would not clip "
+            "it: change gradients before clip_grad_norm_ (zero_grad() drops this step)"
+        )
+
     def gradient_norm(self, buckets: list | None = None) -> float:
         """The global L2 norm of this step's gradients (loss scale divided out), once they have
         landed."""
@@ -842,6 +860,8 @@ class OffloadEngine:
                 f"clip_grad_norm_: the total norm of the gradients is {norm}; "
                 f"set error_if_nonfinite=False to clip anyway"
             )
+        if self._device_gradients_edited_since_clip():
+            self._refuse_device_edit("clip_grad_norm_")
         if self._clip is not None and self._clip[2] != self._gradients_received():
             raise RuntimeError(
                 "clip_grad_norm_: gradients arrived since the last clip_grad_norm_ of this step; "

@@ -366,13 +366,14 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         """Clip this step's gradients to a global L2 norm of ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_`` does over the model, and return the norm before clipping.
 
-        Call it between the step's last backward and :meth:`step`; the clipping is applied by
-        the CPU update. Calls compose as torch's do (a second sees the first's clipped norm); a
-        backward after it in the same step is refused at :meth:`step`, since torch would clip
-        only the micro-batches before it. ``max_grad_norm`` given to the constructor clips what
-        this leaves. A non-finite norm clips nothing, where torch would scale every gradient by
-        nan; ``error_if_nonfinite=True`` refuses it, as torch does. ``max_norm=inf`` only
-        reads the norm.
+        Call it between the step's last backward and :meth:`step`; the clipping is applied by the
+        update, not to ``.grad``: where a parameter keeps one (the share updated on the device), it
+        holds the unclipped values, and changing it after the clip is refused. Calls compose as
+        torch's do (a second sees the first's clipped norm); a backward after it in the same step is
+        refused at :meth:`step`, since torch would clip only the micro-batches before it.
+        ``max_grad_norm`` given to the constructor clips what this leaves. A non-finite norm clips
+        nothing, where torch would scale every gradient by nan; ``error_if_nonfinite=True`` refuses
+        it, as torch does. ``max_norm=inf`` only reads the norm.
         """
         max_norm = plain_scalar(max_norm)
         if not ((is_number(max_norm) or max_norm == float("inf")) and max_norm > 0):

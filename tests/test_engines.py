@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,7 @@ def deepspeed_reads(world):
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
+    started = time.monotonic()
     done = subprocess.run(
         [
             sys.executable,
@@ -98,9 +100,16 @@ def deepspeed_reads(world):
         timeout=600,
         env=env,
     )
-    # (a failing rank's own error comes first; the launcher's report of the others last)
+    # The whole output is kept beside the configs, and the first line of a failure (what a
+    # summary of the run shows) says how long the world ran and its first error.
+    log = folder / "launcher.log"
+    log.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
     errors = [line for line in done.stderr.splitlines() if "Error" in line or "error:" in line]
-    assert done.returncode == 0, "\n".join(errors[:20]) + "\n" + done.stderr[-2000:]
+    assert done.returncode == 0, (
+        f"torch.distributed.run exited {done.returncode} after "
+        f"{time.monotonic() - started:.0f} s; first error: {errors[0] if errors else 'none'}; "
+        f"output in {log}\n" + "\n".join(errors[:20]) + "\n" + done.stderr[-2000:]
+    )
     out = json.loads((folder / "out.json").read_text())
     assert out["world"] == world
     return out["results"]

@@ -297,6 +297,59 @@ def test_a_real_ctrl_c_during_step_is_held_until_the_step_is_whole(tmp_path, dec
     assert result["gap"] < 1e-5
 
 
+def test_a_real_ctrl_c_during_load_state_dict_is_held_until_the_state_is_whole(tmp_path):
+    """Tenth probe pass D50: a Ctrl-C while load_state_dict copied left some parameters' steps
+    and moments from the new state dict and the rest from the old one."""
+    script = tmp_path / "ctrl_c_load.py"
+    script.write_text(
+        textwrap.dedent("""
+        import json, os, signal
+        import torch
+        from offloadlab.offload import CPUOffloadAdam
+        from tests.test_offload import data, mlp, run
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        model = mlp()
+        opt = CPUOffloadAdam(model.parameters(), lr=1e-2, bucket_bytes=4096)
+        run(model, opt, data(2, 1))
+        saved = opt.state_dict()
+        run(model, opt, data(3, 1, seed=7))  # the state moves on from the one saved
+        host_load, calls = opt._engine.host.load, []
+
+        def interrupted_load(entries):  # Ctrl-C as the copies start
+            calls.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+            return host_load(entries)
+
+        opt._engine.host.load = interrupted_load
+        try:
+            opt.load_state_dict(saved)
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        now = opt.state_dict()
+        whole = all(
+            torch.equal(now["state"][k][name], saved["state"][k][name])
+            for k in saved["state"] for name in ("step", "exp_avg", "exp_avg_sq")
+        )
+        opt.close()
+        print(json.dumps({"interrupted": interrupted, "calls": len(calls), "whole": whole}))
+    """)
+    )
+    root = str(Path(__file__).parents[1])
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"interrupted": True, "calls": 1, "whole": True}
+
+
 # ---------------------------------------------------------------------- reload paths
 
 

@@ -46,8 +46,32 @@ def test_lab02_a_probe_that_measures_passes_on_any_link(bandwidth, capsys):
 
 def test_lab02_a_number_known_in_advance_fails_on_another_link(capsys):
     with open_link(emulated=True, bandwidth=0.25e9, latency=60e-6) as link:
-        outcome = grading.lab02_challenge(lambda link: 0.8e9, link, reference=link.bandwidth)
+        outcome = grading.lab02_challenge(
+            lambda link: (two_size_probe(link), 0.8e9)[1], link, reference=link.bandwidth
+        )
     assert not outcome and "above the reference" in outcome.line
+
+
+@pytest.mark.parametrize(
+    "probe", [lambda link: link.bandwidth, lambda link: 2e9], ids=["link's own rate", "a constant"]
+)
+def test_lab02_a_probe_that_copies_nothing_fails(probe, capsys):
+    """Eleventh probe pass C58, C59: a probe that returned the link's own rate, or the emulated
+    link's default, passed 'from 0.0 MiB of copies'."""
+    with open_link(emulated=True, bandwidth=2e9, latency=60e-6) as link:
+        outcome = grading.lab02_challenge(probe, link, reference=2e9)
+    assert not outcome and "the probe copied 0.0 MiB host→device" in outcome.line
+
+
+def test_lab02_the_hidden_link_keeps_its_rate_from_the_probe(capsys):
+    """C58: on the hidden link a probe read the answer off link.bandwidth; there it is refused,
+    and the rate is drawn afresh each run, so no constant passes either, while a probe that
+    measures does."""
+    assert grading.lab02_hidden_challenge(two_size_probe), capsys.readouterr().out
+    peeking = grading.lab02_hidden_challenge(lambda link: (two_size_probe(link), link.bandwidth)[1])
+    assert not peeking and "keeps its rate from the probe: measure it" in peeking.line
+    rates = {grading.lab02_hidden_rate() for _ in range(20)}
+    assert len(rates) > 1 and all(0.1e9 <= r <= 1e9 for r in rates)
 
 
 def test_lab02_the_link_counts_the_bytes_a_probe_moves(capsys):

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import math
 import numbers
+import random
 import types
 import weakref
 
@@ -30,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from offloadlab.link import check_link
+from offloadlab.link import EmulatedLink, check_link
 from offloadlab.units import (
     check_integer,
     check_non_negative,
@@ -50,6 +51,8 @@ __all__ = [
     "lab04_challenge",
     "lab06_challenge",
     "lab02_challenge",
+    "lab02_hidden_challenge",
+    "lab02_hidden_rate",
     "lab03_challenge",
     "lab05_challenge",
     "lab07_challenge",
@@ -696,6 +699,13 @@ def lab02_challenge(
             f"✗ challenge: the probe moved {moved / 2**20:.1f} MiB (measured by the link); "
             f"at most {budget / 2**20:g} MiB allowed",
         )
+    uploaded = sum(t.nbytes for t in recording.transfers if t.direction == "h2d")
+    if uploaded < _LEAST_MEASURED:
+        return Outcome(
+            False,
+            f"✗ challenge: the probe copied {uploaded / 2**20:.1f} MiB host→device (measured by "
+            f"the link); β must come from copies, at least {_LEAST_MEASURED / 2**20:g} MiB",
+        )
     error = beta / reference - 1
     passed = abs(error) <= rel_tol
     return Outcome(
@@ -704,6 +714,41 @@ def lab02_challenge(
         f"{'above' if error > 0 else 'below'} the reference (at most {rel_tol:.0%} allowed), "
         f"from {moved / 2**20:.1f} MiB of copies (at most {budget / 2**20:g} MiB)",
     )
+
+
+# The fewest host→device bytes a probe can measure β from (one copy long against α).
+_LEAST_MEASURED = 2**20
+
+
+def lab02_hidden_rate() -> float:
+    """The hidden link's rate, drawn afresh each run: bytes/s, log-uniform from 0.1 to 1 GB/s,
+    so no number known in advance passes, nor the one that passes on the student's own link."""
+    return math.exp(random.SystemRandom().uniform(math.log(0.1e9), math.log(1e9)))
+
+
+class _RateKept(EmulatedLink):
+    """An emulated link that keeps its rate from a probe: only its copies tell it."""
+
+    @property
+    def bandwidth(self) -> float:
+        raise AttributeError("the hidden link keeps its rate from the probe: measure it")
+
+    @property
+    def latency(self) -> float:
+        raise AttributeError("the hidden link keeps its rate from the probe: measure it")
+
+
+def lab02_hidden_challenge(probe, budget: int = 32 * 2**20, rel_tol: float = 0.15) -> Outcome:
+    """Lab 2's hidden check: :func:`lab02_challenge` on an emulated link whose rate
+    (:func:`lab02_hidden_rate`) the probe can learn only by copying."""
+    rate = lab02_hidden_rate()
+    with _RateKept(bandwidth=rate, latency=60e-6) as link:
+        try:
+            return lab02_challenge(probe, link, rate, budget, rel_tol)
+        except AttributeError as error:
+            if "keeps its rate from the probe" not in str(error):
+                raise
+            return Outcome(False, f"✗ challenge: {error}")
 
 
 def lab03_challenge(

@@ -213,8 +213,8 @@ class EmulatedLink(Link):
         reserve_core: bool = True,
     ):
         super().__init__()
-        self.bandwidth = parse_bandwidth(bandwidth, "bandwidth")
-        self.latency = parse_duration(latency, "latency", allow_zero=True)
+        self._bandwidth = parse_bandwidth(bandwidth, "bandwidth")
+        self._latency = parse_duration(latency, "latency", allow_zero=True)
         pageable_fraction = plain_scalar(pageable_fraction)  # (numpy's numbers as Python's)
         if not isinstance(reserve_core, bool):  # ("no" is true to Python)
             raise ValueError(f"reserve_core: expected True or False; got {reserve_core!r}")
@@ -235,8 +235,18 @@ class EmulatedLink(Link):
             self, _shut_down, [self._compute, *self._engines.values()], self._reserving
         )
 
+    @property
+    def bandwidth(self) -> float:
+        """Bytes/s each pinned copy is paced to."""
+        return self._bandwidth
+
+    @property
+    def latency(self) -> float:
+        """Seconds each copy waits before its first byte."""
+        return self._latency
+
     def __repr__(self) -> str:
-        return f"EmulatedLink(bandwidth={self.bandwidth:.3g} B/s, latency={self.latency:.3g} s)"
+        return f"EmulatedLink(bandwidth={self._bandwidth:.3g} B/s, latency={self._latency:.3g} s)"
 
     def now(self) -> float:
         return time.perf_counter() - self._epoch
@@ -298,13 +308,13 @@ class EmulatedLink(Link):
         engine = self._engines[direction]
         if pinned:
             engine.put(
-                lambda: self._move(transfer, dst, src, self.bandwidth, marker, scatter, then)
+                lambda: self._move(transfer, dst, src, self._bandwidth, marker, scatter, then)
             )
         else:
             # Pageable memory: the driver stages the copy, the caller waits, and it runs slower.
             engine.drain()
             self._move(
-                transfer, dst, src, self.bandwidth * self.pageable_fraction, marker, scatter, then
+                transfer, dst, src, self._bandwidth * self.pageable_fraction, marker, scatter, then
             )()
         return transfer
 
@@ -345,12 +355,12 @@ class EmulatedLink(Link):
             after._reached.wait()
         started = time.perf_counter()
         transfer._start = started - self._epoch
-        _sleep_until(started + self.latency)
+        _sleep_until(started + self._latency)
         out, data = _as_bytes(dst), _as_bytes(src)
         for offset in range(0, data.size, _CHUNK_BYTES):
             end = min(offset + _CHUNK_BYTES, data.size)
             out[offset:end] = data[offset:end]
-            _sleep_until(started + self.latency + end / bandwidth)
+            _sleep_until(started + self._latency + end / bandwidth)
         if scatter:  # device-to-device copies: at device memory speed, not paced
             with torch.no_grad():
                 _torch_compat.foreach_copy_([t for t, _ in scatter], [v for _, v in scatter])

@@ -551,6 +551,30 @@ def test_a_device_gradient_edited_after_a_clip_is_named_as_an_edit():
     optimizer.close()
 
 
+def test_a_grad_assigned_after_backward_sent_its_gradient_is_refused_not_added():
+    """Eleventh pass A104: p.grad = g after backward was added to the gradient backward had
+    already sent for p; torch.optim.AdamW steps on g alone. Now refused by name, before anything
+    is taken in; a .grad assigned where backward sent none is still taken, as AdamW takes it."""
+    model = clip_model()
+    optimizer = ol.CPUOffloadAdam(model.parameters(), lr=1e-2)
+    first, second = list(model.parameters())[:2]
+    clip_loss(model, 0).backward()
+    first.grad = torch.full_like(first, -0.05)
+    with pytest.raises(RuntimeError, match=r"^CPUOffloadAdam: a \.grad was assigned to a param"):
+        optimizer.step()
+    optimizer.zero_grad()  # drops the step; the assignment is gone with it
+    assert first.grad is None
+    twin = clip_model()
+    reference = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for m in (model, twin):  # no backward: the assigned gradients are the step's
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 0.01)
+    optimizer.step(), reference.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+    optimizer.close()
+
+
 def test_a_clip_is_dropped_with_the_gradients_it_clipped():
     """zero_grad() after clip_grad_norm_: the next step's gradients are not clipped by the old
     factor (torch scaled the dropped gradients, not the next ones)."""

@@ -136,7 +136,24 @@ class GradientIntake:
     def take_existing(self, params) -> None:
         """Take in gradients that reached these parameters' ``.grad`` without passing through their
         hooks — left by a backward run before the optimizer was made, assigned by hand, or from
-        ``torch.autograd.grad`` — as the hooks would have: torch.optim.AdamW uses them too."""
+        ``torch.autograd.grad`` — as the hooks would have: torch.optim.AdamW uses them too. One
+        assigned where backward already sent this step's gradient is refused: AdamW would step on
+        it alone, and here it would be added. (A streamed weight's ``.grad`` is added: a use
+        outside its block's streaming, a tied weight say, puts its share there.)"""
+        for p in params:
+            bucket, k = self._where.get(id(p), (None, None))
+            if (
+                p.grad is not None
+                and bucket is not None
+                and bucket.streamed is None
+                and bucket.received.counts[k]
+            ):
+                raise RuntimeError(
+                    "CPUOffloadAdam: a .grad was assigned to a parameter after backward had sent "
+                    f"this step's gradient to the optimizer (shape {tuple(p.shape)}); torch.optim "
+                    "would step on the assigned one alone, and here it would be added: assign "
+                    "gradients before backward, or call zero_grad() first"
+                )
         for p in params:
             if p.grad is None or id(p) not in self._where:
                 continue

@@ -35,12 +35,15 @@ from dataclasses import dataclass, field
 from . import memory
 from .units import (
     check_integer,
+    check_non_negative,
+    check_positive,
     format_bandwidth,
     format_duration,
     format_size,
     parse_bandwidth,
     parse_count,
     parse_duration,
+    plain_scalar,
 )
 
 __all__ = [
@@ -127,7 +130,7 @@ def traffic(offload, recipe: str = memory.DEFAULT_RECIPE, micro_batches: int = 1
       step whatever the micro-batches (gradients stay on the GPU).
     """
     names = _names(offload)
-    k = check_integer(micro_batches, "micro_batches")
+    k = check_integer(plain_scalar(micro_batches), "micro_batches")
     r = memory.get_recipe(recipe)
     w, g, state = r.weight_bytes, r.gradient_bytes, r.optimizer_bytes
     h2d = d2h = 0.0
@@ -203,6 +206,9 @@ def both_directions_rate(bandwidth, duplex="full") -> tuple[float, str]:
 def link_seconds(h2d_bytes: float, d2h_bytes: float, bandwidth: float, both: float) -> float:
     """Seconds to move ``h2d_bytes`` up and ``d2h_bytes`` down: both at ``both`` B/s each while
     both directions are busy, the rest at ``bandwidth`` alone."""
+    h2d_bytes = check_non_negative(h2d_bytes, "h2d_bytes")
+    d2h_bytes = check_non_negative(d2h_bytes, "d2h_bytes")
+    bandwidth, both = check_positive(bandwidth, "bandwidth"), check_positive(both, "both")
     overlapped = min(h2d_bytes, d2h_bytes)
     return overlapped / both + (max(h2d_bytes, d2h_bytes) - overlapped) / bandwidth
 

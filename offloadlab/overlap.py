@@ -19,6 +19,7 @@ from .units import (
     check_positive,
     parse_bandwidth,
     parse_duration,
+    parse_flops,
     parse_size,
 )
 
@@ -151,7 +152,7 @@ def crossover_tokens(flops, bandwidth, bytes_per_param=2.0, flops_per_param_toke
     16-bit weight up, 2 bytes per parameter each way — that is R / (3B), and R / (2B) behind
     backward alone. A real number of tokens: a step hides the copies from ⌈T*⌉ tokens.
     """
-    rate = check_positive(flops, "flops")
+    rate = parse_flops(flops, "flops")
     link = parse_bandwidth(bandwidth, "bandwidth")
     moved = check_positive(bytes_per_param, "bytes_per_param")
     work = check_positive(flops_per_param_token, "flops_per_param_token")

@@ -62,6 +62,20 @@ class _Buffer:
         self.last_use = 0
 
 
+# The block's parameters swapped for its fetched weights and back, eagerly even where the block
+# itself is compiled (block.compile(fullgraph=True) would trace torch's context manager and fail).
+@_torch_compat.eager_under_compile(_EAGER)
+def _swap_in(block: nn.Module, fetched: dict):
+    swapped = _torch_compat.reparametrize_module(block, fetched)
+    swapped.__enter__()
+    return swapped
+
+
+@_torch_compat.eager_under_compile(_EAGER)
+def _swap_out(swapped) -> None:
+    swapped.__exit__(None, None, None)
+
+
 class _SavedWeight:
     """What backward keeps instead of a streamed weight (or, under autocast, its cast): where to
     find it again, and the dtype it was cast to (None: not cast)."""
@@ -333,8 +347,11 @@ class StreamedModel:
         buffer, fetched, hooks = self._enter(index, args, kwargs)
         try:
             with torch.autograd.graph.saved_tensors_hooks(*hooks):
-                with _torch_compat.reparametrize_module(block, fetched):
+                swapped = _swap_in(block, fetched)
+                try:
                     return type(block).forward(block, *args, **kwargs)
+                finally:
+                    _swap_out(swapped)
         finally:
             self._release(buffer)
 

@@ -25,6 +25,7 @@ __all__ = [
     "parse_bandwidth",
     "parse_duration",
     "parse_count",
+    "parse_flops",
     "check_positive",
     "check_non_negative",
     "check_integer",
@@ -191,6 +192,21 @@ def parse_count(value, name: str = "count") -> float:
     if count < 1:  # a fraction of a parameter is a slip (a missing exponent), not a model
         raise _fail(name, value, COUNT_FORMS, "must be at least 1")
     return count
+
+
+_FLOPS_RATE = re.compile(r"\s*([0-9.eE+-]+)\s*([kKmMgGtTpP]?)FLOP/s\s*", re.IGNORECASE)
+
+
+def parse_flops(value, name: str = "flops") -> float:
+    """FLOP/s from a string like '200 TFLOP/s' (any case), or a Python number of FLOP/s."""
+    match = _FLOPS_RATE.fullmatch(value) if isinstance(value, str) else None
+    if match is not None:
+        value = float(match[1]) * _DECIMAL[match[2].lower()]
+    elif isinstance(value, str):
+        raise ValueError(
+            f"{name}: expected FLOP/s, a number or a string such as '200 TFLOP/s'; got {value!r}"
+        )
+    return check_positive(value, name)
 
 
 def check_positive(value, name: str) -> float:

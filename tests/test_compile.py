@@ -189,6 +189,24 @@ def test_fullgraph_names_the_streaming_as_the_break(landing_link):
         torch.compile(streamed, fullgraph=True, backend=Counter())(*tokens())
 
 
+def test_a_streamed_block_compiled_by_itself_with_fullgraph_trains_as_the_plain_one(
+    landing_link,
+):
+    """Eleventh probe pass S57: block.compile(fullgraph=True) on a streamed block failed inside
+    torch ('reconstructing @contextmanager object'): the swap of its weights was traced. The
+    swap now stays eager and the block's own forward is one graph."""
+    plain, streamed = gpt_twins(layers=2)
+    StreamedModel(streamed, landing_link)
+    counter = Counter()
+    for block in streamed.blocks:
+        block.compile(backend=counter, fullgraph=True)
+    x, y = tokens()
+    plain(x, y).backward(), streamed(x, y).backward()
+    assert sum(counter.runs) == 2  # one run of the block's graph per block
+    for p, q in zip(plain.parameters(), streamed.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def fetches(recording) -> int:
     return sum(t.direction == "h2d" for t in recording.transfers)
 

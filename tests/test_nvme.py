@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import pytest
 import torch
@@ -114,6 +115,26 @@ def test_names_that_are_no_file_name_are_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"^path: 'x\.bin' is relative to the current folder, "):
         FileTier.open("x.bin")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_writing_from_an_older_step_warns_that_it_replaces_the_newer(tmp_path):
+    """Eleventh probe pass T53: opened at its older step, a tier's first write replaced the newer
+    step, whose number the commit then reused, without a word (lab 7 has students open the older
+    step to compare)."""
+    with FileTier(tmp_path / "t.bin", 1024) as tier:
+        tier.write(0, torch.ones(1024))
+        tier.commit()
+    with FileTier.open(tmp_path / "t.bin", step=0) as older:
+        assert torch.equal(_values(older), torch.zeros(1024))  # reading takes nothing
+        with pytest.warns(UserWarning, match=r"replaces step 1, the newer step this file held"):
+            older.write(0, torch.full((1024,), 5.0))
+        assert older.commit() == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # from the newest step, no warning
+        with FileTier.open(tmp_path / "t.bin") as newest:
+            newest.write(0, torch.ones(1024))
+            newest.commit()
+    assert "replaces the newer" in " ".join(FileTier.open.__doc__.split())
 
 
 def test_refuses_to_overwrite_and_bad_sizes_leave_nothing_behind(tmp_path):

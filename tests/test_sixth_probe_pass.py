@@ -941,3 +941,78 @@ def test_engine_setup_takes_a_numpy_checkpointed():
 
     setup = engines.Setup("zero2", "optimizer", recompute=True, checkpointed=np.int64(2))
     assert type(setup.checkpointed) is int
+
+
+def test_budget_and_overlap_take_what_their_neighbours_take_and_name_the_rest():
+    """Eleventh pass P5, P19, P20: traffic() refused a numpy micro-batch count; link_seconds()
+    returned 0.0 for -1 bytes; crossover_tokens() refused '200 TFLOP/s' beside '25 GB/s'."""
+    from offloadlab import budget, overlap
+
+    assert budget.traffic("optimizer", micro_batches=np.int64(3)) == budget.traffic(
+        "optimizer", micro_batches=3
+    )
+    with pytest.raises(ValueError, match=r"^h2d_bytes: expected a number ≥ 0"):
+        budget.link_seconds(-1, 0, 1e9, 1e9)
+    with pytest.raises(ValueError, match=r"^both: expected a positive number"):
+        budget.link_seconds(1, 1, 1e9, 0)
+    assert overlap.crossover_tokens("200 TFLOP/s", "25 GB/s") == overlap.crossover_tokens(
+        200e12, "25 GB/s"
+    )
+    with pytest.raises(ValueError, match=r"^flops: expected FLOP/s, a number or a string such"):
+        overlap.crossover_tokens("200 TB/s", "25 GB/s")
+    from offloadlab import planner
+
+    hardware = planner.Hardware("80 GB", "25 GB/s", compute="400 TFLOP/s")
+    assert hardware.compute == 400e12
+
+
+def test_adam_from_file_names_a_keyword_it_does_not_take_before_any_read(tmp_path):
+    """T61: amsgrad=True failed as adamw_step()'s TypeError after the first reads were issued."""
+    from offloadlab.nvme import adam_from_file
+
+    tiers = [FileTier(tmp_path / f"{n}.bin", 1024) for n in ("m", "a", "v")]
+    try:
+        with pytest.raises(ValueError, match=r"^amsgrad: adam_from_file takes no such keyword"):
+            adam_from_file(*tiers, torch.ones(1024), lr=0.1, amsgrad=True)
+        with pytest.raises(ValueError, match=r"^betas: expected"):
+            adam_from_file(*tiers, torch.ones(1024), lr=0.1, betas=(0.9, 1.5))
+        assert [t.step for t in tiers] == [0, 0, 0]
+    finally:
+        for t in tiers:
+            t.close()
+
+
+def test_a_held_ctrl_c_kills_a_process_whose_sigint_is_the_default(tmp_path):
+    """K12: with SIGINT at SIG_DFL (Ctrl-C kills at once), a Ctrl-C inside load_state_dict was
+    held and then lost: the process lived on. Now it dies of SIGINT once the load is whole."""
+    import signal
+
+    script = tmp_path / "sig_dfl.py"
+    script.write_text(
+        textwrap.dedent("""
+        import os, signal
+        from torch import nn
+        from offloadlab.offload import CPUOffloadAdam
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        opt = CPUOffloadAdam(nn.Linear(4, 4).parameters())
+        saved, load = opt.state_dict(), opt._engine.host.load
+
+        def interrupted(entries):
+            os.kill(os.getpid(), signal.SIGINT)
+            return load(entries)
+
+        opt._engine.host.load = interrupted
+        opt.load_state_dict(saved)
+        print("alive after the load", flush=True)
+    """)
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert done.returncode == -signal.SIGINT and "alive" not in done.stdout, done.stderr[-2000:]

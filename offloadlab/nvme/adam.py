@@ -13,7 +13,7 @@ import time
 import torch
 
 from .. import cpu_adam
-from ..units import is_integer, plain_scalar
+from ..units import check_adamw_settings, is_integer, plain_scalar
 from .aio import all_of
 from .direct_io import aligned_empty, round_up
 from .tier import FileTier
@@ -44,12 +44,18 @@ def open_state(*paths, queue_depth: int = 8) -> list[FileTier]:
         for i, tier in enumerate(tiers):
             if tier.step != step:
                 tier.close()
-                tiers[i] = FileTier.open(paths[i], step=step, queue_depth=queue_depth)
+                tiers[i] = FileTier.open(
+                    paths[i], step=step, queue_depth=queue_depth, replace_newer=True
+                )
     except BaseException:
         for tier in tiers:
             tier.close()
         raise
     return tiers
+
+
+# What adam_from_file passes on to cpu_adam.adamw_step besides step and lr.
+_ADAMW_KEYWORDS = {"betas", "eps", "weight_decay", "grad_scale", "threads", "variant"}
 
 
 def adam_from_file(
@@ -77,6 +83,18 @@ def adam_from_file(
     threads, invalidating each file's old header before its first write). They add up to the
     step's time; 'read' + 'write' is the disk time the update did not hide.
     """
+    unknown = sorted(set(adam) - _ADAMW_KEYWORDS)
+    if unknown:
+        raise ValueError(
+            f"{unknown[0]}: adam_from_file takes no such keyword; it takes "
+            f"{', '.join(sorted(_ADAMW_KEYWORDS))}"
+        )
+    check_adamw_settings(
+        lr,
+        adam.get("betas", (0.9, 0.999)),
+        adam.get("eps", 1e-8),
+        adam.get("weight_decay", 1e-2),
+    )
     tiers = (master, exp_avg, exp_avg_sq)
     for name, tier in zip(("master", "exp_avg", "exp_avg_sq"), tiers):
         if not isinstance(tier, FileTier) or tier.dtype != torch.float32:

@@ -118,14 +118,22 @@ class FileTier:
         return tier
 
     @classmethod
-    def open(cls, path, *, step: int | None = None, queue_depth: int = 8) -> FileTier:
+    def open(
+        cls, path, *, step: int | None = None, queue_depth: int = 8, replace_newer: bool = False
+    ) -> FileTier:
         """Resume the tier in ``path`` at its newest committed step (or at ``step``, if it holds
-        it)."""
+        it). Opened at the older of its two steps, it reads that step; its first write replaces
+        the newer one, whose number the commit then reuses: a warning says so, unless
+        ``replace_newer`` (the newer step is known to be stale, as after a crash between files'
+        commits)."""
         checked_depth(queue_depth)
         path = file_name(path)
         if step is not None:  # (numpy's integers as Python's; 1.0 and True are no step)
             step = check_integer(plain_scalar(step), "step", 0, expected="a step number ≥ 0")
+        if not isinstance(replace_newer, bool):
+            raise ValueError(f"replace_newer: expected True or False; got {replace_newer!r}")
         tier = cls.__new__(cls)
+        tier._replace_newer = replace_newer
         fd = tier._fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -150,6 +158,7 @@ class FileTier:
     def _start(self, fd: int, path: Path | None, layout: FileLayout, queue_depth: int) -> None:
         """Take the lock, reserve the space (a new file), open the I/O descriptor and the queue."""
         self._fd, self.path, self._layout = fd, path, layout
+        self._replace_newer = getattr(self, "_replace_newer", False)  # (a new file holds one step)
         self._identity = None  # (see remove())
         self.numel, self.dtype, self.itemsize, self.block = (
             layout.numel,
@@ -365,6 +374,13 @@ class FileTier:
         """Start a version in the other slot: invalidate its header first, durably, so that a crash
         while its data is half-written cannot leave a valid header over it."""
         slot = 1 - self._slot
+        newer = [s for s, held in self._held.items() if held[0] == slot and s > self.step]
+        if newer and not self._replace_newer:
+            warnings.warn(
+                f"FileTier: writing step {self.step + 1} of {self.path} from step {self.step} "
+                f"replaces step {newer[0]}, the newer step this file held",
+                stacklevel=4,
+            )
         self._io.write(memoryview(mmap.mmap(-1, PAGE)), self._layout.header_offset(slot))
         direct_io.sync(self._io_fd)
         self._held = {s: held for s, held in self._held.items() if held[0] != slot}

@@ -112,6 +112,8 @@ def interrupts_held():
         signal.signal(signal.SIGINT, previous)
         if held and callable(previous):
             previous(signal.SIGINT, held[0])  # Python's own handler raises KeyboardInterrupt here
+        elif held and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)  # the default: the process ends, as it would have
 
 
 def check_disjoint(params: list) -> None:

@@ -22,6 +22,7 @@ from ..units import (
     is_number,
     parse_bandwidth,
     parse_count,
+    parse_flops,
     parse_size,
 )
 
@@ -366,9 +367,10 @@ class Hardware:
         object.__setattr__(self, "link", _rate(self.link, "link"))
         if self.host_memory is not None:
             object.__setattr__(self, "host_memory", _memory(self.host_memory, "host_memory"))
-        for name in ("cpu_adam", "compute"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, check_positive(getattr(self, name), name))
+        if self.cpu_adam is not None:
+            object.__setattr__(self, "cpu_adam", check_positive(self.cpu_adam, "cpu_adam"))
+        if self.compute is not None:
+            object.__setattr__(self, "compute", parse_flops(self.compute, "compute"))
         if not (isinstance(self.comm_fraction, (int, float)) and 0 <= self.comm_fraction < 1):
             raise ValueError(
                 f"comm_fraction: expected a fraction in [0, 1); got {self.comm_fraction!r}"

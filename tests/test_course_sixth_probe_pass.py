@@ -307,3 +307,37 @@ def test_the_release_skips_fifos_and_names_bad_pages_beside_the_labs(tmp_path):
     done = subprocess.run([*run, "--force"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "lab91_bad.md" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+# The eleventh probe pass.
+def test_check_exact_takes_equal_numbers_inside_containers_and_names_a_nan():
+    """C23, C24: [1, 2] against [1.0, 2.0] failed, showing equal-looking values, though 1 against
+    1.0 passed; C26: nan against nan said 'nan, but nan was expected'."""
+    assert check.exact("x", [1, 2], [1.0, 2.0])
+    assert check.exact("x", {"a": 1}, {"a": 1.0})
+    assert not check.exact("x", [1, 2], [1.0, 2.5])
+    assert not check.exact("x", [True], [1])  # (True is not the answer 1)
+    verdict = check.exact("x", float("nan"), float("nan"))
+    assert not verdict and "expected a finite real number as the answer; got nan" in verdict.message
+
+
+def test_the_release_reads_a_labs_whole_front_matter_and_names_what_it_skips(tmp_path):
+    """C88, C78: a lab whose front matter put 'jupytext:' past its first 2000 bytes was skipped
+    in silence (or, alone, 'found none'); C89: an unclosed BEGIN SOLUTION named no lab."""
+    labs = tmp_path / "labs"
+    labs.mkdir()
+    body = "# Lab\n\n```{code-cell} ipython3\nx = 1\n```\n"
+    long = "---\ndescription: " + "x" * 2100 + "\njupytext:\n  formats: md:myst\n---\n" + body
+    (labs / "lab01_long.md").write_text(long)
+    assert [p.name for p in student.find_labs(labs)] == ["lab01_long.md"]
+    (labs / "lab02_notes.md").write_text("# notes, not a notebook\n")
+    with pytest.warns(UserWarning, match=r"lab02_notes\.md is not a Jupytext lab"):
+        assert [p.name for p in student.find_labs(labs)] == ["lab01_long.md"]
+    (labs / "lab01_long.md").unlink()
+    with pytest.raises(ValueError, match=r"found none: lab02_notes\.md has no Jupytext front"):
+        student.find_labs(labs)
+    (labs / "lab02_notes.md").unlink()
+    unclosed = "---\njupytext:\n  formats: md:myst\n---\n# Lab\n\n```{code-cell} ipython3\n"
+    (labs / "lab03_y.md").write_text(unclosed + "### BEGIN SOLUTION\nsecret = 42\n```\n")
+    with pytest.raises(ValueError, match=r"^lab03_y\.md: cell \d+: ### BEGIN SOLUTION without"):
+        student.write_release(labs, tmp_path / "out")

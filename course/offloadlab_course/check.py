@@ -128,6 +128,11 @@ def exact(name: str, yours, expected, hint: str = "") -> Verdict:
         return answer(name, yours, expected, rel_tol=0, hint=hint)
     if yours is Ellipsis:
         return _report(Verdict(False, f"✗ {name}: no answer yet"))
+    real = isinstance(yours, numbers.Real) and not isinstance(yours, bool)
+    if real and not math.isfinite(yours):
+        return _report(
+            Verdict(False, f"✗ {name}: expected a finite real number as the answer; got {yours!r}")
+        )
     if _same(yours, expected):
         shown = "your answer agrees" if student_release() else f"{yours!r} agrees"
         return _report(Verdict(True, f"✓ {name}: {shown}"))
@@ -138,8 +143,11 @@ def exact(name: str, yours, expected, hint: str = "") -> Verdict:
 
 
 def _same(yours, expected) -> bool:
-    """Equal, and of one type; arrays and tensors element by element, shapes included (their
-    ``==`` is an array, whose truth is ambiguous)."""
+    """Equal, and of one type (but numbers, equal in value: 1 and 1.0); arrays and tensors element
+    by element, shapes included (their ``==`` is an array, whose truth is ambiguous)."""
+    values = _number(yours), _number(expected)
+    if None not in values:
+        return values[0] == values[1]
     if type(yours) is not type(expected):
         return False
     if isinstance(yours, dict):

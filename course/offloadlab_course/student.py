@@ -45,6 +45,7 @@ import copy
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 from offloadlab import files
@@ -181,9 +182,9 @@ def source_notebook(path: Path):
                 raise ValueError(
                     f"{where}: hidden tests are allowed only in a graded cell (`:points:`)"
                 )
-            strip_hidden_tests(cell.source)  # raises on unbalanced markers
+            _balanced(strip_hidden_tests, cell.source, where)
         if is_answer:
-            strip_solutions(cell.source)  # raises on unbalanced markers
+            _balanced(strip_solutions, cell.source, where)
             if waiting_for_check is not None:
                 raise ValueError(
                     f"{path.name}: cell {waiting_for_check}: an answer cell with no graded cell "
@@ -250,6 +251,14 @@ def unfold(cell) -> None:
         cell.metadata.pop("tags", None)
 
 
+def _balanced(strip, source: str, where: str) -> None:
+    """ValueError naming ``where`` (the lab and cell) if ``strip`` finds its markers unbalanced."""
+    try:
+        strip(source)
+    except ValueError as error:
+        raise ValueError(f"{where}: {str(error).removeprefix('source: ')}") from None
+
+
 def release_notebook(source):
     """The student notebook of a source notebook: each solution replaced by :data:`STUB`, each
     hidden-test region removed (the grader restores graded cells from the source)."""
@@ -278,10 +287,18 @@ def find_labs(labs_dir: Path) -> list[Path]:
     labs_dir = Path(labs_dir)
     if not labs_dir.is_dir():
         raise ValueError(f"labs_dir: expected a folder of labs; got {str(labs_dir)!r}")
-    found = [p for p in sorted(labs_dir.glob("lab*.md")) if _is_a_lab(p)]
+    named = [p for p in sorted(labs_dir.glob("lab*.md")) if p.is_file()]
+    found = [p for p in named if _is_a_lab(p)]
+    skipped = [p.name for p in named if p not in found]
     if not found:
+        why = f": {', '.join(skipped)} has no Jupytext front matter" if skipped else ""
         raise ValueError(
-            f"labs_dir: expected Jupytext labs (lab*.md) in {str(labs_dir)!r}; found none"
+            f"labs_dir: expected Jupytext labs (lab*.md) in {str(labs_dir)!r}; found none{why}"
+        )
+    for name in skipped:
+        warnings.warn(
+            f"labs_dir: {name} is not a Jupytext lab (no 'jupytext:' in its front matter); skipped",
+            stacklevel=2,
         )
     return found
 
@@ -295,18 +312,18 @@ def _text(path: Path) -> str:
 
 
 def _is_a_lab(path: Path) -> bool:
-    """A Jupytext lab: a regular file (a FIFO named lab*.md would block the read) whose start
-    names Jupytext; ValueError naming a file that is no UTF-8 text."""
+    """A Jupytext lab: a regular file (a FIFO named lab*.md would block the read) whose YAML front
+    matter, however long, names Jupytext; ValueError naming a file that is no UTF-8 text."""
     if not path.is_file():
         return False
-    with path.open("rb") as f:
-        start = f.read(2000)
     try:
-        return "jupytext:" in start.decode("utf-8", errors="strict")
-    except UnicodeDecodeError as error:
-        if error.start < len(start) - 4:  # (not a character cut at the 2000th byte)
-            raise ValueError(f"labs_dir: {path.name} is not UTF-8 text ({error.reason})") from None
-        return "jupytext:" in start[: error.start].decode("utf-8")
+        text = _text(path)
+    except ValueError:
+        raise ValueError(f"labs_dir: {path.name} is not UTF-8 text") from None
+    if not text.startswith("---"):
+        return False
+    end = text.find("\n---", 3)
+    return "jupytext:" in text[: None if end < 0 else end]
 
 
 def _target_folder(target_dir: Path) -> Path:

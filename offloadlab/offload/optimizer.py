@@ -372,8 +372,9 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         torch's do (a second sees the first's clipped norm); a backward after it in the same step is
         refused at :meth:`step`, since torch would clip only the micro-batches before it.
         ``max_grad_norm`` given to the constructor clips what this leaves. A non-finite norm clips
-        nothing, where torch would scale every gradient by nan; ``error_if_nonfinite=True`` refuses
-        it, as torch does. ``max_norm=inf`` only reads the norm.
+        nothing, where torch would scale every gradient by nan (a nan norm) or by 0 (an infinite
+        one); ``error_if_nonfinite=True`` refuses it, as torch does. ``max_norm=inf`` only reads
+        the norm.
         """
         max_norm = plain_scalar(max_norm)
         if not ((is_number(max_norm) or max_norm == float("inf")) and max_norm > 0):

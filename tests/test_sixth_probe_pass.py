@@ -575,6 +575,26 @@ def test_a_grad_assigned_after_backward_sent_its_gradient_is_refused_not_added()
     optimizer.close()
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"accumulation_steps": 2}, {"delayed_update": True}, {"offload_fraction": 0.5}],
+    ids=["at step", "accumulation_steps", "delayed", "fraction"],
+)
+def test_a_grad_assigned_between_two_backwards_is_refused_not_added(options):
+    """Twelfth pass G1, G19, G20, G22: backward, p.grad = g, backward: torch steps on g plus the
+    second gradient; ours added the first one too, in silence. The next backward now refuses
+    it by name (a parameter the device updates replaces it, as torch does)."""
+    model = clip_model()
+    optimizer = ol.CPUOffloadAdam(model.parameters(), lr=1e-2, **options)
+    host_share = [p for bucket in optimizer._engine.host.buckets for p in bucket.params]
+    clip_loss(model, 0).backward()
+    host_share[0].grad = torch.full_like(host_share[0], -0.05)
+    with pytest.raises(RuntimeError, match=r"^CPUOffloadAdam: a \.grad was assigned to a param"):
+        clip_loss(model, 1).backward()
+    optimizer.zero_grad()
+    optimizer.close()
+
+
 def test_a_clip_is_dropped_with_the_gradients_it_clipped():
     """zero_grad() after clip_grad_norm_: the next step's gradients are not clipped by the old
     factor (torch scaled the dropped gradients, not the next ones)."""

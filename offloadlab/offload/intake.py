@@ -18,6 +18,8 @@ gradients are in (the eager schedule).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import _torch_compat
@@ -73,6 +75,7 @@ class GradientIntake:
         self.training: Marker | None = None
         self._where: dict[int, tuple[Bucket, int]] = {}  # id(param) → (bucket, position)
         self._hooks: list = []
+        self._accumulators: list = []  # the device parameters' AccumulateGrad nodes
         self._gather = GradientGather(link, [], sink=self, names=lambda i: f"bucket {i}")
         # buckets some of whose parameters got no gradient go down as they are at the end of
         # backward
@@ -93,6 +96,13 @@ class GradientIntake:
                 self._hooks += [
                     p.register_post_accumulate_grad_hook(self.receive) for p in bucket.params
                 ]
+                # before autograd adds to .grad: one assigned since this step's gradient was sent
+                for p in bucket.params:
+                    node = torch.autograd.graph.get_gradient_edge(p).node
+                    self._accumulators.append(node)  # (held: torch keeps a leaf's weakly)
+                    self._hooks.append(
+                        node.register_prehook(functools.partial(self._before_adding, p))
+                    )
 
     def accepting(self) -> bool:
         """Whether gradients are taken (the optimizer is open and has not failed)."""
@@ -107,7 +117,7 @@ class GradientIntake:
         again."""
         for hook in self._hooks:
             hook.remove()
-        self._hooks = []
+        self._hooks, self._accumulators = [], []
         for bucket in self.buckets:
             if bucket.streamed is not None:
                 bucket.streamed.detach_sink(bucket.block, self)
@@ -133,6 +143,22 @@ class GradientIntake:
         self._gather.add(bucket.index, k, grad)
         param.grad = None  # its copy into the gather buffer is ordered on the compute stream
 
+    def _before_adding(self, param: torch.Tensor, _grad_outputs) -> None:
+        """Refuse a ``.grad`` assigned after this step's gradient was sent: autograd is about to
+        add to it, where the sum already holds the gradient it replaced."""
+        if param.grad is not None and self._usable():
+            self._refuse_assigned(param)
+
+    def _refuse_assigned(self, param: torch.Tensor) -> None:
+        bucket, k = self._where[id(param)]
+        if bucket.received.counts[k]:
+            raise RuntimeError(
+                "CPUOffloadAdam: a .grad was assigned to a parameter after backward had sent "
+                f"this step's gradient to the optimizer (shape {tuple(param.shape)}); torch.optim "
+                "would use the assigned one in its place, and here it would be added: assign "
+                "gradients before backward, or call zero_grad() first"
+            )
+
     def take_existing(self, params) -> None:
         """Take in gradients that reached these parameters' ``.grad`` without passing through their
         hooks — left by a backward run before the optimizer was made, assigned by hand, or from
@@ -141,19 +167,9 @@ class GradientIntake:
         it alone, and here it would be added. (A streamed weight's ``.grad`` is added: a use
         outside its block's streaming, a tied weight say, puts its share there.)"""
         for p in params:
-            bucket, k = self._where.get(id(p), (None, None))
-            if (
-                p.grad is not None
-                and bucket is not None
-                and bucket.streamed is None
-                and bucket.received.counts[k]
-            ):
-                raise RuntimeError(
-                    "CPUOffloadAdam: a .grad was assigned to a parameter after backward had sent "
-                    f"this step's gradient to the optimizer (shape {tuple(p.shape)}); torch.optim "
-                    "would step on the assigned one alone, and here it would be added: assign "
-                    "gradients before backward, or call zero_grad() first"
-                )
+            bucket, _ = self._where.get(id(p), (None, None))
+            if p.grad is not None and bucket is not None and bucket.streamed is None:
+                self._refuse_assigned(p)
         for p in params:
             if p.grad is None or id(p) not in self._where:
                 continue

@@ -13,7 +13,8 @@ Blocks may run in any order (skipped, recomputed under checkpointing, twice in o
 always get their own weights; what it cannot do it refuses by name: every buffer held, parameters
 replaced after streaming began (``load_state_dict(assign=True)``), ``torch.autograd.grad`` with a
 streamed input, ``fullgraph=True`` under ``torch.compile`` (each block's forward is compiled; the
-fetches run outside the graph), a gradient hook (``register_hook``) on a streamed weight. Two other
+fetches run outside the graph), a gradient hook (``register_hook``) on a streamed weight, a
+backward with ``create_graph=True``. Two other
 kinds still run but see None: ``register_post_accumulate_grad_hook`` (CPUOffloadAdam's own intake
 uses it) and a hook on the weight's AccumulateGrad node, where DDP and DeepSpeed place theirs; read
 ``.grad`` after backward instead. Code that writes the host weights in place itself calls
@@ -559,9 +560,16 @@ class StreamedModel:
     def _unpack(self, outer, saved):
         if not isinstance(saved, _SavedWeight):
             return saved if outer is None else outer[1](saved)
-        self._backward.arm()
         index = saved.block
         name, param = self._params[index][saved.which]
+        if torch.is_grad_enabled():  # a backward that builds a graph of its own
+            raise RuntimeError(
+                f"StreamedModel: a backward with create_graph=True (a gradient penalty, a second "
+                f"derivative) reads {name!r} of block {self.names[index]!r}, whose streamed "
+                "weights it cannot put in the graph it builds, so their second-order gradients "
+                "would be lost: compute it on a model that is not streamed"
+            )
+        self._backward.arm()
         # what autograd checks for a saved tensor modified in place
         if _torch_compat.version(param) != saved.version:
             raise RuntimeError(

@@ -98,6 +98,14 @@ def pipeline(transfer_seconds, compute_seconds, depth: int = 1) -> PipelineStep:
     layer's compute is done, so transfers serialise with compute); 1 is double buffering.
     A buffer is refilled only after the compute that used it has finished.
     """
+    for name, values in (
+        ("transfer_seconds", transfer_seconds),
+        ("compute_seconds", compute_seconds),
+    ):
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            raise ValueError(
+                f"{name}: expected a sequence of seconds, one per layer; got {values!r}"
+            )
     transfers = [check_non_negative(t, "transfer_seconds") for t in transfer_seconds]
     computes = [check_non_negative(c, "compute_seconds") for c in compute_seconds]
     if len(transfers) != len(computes):
@@ -281,8 +289,11 @@ def offload_step(
       previous update has read the one before it, which can hold up backward.
     """
     check_integer(layers, "layers")
+    for name, flag in (("delayed", delayed), ("after_backward", after_backward)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected True or False; got {flag!r}")
     seconds = {
-        name: check_non_negative(value, name)
+        name: parse_duration(value, name, allow_zero=True)
         for name, value in (
             ("forward", forward),
             ("backward", backward),

@@ -135,6 +135,13 @@ class StreamedModel:
             raise ValueError(f"blocks: expected a non-empty list of the modules to stream; {given}")
         if len({id(b) for b in chosen}) != len(chosen):
             raise ValueError("blocks: expected each block once")
+        inside = {id(m) for m in model.modules()}
+        foreign = next((i for i, b in enumerate(chosen) if id(b) not in inside), None)
+        if foreign is not None:
+            raise ValueError(
+                f"blocks: block {foreign} is not a module of the model; expected the model's own "
+                "modules to stream"
+            )
         buffers = check_integer(
             plain_scalar(buffers),
             "buffers",

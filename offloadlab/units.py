@@ -194,11 +194,12 @@ def parse_count(value, name: str = "count") -> float:
     return count
 
 
-_FLOPS_RATE = re.compile(r"\s*([0-9.eE+-]+)\s*([kKmMgGtTpP]?)FLOP/s\s*", re.IGNORECASE)
+_FLOPS_RATE = re.compile(r"\s*([0-9.eE+-]+)\s*([kKmMgGtTpP]?)FLOP(?:/s|S)\s*", re.IGNORECASE)
 
 
 def parse_flops(value, name: str = "flops") -> float:
-    """FLOP/s from a string like '200 TFLOP/s' (any case), or a Python number of FLOP/s."""
+    """FLOP/s from a string like '200 TFLOP/s' or '200 TFLOPS' (any case), or a Python number of
+    FLOP/s."""
     match = _FLOPS_RATE.fullmatch(value) if isinstance(value, str) else None
     if match is not None:
         value = float(match[1]) * _DECIMAL[match[2].lower()]

@@ -220,7 +220,7 @@ def test_delayed_update_hides_the_cpu_behind_the_next_step():
     # exposed.
     quick = [
         overlap.offload_step(4, 1, 2, gradient=0.5, update=0.1, upload=0.5, delayed=d).step
-        for d in (0, 1)
+        for d in (False, True)
     ]
     assert quick[1] >= quick[0]
 

@@ -1036,3 +1036,40 @@ def test_a_held_ctrl_c_kills_a_process_whose_sigint_is_the_default(tmp_path):
         env={**os.environ, "PYTHONPATH": root},
     )
     assert done.returncode == -signal.SIGINT and "alive" not in done.stdout, done.stderr[-2000:]
+
+
+def test_twelfth_pass_library_arguments_are_named_or_taken(tmp_path):
+    """U89, U98, U99, T28, T39, L8/U34, Q2, Q10, S41: a bare TypeError, '1 ms' refused beside '1 s',
+    delayed='yes' taken as True, chunk=0 silently the default, an out too large half-written,
+    '200 TFLOPS' refused, max_norm=0 or a 0-dim tensor refused (torch takes both), a module not
+    in the model streamed."""
+    from offloadlab import overlap, units
+    from offloadlab.link import EmulatedLink
+    from offloadlab.nvme import adam_from_file
+    from offloadlab.streaming import StreamedModel
+
+    with pytest.raises(ValueError, match=r"^transfer_seconds: expected a sequence of seconds"):
+        overlap.pipeline(3, 4)
+    assert overlap.offload_step(2, "1 ms", "2 ms") == overlap.offload_step(2, 1e-3, 2e-3)
+    with pytest.raises(ValueError, match=r"^delayed: expected True or False"):
+        overlap.offload_step(2, 1, 1, delayed="yes")
+    assert units.parse_flops("200 TFLOPS") == units.parse_flops("200 TFLOP/s") == 200e12
+    tiers = [FileTier(tmp_path / f"{n}.bin", 1024) for n in ("m", "a", "v")]
+    try:
+        with pytest.raises(ValueError, match=r"^chunk: expected a positive multiple"):
+            adam_from_file(*tiers, torch.ones(1024), lr=0.1, chunk=0)
+        with pytest.raises(ValueError, match=r"^out: expected 1024 elements"):
+            adam_from_file(*tiers, torch.ones(1024), torch.zeros(1025), lr=0.1)
+        assert [t.step for t in tiers] == [0, 0, 0]
+    finally:
+        for t in tiers:
+            t.close()
+    model = clip_model()
+    optimizer = ol.CPUOffloadAdam(model.parameters())
+    clip_loss(model, 0).backward()
+    assert float(optimizer.clip_grad_norm_(torch.tensor(0.5))) > 0
+    optimizer.clip_grad_norm_(0.0)  # as torch: every gradient scaled to zero
+    optimizer.close()
+    with EmulatedLink() as link:
+        with pytest.raises(ValueError, match=r"^blocks: block 1 is not a module of the model"):
+            StreamedModel(model, link, blocks=[model[0], nn.Linear(4, 4)])

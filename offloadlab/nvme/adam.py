@@ -109,6 +109,9 @@ def adam_from_file(
         raise ValueError(f"grad: expected a floating-point torch tensor; got {type(grad).__name__}")
     if not (master.numel == exp_avg.numel == exp_avg_sq.numel == grad.numel()):
         raise ValueError("grad: expected as many elements as each state file holds")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.numel() != master.numel):
+        got = out.numel() if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out: expected {master.numel} elements to match master; got {got}")
     if len({t.step for t in tiers}) != 1:
         raise ValueError(
             f"exp_avg: expected the three files at one step; got steps {[t.step for t in tiers]} "
@@ -127,7 +130,7 @@ def adam_from_file(
             f"{[t.block for t in tiers]} elements"
         )
     # reads of one chunk + writes of another fill the depth
-    chunk = plain_scalar(chunk) or block * max(1, master.queue_depth // 2)
+    chunk = block * max(1, master.queue_depth // 2) if chunk is None else plain_scalar(chunk)
     if not is_integer(chunk) or chunk <= 0 or chunk % block:
         raise ValueError(
             f"chunk: expected a positive multiple of the tiers' block ({block} elements); got "

@@ -376,9 +376,11 @@ class CPUOffloadAdam(torch.optim.Optimizer):
         one); ``error_if_nonfinite=True`` refuses it, as torch does. ``max_norm=inf`` only reads
         the norm.
         """
+        if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
+            max_norm = max_norm.item()  # (a 0-dim tensor, as torch's clip takes)
         max_norm = plain_scalar(max_norm)
-        if not ((is_number(max_norm) or max_norm == float("inf")) and max_norm > 0):
-            raise ValueError(f"max_norm: expected a positive number; got {max_norm!r}")
+        if not ((is_number(max_norm) or max_norm == float("inf")) and max_norm >= 0):
+            raise ValueError(f"max_norm: expected a number ≥ 0; got {max_norm!r}")
         if norm_type != 2.0:
             raise ValueError(
                 f"norm_type: expected 2.0 (CPUOffloadAdam clips by the L2 norm); got {norm_type!r}"

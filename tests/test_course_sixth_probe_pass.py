@@ -341,3 +341,62 @@ def test_the_release_reads_a_labs_whole_front_matter_and_names_what_it_skips(tmp
     (labs / "lab03_y.md").write_text(unclosed + "### BEGIN SOLUTION\nsecret = 42\n```\n")
     with pytest.raises(ValueError, match=r"^lab03_y\.md: cell \d+: ### BEGIN SOLUTION without"):
         student.write_release(labs, tmp_path / "out")
+
+
+# The twelfth probe pass.
+def test_lab02s_hidden_link_does_not_print_its_rate(capsys):
+    """C4: a probe read the hidden rate from repr(link)."""
+    from tests.test_grading import two_size_probe
+
+    def reading_the_repr(link):
+        two_size_probe(link)  # (copies enough to pass the floor)
+        return float(repr(link).split("bandwidth=")[1].split()[0])
+
+    with pytest.raises(IndexError):  # the repr no longer holds it
+        grading.lab02_hidden_challenge(reading_the_repr)
+    assert "bandwidth" not in repr(grading._RateKept(bandwidth=3e8))
+
+
+def test_check_exact_survives_what_python_compares(capsys):
+    """C48 (a list holding itself: RecursionError), C62 (2**1100 against inf: OverflowError),
+    C42 ([nan] against [nan]: 'but [nan] was expected')."""
+    itself = []
+    itself.append(itself)
+    assert check.exact("x", itself, itself)
+    assert not check.exact("x", 2**1100, float("inf"))
+    verdict = check.exact("x", [float("nan")], [float("nan")])
+    assert not verdict and "holds nan, which is no answer" in verdict.message
+
+
+def test_lab05_names_a_prefetch_that_returns_no_iterator(capsys):
+    """C76: a prefetch returning 5 got a TypeError from inside the grader."""
+    from offloadlab.link import EmulatedLink
+
+    with EmulatedLink() as link:
+        outcome = grading.lab05_challenge(lambda items, link: 5, link, items=4)
+    assert not outcome and "prefetch(items, link) must return an iterator" in outcome.line
+
+
+def test_the_release_names_broken_links_and_a_bom_and_warns_in_one_line(tmp_path):
+    """C96, C97 (a looping or dangling lab*.md link skipped in silence), C103 (a lab saved with a
+    byte-order mark taken for no lab), C104 (the skip notice printed as a two-line Python
+    warning)."""
+    import os
+    import subprocess
+    import sys
+
+    labs = tmp_path / "labs"
+    labs.mkdir()
+    lab = (ROOT / "labs" / "lab03_hide_a_transfer.md").read_text(encoding="utf-8")
+    (labs / "lab01_bom.md").write_text("\ufeff" + lab, encoding="utf-8")
+    assert [p.name for p in student.find_labs(labs)] == ["lab01_bom.md"]
+    os.symlink(labs / "nowhere.md", labs / "lab02_dangling.md")
+    os.symlink(labs / "lab03_loop.md", labs / "lab03_loop.md")
+    (labs / "lab04_notes.md").write_text("notes\n")
+    run = [sys.executable, "-m", "offloadlab_course.student", str(labs), str(tmp_path / "out")]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    for name in ("lab02_dangling.md", "lab03_loop.md", "lab04_notes.md"):
+        assert [line for line in lines if name in line], done.stderr
+    assert all(line.startswith("offloadlab_course.student: warning: ") for line in lines), lines

@@ -128,10 +128,14 @@ def exact(name: str, yours, expected, hint: str = "") -> Verdict:
         return answer(name, yours, expected, rel_tol=0, hint=hint)
     if yours is Ellipsis:
         return _report(Verdict(False, f"✗ {name}: no answer yet"))
-    real = isinstance(yours, numbers.Real) and not isinstance(yours, bool)
-    if real and not math.isfinite(yours):
+    if _not_finite(yours):
         return _report(
             Verdict(False, f"✗ {name}: expected a finite real number as the answer; got {yours!r}")
+        )
+    bad = next(filter(_not_finite, yours), None) if isinstance(yours, (list, tuple)) else None
+    if bad is not None:
+        return _report(
+            Verdict(False, f"✗ {name}: {yours!r:.200} holds {bad!r}, which is no answer")
         )
     if _same(yours, expected):
         shown = "your answer agrees" if student_release() else f"{yours!r} agrees"
@@ -142,9 +146,17 @@ def exact(name: str, yours, expected, hint: str = "") -> Verdict:
     return _report(Verdict(False, f"✗ {name}: {shown}." + (f" Hint: {hint}" if hint else "")))
 
 
+def _not_finite(x) -> bool:
+    """A float (numpy's too) that is nan or infinite; an int never is."""
+    real = isinstance(x, numbers.Real) and not isinstance(x, (bool, numbers.Integral))
+    return real and not math.isfinite(x)
+
+
 def _same(yours, expected) -> bool:
     """Equal, and of one type (but numbers, equal in value: 1 and 1.0); arrays and tensors element
     by element, shapes included (their ``==`` is an array, whose truth is ambiguous)."""
+    if yours is expected:  # (as Python's == does first: a list that holds itself)
+        return True
     values = _number(yours), _number(expected)
     if None not in values:
         return values[0] == values[1]

@@ -737,6 +737,9 @@ class _RateKept(EmulatedLink):
     def latency(self) -> float:
         raise AttributeError("the hidden link keeps its rate from the probe: measure it")
 
+    def __repr__(self) -> str:
+        return "EmulatedLink(rate kept from the probe)"
+
 
 def lab02_hidden_challenge(probe, budget: int = 32 * 2**20, rel_tol: float = 0.15) -> Outcome:
     """Lab 2's hidden check: :func:`lab02_challenge` on an emulated link whose rate
@@ -1060,7 +1063,14 @@ def _lab05_pass(
         watched = _WatchedLink(link)
         computes, delivered, foreign = [], [], 0
         with link.record() as recording:
-            for i, tensor in enumerate(prefetch(sources, watched)):
+            delivering = prefetch(sources, watched)
+            if not hasattr(delivering, "__iter__"):
+                return Outcome(
+                    False,
+                    f"✗ challenge: prefetch(items, link) must return an iterator of device "
+                    f"tensors; got {delivering!r:.100}",
+                ), None
+            for i, tensor in enumerate(delivering):
                 if i >= items or tensor.numel() != sizes[i]:
                     return Outcome(
                         False,

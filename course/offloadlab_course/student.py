@@ -287,6 +287,9 @@ def find_labs(labs_dir: Path) -> list[Path]:
     labs_dir = Path(labs_dir)
     if not labs_dir.is_dir():
         raise ValueError(f"labs_dir: expected a folder of labs; got {str(labs_dir)!r}")
+    for broken in sorted(labs_dir.glob("lab*.md")):
+        if broken.is_symlink() and not broken.exists():  # dangling, or a loop
+            warnings.warn(f"labs_dir: {broken.name} is a broken link; skipped", stacklevel=2)
     named = [p for p in sorted(labs_dir.glob("lab*.md")) if p.is_file()]
     found = [p for p in named if _is_a_lab(p)]
     skipped = [p.name for p in named if p not in found]
@@ -306,7 +309,7 @@ def find_labs(labs_dir: Path) -> list[Path]:
 def _text(path: Path) -> str:
     """The file's text; ValueError naming it when it is no UTF-8."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # (a byte-order mark is no text)
     except UnicodeDecodeError as error:
         raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
 
@@ -532,6 +535,16 @@ def main(argv: list[str]) -> int:
         f"${BOOK_URL_VARIABLE})",
     )
     options = parser.parse_args(argv)
+
+    def one_line(message, *_):  # a notice, not Python's file:line and source line
+        print(f"offloadlab_course.student: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = one_line
+        return _release(options)
+
+
+def _release(options) -> int:
     try:
         write = write_sources if options.nbgrader else write_release
         for path in write(

@@ -332,7 +332,8 @@ class StreamedModel:
         """Put block ``block``'s gradients in ``.grad`` again (``sink`` is closing)."""
         if self._sinks.get(block, (None,))[0] is sink:
             del self._sinks[block]
-            self._allocate_landing()  # (outside backward: an optimizer is being closed)
+            if not self.link.closed:  # (a closed link streams nothing more: nothing lands)
+                self._allocate_landing()  # (outside backward: an optimizer is being closed)
 
     def _allocate_landing(self) -> None:
         """The pinned landing buffer, if it is not there (a model with nothing to train needs

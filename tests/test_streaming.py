@@ -750,6 +750,26 @@ def test_a_second_derivative_through_streamed_blocks_is_refused_by_name(link):
         assert torch.equal(p.grad, q.grad)
 
 
+def test_an_optimizer_collected_after_its_link_closed_says_nothing(monkeypatch):
+    """Twelfth probe pass S46: closing the link, then dropping a CPUOffloadAdam over streamed
+    blocks, printed 'Exception ignored in: <finalize ...>' and a RuntimeError traceback."""
+    import sys
+
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", ignored.append)
+    _, streamed = twins()
+    link = EmulatedLink()
+    StreamedModel(streamed, link)
+    optimizer = CPUOffloadAdam(streamed.parameters(), link=link)
+    x, y = batch()
+    streamed(x, y).backward()
+    optimizer.step()
+    link.close()
+    del optimizer
+    gc.collect()
+    assert not ignored, [str(u.exc_value) for u in ignored]
+
+
 def test_a_ctrl_c_while_a_block_waits_for_its_weights_lets_the_buffer_go(monkeypatch):
     """Tenth probe pass K10, K15, K16: a KeyboardInterrupt inside the wait for a block's weights
     left its device buffer held for good; two such interrupts and every later pass was refused,

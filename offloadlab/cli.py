@@ -114,9 +114,10 @@ def _rate_or_bare(unit: str, floor: float, example: str):
     prefixes = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
 
     def parse(text, name):
+        per_second = "(?:/s|S)" if unit else "/s"  # ('400 TFLOPS' as well as '400 tflop/s')
         match = re.fullmatch(
-            rf"\s*([0-9.eE+-]+)\s*([kKmMgGtTpP]?){unit}/s\s*", text, flags=re.IGNORECASE
-        )  # ('400 tflop/s' as well)
+            rf"\s*([0-9.eE+-]+)\s*([kKmMgGtTpP]?){unit}{per_second}\s*", text, flags=re.IGNORECASE
+        )
         if match:
             return units.check_positive(
                 float(match.group(1)) * prefixes[match.group(2).lower()], name

@@ -716,6 +716,9 @@ def test_units_in_any_case_and_a_params_slip_for_billions():
         ).returncode
         == 0
     )
+    # (twelfth probe pass L8: '400 TFLOPS' was refused as 'it takes no unit')
+    plan = ("plan", "--params", "8e9", "--gpu-memory", "80 GB", "--link", "25 GB/s")
+    assert run(*plan, "--compute", "400 TFLOPS").returncode == 0
     for command in ("plan", "state"):
         extra = ["--gpu-memory", "80 GB", "--link", "25 GB/s"] if command == "plan" else []
         assert (

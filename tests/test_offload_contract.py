@@ -228,6 +228,21 @@ def test_an_interrupt_inside_step_leaves_a_whole_step_or_none(
     assert_matches(ref, mine)
 
 
+def _last_json_line(script) -> dict:
+    """Run ``script`` in a Python of its own from the repository root; the JSON it printed last."""
+    root = str(Path(__file__).parents[1])
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("declared", [None, 2], ids=["at step", "accumulation_steps=2"])
 def test_a_real_ctrl_c_during_step_is_held_until_the_step_is_whole(tmp_path, declared):
     """SIGINT, as Ctrl-C or a notebook's interrupt sends it, arriving while step() waits for the
@@ -281,17 +296,7 @@ def test_a_real_ctrl_c_during_step_is_held_until_the_step_is_whole(tmp_path, dec
         print(json.dumps({{"interrupts": interrupts, "counts": counts, "gap": gap}}))
     """)
     )
-    root = str(Path(__file__).parents[1])
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": root},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _last_json_line(script)
     assert result["interrupts"] == 2
     assert result["counts"] == [[n] for n in range(1, 7)]
     assert result["gap"] < 1e-5
@@ -336,17 +341,7 @@ def test_a_real_ctrl_c_during_load_state_dict_is_held_until_the_state_is_whole(t
         print(json.dumps({"interrupted": interrupted, "calls": len(calls), "whole": whole}))
     """)
     )
-    root = str(Path(__file__).parents[1])
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": root},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _last_json_line(script)
     assert result == {"interrupted": True, "calls": 1, "whole": True}
 
 

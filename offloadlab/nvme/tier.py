@@ -49,6 +49,8 @@ class FileTier:
     (``start`` a multiple of :attr:`block`, the length too except at the end).
     """
 
+    _replace_newer = False  # (open(replace_newer=True) sets it: see open())
+
     def __init__(
         self,
         path,
@@ -158,7 +160,6 @@ class FileTier:
     def _start(self, fd: int, path: Path | None, layout: FileLayout, queue_depth: int) -> None:
         """Take the lock, reserve the space (a new file), open the I/O descriptor and the queue."""
         self._fd, self.path, self._layout = fd, path, layout
-        self._replace_newer = getattr(self, "_replace_newer", False)  # (a new file holds one step)
         self._identity = None  # (see remove())
         self.numel, self.dtype, self.itemsize, self.block = (
             layout.numel,

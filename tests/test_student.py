@@ -244,6 +244,18 @@ def test_student_notebook_runs_up_to_its_first_exercise(release, lab):
     assert all(c.get("execution_count") for c in code[:failed])  # everything before it ran
 
 
+def test_the_text_after_a_reflection_reaches_the_student(tmp_path):
+    """Jupytext runs a Markdown cell on to the next code cell: a lab's "On your own" after its
+    last reflection was released inside the reflection's answer cell, as "YOUR ANSWER HERE"."""
+    command = [sys.executable, "-m", "offloadlab_course.student", "labs", str(tmp_path)]
+    assert subprocess.run(command, cwd=ROOT, capture_output=True).returncode == 0
+    for path in sorted((ROOT / "labs").glob("lab*.md")):
+        released = nbformat.read(tmp_path / f"{path.stem}.ipynb", as_version=4)
+        text = "\n".join(c.source for c in released.cells if c.cell_type == "markdown")
+        headings = [line for line in path.read_text().splitlines() if line.startswith("## ")]
+        assert headings and [h for h in headings if h not in text] == [], path.name
+
+
 def test_released_references_link_to_the_site_or_the_chapter_file_or_nothing(tmp_path):
     """Lab cannot follow {ref}: a release turns each into a link that works where it lands."""
     site = tmp_path / "site"

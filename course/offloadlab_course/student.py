@@ -163,6 +163,7 @@ def source_notebook(path: Path):
             f"{path.name}: not a Jupytext notebook ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''})"
         ) from None
+    notebook.cells = [part for cell in notebook.cells for part in _reflection_apart(cell)]
     answers = checks = 0
     waiting_for_check = None  # the answer cell no graded cell has followed yet
     for index, cell in enumerate(notebook.cells, 1):
@@ -227,6 +228,25 @@ def source_notebook(path: Path):
 def _check_points(points_given, where: str) -> None:
     if not is_number(points_given) or points_given <= 0:
         raise ValueError(f"{where}: points: expected a positive number; got {points_given!r}")
+
+
+def _reflection_apart(cell) -> list:
+    """``cell``, or a reflection cell split after its model answer: Jupytext runs a Markdown cell
+    on to the next code cell, so the text after a reflection's dropdown (a lab's "On your own",
+    say) would be replaced by the student's answer with it."""
+    import nbformat
+
+    lines = cell.source.splitlines()
+    if cell.cell_type != "markdown" or "points" not in cell.metadata:
+        return [cell]
+    if not lines or not lines[0].startswith(":::{dropdown}") or ":::" not in lines[1:]:
+        return [cell]
+    end = lines.index(":::", 1) + 1
+    after = "\n".join(lines[end:]).strip()
+    if not after:
+        return [cell]
+    cell.source = "\n".join(lines[:end])
+    return [cell, nbformat.v4.new_markdown_cell(after)]
 
 
 def reflection_answer(source: str) -> str:

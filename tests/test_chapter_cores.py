@@ -1,9 +1,9 @@
 """The from-scratch cores the chapters build, run from the chapters' own cells and held to the
 package in the unit tier: chapter 6's OffloadAdamW (bit for bit with CPUOffloadAdam on a CPU),
 chapter 7's double buffer (the same items, copies in the same order, each slot refilled only
-after its reader, as Prefetcher) and chapter 8's TwoSlotFile (the step committed last, whole, as
-FileTier holds it; a torn header falls back to the step before). The notebooks check the same
-inside hidden cells; these tests need no kernel."""
+after its reader, as Prefetcher) and lab 7's TwoSlotFile with its worked commit (the step
+committed last, whole, as FileTier holds it; a torn header falls back to the step before). The
+notebooks check the same inside hidden cells; these tests need no kernel."""
 
 import ast
 import importlib.util
@@ -110,28 +110,34 @@ def test_chapter_7s_double_buffer_fetches_as_prefetcher_does():
     assert len(ours[1]) == len(package[1]) == len(weights)
 
 
+LAB_07 = "labs/lab07_one_tier_further.md"
+
+
 def two_slot_module(folder):
-    """Chapter 8's TwoSlotFile as the chapter writes it (its %%writefile cells), imported."""
-    parts = [
-        source for source in code_cells("08_nvme.md") if "two_slot.py" in source.split("\n")[0]
-    ]
-    assert parts and parts[0].startswith("%%writefile "), "chapter 8 no longer writes two_slot.py"
+    """Lab 7's TwoSlotFile as the lab writes it (its %%writefile cell), imported, with the lab's
+    worked commit added as ``my_commit``."""
+    cells = code_cells(LAB_07)
+    parts = [source for source in cells if "two_slot.py" in source.split("\n")[0]]
+    assert parts and parts[0].startswith("%%writefile "), "lab 7 no longer writes two_slot.py"
+    commit = next(source for source in cells if source.startswith("def my_commit("))
     path = folder / "two_slot.py"
     path.write_text("".join(part.split("\n", 1)[1] + "\n" for part in parts), encoding="utf-8")
+    with path.open("a", encoding="utf-8") as file:
+        file.write("\n" + "\n".join(line for line in commit.splitlines() if "###" not in line))
     spec = importlib.util.spec_from_file_location("two_slot", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_chapter_8s_two_slot_file_keeps_the_last_step_whole_as_file_tier_does(tmp_path):
+def test_lab_7s_two_slot_file_keeps_the_last_step_whole_as_file_tier_does(tmp_path):
     two_slot = two_slot_module(tmp_path)
     n = 4096
     ours = two_slot.TwoSlotFile(tmp_path / "ours.bin", 4 * n)
     tier = FileTier(tmp_path / "tier.bin", n)
     for step in range(3):
         values = torch.full((n,), float(step))
-        ours.commit(values.numpy())
+        two_slot.my_commit(ours, values.numpy())
         tier.write(0, values)
         tier.commit()
     held = torch.frombuffer(ours.read(), dtype=torch.float32)

@@ -608,3 +608,18 @@ def test_lab01_a_trainer_that_returns_the_wrong_thing_fails_by_name(made, capsys
     """Tenth pass C11, C12: a TypeError from the unpacking."""
     outcome = grading.lab01_challenge(lambda model: made, LAB01_MODEL, "cpu")
     assert not outcome and "must return (step, optimizers)" in outcome.line, outcome.line
+
+
+def test_lab07_asks_at_its_start_for_the_disk_space_its_challenge_reserves():
+    """The challenge's three tiers (two versions of ``params`` fp32 values each) are the lab's
+    largest files at one time; the first cell's free-space check must cover them, or a student
+    short of space learns it at the last step."""
+    import inspect
+
+    from offloadlab.units import parse_size
+    from tests.test_chapter_cores import code_cells
+
+    first = code_cells("labs/lab07_one_tier_further.md")[0]
+    asked = re.search(r'check_disk_folder\(folder, "([^"]+)"\)', first)
+    params = inspect.signature(grading.lab07_challenge).parameters["params"].default
+    assert asked and parse_size(asked[1]) >= 3 * 2 * 4 * params + 3 * 2 * 4096

@@ -306,6 +306,22 @@ WRONG = {
             "the oldest step of the last file",
         ),
         (
+            "def my_commit(state, data):  # the header first, one flush\n"
+            "    idle = 1 - state.slot\n"
+            "    state.write_header(idle, state.step + 1)\n"
+            "    state.write_slot(idle, data)\n"
+            "    state.flush()\n"
+            "    state.step, state.slot = state.step + 1, idle",
+            "the header written before the data it names",
+            "def my_commit(state, data):  # one flush for data and header\n"
+            "    idle = 1 - state.slot\n"
+            "    state.write_slot(idle, data)\n"
+            "    state.write_header(idle, state.step + 1)\n"
+            "    state.flush()\n"
+            "    state.step, state.slot = state.step + 1, idle",
+            "no flush between the data and its header",
+        ),
+        (
             "my_block_bytes, my_queue_depth = 16 * 2**10, 1",
             "small requests, one at a time",
             "my_block_bytes, my_queue_depth = 4096, 16",

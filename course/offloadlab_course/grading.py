@@ -56,6 +56,7 @@ __all__ = [
     "lab03_challenge",
     "lab05_challenge",
     "lab07_challenge",
+    "lab07_commit",
     "lab08_challenge",
 ]
 
@@ -668,6 +669,101 @@ def lab07_challenge(
         f"after it (measured, fastest of {rounds} reads each, taking turns; at least "
         f"{share:.0%} needed); step 1 measured {reference_rate / 1e9:.3g} GB/s",
     )
+
+
+def lab07_commit(commit, two_slot_file, folder=".", commits: int = 3) -> Outcome:
+    """Lab 7's commit, crashed at every point: ``commits`` steps of a ``two_slot_file`` (the
+    lab's TwoSlotFile class) made with ``commit(state, data)``, every write and flush to the file
+    recorded, then every file a kill or a power cut could have left (:mod:`crashes`, emulated)
+    reopened by this module's own reader of the lab's format. It passes when each reopens at one
+    step, holding exactly that step's data, and never before a commit that had returned."""
+    import tempfile
+    from pathlib import Path
+
+    from offloadlab_course import crashes
+
+    missing = _unanswered(commit, "my_commit", "my_commit(state, data)")
+    if missing is not None:
+        return missing
+    if not isinstance(two_slot_file, type):
+        raise ValueError(
+            f"two_slot_file: expected the lab's TwoSlotFile class; got {two_slot_file!r}"
+        )
+    _whole(commits, "commits", 2)
+    if not isinstance(folder, (str, Path)) or not Path(folder).is_dir():
+        raise ValueError(f"folder: expected an existing folder; got {folder!r}")
+    nbytes = 64 * 2**10
+    with tempfile.TemporaryDirectory(dir=folder, prefix="lab07-commit-") as scratch:
+        path = Path(scratch) / "state.bin"
+        state = two_slot_file(path, nbytes)
+        try:
+            with crashes.record(path) as recording:
+                for step in range(commits):
+                    commit(state, bytes([step + 1]) * nbytes)
+                    recording.mark(step)
+                    if state.step != step:
+                        return Outcome(
+                            False,
+                            f"✗ commit: after commit {step + 1} the state says step "
+                            f"{state.step!r}; a commit must leave it at the step it made, "
+                            f"{step}, so that the next one writes the other slot",
+                        )
+        finally:
+            state.close()
+    tried = 0
+    for crash in crashes.crashes(recording):
+        tried += 1
+        returned = len(crash.marks)
+        step, data = _two_slot_reopened(crash.image, nbytes)
+        if step is None and returned == 0:
+            continue  # nothing committed yet, nothing promised
+        wrong = None
+        if step is None or step < returned - 1:
+            wrong = (
+                f"reopens at {'no step' if step is None else f'step {step}'}, though commit "
+                f"{returned} had returned: a returned commit must survive a power cut"
+            )
+        elif data != bytes([step + 1]) * nbytes:
+            held = "a mixture of steps" if len(set(data)) > 1 else "bytes that are not its own"
+            wrong = f"reopens at step {step} holding {held}"
+        if wrong:
+            where = f"in commit {returned + 1}, after {crash.after} of its writes"
+            if crash.after == 0 and returned:
+                where = f"just after commit {returned} returned"
+            if crash.kind == "power cut":
+                where += f", {crash.held} of the {crash.pending} not yet flushed on the drive"
+            return Outcome(
+                False,
+                f"✗ commit: a {crash.kind} {where}: the file {wrong}",
+            )
+    return Outcome(
+        True,
+        f"✓ commit: {tried} crashes replayed over {commits} commits (emulated: every kill, and "
+        f"every power cut that keeps none, one or half of one unflushed write), each file "
+        f"reopens at one whole step, none before a commit that had returned",
+    )
+
+
+def _two_slot_reopened(image: bytes, nbytes: int):
+    """(step, data) of lab 7's two-slot file ``image``: the slot whose intact header names the
+    newest step (a 4 KiB page each, ``<QQ`` step and slot, then their crc32), or (None, None)."""
+    import struct
+    import zlib
+
+    page, header = 4096, struct.Struct("<QQ")
+    newest = None
+    for slot in (0, 1):
+        raw = image[slot * page : slot * page + header.size + 4]
+        if len(raw) < header.size + 4:
+            continue
+        step, which = header.unpack(raw[: header.size])
+        intact = int.from_bytes(raw[header.size :], "little") == zlib.crc32(raw[: header.size])
+        if intact and which == slot and (newest is None or step > newest[0]):
+            newest = (step, slot)
+    if newest is None:
+        return None, None
+    step, slot = newest
+    return step, image[2 * page + slot * nbytes : 2 * page + (slot + 1) * nbytes]
 
 
 def lab02_challenge(

@@ -18,8 +18,11 @@ backward with ``create_graph=True``. Two other
 kinds still run but see None: ``register_post_accumulate_grad_hook`` (CPUOffloadAdam's own intake
 uses it) and a hook on the weight's AccumulateGrad node, where DDP and DeepSpeed place theirs; read
 ``.grad`` after backward instead. Code that writes the host weights in place itself calls
-``link.synchronize()`` first, as for any pinned buffer a copy may still read. Chapter 7 explains the
-design.
+``link.synchronize()`` first, as for any pinned buffer a copy may still read. Under autocast,
+backward keeps where to find a trainable weight's cast copy, not the copy, and casts again. Under
+``torch.compile`` a block's forward is one graph all blocks share, with the gradients of the plain
+model; a loop over the blocks and the layers around it run uncompiled, and a checkpointed block
+is not compiled. Chapter 7 explains the design.
 """
 
 from __future__ import annotations

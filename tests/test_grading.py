@@ -623,3 +623,38 @@ def test_lab07_asks_at_its_start_for_the_disk_space_its_challenge_reserves():
     asked = re.search(r'check_disk_folder\(folder, "([^"]+)"\)', first)
     params = inspect.signature(grading.lab07_challenge).parameters["params"].default
     assert asked and parse_size(asked[1]) >= 3 * 2 * 4 * params + 3 * 2 * 4096
+
+
+# Thirteenth probe pass, C26, C76, C93: a choice equal to everything, a StreamedModel on a link of
+# its own (the grader's link saw no buffer), or one streaming a single block, passed.
+def test_lab08_an_answer_equal_to_everything_is_not_a_choice(capsys):
+    class Anything:
+        def __eq__(self, other):
+            return True
+
+        def __ne__(self, other):
+            return False
+
+        __hash__ = object.__hash__
+
+    outcome = grading.lab08_challenge(lambda *args: Anything(), 6e6, 2, 4e6, 4e6)
+    assert not outcome and "expected 'shard' or 'offload'" in outcome.line
+
+
+@pytest.mark.parametrize(
+    "stream, said",
+    [
+        (
+            lambda model, link, budget: StreamedModel(model, open_link(emulated=True), buffers=2),
+            "runs on a link of its own",
+        ),
+        (
+            lambda model, link, budget: StreamedModel(model, link, blocks=[model.blocks[0]]),
+            "3 of the model's 4 blocks are not streamed",
+        ),
+    ],
+    ids=["own link", "one block"],
+)
+def test_lab06_a_streaming_the_grader_cannot_count_fails(stream, said, capsys):
+    outcome = grading.lab06_challenge(stream, LAB06_MODEL, "cpu", torch.float32, 5 * LAB06_BLOCK)
+    assert not outcome and said in outcome.line, outcome.line

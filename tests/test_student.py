@@ -452,3 +452,32 @@ def test_nbgrader_refuses_a_link_planted_as_an_assignment_folder(tmp_path, dangl
     assert "is a symbolic link" in result.stderr and "Traceback" not in result.stderr
     assert not any(elsewhere.rglob("*")) if not dangling else not elsewhere.exists()
     assert sorted(p.name for p in target.iterdir()) == [assignment_name(LABS[0])]  # none written
+
+
+@pytest.mark.parametrize(
+    "begin, said",
+    [
+        ("### BEGIN SOLUTON", "is nearly the marker '### BEGIN SOLUTION'"),
+        ("### begin solution", "is nearly the marker '### BEGIN SOLUTION'"),
+        (None, "### END SOLUTION without ### BEGIN SOLUTION"),
+    ],
+    ids=["misspelt", "lower-case", "deleted"],
+)
+@pytest.mark.parametrize("nbgrader", [False, True], ids=["student", "nbgrader"])
+def test_a_damaged_solution_marker_stops_the_release_rather_than_ship_the_answer(
+    begin, said, nbgrader, tmp_path
+):
+    labs = tmp_path / "labs"
+    labs.mkdir()
+    text = (ROOT / "labs" / "lab01_account_for_every_byte.md").read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if line.strip() == "### BEGIN SOLUTION")
+    answer = lines[first + 1].strip()
+    lines[first : first + 1] = [] if begin is None else [begin + "\n"]
+    (labs / "lab01_x.md").write_text("".join(lines), encoding="utf-8")
+    command = [sys.executable, "-m", "offloadlab_course.student", str(labs), str(tmp_path / "out")]
+    done = subprocess.run(command + ["--nbgrader"] * nbgrader, capture_output=True, text=True)
+    assert done.returncode == 2 and said in done.stderr and "lab01_x.md: cell" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    released = [p.read_text() for p in (tmp_path / "out").rglob("*.ipynb")]
+    assert not any(answer in text for text in released)

@@ -498,7 +498,10 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
     for interconnect, host_link, duplex in nodes:
         expected = "shard" if sent / interconnect <= link_bytes[duplex] / host_link else "offload"
         answer = choose(tensor_bytes, ranks, down, up, interconnect, host_link, duplex)
-        if answer not in ("shard", "offload"):
+        if type(answer) is not str or answer not in (
+            "shard",
+            "offload",
+        ):  # (a str, not a look-alike)
             return Outcome(
                 False,
                 f"✗ challenge: the choice for a node was {answer!r}; expected 'shard' or 'offload'",
@@ -520,6 +523,19 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
         f"({tensor_bytes / 2**20:.2f} MiB of tensors on {ranks} ranks, {down / 2**20:.2f} MiB down "
         f"and {up / 2**20:.2f} MiB up the host link, per step)",
     )
+
+
+def _streams_elsewhere(streaming, model, link) -> str | None:
+    """What keeps ``streaming`` from being counted: a link of its own, or blocks of ``model`` it
+    leaves on the device (their weights would take device memory no buffer shows)."""
+    if streaming.link is not link:
+        return "the StreamedModel runs on a link of its own; build it on the link you are given"
+    left = len(model.blocks) - len(
+        {id(block) for block in streaming.blocks} & set(map(id, model.blocks))
+    )
+    if left:
+        return f"{left} of the model's {len(model.blocks)} blocks are not streamed; stream them all"
+    return None
 
 
 def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
@@ -553,6 +569,10 @@ def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
             streaming = make(model, watched, budget)
             if not isinstance(streaming, StreamedModel):
                 return streaming, None, None
+            wrong = _streams_elsewhere(streaming, model, watched)
+            if wrong:
+                streaming.remove()
+                return wrong, None, None
             optimizer = CPUOffloadAdam(model.parameters(), lr=1e-3, link=link, accumulation_steps=1)
             try:
                 for _ in range(2):  # a warm-up step, then the step that counts
@@ -571,6 +591,8 @@ def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
         )
 
     yours, held, up = run(stream)
+    if isinstance(yours, str):
+        return Outcome(False, f"✗ challenge: {yours}")
     if held is None:
         return Outcome(
             False,

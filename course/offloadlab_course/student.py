@@ -178,6 +178,8 @@ def source_notebook(path: Path):
             )
             continue
         is_answer = cell.cell_type == "code" and BEGIN in cell.source
+        if END in cell.source:  # (an END whose BEGIN is missing would release the solution)
+            _balanced(strip_solutions, cell.source, where)
         if BEGIN_HIDDEN in cell.source or END_HIDDEN in cell.source:
             if points_given is None:
                 raise ValueError(
@@ -517,7 +519,11 @@ def _nbgrader(
 
 def _refuse_stray_markers(cell, where: str) -> None:
     """nbgrader treats any line *containing* a marker as one, even in prose: allow only marker
-    lines in code."""
+    lines in code. A comment that is nearly a marker (``### begin solution``, ``### BEGIN
+    SOLUTON``) is refused too: neither this module nor nbgrader would strip what follows it."""
+    import difflib
+
+    markers = (BEGIN, END, BEGIN_HIDDEN, END_HIDDEN)
     for lineno, line in enumerate(cell.source.splitlines(), 1):
         for marker in (BEGIN, END):
             bare = marker.removeprefix("### ")
@@ -525,6 +531,16 @@ def _refuse_stray_markers(cell, where: str) -> None:
                 raise ValueError(
                     f"{where}: line {lineno}: {bare!r} outside a marker line of a code cell "
                     "(nbgrader would cut the cell there)"
+                )
+        letters = re.sub(r"[^a-z]", "", line.lower())
+        if cell.cell_type != "code" or not line.strip().startswith("#") or line.strip() in markers:
+            continue
+        for marker in markers:
+            wanted = re.sub(r"[^a-z]", "", marker.lower())
+            if difflib.SequenceMatcher(None, letters, wanted).ratio() >= 0.85:
+                raise ValueError(
+                    f"{where}: line {lineno}: {line.strip()!r} is nearly the marker {marker!r} "
+                    "but not it, so the release would keep what it marks: write the marker exactly"
                 )
 
 

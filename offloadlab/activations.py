@@ -29,6 +29,7 @@ import torch
 
 from . import _torch_compat
 from .link import Link, check_link, open_link
+from .link.cuda import shared_cuda_link
 from .units import check_integer
 
 __all__ = ["ActivationOffload", "offload_activations", "DEFAULT_MIN_BYTES"]
@@ -40,7 +41,8 @@ _LOOK_BACK = 64  # saved tensors searched for the next ones backward asks for
 class _Saved:
     """One saved tensor: on the device as it was (``kept``), or its bytes on the host (``host``)
     with the copy down (``down``), and the copy up in flight with the device memory it lands in
-    (``up``, ``arriving``)."""
+    (``up``, ``arriving``); ``source`` (a weak reference) and ``version`` tell an in-place edit
+    made after it was saved."""
 
     __slots__ = (
         "kept",
@@ -53,14 +55,31 @@ class _Saved:
         "index",
         "read",
         "taken",
+        "source",
+        "version",
         "__weakref__",
     )
 
-    def __init__(self, kept=None):
-        self.kept = kept
+    def __init__(self, source: torch.Tensor):
+        self.kept = source.detach()
+        self.source, self.version = weakref.ref(source), _torch_compat.version(source)
         self.host = self.down = self.up = self.arriving = None
         self.read = [None]  # the last copy up from ``host``, shared with the pool
         self.taken = False  # backward has asked for it
+
+
+_EMULATED: list = []  # the emulated link every ActivationOffload made without one shares
+
+
+def _process_link() -> Link:
+    """The link of an ActivationOffload given none: one per process, as for CPUOffloadAdam (a
+    GPU's shared link, else one emulated link), never closed. A link of its own, made at every
+    ``with`` and closed by no one, kept its copy threads and pinned pool alive for good."""
+    if torch.cuda.is_available():
+        return shared_cuda_link("cuda")
+    if not _EMULATED or _EMULATED[0].closed:
+        _EMULATED[:] = [open_link(emulated=True)]
+    return _EMULATED[0]
 
 
 class ActivationOffload:
@@ -82,8 +101,7 @@ class ActivationOffload:
         check_integer(min_bytes, "min_bytes", 0, expected="a whole number of bytes ≥ 0")
         check_integer(prefetch, "prefetch", expected="a positive integer")
         check_integer(in_flight, "in_flight", expected="a positive integer")
-        self._own_link = link is None
-        self.link = open_link() if link is None else link
+        self.link = _process_link() if link is None else link
         self.min_bytes, self.prefetch, self.in_flight = min_bytes, prefetch, in_flight
         self._saved: dict = {}  # number → weak reference, of every offloaded _Saved, in order
         self._count = 0
@@ -119,11 +137,10 @@ class ActivationOffload:
         self._down = []
 
     def close(self) -> None:
-        """Finish, drop the pool of pinned buffers and close a link made here."""
+        """Finish and drop the pool of pinned buffers (the link stays open: it is the caller's,
+        or the process's)."""
         self.finish()
         self._pool.clear()
-        if self._own_link:
-            self.link.close()
 
     # ------------------------------------------------------------------ forward: down
 
@@ -142,11 +159,11 @@ class ActivationOffload:
             self.kept_tensors += 1
             if t.device.type == self.link.device.type:
                 self.kept_bytes += t.numel() * t.element_size()
-            # (detached: a saved output would otherwise hold its own node, a cycle no collector
-            # sees through; autograd gives the unpacked tensor its place in the graph again)
-            return _Saved(kept=t.detach())
+            # (_Saved keeps it detached: a saved output would otherwise hold its own node, a
+            # cycle no collector sees through; autograd gives the unpacked tensor its place again)
+            return _Saved(t)
         self._settle_down()
-        saved = _Saved(kept=t.detach())  # held until its copy down is done
+        saved = _Saved(t)  # its device tensor held until its copy down is done
         saved.shape, saved.dtype = t.shape, t.dtype
         nbytes = t.numel() * t.element_size()
         saved.host = self._buffer(nbytes)
@@ -194,6 +211,14 @@ class ActivationOffload:
     # ------------------------------------------------------------------ backward: up
 
     def _unpack(self, saved: _Saved) -> torch.Tensor:
+        source = saved.source()
+        now = None if source is None else _torch_compat.version(source)
+        if now is not None and now != saved.version:
+            raise RuntimeError(
+                "offload_activations: a tensor saved for backward was modified in place after it "
+                f"was saved (shape {tuple(source.shape)}, version {saved.version} then {now}); "
+                "torch refuses this without offload too: edit a copy"
+            )
         if saved.host is None:
             return saved.kept
         self._bring_up(saved)

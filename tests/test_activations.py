@@ -232,3 +232,42 @@ def test_the_bench_records_a_timeline_where_each_copy_up_follows_its_own_down(
     both = str(tmp_path / "both.json")
     assert main(["bench", "activations", "--json", both, "--trace", both]) == 2
     assert "names the --json file" in capsys.readouterr().err
+
+
+# Thirteenth probe pass, V31: each `with offload_activations():` given no link opened an emulated
+# link (copy threads, a pinned pool) that nothing closed: 300 steps left 901 threads.
+def test_offload_without_a_link_shares_one_rather_than_leave_one_open_per_pass():
+    import threading
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.Sigmoid(), nn.Linear(256, 1))
+    x = torch.randn(32, 64)
+    links = []
+    for step in range(20):
+        with offload_activations(min_bytes=0) as used:
+            loss = model(x).sigmoid().sum()
+        loss.backward()
+        links.append(used.link)
+        if step == 0:
+            threads = threading.active_count()
+    assert used.offloaded_bytes > 0 and all(link is links[0] for link in links)
+    assert threading.active_count() == threads
+    used.close()
+    assert not links[0].closed  # the process's link, not the pass's
+
+
+# V7, V46: torch refuses a backward through a saved tensor edited in place; the hooks replaced its
+# check, and the copy down raced the edit (the weight's gradient came out 0 instead of 66.27).
+@pytest.mark.parametrize("where", ["after forward", "inside forward"])
+@pytest.mark.parametrize("min_bytes", [0, 2**30], ids=["offloaded", "kept"])
+def test_a_saved_tensor_edited_in_place_is_refused_as_torch_refuses_it(link, where, min_bytes):
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(32, 64)
+    with offload_activations(link, min_bytes=min_bytes):
+        h = (x @ w).sigmoid()
+        if where == "inside forward":
+            h.mul_(2)
+        out = (h * 2).sum()
+    if where == "after forward":
+        h.mul_(0)
+    with pytest.raises(RuntimeError, match="modified in place after it was saved"):
+        out.backward()

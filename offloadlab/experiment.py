@@ -263,9 +263,13 @@ def measure_crossover(
     ``nbytes`` is not given, it is chosen so the transfer takes as long as the compute of a batch
     in the middle of ``batches`` (so the crossover falls inside the range).
     """
-    chosen = sorted({int(b) for b in batches})
-    if not chosen or chosen[0] < 1:
-        raise ValueError(f"batches: expected positive batch sizes; got {batches!r}")
+    if isinstance(batches, (str, bytes)) or not hasattr(batches, "__iter__"):
+        raise ValueError(f"batches: expected a list of whole batch sizes ≥ 1; got {batches!r}")
+    chosen = sorted(
+        {check_integer(b, "batches", expected="whole batch sizes ≥ 1") for b in batches}
+    )
+    if not chosen:
+        raise ValueError(f"batches: expected a list of whole batch sizes ≥ 1; got {batches!r}")
     device = link.device
     largest = MatmulWork(rows_per_sample * chosen[-1], hidden, count, device)
     timing = measure_overlap(link, "4 MiB", largest, repeats=1)

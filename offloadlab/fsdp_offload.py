@@ -35,6 +35,7 @@ from . import distributed
 from .distributed import _OPTIMIZER, GLOBAL_BATCH, LAB_CONFIG, load_reference
 from .models import TinyGPT, batches, markov_corpus
 from .offload import CPUOffloadAdam
+from .units import check_integer, check_positive
 
 __all__ = ["OPTIMIZERS", "compare", "launch", "launch_compare", "main", "resume", "train"]
 
@@ -340,17 +341,46 @@ def launch(
     unused, save, save_at, load, as :func:`main` takes them."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
+    _check_launch(processes, out, options)
     arguments = ["--optimizer", optimizer]
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
         if value is True:
             arguments.append(flag)
-        elif value not in (None, False):
+        elif value is not None and value is not False:  # (0 == False: a 0 is passed on)
             arguments += [flag, str(value)]
     _torchrun(arguments, processes, out, timeout)
     record = json.loads(Path(out).read_text(encoding="utf-8"))
     record["weights"] = torch.load(f"{out}.pt")
     return record
+
+
+def _check_launch(processes, out, options: dict) -> None:
+    """ValueError naming what :func:`launch` would otherwise leave to a rank's traceback."""
+    check_integer(processes, "processes", expected="a whole number of processes ≥ 1")
+    known = {"steps", "micro_batches", "clip", "bf16", "unused", "save", "save_at", "load"}
+    known.add("die_at")  # (the tests': the last rank is killed at this step)
+    for name in options:
+        if name not in known:
+            raise ValueError(
+                f"{name}: launch takes no such option; it takes "
+                f"{', '.join(sorted(known - {'die_at'}))}"
+            )
+    for name in ("steps", "micro_batches"):
+        if options.get(name) is not None:
+            check_integer(options[name], name, expected="a whole number ≥ 1")
+    if options.get("save_at") is not None:
+        check_integer(options["save_at"], "save_at", 0, expected="a whole number of steps ≥ 0")
+    if options.get("clip") is not None:
+        check_positive(options["clip"], "clip")
+    folder = Path(out).parent
+    if not folder.is_dir():
+        raise ValueError(f"out: expected a file in an existing folder; got {str(out)!r}")
+    load = options.get("load")
+    if load is not None and not (Path(load) / ".metadata").is_file():
+        raise ValueError(
+            f"load: expected a folder holding a checkpoint (its .metadata); got {str(load)!r}"
+        )
 
 
 def _torchrun(arguments: list[str], processes: int, out, timeout: float) -> None:

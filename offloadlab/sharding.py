@@ -62,7 +62,7 @@ import math
 from dataclasses import dataclass
 
 from . import memory
-from .units import check_integer
+from .units import check_integer, check_non_negative, parse_count
 
 __all__ = [
     "STRATEGIES",
@@ -100,10 +100,12 @@ def valid(strategy: str, offload: str) -> bool:
 def ring_bytes(collective: str, tensor_bytes: float, gpus: int) -> float:
     """Bytes each GPU sends (and receives) in a ring collective over ``tensor_bytes`` on ``gpus``
     GPUs."""
-    share = (gpus - 1) / gpus
-    return {"all-gather": share, "reduce-scatter": share, "all-reduce": 2 * share}[
-        collective
-    ] * tensor_bytes
+    times = {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2}
+    if collective not in times:
+        raise ValueError(f"collective: expected one of {', '.join(times)}; got {collective!r}")
+    gpus = check_integer(gpus, "gpus", expected="a whole number of GPUs ≥ 1")
+    tensor_bytes = check_non_negative(tensor_bytes, "tensor_bytes")
+    return times[collective] * (gpus - 1) / gpus * tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def layout(
     kinds = memory.get_recipe(recipe).bytes_per_param
     w, g = kinds["weights"], kinds["gradients"]
     optimizer = sum(kinds.get(k, 0) for k in ("master_weights", "first_moment", "second_moment"))
-    p, n = float(params), gpus
+    p, n = parse_count(params, "params"), gpus
     shard = p / n
     reduce_grads = ring_bytes("reduce-scatter", g * p, n)
     gather_weights = ring_bytes("all-gather", w * p, n)
@@ -273,8 +275,10 @@ def fsdp2_pinned_bytes(shapes, gpus: int, element: float = 4) -> float:
     (``ceil(rows / gpus)`` rows); torch's caching host allocator rounds each pinned request up to
     the next power of two, so a 117 MB shard takes 134 MB (128 MiB).
     """
+    gpus = check_integer(gpus, "gpus", expected="a whole number of GPUs ≥ 1")
     total = 0.0
     for shape in shapes:
+        shape = tuple(shape) or (1,)  # a 0-dim parameter: one value, unsharded rows of one
         rows, rest = (shape[0], 1) if len(shape) == 1 else (shape[0], _product(shape[1:]))
         nbytes = -(-rows // gpus) * rest * element
         total += 2 * (1 << max(0, math.ceil(math.log2(nbytes)))) if nbytes else 0

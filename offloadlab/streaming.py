@@ -371,6 +371,11 @@ class StreamedModel:
     def _enter(self, index: int, args: tuple, kwargs: dict):
         """Block ``index``'s device buffer (held), its weights as the block will see them, and the
         saved-tensor hooks that keep backward from holding them."""
+        if torch.jit.is_tracing() or torch.jit.is_scripting():
+            raise RuntimeError(
+                "StreamedModel: torch.jit cannot trace the weight fetches (they happen outside "
+                "the tensors it records); use torch.compile, or trace the model before streaming"
+            )
         self._check_parameters(index)
         recomputed = _torch_compat.in_backward()  # a block recomputed by activation checkpointing
         buffer = self._acquire(index, -1 if recomputed else +1)
@@ -424,9 +429,11 @@ class StreamedModel:
             if current is not p or p.data_ptr() != address:
                 raise RuntimeError(
                     f"StreamedModel: the parameter {name!r} of block {self.names[index]!r} was "
-                    "replaced after streaming began (load_state_dict(assign=True), `.data = …` or "
-                    ".to()); load weights with the default load_state_dict(), which copies into "
-                    f"the streamed host memory, or build a new StreamedModel"
+                    "replaced after streaming began (load_state_dict(assign=True), `.data = …`, "
+                    ".to(), or torch.func.functional_call's swap); load weights with the default "
+                    "load_state_dict(), which copies into the streamed host memory, call "
+                    "functional_call on a model not streamed (remove() first), or build a new "
+                    "StreamedModel"
                 )
             if p._backward_hooks:  # (torch keeps a leaf's register_hook hooks there)
                 self._refuse_hook(index, which)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -42,12 +43,13 @@ def chrome_trace(lanes: dict, process: str = "offloadlab") -> dict:
                 "args": {"sort_index": track},
             }
         )
-        for interval in intervals:
-            start, end, label = interval
-            if not end >= start:
-                raise ValueError(
-                    f"lanes: expected end ≥ start in lane {lane!r}; got ({start}, {end})"
-                )
+        if not isinstance(intervals, (list, tuple)):
+            raise ValueError(
+                f"lanes: lane {lane!r}: expected a list of (start, end, label); got "
+                f"{type(intervals).__name__}"
+            )
+        for number, interval in enumerate(intervals):
+            start, end, label = _interval(lane, number, interval)
             events.append(
                 {
                     "name": str(label) or str(lane),
@@ -60,6 +62,24 @@ def chrome_trace(lanes: dict, process: str = "offloadlab") -> dict:
                 }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _interval(lane, number: int, interval) -> tuple[float, float, object]:
+    """(start, end, label) of one interval, its times as finite floats (numpy's and one-value
+    tensors too), end ≥ start; else ValueError naming the lane and the interval."""
+    where = f"lanes: lane {lane!r} interval {number}"
+    if not isinstance(interval, (list, tuple)) or len(interval) != 3:
+        raise ValueError(f"{where}: expected (start, end, label); got {interval!r}")
+    start, end, label = interval
+    try:
+        start, end = float(start), float(end)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{where}: expected times in seconds; got ({start!r}, {end!r})") from None
+    if not (math.isfinite(start) and math.isfinite(end)):
+        raise ValueError(f"{where}: expected finite times; got ({start}, {end})")
+    if not end >= start:
+        raise ValueError(f"{where}: expected end ≥ start; got ({start}, {end})")
+    return start, end, label
 
 
 def write_chrome_trace(lanes: dict, path, process: str = "offloadlab") -> Path:

@@ -287,11 +287,15 @@ def check_integer(
 
 
 def _scaled(number: float, steps: list[tuple[float, str]], digits: int) -> str:
-    for factor, suffix in steps:
-        if abs(number) >= factor:
-            return f"{number / factor:.{digits}g} {suffix}"
-    factor, suffix = steps[-1]
-    return f"{number / factor:.{digits}g} {suffix}"
+    """``number`` in the largest of ``steps`` (factor, suffix; largest first) it reaches, or the
+    next larger one where rounding to ``digits`` would print 1e+03 (999,999,999 B is '1 GB')."""
+    at = next((i for i, (factor, _) in enumerate(steps) if abs(number) >= factor), len(steps) - 1)
+    factor, suffix = steps[at]
+    text = f"{number / factor:.{digits}g}"
+    if "e+" in text and at > 0:
+        factor, suffix = steps[at - 1]
+        text = f"{number / factor:.{digits}g}"
+    return f"{text} {suffix}"
 
 
 def format_size(num_bytes: float, binary: bool = False, digits: int = 3) -> str:

@@ -309,9 +309,11 @@ def find_labs(labs_dir: Path) -> list[Path]:
     labs_dir = Path(labs_dir)
     if not labs_dir.is_dir():
         raise ValueError(f"labs_dir: expected a folder of labs; got {str(labs_dir)!r}")
-    for broken in sorted(labs_dir.glob("lab*.md")):
-        if broken.is_symlink() and not broken.exists():  # dangling, or a loop
-            warnings.warn(f"labs_dir: {broken.name} is a broken link; skipped", stacklevel=2)
+    for odd in sorted(labs_dir.glob("lab*.md")):
+        if odd.is_symlink() and not odd.exists():  # dangling, or a loop
+            warnings.warn(f"labs_dir: {odd.name} is a broken link; skipped", stacklevel=2)
+        elif odd.exists() and not odd.is_file():  # a folder, a FIFO, a socket
+            warnings.warn(f"labs_dir: {odd.name} is not a regular file; skipped", stacklevel=2)
     named = [p for p in sorted(labs_dir.glob("lab*.md")) if p.is_file()]
     found = [p for p in named if _is_a_lab(p)]
     skipped = [p.name for p in named if p not in found]

@@ -189,8 +189,10 @@ class FileTier:
         self._io_fd, self.direct = direct_io.reopen_direct(fd)
         self._io = BlockQueue(self._io_fd, queue_depth, layout.block_bytes, name)
         self.queue_depth = queue_depth
-        # the version being written: slot, crcs, written blocks, futures
+        # the version being written: slot, crcs, written blocks, futures; begun once, under a
+        # lock, however many threads write its first blocks at once
         self._pending: dict | None = None
+        self._beginning = threading.Lock()
 
     def _format(self, init: torch.Tensor | None) -> None:
         """Write the superblock and step 0 (zeros, which the reserved space already reads as, or
@@ -339,8 +341,9 @@ class FileTier:
                 f"start: expected whole blocks of {self.block} elements (the last may end at "
                 f"{self.numel}); got {start}+{src.numel()}"
             )
-        if self._pending is None:
-            self._begin()
+        with self._beginning:
+            if self._pending is None:
+                self._begin()
         source, base, pending = direct_io.bytes_of(src), src.data_ptr(), self._pending
         futures = [
             self._io.submit(
@@ -553,6 +556,12 @@ class FileTier:
 
     def __exit__(self, *exc):
         self.close()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "FileTier cannot be pickled or copied (it holds an open file, its lock and I/O "
+            "threads); pickle its path and open it again with FileTier.open(path)"
+        )
 
     def __repr__(self):
         state = "closed" if getattr(self, "_io", None) is None else f"step {self.step}"

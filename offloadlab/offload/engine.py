@@ -499,7 +499,8 @@ class OffloadEngine:
         scale = self._grad_scale(ready)  # None: an fp16 overflow, the step is skipped
         self._clip = None
         self._warn_unless_zeroed(ready)
-        self._zeroed_since_step = False
+        if ready or self._submitted():  # (a step that took no gradient leaves nothing to zero)
+            self._zeroed_since_step = False
         # from here on the step is taken: an interrupt finishes it rather than undoing it
         self._taken = (ready, scale)
         self._device_steps = list(self.on_device)

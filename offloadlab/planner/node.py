@@ -172,7 +172,11 @@ class NodePlan:
                 f"({format_size(self.host_bytes)} per GPU of state) of the "
                 f"{format_size(usable_host(self.host_memory))} usable of the node's "
                 f"{format_size(self.host_memory)}"
-                + (f", {format_size(self.host_memory / gpus)} a GPU" if gpus > 1 else "")
+                + (
+                    f", {format_size(usable_host(self.host_memory) / gpus)} a GPU"
+                    if gpus > 1
+                    else ""
+                )
             )
         if self.waiting <= HIDDEN_FRACTION * self.step:
             return "compute: collectives and transfers hide behind it"

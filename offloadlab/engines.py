@@ -512,7 +512,7 @@ def fsdp_snippet(config: Setup) -> str:
     (shapes only, so no process holds the whole model, and the shards each rank keeps are the fp32
     master weights), shards each block and the root, then allocates and initialises the shards;
     gathers weights and reduce-scatters gradients in 16 bits (``MixedPrecisionPolicy`` with
-    ``reduce_dtype`` equal to ``param_dtype``: 2 bytes a parameter, as chapter 9 counts them; an
+    ``reduce_dtype`` equal to ``param_dtype``: 2 bytes a parameter, as chapter 9b counts them; an
     fp32 reduction would double those bytes); and updates with ``torch.optim.AdamW(fused=True)``,
     on the CPU's shards with ``CPUOffloadPolicy`` (the unfused loop is several times slower than
     the CPU-Adam rate the planner assumes), which moves parameters, gradients and the update to

@@ -36,7 +36,7 @@ CHAPTERS = {
     "03_overlap_condition": "overlap",
     "04_bandwidth_budget": "budget",
     "05_what_to_offload": "plan",
-    "09_wrong_tool": "plan",
+    "09b_beyond_one_gpu": "plan",
 }
 SITE_BUDGET_BYTES = 15e6  # what the calculators may add to the site: 15 MB (decimal)
 
@@ -583,7 +583,7 @@ CASES = {
         {"interconnect": "450 GB/s"},
         {"source": "--model", "model": "llama-9"},
     ],
-    "09_wrong_tool": [
+    "09b_beyond_one_gpu": [
         {},  # Llama 3.1 70B on 8 × 80 GB
         {"host_memory": "1 TB"},
         {"gpus_per_node": "1", "interconnect": ""},
@@ -641,7 +641,7 @@ def test_every_shipped_model_plans_on_the_page_as_the_command_plans_it(browser, 
 
 def test_on_a_phone_an_answer_shows_about_50_characters_a_line(browser, served_site):
     """A plan's lines run past 100 characters and scroll on a phone; 33 showed before."""
-    page, calculator, _ = open_calculator(browser, served_site, "09_wrong_tool")
+    page, calculator, _ = open_calculator(browser, served_site, "09b_beyond_one_gpu")
     try:
         page.set_viewport_size({"width": 390, "height": 844})
         calculator.ask()

@@ -331,7 +331,7 @@ WRONG = {
     "lab08": [
         (
             "predicted_gather = 2 * 2 * P",
-            "chapter 9's 2wP, the root counted twice",
+            "chapter 9b's 2wP, the root counted twice",
             "predicted_gather = 4 * (2 * config.layers * block + root)",
             "fp32 weights gathered",
         ),

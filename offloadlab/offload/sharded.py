@@ -7,7 +7,7 @@ sharded parameter's post-accumulate-grad hooks once the reduced gradient is in `
 hook here hands that shard to the engine as the stand-in's gradient. New weights written into a
 stand-in land in the shard FSDP2 gathers at the next forward. Only the gradient norm (clipping,
 an fp16 overflow) needs the other ranks: one all-reduce of a number, in ``step()``, never in
-backward. Chapter 9 tells the story.
+backward. Chapter 9b tells the story.
 """
 
 from __future__ import annotations

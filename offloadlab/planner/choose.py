@@ -84,7 +84,7 @@ def plan(
     elif chosen.level == 0:
         warnings.append("offload is not needed: the whole state fits on the GPU")
     else:
-        if hw.comm_fraction >= 0.3:
+        if hw.comm_fraction >= WRONG_TOOL_SHARE:
             warnings.append(_WRONG_TOOL.format(hw.comm_fraction))
         if chosen.t_transfer > 2 * chosen.t_compute:
             warnings.append(
@@ -99,6 +99,9 @@ def plan(
     return report
 
 
+# From this share of the step spent exchanging gradients on, offload is called the wrong tool: a
+# judgement, not a law (its traffic shares the PCIe switch the NIC sits behind on HGX nodes).
+WRONG_TOOL_SHARE = 0.3
 _WRONG_TOOL = (
     "offload is the wrong tool here: the run already spends {:.0%} of its step on communication; "
     "offload adds traffic — move less instead"
@@ -173,7 +176,7 @@ def _plan_node(
                 "pinned buffers to the NUMA node next to its GPU (numactl, or DeepSpeed's "
                 "--bind_cores_to_rank); across sockets both slow down"
             )
-        if hw.comm_fraction >= 0.3 and chosen.offload != "none":
+        if hw.comm_fraction >= WRONG_TOOL_SHARE and chosen.offload != "none":
             warnings.append(_WRONG_TOOL.format(hw.comm_fraction))
     return plans, chosen, runner_up, warnings
 

@@ -498,10 +498,8 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
     for interconnect, host_link, duplex in nodes:
         expected = "shard" if sent / interconnect <= link_bytes[duplex] / host_link else "offload"
         answer = choose(tensor_bytes, ranks, down, up, interconnect, host_link, duplex)
-        if type(answer) is not str or answer not in (
-            "shard",
-            "offload",
-        ):  # (a str, not a look-alike)
+        # a str itself: an object equal to everything would pass `in` and `!=` alike
+        if not (type(answer) is str and answer in ("shard", "offload")):
             return Outcome(
                 False,
                 f"✗ challenge: the choice for a node was {answer!r}; expected 'shard' or 'offload'",
@@ -530,9 +528,8 @@ def _streams_elsewhere(streaming, model, link) -> str | None:
     leaves on the device (their weights would take device memory no buffer shows)."""
     if streaming.link is not link:
         return "the StreamedModel runs on a link of its own; build it on the link you are given"
-    left = len(model.blocks) - len(
-        {id(block) for block in streaming.blocks} & set(map(id, model.blocks))
-    )
+    streamed = set(map(id, streaming.blocks))
+    left = sum(id(block) not in streamed for block in model.blocks)
     if left:
         return f"{left} of the model's {len(model.blocks)} blocks are not streamed; stream them all"
     return None

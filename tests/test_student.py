@@ -481,3 +481,73 @@ def test_a_damaged_solution_marker_stops_the_release_rather_than_ship_the_answer
     assert len(done.stderr.strip().splitlines()) == 1
     released = [p.read_text() for p in (tmp_path / "out").rglob("*.ipynb")]
     assert not any(answer in text for text in released)
+
+
+def _release(tmp_path, text, nbgrader):
+    labs = tmp_path / "labs"
+    labs.mkdir()
+    (labs / "lab01_x.md").write_text(text, encoding="utf-8")
+    command = [sys.executable, "-m", "offloadlab_course.student", str(labs), str(tmp_path / "out")]
+    done = subprocess.run(command + ["--nbgrader"] * nbgrader, capture_output=True, text=True)
+    released = [p.read_text() for p in (tmp_path / "out").rglob("*.ipynb")]
+    return done, released
+
+
+@pytest.mark.parametrize(
+    "begin, end",
+    [(None, None), ("### START SOLUTION", "### STOP SOLUTION"), ("# BEGIN ANSWER", "# END ANSWER")],
+    ids=["both-deleted", "reworded", "other-words"],
+)
+@pytest.mark.parametrize("nbgrader", [False, True], ids=["student", "nbgrader"])
+def test_a_folded_answer_cell_without_its_markers_stops_the_release(begin, end, nbgrader, tmp_path):
+    """A lab's folded code cells are its worked answers: with both marker lines gone (or both
+    reworded) nothing said where the answer was, and the release shipped it."""
+    lines = (ROOT / "labs" / "lab01_account_for_every_byte.md").read_text().splitlines(True)
+    first = next(i for i, line in enumerate(lines) if line.strip() == "### BEGIN SOLUTION")
+    last = next(i for i in range(first, len(lines)) if lines[i].strip() == "### END SOLUTION")
+    answer = lines[first + 1].strip()
+    lines[last : last + 1] = [] if end is None else [end + "\n"]
+    lines[first : first + 1] = [] if begin is None else [begin + "\n"]
+    done, released = _release(tmp_path, "".join(lines), nbgrader)
+    assert done.returncode == 2 and "lab01_x.md: cell" in done.stderr, done.stderr
+    assert "folded as a worked answer" in done.stderr and "### BEGIN SOLUTION" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not any(answer in text for text in released)
+
+
+REFLECTION = '+++ {"points": 1}\n\n:::{dropdown} A model answer\n'
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        (lambda t: t.replace('+++ {"points": 1}', '+++ {"Points": 1}', 1), "'Points'"),
+        (
+            lambda t: t.replace('+++ {"points": 1}', '+++ {"nbgrader": {"points": 1}}', 1),
+            "'nbgrader'",
+        ),
+        (lambda t: t.replace('+++ {"points": 1}\n', "+++\n", 1), "no points"),
+        (
+            lambda t: t.replace(
+                ":::{dropdown} A model answer\n",
+                ":::{dropdown} Hint\nThink first.\n:::\n\n:::{dropdown} A model answer\n",
+                1,
+            ),
+            "no points",
+        ),
+    ],
+    ids=["capital-P", "nbgrader-key", "points-deleted", "second-dropdown"],
+)
+@pytest.mark.parametrize("nbgrader", [False, True], ids=["student", "nbgrader"])
+def test_a_reflection_whose_points_are_damaged_stops_the_release(damage, said, nbgrader, tmp_path):
+    """A reflection's model answer is replaced only in a cell with points: misspelt, nested or
+    lost points, or a second dropdown after the first, shipped a model answer."""
+    text = (ROOT / "labs" / "lab01_account_for_every_byte.md").read_text(encoding="utf-8")
+    assert REFLECTION in text
+    start = text.index(REFLECTION) + len(REFLECTION)
+    answer = text[start:].splitlines()[0].strip()
+    assert len(answer) > 40
+    done, released = _release(tmp_path, damage(text), nbgrader)
+    assert done.returncode == 2 and "lab01_x.md: cell" in done.stderr, done.stderr
+    assert said in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not any(answer in text for text in released)

@@ -3,13 +3,14 @@
 The labs are Jupytext notebooks with three kinds of code cell:
 
 - an *answer* cell holds the worked answer between a ``### BEGIN SOLUTION`` line and a
-  ``### END SOLUTION`` line (nbgrader's own markers);
+  ``### END SOLUTION`` line (nbgrader's own markers); the book folds it (``hide-input``), and a
+  folded code cell without the markers stops the release;
 - a *graded* cell checks the answer; its MyST options say what it is worth (``:points: 2``). It
   may hold nbgrader's hidden tests (between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN
   TESTS``), which only the grader runs;
 - a *reflection* is a Markdown cell with points (``+++ {"points": 1}``): a question graded by
   hand, whose text in the lab is a model answer (the book folds it in a dropdown) and in a
-  release nbgrader's "YOUR ANSWER HERE";
+  release nbgrader's "YOUR ANSWER HERE"; a dropdown anywhere else stops the release;
 - every other cell sets up, measures or explains, and is the same for everybody.
 
 From them this module makes two things:
@@ -75,6 +76,7 @@ __all__ = [
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 # nbgrader's markers for checks that only the grader runs (graded cells only; gone from releases).
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+DROPDOWN = ":::{dropdown}"  # a reflection's model answer, folded
 # nbgrader's default ClearSolutions.code_stub for Python and text_stub, so both releases are the
 # same text.
 STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
@@ -169,6 +171,7 @@ def source_notebook(path: Path):
     for index, cell in enumerate(notebook.cells, 1):
         where = f"{path.name}: cell {index}"
         _refuse_stray_markers(cell, where)
+        _refuse_misplaced_points(cell, where)
         points_given = cell.metadata.pop("points", None)
         if cell.cell_type == "markdown" and points_given is not None:
             _check_points(points_given, where)
@@ -180,6 +183,7 @@ def source_notebook(path: Path):
         is_answer = cell.cell_type == "code" and BEGIN in cell.source
         if END in cell.source:  # (an END whose BEGIN is missing would release the solution)
             _balanced(strip_solutions, cell.source, where)
+        _refuse_unmarked_answer(cell, where)
         if BEGIN_HIDDEN in cell.source or END_HIDDEN in cell.source:
             if points_given is None:
                 raise ValueError(
@@ -241,7 +245,7 @@ def _reflection_apart(cell) -> list:
     lines = cell.source.splitlines()
     if cell.cell_type != "markdown" or "points" not in cell.metadata:
         return [cell]
-    if not lines or not lines[0].startswith(":::{dropdown}") or ":::" not in lines[1:]:
+    if not lines or not lines[0].startswith(DROPDOWN) or ":::" not in lines[1:]:
         return [cell]
     end = lines.index(":::", 1) + 1
     after = "\n".join(lines[end:]).strip()
@@ -254,7 +258,7 @@ def _reflection_apart(cell) -> list:
 def reflection_answer(source: str) -> str:
     """The model answer of a reflection cell, without the dropdown the book folds it in."""
     lines = source.strip().splitlines()
-    if lines and lines[0].startswith(":::{dropdown}") and lines[-1].strip() == ":::":
+    if lines and lines[0].startswith(DROPDOWN) and lines[-1].strip() == ":::":
         lines = lines[1:-1]
     return "\n".join(lines).strip()
 
@@ -517,6 +521,36 @@ def _nbgrader(
     if grade:
         metadata["points"] = points
     return metadata
+
+
+def _refuse_unmarked_answer(cell, where: str) -> None:
+    """The book folds a lab's worked answers (``hide-input``): a folded code cell whose markers
+    were both lost or reworded would ship its answer."""
+    tags = cell.metadata.get("tags", [])
+    hidden = cell.metadata.get("jupyter", {}).get("source_hidden")
+    folded = "hide-input" in tags or (hidden and "remove-cell" not in tags)
+    if cell.cell_type == "code" and folded and BEGIN not in cell.source:
+        raise ValueError(
+            f"{where}: a code cell folded as a worked answer with no {BEGIN!r} line, so the "
+            f"release would keep all of it: mark the answer ({BEGIN} … {END}) or unfold the cell"
+        )
+
+
+def _refuse_misplaced_points(cell, where: str) -> None:
+    """Points misspelt or nested, or a dropdown in a cell without them, would ship a
+    reflection's model answer."""
+    for key in cell.metadata:
+        if key != "points" and (key.lower().rstrip("s") == "point" or key == "nbgrader"):
+            raise ValueError(
+                f"{where}: {key!r} in the cell's options: a graded cell gives `points` (lower "
+                "case, at the top level); the release writes nbgrader's metadata itself"
+            )
+    if cell.cell_type == "markdown" and DROPDOWN in cell.source and "points" not in cell.metadata:
+        raise ValueError(
+            f"{where}: a dropdown in a cell with no points: in a lab a dropdown holds a "
+            "reflection's model answer, which the release replaces only in a cell with points "
+            "(one dropdown a cell)"
+        )
 
 
 def _refuse_stray_markers(cell, where: str) -> None:

@@ -9,6 +9,7 @@ side of it, and each way out of it (too many bytes, not a number) gives its own 
 import re
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -639,6 +640,28 @@ def test_lab08_an_answer_equal_to_everything_is_not_a_choice(capsys):
 
     outcome = grading.lab08_challenge(lambda *args: Anything(), 6e6, 2, 4e6, 4e6)
     assert not outcome and "expected 'shard' or 'offload'" in outcome.line
+
+
+# Fourteenth probe pass, W19, W20: a right choice returned as numpy's string (np.where over
+# names) or a str subclass was refused as "not a choice", while a lying object must stay refused.
+@pytest.mark.parametrize("kind", [np.str_, type("Choice", (str,), {})], ids=["numpy", "subclass"])
+def test_lab08_a_right_choice_as_a_string_of_another_type_passes(kind, capsys):
+    outcome = grading.lab08_challenge(lambda *a: kind(lab08_right(*a)), 6e6, 8, 2e6, 2e6)
+    assert outcome and "all 12 nodes chosen right" in outcome.line, outcome.line
+
+
+def test_lab08_a_string_equal_to_everything_is_still_judged_by_its_text(capsys):
+    class Lying(str):
+        def __eq__(self, other):
+            return True
+
+        def __ne__(self, other):
+            return False
+
+        __hash__ = str.__hash__
+
+    outcome = grading.lab08_challenge(lambda *args: Lying("shard"), 6e6, 8, 2e6, 2e6)
+    assert not outcome and "nodes chosen wrong" in outcome.line, outcome.line
 
 
 @pytest.mark.parametrize(

@@ -108,6 +108,14 @@ def _whole_count(text, name):
     return count
 
 
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _rate_or_bare(unit: str, floor: float, example: str):
     """A rate in ``unit`` per second ('400 TFLOP/s', '3 G/s'), or a bare number of them of at least
     ``floor``: a smaller bare number is a slip for a prefix, refused with that reading."""
@@ -122,6 +130,8 @@ def _rate_or_bare(unit: str, floor: float, example: str):
             return units.check_positive(
                 float(match.group(1)) * prefixes[match.group(2).lower()], name
             )
+        if isinstance(text, str) and not _is_float(text):  # ('200 TFLOP': a unit, not per second)
+            raise ValueError(f"{name}: expected {example} or a bare number; got {text!r}")
         value = units.check_positive(text, name)
         if value < floor:
             raise ValueError(

@@ -62,7 +62,7 @@ import math
 from dataclasses import dataclass
 
 from . import memory
-from .units import check_integer, check_non_negative, parse_count
+from .units import check_integer, check_non_negative, is_integer, parse_count
 
 __all__ = [
     "STRATEGIES",
@@ -277,8 +277,10 @@ def fsdp2_pinned_bytes(shapes, gpus: int, element: float = 4) -> float:
     """
     gpus = check_integer(gpus, "gpus", expected="a whole number of GPUs ≥ 1")
     total = 0.0
-    for shape in shapes:
+    for index, shape in enumerate(shapes):
         shape = tuple(shape) or (1,)  # a 0-dim parameter: one value, unsharded rows of one
+        if not all(is_integer(size) and size >= 0 for size in shape):
+            raise ValueError(f"shapes[{index}]: expected whole sizes ≥ 0; got {shape!r}")
         rows, rest = (shape[0], 1) if len(shape) == 1 else (shape[0], _product(shape[1:]))
         nbytes = -(-rows // gpus) * rest * element
         total += 2 * (1 << max(0, math.ceil(math.log2(nbytes)))) if nbytes else 0

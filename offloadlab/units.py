@@ -286,15 +286,20 @@ def check_integer(
     raise ValueError(f"{name}: expected {expected}; got {value!r}{hint}")
 
 
-def _scaled(number: float, steps: list[tuple[float, str]], digits: int) -> str:
+def _scaled(number: float, steps: list[tuple[float, str]], digits: int, name: str) -> str:
     """``number`` in the largest of ``steps`` (factor, suffix; largest first) it reaches, or the
     next larger one where rounding to ``digits`` would print 1e+03 (999,999,999 B is '1 GB')."""
+    if not isinstance(number, numbers.Real) or isinstance(number, bool):
+        raise ValueError(f"{name}: expected a number; got {number!r}")
+    check_integer(digits, "digits")
     at = next((i for i, (factor, _) in enumerate(steps) if abs(number) >= factor), len(steps) - 1)
     factor, suffix = steps[at]
     text = f"{number / factor:.{digits}g}"
     if "e+" in text and at > 0:
         factor, suffix = steps[at - 1]
         text = f"{number / factor:.{digits}g}"
+    if "e+" in text:  # a thousand or more of the largest unit: whole units, grouped
+        text = f"{number / factor:,.0f}"
     return f"{text} {suffix}"
 
 
@@ -311,7 +316,7 @@ def format_size(num_bytes: float, binary: bool = False, digits: int = 3) -> str:
         ]
     else:
         steps = [(1e15, "PB"), (1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B")]
-    return _scaled(num_bytes, steps, digits)
+    return _scaled(num_bytes, steps, digits, "num_bytes")
 
 
 def format_bandwidth(bytes_per_s: float, binary: bool = False, digits: int = 3) -> str:
@@ -322,10 +327,10 @@ def format_bandwidth(bytes_per_s: float, binary: bool = False, digits: int = 3) 
 def format_duration(seconds: float, digits: int = 3) -> str:
     """'250 ms' for 0.25."""
     steps = [(3600.0, "h"), (60.0, "min"), (1.0, "s"), (1e-3, "ms"), (1e-6, "µs"), (1e-9, "ns")]
-    return _scaled(seconds, steps, digits)
+    return _scaled(seconds, steps, digits, "seconds")
 
 
 def format_count(count: float, digits: int = 3) -> str:
     """'10 B' for 10e9 parameters, '125 M' for 125e6."""
     steps = [(1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k"), (1, "")]
-    return _scaled(count, steps, digits).rstrip()
+    return _scaled(count, steps, digits, "count").rstrip()

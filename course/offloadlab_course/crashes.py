@@ -70,9 +70,9 @@ def record(path):
         return written
 
     def write(fd, data):
-        offset = os.lseek(fd, 0, os.SEEK_CUR) if ours(fd) else None
         written = real["write"](fd, data)
-        if offset is not None:
+        if ours(fd):  # (where it landed: an O_APPEND descriptor writes at the end, not its offset)
+            offset = os.lseek(fd, 0, os.SEEK_CUR) - written
             recording.calls.append(("write", offset, bytes(memoryview(data).cast("B")[:written])))
         return written
 

@@ -1,0 +1,85 @@
+"""The fourteenth probe pass's low findings, each a test that failed before its fix."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from offloadlab import sharding
+from offloadlab.units import format_count, format_duration, format_size
+
+
+# U101-U105: at the largest unit a number of a thousand or more printed as '1e+03 T'.
+@pytest.mark.parametrize(
+    "formatted, expected",
+    [
+        (lambda: format_count(1e15), "1,000 T"),
+        (lambda: format_size(1e18), "1,000 PB"),
+        (lambda: format_duration(3.6e6), "1,000 h"),
+        (lambda: format_size(999.9996e15), "1,000 PB"),
+        (lambda: format_count(999_999_999_999_999), "1,000 T"),
+        (lambda: format_count(12_345e12), "12,345 T"),
+    ],
+)
+def test_beyond_the_largest_unit_a_number_is_grouped_not_in_e_notation(formatted, expected):
+    assert formatted() == expected
+
+
+# U121, U122: a bad digits or a string gave errors that named no argument.
+@pytest.mark.parametrize(
+    "call, said",
+    [
+        (lambda: format_size(1e9, digits=-1), "digits: expected a positive integer"),
+        (lambda: format_size("1e9"), "num_bytes: expected a number; got '1e9'"),
+        (lambda: format_duration(None), "seconds: expected a number"),
+        (lambda: format_count(True), "count: expected a number"),
+    ],
+)
+def test_the_format_helpers_name_the_argument_they_refuse(call, said):
+    with pytest.raises(ValueError, match="^" + said.replace("(", r"\(")):
+        call()
+
+
+# L158: '200 TFLOP' (a unit, not a rate) was refused as "it takes no unit".
+def test_a_flop_count_where_a_rate_is_expected_is_refused_naming_the_form():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "offloadlab",
+            "overlap",
+            "--link",
+            "25 GB/s",
+            "--compute",
+            "200 TFLOP",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--compute: expected a rate such as '400 TFLOP/s'" in done.stderr, done.stderr
+    assert "takes no unit" not in done.stderr
+
+
+# U166: a negative or fractional dimension gave a pinned size from nonsense.
+@pytest.mark.parametrize("shape", [(-5, 3), (2.5, 4), (4, True)])
+def test_fsdp2_pinned_bytes_refuses_a_shape_that_is_no_shape(shape):
+    with pytest.raises(ValueError, match=r"^shapes\[1\]: expected whole sizes ≥ 0"):
+        sharding.fsdp2_pinned_bytes([(8, 8), shape], 2)
+
+
+# K44: a write on an O_APPEND descriptor lands at the end; the recording put it at offset 0.
+def test_the_commit_recording_places_an_append_where_it_landed(tmp_path):
+    from offloadlab_course import crashes
+
+    path = tmp_path / "state.bin"
+    path.write_bytes(b"abcd")
+    with crashes.record(path) as recording:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, b"XY")
+        finally:
+            os.close(fd)
+    assert recording.calls == [("write", 4, b"XY")]
+    assert path.read_bytes() == b"abcdXY"

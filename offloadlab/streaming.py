@@ -152,7 +152,7 @@ class StreamedModel:
             expected="an integer ≥ 2 (one block computing, one arriving)",
         )
         names = {id(m): n for n, m in model.named_modules()}
-        self.model, self.link, self.blocks, self.buffers = model, link, chosen, buffers
+        self.model, self._link, self._blocks, self.buffers = model, link, tuple(chosen), buffers
         self.names = [names.get(id(b), f"block {i}") for i, b in enumerate(chosen)]
         self._params = [list(b.named_parameters()) for b in chosen]
         for index, named in enumerate(self._params):
@@ -241,6 +241,17 @@ class StreamedModel:
             "process's pinned memory and stream over its link): remove() the streaming, copy the "
             "model, and stream the copy with a StreamedModel of its own"
         )
+
+    @property
+    def link(self) -> Link:
+        """The link the blocks stream over, fixed when the model was streamed."""
+        return self._link
+
+    @property
+    def blocks(self) -> tuple:
+        """The streamed blocks in order, fixed when the model was streamed: their hooks and
+        buffers were made for these."""
+        return self._blocks
 
     def __repr__(self) -> str:
         return f"StreamedModel({len(self.blocks)} blocks, {self.buffers} buffers, {self.link!r})"

@@ -83,3 +83,22 @@ def test_the_commit_recording_places_an_append_where_it_landed(tmp_path):
             os.close(fd)
     assert recording.calls == [("write", 4, b"XY")]
     assert path.read_bytes() == b"abcdXY"
+
+
+# W2, W3: a lab 6 answer that streamed one block and then reassigned `blocks` (and `link`) to
+# look whole reached the grader, which failed with an IndexError deep in streaming.py.
+@pytest.mark.parametrize("attribute", ["blocks", "link"])
+def test_a_streamed_models_blocks_and_link_cannot_be_swapped_after_streaming(attribute):
+    from offloadlab.link import open_link
+    from offloadlab.models import GPTConfig, TinyGPT
+    from offloadlab.streaming import StreamedModel
+
+    model = TinyGPT(GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=8))
+    with open_link(emulated=True) as link:
+        streamed = StreamedModel(model, link, blocks=[model.blocks[0]])
+        try:
+            with pytest.raises(AttributeError, match=attribute):
+                setattr(streamed, attribute, list(model.blocks) if attribute == "blocks" else link)
+            assert streamed.blocks == (model.blocks[0],) and streamed.link is link
+        finally:
+            streamed.remove()

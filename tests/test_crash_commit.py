@@ -159,3 +159,32 @@ def test_the_replay_lists_a_kill_and_every_power_cut_at_each_point(tmp_path):
         ("power cut", 1, "half of the second", ["first"], b"..c."),
         ("kill", 1, "all", ["first"], b"abcd"),
     ]
+
+
+def truncating(state, data):
+    """The worked commit, then the file cut short: the other slot's step is lost."""
+    worked(state, data)
+    os.ftruncate(state.fd, 2 * 4096 + (state.slot + 1) * state.nbytes)
+
+
+def through_a_file_object(state, data):
+    """The worked commit's data written through a Python file object, which the recording
+    cannot see."""
+    idle = 1 - state.slot
+    handle = os.fdopen(os.dup(state.fd), "r+b", buffering=0)
+    with handle:
+        handle.seek(2 * 4096 + idle * state.nbytes)
+        handle.write(data)
+    state.flush()
+    state.write_header(idle, state.step + 1)
+    state.flush()
+    state.step, state.slot = state.step + 1, idle
+
+
+# Fourteenth probe pass, K14, K45, K46: writes the recording cannot see (a truncation, a file
+# object) were replayed as if they had not happened: a truncating commit passed, and a right one
+# through a file object failed on a crash that could not happen.
+@pytest.mark.parametrize("commit", [truncating, through_a_file_object])
+def test_a_change_to_the_file_the_recording_did_not_see_is_named(commit, two_slot_file, tmp_path):
+    outcome = grading.lab07_commit(commit, two_slot_file, tmp_path)
+    assert not outcome and "could not see" in outcome.line, outcome.line

@@ -104,6 +104,12 @@ def _applied(image: bytes, writes) -> bytes:
     return bytes(out)
 
 
+def final_image(recording: Recording) -> bytes:
+    """The file as the recorded writes leave it: what it holds unless something unrecorded (a
+    file object, mmap, a truncation, another process) changed it."""
+    return _applied(recording.start, [call[1:] for call in recording.calls if call[0] == "write"])
+
+
 def crashes(recording: Recording):
     """Every :class:`Crash` the recorded calls allow, in order of where it falls."""
     durable, pending, marks, writes = recording.start, [], [], 0

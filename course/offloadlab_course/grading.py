@@ -731,6 +731,14 @@ def lab07_commit(commit, two_slot_file, folder=".", commits: int = 3) -> Outcome
                         )
         finally:
             state.close()
+        on_disk = path.read_bytes()
+    if on_disk != crashes.final_image(recording):
+        return Outcome(
+            False,
+            "✗ commit: the file ends other than its recorded writes leave it: a change the "
+            "grader could not see (through a file object, mmap, os.pwritev, a truncation or "
+            "another process) cannot be crashed and replayed; write with TwoSlotFile's methods",
+        )
     tried = 0
     for crash in crashes.crashes(recording):
         tried += 1

@@ -46,6 +46,8 @@ OPTIMIZERS = {
     "offload-delayed": "FSDP2 + CPUOffloadAdam(delayed_update=True): behind the next step",
 }
 
+DEFAULT_STEPS = 4  # training steps a run takes unless told
+
 
 def build(optimizer: str, bf16: bool, unused: bool, clip: float | None, device):
     """The sharded model (filled with the single-process reference's weights) and its
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     """One rank (started by torchrun): train, and write the record and weights from rank 0."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="offload")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--bf16", action="store_true")
@@ -342,6 +344,7 @@ def launch(
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
     _check_launch(processes, out, options)
+    check_positive(timeout, "timeout")
     arguments = ["--optimizer", optimizer]
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
@@ -371,10 +374,18 @@ def _check_launch(processes, out, options: dict) -> None:
             check_integer(options[name], name, expected="a whole number ≥ 1")
     if options.get("save_at") is not None:
         check_integer(options["save_at"], "save_at", 0, expected="a whole number of steps ≥ 0")
+    steps, save_at = options.get("steps") or DEFAULT_STEPS, options.get("save_at")
+    if save_at is not None and save_at > steps:
+        raise ValueError(f"save_at: expected a step up to steps ({steps}); got {save_at!r}")
     if options.get("clip") is not None:
         check_positive(options["clip"], "clip")
+    for name in ("bf16", "unused"):
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            raise ValueError(f"{name}: expected True or False; got {options[name]!r}")
+    if "save" in options and not str(options["save"] or "").strip():
+        raise ValueError(f"save: expected a folder for the checkpoint; got {options['save']!r}")
     folder = Path(out).parent
-    if not folder.is_dir():
+    if not folder.is_dir() or Path(out).is_dir():
         raise ValueError(f"out: expected a file in an existing folder; got {str(out)!r}")
     load = options.get("load")
     if load is not None and not (Path(load) / ".metadata").is_file():

@@ -102,3 +102,24 @@ def test_a_streamed_models_blocks_and_link_cannot_be_swapped_after_streaming(att
             assert streamed.blocks == (model.blocks[0],) and streamed.link is link
         finally:
             streamed.remove()
+
+
+# F102-F110: options launch passed on unchecked, to fail (or not) in a rank.
+@pytest.mark.parametrize(
+    "options, said",
+    [
+        ({"bf16": "yes"}, "bf16: expected True or False"),
+        ({"unused": 1}, "unused: expected True or False"),
+        ({"save_at": 5, "steps": 2, "save": "ckpt"}, "save_at: expected a step up to steps (2)"),
+        ({"save_at": 9, "save": "ckpt"}, "save_at: expected a step up to steps (4)"),
+        ({"save": ""}, "save: expected a folder for the checkpoint"),
+        ({"timeout": 0}, "timeout: expected a positive number"),
+        ({"out": "."}, "out: expected a file in an existing folder"),
+    ],
+)
+def test_fsdp_launch_refuses_an_option_by_name_before_starting_a_rank(options, said, tmp_path):
+    from offloadlab import fsdp_offload
+
+    options = {"out": tmp_path / "run.json", **options}
+    with pytest.raises(ValueError, match="^" + said.replace("(", r"\(").replace(")", r"\)")):
+        fsdp_offload.launch("adamw", **options)

@@ -188,3 +188,34 @@ def through_a_file_object(state, data):
 def test_a_change_to_the_file_the_recording_did_not_see_is_named(commit, two_slot_file, tmp_path):
     outcome = grading.lab07_commit(commit, two_slot_file, tmp_path)
     assert not outcome and "could not see" in outcome.line, outcome.line
+
+
+def flushed_by_sync(state, data):
+    """The worked commit, each flush the whole system's (os.sync)."""
+    idle = 1 - state.slot
+    state.write_slot(idle, data)
+    os.sync()
+    state.write_header(idle, state.step + 1)
+    os.sync()
+    state.step, state.slot = state.step + 1, idle
+
+
+def written_durably(state, data):
+    """The worked commit through a descriptor whose every write is flushed (O_DSYNC)."""
+    idle = 1 - state.slot
+    fd = os.open(f"/proc/self/fd/{state.fd}", os.O_RDWR | os.O_DSYNC)  # the same file
+    try:
+        os.pwrite(fd, data, 2 * 4096 + idle * state.nbytes)
+    finally:
+        os.close(fd)
+    state.write_header(idle, state.step + 1)
+    state.flush()
+    state.step, state.slot = state.step + 1, idle
+
+
+# Fourteenth probe pass, K15, K16: a right commit flushed with os.sync, or written through an
+# O_DSYNC descriptor, was failed on a power cut its flushes had ruled out.
+@pytest.mark.parametrize("commit", [flushed_by_sync, written_durably])
+def test_a_commit_flushed_another_way_passes(commit, two_slot_file, tmp_path):
+    outcome = grading.lab07_commit(commit, two_slot_file, tmp_path)
+    assert outcome, outcome.line

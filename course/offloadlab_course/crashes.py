@@ -14,6 +14,7 @@ it tries each unflushed write alone, not every subset of them.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from dataclasses import dataclass, field
 
@@ -49,7 +50,8 @@ class Crash:
 @contextlib.contextmanager
 def record(path):
     """Note every write and flush to the file at ``path`` while the block runs (through any
-    descriptor open on it); the writes still reach the file."""
+    descriptor open on it; os.sync and a descriptor opened O_SYNC or O_DSYNC flush too); the
+    writes still reach the file."""
     with open(path, "rb") as file:
         recording = Recording(file.read())
     target = os.stat(path)
@@ -61,12 +63,18 @@ def record(path):
             return False
         return (now.st_dev, now.st_ino) == (target.st_dev, target.st_ino)
 
-    real = {name: getattr(os, name) for name in ("pwrite", "write", "fsync", "fdatasync")}
+    real = {name: getattr(os, name) for name in ("pwrite", "write", "fsync", "fdatasync", "sync")}
+
+    def durable(fd) -> bool:
+        """Opened with O_SYNC or O_DSYNC: each write is flushed before it returns."""
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_SYNC | os.O_DSYNC))
 
     def pwrite(fd, data, offset):
         written = real["pwrite"](fd, data, offset)
         if ours(fd):
             recording.calls.append(("write", offset, bytes(memoryview(data).cast("B")[:written])))
+            if durable(fd):
+                recording.calls.append(("flush",))
         return written
 
     def write(fd, data):
@@ -74,7 +82,13 @@ def record(path):
         if ours(fd):  # (where it landed: an O_APPEND descriptor writes at the end, not its offset)
             offset = os.lseek(fd, 0, os.SEEK_CUR) - written
             recording.calls.append(("write", offset, bytes(memoryview(data).cast("B")[:written])))
+            if durable(fd):
+                recording.calls.append(("flush",))
         return written
+
+    def sync():
+        real["sync"]()
+        recording.calls.append(("flush",))  # every file, this one included
 
     def flusher(name):
         def flush(fd):
@@ -84,7 +98,7 @@ def record(path):
 
         return flush
 
-    replaced = {"pwrite": pwrite, "write": write}
+    replaced = {"pwrite": pwrite, "write": write, "sync": sync}
     replaced |= {name: flusher(name) for name in ("fsync", "fdatasync")}
     try:
         for name, function in replaced.items():

@@ -6,6 +6,8 @@ one link the lab measured; here each bar is checked against a link's known rate,
 side of it, and each way out of it (too many bytes, not a number) gives its own line.
 """
 
+import enum
+import random
 import re
 import time
 
@@ -644,7 +646,21 @@ def test_lab08_an_answer_equal_to_everything_is_not_a_choice(capsys):
 
 # Fourteenth probe pass, W19, W20: a right choice returned as numpy's string (np.where over
 # names) or a str subclass was refused as "not a choice", while a lying object must stay refused.
-@pytest.mark.parametrize("kind", [np.str_, type("Choice", (str,), {})], ids=["numpy", "subclass"])
+class _Choice(str, enum.Enum):
+    SHARD = "shard"
+    OFFLOAD = "offload"
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        np.str_,
+        type("Choice", (str,), {}),
+        np.array,  # np.where over scalars: a 0-d array (fifteenth pass, W101)
+        _Choice,  # an Enum of str (W103)
+    ],
+    ids=["numpy", "subclass", "0-d-array", "str-enum"],
+)
 def test_lab08_a_right_choice_as_a_string_of_another_type_passes(kind, capsys):
     outcome = grading.lab08_challenge(lambda *a: kind(lab08_right(*a)), 6e6, 8, 2e6, 2e6)
     assert outcome and "all 12 nodes chosen right" in outcome.line, outcome.line
@@ -657,6 +673,9 @@ def test_lab08_a_string_equal_to_everything_is_still_judged_by_its_text(capsys):
 
         def __ne__(self, other):
             return False
+
+        def __str__(self):  # (the fifteenth pass, W106: a text that lies about itself)
+            return "offload" if random.random() < 0.5 else "shard"
 
         __hash__ = str.__hash__
 

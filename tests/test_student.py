@@ -527,6 +527,23 @@ REFLECTION = '+++ {"points": 1}\n\n:::{dropdown} A model answer\n'
             "'nbgrader'",
         ),
         (lambda t: t.replace('+++ {"points": 1}\n', "+++\n", 1), "no points"),
+        (lambda t: t.replace('+++ {"points": 1}', '+++ {"points": null}', 1), "got None"),
+        (
+            lambda t: t.replace(REFLECTION, "+++\n\n::: {Dropdown} A model answer\n", 1),
+            "no points",
+        ),
+        (
+            lambda t: t.replace(
+                REFLECTION, "+++\n\n:::{admonition} A model answer\n:class: dropdown\n", 1
+            ),
+            "no points",
+        ),
+        (
+            lambda t: t.replace(
+                REFLECTION, "+++\n\n<details><summary>A model answer</summary>\n", 1
+            ),
+            "no points",
+        ),
         (
             lambda t: t.replace(
                 ":::{dropdown} A model answer\n",
@@ -536,7 +553,16 @@ REFLECTION = '+++ {"points": 1}\n\n:::{dropdown} A model answer\n'
             "no points",
         ),
     ],
-    ids=["capital-P", "nbgrader-key", "points-deleted", "second-dropdown"],
+    ids=[
+        "capital-P",
+        "nbgrader-key",
+        "points-deleted",
+        "points-null",
+        "dropdown-spelt-otherwise",
+        "admonition-class",
+        "html-details",
+        "second-dropdown",
+    ],
 )
 @pytest.mark.parametrize("nbgrader", [False, True], ids=["student", "nbgrader"])
 def test_a_reflection_whose_points_are_damaged_stops_the_release(damage, said, nbgrader, tmp_path):
@@ -551,3 +577,31 @@ def test_a_reflection_whose_points_are_damaged_stops_the_release(damage, said, n
     assert done.returncode == 2 and "lab01_x.md: cell" in done.stderr, done.stderr
     assert said in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not any(answer in text for text in released)
+
+
+@pytest.mark.parametrize("nbgrader", [False, True], ids=["student", "nbgrader"])
+def test_an_answer_folded_whole_with_its_markers_deleted_stops_the_release(nbgrader, tmp_path):
+    """Fifteenth probe pass, R122, R137, R180: `hide-cell` folds a cell as `hide-input` does."""
+    lines = (ROOT / "labs" / "lab01_account_for_every_byte.md").read_text().splitlines(True)
+    first = next(i for i, line in enumerate(lines) if line.strip() == "### BEGIN SOLUTION")
+    last = next(i for i in range(first, len(lines)) if lines[i].strip() == "### END SOLUTION")
+    tag = next(i for i in range(first, 0, -1) if lines[i].strip() == "tags: [hide-input]")
+    answer = lines[first + 1].strip()
+    del lines[last], lines[first]
+    lines[tag] = "tags: [hide-cell]\n"
+    assert lines[tag - 2 : tag] == ["jupyter:\n", "  source_hidden: true\n"]
+    del lines[tag - 2 : tag]  # folded by the tag alone
+    done, released = _release(tmp_path, "".join(lines), nbgrader)
+    assert done.returncode == 2 and "folded as a worked answer" in done.stderr, done.stderr
+    assert not any(answer in text for text in released)
+
+
+def test_a_folded_graded_check_is_no_worked_answer(tmp_path):
+    """Fifteenth probe pass, R141: a graded cell folded like an answer is still a check."""
+    text = (ROOT / "labs" / "lab01_account_for_every_byte.md").read_text(encoding="utf-8")
+    graded = ":points: 1\n"
+    assert graded in text
+    done, released = _release(
+        tmp_path, text.replace(graded, graded + "tags: [hide-input]\n", 1), False
+    )
+    assert done.returncode == 0, done.stderr

@@ -498,14 +498,17 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
     for interconnect, host_link, duplex in nodes:
         expected = "shard" if sent / interconnect <= link_bytes[duplex] / host_link else "offload"
         answer = choose(tensor_bytes, ranks, down, up, interconnect, host_link, duplex)
-        # judged by its text: an object, or a str subclass, equal to everything would pass `in`
-        # and `!=` alike (numpy's strings and other subclasses are text all the same)
-        if not (isinstance(answer, str) and str(answer) in ("shard", "offload")):
+        if getattr(answer, "shape", None) == () and hasattr(answer, "item"):
+            answer = answer.item()  # np.where over scalars: a 0-d array of one string
+        # judged by its text, read past any __eq__ or __str__ of its own: an object equal to
+        # everything would pass `in` and `!=` alike (numpy's strings, an Enum of str are text)
+        text = str.__str__(answer) if isinstance(answer, str) else None
+        if text not in ("shard", "offload"):
             return Outcome(
                 False,
                 f"✗ challenge: the choice for a node was {answer!r}; expected 'shard' or 'offload'",
             )
-        answer = str(answer)
+        answer = text
         if answer != expected:
             wrong.append(
                 f"{interconnect / 1e9:g} GB/s between ranks, {host_link / 1e9:.3g} GB/s {duplex} "

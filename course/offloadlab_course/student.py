@@ -77,6 +77,8 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 # nbgrader's markers for checks that only the grader runs (graded cells only; gone from releases).
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 DROPDOWN = ":::{dropdown}"  # a reflection's model answer, folded
+# any way to fold text in MyST or HTML: a dropdown directive spelt any way, a class, <details>
+FOLDED_TEXT = re.compile(r"\{\s*dropdown\s*\}|:class:[^\n]*\bdropdown\b|<details\b", re.IGNORECASE)
 # nbgrader's default ClearSolutions.code_stub for Python and text_stub, so both releases are the
 # same text.
 STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
@@ -172,9 +174,11 @@ def source_notebook(path: Path):
         where = f"{path.name}: cell {index}"
         _refuse_stray_markers(cell, where)
         _refuse_misplaced_points(cell, where)
+        graded = "points" in cell.metadata  # (a points of null is points missing: refused below)
         points_given = cell.metadata.pop("points", None)
-        if cell.cell_type == "markdown" and points_given is not None:
+        if graded:
             _check_points(points_given, where)
+        if cell.cell_type == "markdown" and points_given is not None:
             cell.source = reflection_answer(cell.source)
             cell.metadata["nbgrader"] = _nbgrader(
                 f"reflection-{index}", solution=True, grade=True, points=points_given
@@ -183,7 +187,7 @@ def source_notebook(path: Path):
         is_answer = cell.cell_type == "code" and BEGIN in cell.source
         if END in cell.source:  # (an END whose BEGIN is missing would release the solution)
             _balanced(strip_solutions, cell.source, where)
-        _refuse_unmarked_answer(cell, where)
+        _refuse_unmarked_answer(cell, where, graded)
         if BEGIN_HIDDEN in cell.source or END_HIDDEN in cell.source:
             if points_given is None:
                 raise ValueError(
@@ -523,13 +527,13 @@ def _nbgrader(
     return metadata
 
 
-def _refuse_unmarked_answer(cell, where: str) -> None:
+def _refuse_unmarked_answer(cell, where: str, graded: bool) -> None:
     """The book folds a lab's worked answers (``hide-input``): a folded code cell whose markers
     were both lost or reworded would ship its answer."""
     tags = cell.metadata.get("tags", [])
     hidden = cell.metadata.get("jupyter", {}).get("source_hidden")
-    folded = "hide-input" in tags or (hidden and "remove-cell" not in tags)
-    if cell.cell_type == "code" and folded and BEGIN not in cell.source:
+    folded = {"hide-input", "hide-cell"} & set(tags) or (hidden and "remove-cell" not in tags)
+    if cell.cell_type == "code" and folded and not graded and BEGIN not in cell.source:
         raise ValueError(
             f"{where}: a code cell folded as a worked answer with no {BEGIN!r} line, so the "
             f"release would keep all of it: mark the answer ({BEGIN} … {END}) or unfold the cell"
@@ -545,7 +549,11 @@ def _refuse_misplaced_points(cell, where: str) -> None:
                 f"{where}: {key!r} in the cell's options: a graded cell gives `points` (lower "
                 "case, at the top level); the release writes nbgrader's metadata itself"
             )
-    if cell.cell_type == "markdown" and DROPDOWN in cell.source and "points" not in cell.metadata:
+    if (
+        cell.cell_type == "markdown"
+        and FOLDED_TEXT.search(cell.source)
+        and "points" not in cell.metadata
+    ):
         raise ValueError(
             f"{where}: a dropdown in a cell with no points: in a lab a dropdown holds a "
             "reflection's model answer, which the release replaces only in a cell with points "

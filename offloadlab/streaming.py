@@ -193,9 +193,9 @@ class StreamedModel:
             for _, p in named:
                 ownership.hold(p, streamer=self)
 
-        self.block_bytes = max(layout.nbytes for layout in self.layouts)
+        self._block_bytes = max(layout.nbytes for layout in self.layouts)
         self._weights = [
-            _Buffer(link.device_buffer(self.block_bytes, torch.uint8)) for _ in range(buffers)
+            _Buffer(link.device_buffer(self._block_bytes, torch.uint8)) for _ in range(buffers)
         ]
         # the first fill of each buffer waits for what used its memory before
         allocated = link.mark(timed=False)
@@ -246,6 +246,12 @@ class StreamedModel:
     def link(self) -> Link:
         """The link the blocks stream over, fixed when the model was streamed."""
         return self._link
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one device weight buffer: the largest block's weights, fixed when the model
+        was streamed."""
+        return self._block_bytes
 
     @property
     def blocks(self) -> tuple:

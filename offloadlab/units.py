@@ -321,6 +321,8 @@ def format_size(num_bytes: float, binary: bool = False, digits: int = 3) -> str:
 
 def format_bandwidth(bytes_per_s: float, binary: bool = False, digits: int = 3) -> str:
     """'32 GB/s' for 32e9."""
+    if not isinstance(bytes_per_s, numbers.Real) or isinstance(bytes_per_s, bool):
+        raise ValueError(f"bytes_per_s: expected a number; got {bytes_per_s!r}")
     return format_size(bytes_per_s, binary=binary, digits=digits) + "/s"
 
 

@@ -1,4 +1,4 @@
-"""The fourteenth probe pass's low findings, each a test that failed before its fix."""
+"""The fourteenth and fifteenth probe passes' lows, each a test that failed before its fix."""
 
 import os
 import subprocess
@@ -123,3 +123,55 @@ def test_fsdp_launch_refuses_an_option_by_name_before_starting_a_rank(options, s
     options = {"out": tmp_path / "run.json", **options}
     with pytest.raises(ValueError, match="^" + said.replace("(", r"\(").replace(")", r"\)")):
         fsdp_offload.launch("adamw", **options)
+
+
+# Fifteenth probe pass, L179, L202, L203: the plan at the command line's own largest model said
+# '1e+06 B parameters'.
+def test_the_plan_names_the_largest_model_it_takes_in_words():
+    from offloadlab import planner
+
+    report = planner.plan(planner.Workload(1e15), planner.Hardware("80 GB", "25 GB/s"))
+    assert report.explain().startswith("model: 1,000 T parameters"), report.explain()[:80]
+
+
+# U146: format_bandwidth refused a string naming format_size's argument.
+def test_format_bandwidth_names_its_own_argument():
+    from offloadlab.units import format_bandwidth
+
+    with pytest.raises(ValueError, match="^bytes_per_s: expected a number"):
+        format_bandwidth("25e9")
+
+
+# K101: a pwrite on an O_APPEND descriptor lands at the end on Linux, whatever its offset.
+def test_the_commit_recording_places_an_appending_pwrite_where_it_landed(tmp_path):
+    from offloadlab_course import crashes
+
+    path = tmp_path / "state.bin"
+    path.write_bytes(b"abcd")
+    with crashes.record(path) as recording:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.pwrite(fd, b"XY", 0)
+        finally:
+            os.close(fd)
+    landed = path.read_bytes().index(b"XY")
+    assert recording.calls == [("write", landed, b"XY")]
+    assert crashes.final_image(recording) == path.read_bytes()
+
+
+# W121: lab 6's grader read a StreamedModel's writable block_bytes; a student could raise it.
+def test_a_streamed_models_buffer_size_cannot_be_changed_after_streaming():
+    from offloadlab.link import open_link
+    from offloadlab.models import GPTConfig, TinyGPT
+    from offloadlab.streaming import StreamedModel
+
+    model = TinyGPT(GPTConfig(layers=2, hidden=32, heads=2, vocab=64, seq=8))
+    with open_link(emulated=True) as link:
+        streamed = StreamedModel(model, link)
+        try:
+            size = streamed.block_bytes
+            with pytest.raises(AttributeError, match="block_bytes"):
+                streamed.block_bytes = 10 * size
+            assert streamed.block_bytes == size
+        finally:
+            streamed.remove()

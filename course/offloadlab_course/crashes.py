@@ -65,14 +65,20 @@ def record(path):
 
     real = {name: getattr(os, name) for name in ("pwrite", "write", "fsync", "fdatasync", "sync")}
 
+    def appends(fd) -> bool:
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND)
+
     def durable(fd) -> bool:
         """Opened with O_SYNC or O_DSYNC: each write is flushed before it returns."""
         return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_SYNC | os.O_DSYNC))
 
     def pwrite(fd, data, offset):
+        mine = ours(fd)
+        # (Linux appends a pwrite on an O_APPEND descriptor at the end, whatever its offset)
+        landed = os.fstat(fd).st_size if mine and appends(fd) else offset
         written = real["pwrite"](fd, data, offset)
-        if ours(fd):
-            recording.calls.append(("write", offset, bytes(memoryview(data).cast("B")[:written])))
+        if mine:
+            recording.calls.append(("write", landed, bytes(memoryview(data).cast("B")[:written])))
             if durable(fd):
                 recording.calls.append(("flush",))
         return written

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .. import budget, memory
-from ..units import format_bandwidth, format_duration, format_size
+from ..units import format_bandwidth, format_count, format_duration, format_size
 from .node import NodePlan
 from .share import OptimizerShare
 from .single import Candidate, Plan, offloaded_activations
@@ -61,7 +61,7 @@ class PlanReport:
             both, _ = budget.both_directions_rate(self.hardware.link, self.duplex)
             sharing = f"{format_bandwidth(both)} each way while both run (measured)"
         lines = [
-            f"model: {self.work.params / 1e9:g} B parameters ({self.recipe}), batch "
+            f"model: {format_count(self.work.params)} parameters ({self.recipe}), batch "
             f"{self.work.batch} × seq {self.work.seq}; GPU {format_size(self.hardware.gpu_memory)} "
             f"({format_size(self.hardware.gpu_memory, binary=True)}); link "
             f"{format_bandwidth(self.hardware.link)} per direction, {sharing}"

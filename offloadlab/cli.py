@@ -770,8 +770,10 @@ def _cmd_bench(args) -> int:
         if args.disk == "" or not Path(args.disk or ".").is_dir():  # ('' would be the cwd)
             raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
         with arguments():
-            # OSError: a fault, found before the run
-            bench.check_nvme_folder(args.disk or ".", quick=args.quick)
+            try:  # OSError: a fault, found before the run, named by the flag that chose the folder
+                bench.check_nvme_folder(args.disk or ".", quick=args.quick)
+            except OSError as error:
+                raise OSError(error.errno, f"--disk: {error.strerror}") from None
         result = bench.nvme(quick=args.quick, folder=args.disk or ".")
     else:
         if args.name == "adam":

@@ -175,3 +175,18 @@ def test_a_streamed_models_buffer_size_cannot_be_changed_after_streaming():
             assert streamed.block_bytes == size
         finally:
             streamed.remove()
+
+
+# L72 (carried since the thirteenth pass): a --disk where no file can be made gave a line that
+# named the folder but not the flag.
+def test_bench_nvme_names_the_disk_flag_when_its_folder_takes_no_file():
+    done = subprocess.run(
+        [sys.executable, "-m", "offloadlab", "bench", "nvme", "--disk", "/proc", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and "--disk: cannot create a scratch file in /proc" in (
+        done.stderr
+    )

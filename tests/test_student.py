@@ -544,6 +544,17 @@ REFLECTION = '+++ {"points": 1}\n\n:::{dropdown} A model answer\n'
             ),
             "no points",
         ),
+        # (the sixteenth pass, R263-R266: the chapters' own solution directive, and other folds
+        # the book renders: a toggle, a class in an option block, reST's dropdown)
+        (lambda t: t.replace(REFLECTION, "+++\n\n:::{solution} ex-1\n", 1), "no points"),
+        (lambda t: t.replace(REFLECTION, "+++\n\n```{solution-start} ex-1\n```\n", 1), "no points"),
+        (lambda t: t.replace(REFLECTION, "+++\n\n:::{toggle}\n", 1), "no points"),
+        (
+            lambda t: t.replace(
+                REFLECTION, "+++\n\n:::{admonition} A model answer\n---\nclass: dropdown\n---\n", 1
+            ),
+            "no points",
+        ),
         (
             lambda t: t.replace(
                 ":::{dropdown} A model answer\n",
@@ -561,6 +572,10 @@ REFLECTION = '+++ {"points": 1}\n\n:::{dropdown} A model answer\n'
         "dropdown-spelt-otherwise",
         "admonition-class",
         "html-details",
+        "solution-directive",
+        "solution-start",
+        "toggle",
+        "class-in-an-option-block",
         "second-dropdown",
     ],
 )

@@ -77,8 +77,13 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 # nbgrader's markers for checks that only the grader runs (graded cells only; gone from releases).
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 DROPDOWN = ":::{dropdown}"  # a reflection's model answer, folded
-# any way to fold text in MyST or HTML: a dropdown directive spelt any way, a class, <details>
-FOLDED_TEXT = re.compile(r"\{\s*dropdown\s*\}|:class:[^\n]*\bdropdown\b|<details\b", re.IGNORECASE)
+# a model answer's forms in MyST, reST or HTML: a dropdown, toggle or solution directive spelt
+# any way, a dropdown or toggle class (as an option or in an option block), <details>
+FOLDED_TEXT = re.compile(
+    r"\{\s*(dropdown|toggle|solution(-start)?)\s*\}|\bclass:[^\n]*\b(dropdown|toggle)\b"
+    r"|<details\b|^\s*\.\.\s+(dropdown|toggle|solution)::",
+    re.IGNORECASE | re.MULTILINE,
+)
 # nbgrader's default ClearSolutions.code_stub for Python and text_stub, so both releases are the
 # same text.
 STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
@@ -555,8 +560,8 @@ def _refuse_misplaced_points(cell, where: str) -> None:
         and "points" not in cell.metadata
     ):
         raise ValueError(
-            f"{where}: a dropdown in a cell with no points: in a lab a dropdown holds a "
-            "reflection's model answer, which the release replaces only in a cell with points "
+            f"{where}: a dropdown, toggle or solution in a cell with no points: in a lab it holds "
+            "a reflection's model answer, which the release replaces only in a cell with points "
             "(one dropdown a cell)"
         )
 

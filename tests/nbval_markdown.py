@@ -4,7 +4,8 @@ nbval only collects ``.ipynb``. This plugin hands it the text notebooks directly
 ``.md`` is read with jupytext in memory, so no generated ``.ipynb`` is left in the tree
 and nothing can go stale. Text notebooks store no outputs, so outputs are not compared
 (nbval's lax mode); the chapters check their own numbers with ``assert``. A Markdown file
-without a jupytext header is plain prose and is not collected.
+without a jupytext header is plain prose and is not collected. The kernels listen on Unix
+sockets, not TCP ports (tests/kernels.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from unittest import mock
 import jupytext
 import nbformat
 import pytest
+from nbval import kernel as nbval_kernel
 from nbval.plugin import IPyNbFile
+
+from tests.kernels import UnixSocketKernelManager
 
 NOTEBOOK_DIRS = ("book", "labs")
 
@@ -50,6 +54,11 @@ class TextNotebook(IPyNbFile):
     def collect(self):
         with mock.patch.object(nbformat, "read", _read_text_notebook):
             return list(super().collect())
+
+    def setup(self):
+        """nbval's kernel start, over Unix sockets (tests/kernels.py says why)."""
+        with mock.patch.object(nbval_kernel, "KernelManager", UnixSocketKernelManager):
+            super().setup()
 
 
 def pytest_collect_file(file_path: Path, parent):

@@ -107,9 +107,9 @@ def test_a_screened_cell_raises_its_reasons_instead_of_running():
 def test_in_the_kernel_the_course_modules_refuse_what_an_alias_writes():
     """What the screen cannot follow (here, an alias made where the screen does not look)
     fails when it runs: the labs' checks seal the course's and the library's modules."""
-    from jupyter_client.manager import start_new_kernel
+    from tests.kernels import start_kernel
 
-    manager, client = start_new_kernel(kernel_name="python3")
+    manager, client = start_kernel()
     try:
 
         def run(code):

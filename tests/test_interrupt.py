@@ -19,9 +19,9 @@ import time
 
 import jupytext
 import pytest
-from jupyter_client.manager import start_new_kernel
 
 from tests.conftest import ROOT
+from tests.kernels import start_kernel
 from tests.nbval_markdown import CELL_SECONDS, is_text_notebook
 
 NOTEBOOKS = sorted(
@@ -40,7 +40,7 @@ class Kernel:
     """A real IPython kernel, started in the notebook's folder, that runs cells one at a time."""
 
     def __init__(self, folder):
-        self.manager, self.client = start_new_kernel(kernel_name="python3", cwd=str(folder))
+        self.manager, self.client = start_kernel(cwd=str(folder))
 
     def run(self, code: str, interrupt_after: float | None = None, timeout: float = 600):
         """(status, error name, seconds) of one cell; with ``interrupt_after``, the kernel is

@@ -23,6 +23,7 @@ from nbclient.exceptions import CellExecutionError
 
 from offloadlab_course.student import source_notebook
 from tests.conftest import ROOT
+from tests.kernels import UnixSocketKernelManager
 
 # Lab 5's challenge: a prefetcher over uneven items with `count` buffers (the worked answer has
 # three).
@@ -425,6 +426,7 @@ def test_every_check_passes_the_answer_and_fails_two_wrong_ones(path):
         notebook,
         timeout=600,
         kernel_name="python3",
+        kernel_manager_class=UnixSocketKernelManager,
         resources={"metadata": {"path": str(path.parent)}},
     )
     failures, last_answer, checks, literals = [], None, iter(mistakes), 0

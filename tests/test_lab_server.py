@@ -365,12 +365,10 @@ def test_a_notebook_opened_and_closed_unedited_asks_nothing(lab_server, lab_page
 def test_lab_is_given_the_language_info_the_kernel_reports(lab_server):
     """Ground truth from the kernel itself: the language_info Lab would write on start is the one
     the contents manager already put in the notebook, so Lab's write changes nothing."""
-    from jupyter_client.manager import start_new_kernel
+    from tests.kernels import start_kernel
 
     model = lab_server.request("/api/contents/01_memory_wall.md?type=notebook&content=1")
-    manager, client = start_new_kernel(
-        kernel_name=model["content"]["metadata"]["kernelspec"]["name"]
-    )
+    manager, client = start_kernel(kernel_name=model["content"]["metadata"]["kernelspec"]["name"])
     try:
         reported = client.kernel_info(reply=True, timeout=60)["content"]["language_info"]
     finally:

@@ -1,5 +1,6 @@
 """The text-notebook plugin: collects Jupytext .md only, runs them with nbval, reports failures."""
 
+import socket
 import textwrap
 
 import pytest
@@ -57,3 +58,25 @@ def test_passing_and_failing_notebooks(project):
     output = result.stdout.str()
     assert "bad.md::Cell 1" in output and "y is not two" in output
     assert not list(project.path.rglob("*.ipynb")), "the plugin must not leave .ipynb files behind"
+
+
+def test_a_port_taken_before_the_kernel_binds_it_does_not_kill_the_notebook(project, monkeypatch):
+    """jupyter_client picks free ports and closes them; until the kernel binds them (seconds on a
+    loaded machine) another process can take one. Here every port it picks is already taken: over
+    TCP the kernel died at start-up and every cell of the notebook errored."""
+    from jupyter_client.provisioning.local_provisioner import LocalPortCache
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    monkeypatch.setattr(
+        LocalPortCache, "find_available_port", lambda self, ip: taken.getsockname()[1]
+    )
+    (project.path / "labs" / "lab.md").write_text(notebook("x = 6 * 7", "assert x == 42"))
+    try:
+        result = project.runpytest_inprocess(
+            "--nbval-current-env", "-p", "no:cacheprovider", "labs"
+        )
+    finally:
+        taken.close()
+    result.assert_outcomes(passed=2)

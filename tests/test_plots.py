@@ -274,6 +274,7 @@ def test_a_notebook_draws_every_figure_as_svg_in_the_book_style(tmp_path):
     import nbformat
 
     from tests.conftest import ROOT
+    from tests.kernels import UnixSocketKernelManager
 
     cells = [
         "from offloadlab_course import plots\nfig = plots.state_vs_model_size()",
@@ -284,6 +285,7 @@ def test_a_notebook_draws_every_figure_as_svg_in_the_book_style(tmp_path):
     client = nbclient.NotebookClient(
         notebook,
         kernel_name="python3",
+        kernel_manager_class=UnixSocketKernelManager,
         resources={"metadata": {"path": str(tmp_path)}},
         extra_arguments=[f"--config={ROOT / 'etc' / 'ipython_kernel_config.py'}"],
     )

@@ -26,6 +26,7 @@ from offloadlab_course.student import (
     strip_solutions,
 )
 from tests.conftest import ROOT
+from tests.kernels import UnixSocketKernelManager
 
 LABS = sorted((ROOT / "labs").glob("lab*.md"))
 HEADER = (
@@ -229,7 +230,11 @@ def test_every_lab_is_released_without_solutions(release):
 def test_student_notebook_runs_up_to_its_first_exercise(release, lab):
     notebook = nbformat.read(release / f"{lab}.ipynb", as_version=4)
     client = NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(release)}}
+        notebook,
+        timeout=300,
+        kernel_name="python3",
+        kernel_manager_class=UnixSocketKernelManager,
+        resources={"metadata": {"path": str(release)}},
     )
     with pytest.raises(CellExecutionError) as info:
         client.execute()

@@ -59,6 +59,21 @@ ATTACKS = {
     "exec as an attribute": ("import dataclasses\ndataclasses.builtins.exec('1')", "uses exec"),
     "a magic": ("%env OFFLOADLAB_STUDENT=0", "uses get_ipython"),
     "an item of a measurement": ("link.rates['h2d'] = 1e15", "changes an item"),
+    # found by the seventeenth probe pass, each screened clean before
+    "a hidden rate through the base class's property": (
+        "my_x = EmulatedLink.bandwidth.fget(link)",
+        "uses fget",
+    ),
+    "a hidden rate through super": ("my_x = super(type(link), link).bandwidth", "uses super"),
+    "the grader's locals through a generator's frame": (
+        "def my_f(*a):\n    def peek():\n        yield me.gi_frame.f_back.f_locals['expected']\n"
+        "    me = peek()\n    return next(me)",
+        "uses gi_frame",
+    ),
+    "the sealed modules' class": (
+        "def my_f():\n    t = type(check)\n    t.answer = property(lambda m: print)\nmy_f()",
+        "changes the attribute answer",
+    ),
 }
 
 
@@ -120,6 +135,10 @@ def test_in_the_kernel_the_course_modules_refuse_what_an_alias_writes():
         written = run("c = [check][0]\nc.answer = print")
         assert written["status"] == "error" and "read-only" in written["evalue"], written
         assert run("from offloadlab import nvme")["status"] == "ok"  # a submodule still imports
+        assert run("assert check.answer is not print")["status"] == "ok"
+        # the class every sealed module shares: a property set there would answer for them all
+        on_the_class = run("t = [type(check)][0]\nt.answer = property(lambda m: print)")
+        assert on_the_class["status"] == "error" and "read-only" in on_the_class["evalue"]
         assert run("assert check.answer is not print")["status"] == "ok"
     finally:
         client.stop_channels()

@@ -44,6 +44,11 @@ REFUSED_NAMES = {
     "__builtins__", "__import__", "attrgetter", "breakpoint", "builtins", "compile", "delattr",
     "eval", "exec", "get_ipython", "getattr", "globals", "locals", "methodcaller",
     "setattr", "sys", "vars",
+    # a property's getter, or a base class's, reads what a subclass hides (lab 2's hidden rate)
+    "fdel", "fget", "fset", "super",
+    # frames: a generator's, a coroutine's or a traceback's lead to the grader's local variables
+    "ag_frame", "cr_frame", "f_back", "f_builtins", "f_globals", "f_locals", "gi_frame",
+    "tb_frame", "tb_next",
 }  # fmt: skip
 SEALED_PACKAGES = ("offloadlab", "offloadlab_course")
 
@@ -184,7 +189,10 @@ class _Screen(ast.NodeVisitor):
 
 
 def _aliases(value) -> bool:
-    """Whether an assigned value is something that already exists under another name."""
+    """Whether an assigned value is something that already exists under another name: a
+    name, an attribute, an item, or ``type(...)`` of one (a class the value did not make)."""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+        return value.func.id == "type"
     return isinstance(value, (ast.Name, ast.Attribute, ast.Subscript))
 
 
@@ -243,7 +251,18 @@ def _bound(source: str) -> set[str]:
     return names - {"*"}
 
 
-class _Sealed(types.ModuleType):
+class _ReadOnlyClass(type):
+    """The class of the sealed modules refuses attribute writes too: every sealed module shares
+    it, so a property set on it would answer for all of them."""
+
+    def __setattr__(cls, name, value):
+        raise AttributeError(f"{name}: the course's modules are read-only here")
+
+    def __delattr__(cls, name):
+        raise AttributeError(f"{name}: the course's modules are read-only here")
+
+
+class _Sealed(types.ModuleType, metaclass=_ReadOnlyClass):
     """A module whose attributes a notebook cannot set or delete."""
 
     def __setattr__(self, name, value):

@@ -472,11 +472,16 @@ def _plan_hardware(args):
         )
 
     try:
-        # (a pipe too: --measured <(offloadlab probe --json -))
-        with open(args.measured, "rb") as source:
+        # A pipe too (--measured <(ssh gpu-host cat probe.json)), opened without waiting for a
+        # writer: a named pipe nobody writes to then reads as empty instead of blocking forever.
+        descriptor = os.open(args.measured, os.O_RDONLY | os.O_NONBLOCK)
+        os.set_blocking(descriptor, True)
+        with open(descriptor, "rb") as source:
             text = source.read(_MEASURED_MAX_BYTES + 1)
     except OSError as error:
         raise refused(error.strerror or type(error).__name__) from None
+    if not text:
+        raise refused("empty: nothing was written to it")
     if len(text) > _MEASURED_MAX_BYTES:
         raise refused(f"more than {_MEASURED_MAX_BYTES // 2**20} MiB")
     try:

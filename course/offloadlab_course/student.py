@@ -77,6 +77,8 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 # nbgrader's markers for checks that only the grader runs (graded cells only; gone from releases).
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 DROPDOWN = ":::{dropdown}"  # a reflection's model answer, folded
+# the opening fence of a dropdown in any of MyST's spellings: three or more colons or backticks
+DROPDOWN_FENCE = re.compile(r"^(?P<fence>:{3,}|`{3,})\{dropdown\}")
 # a model answer's forms in MyST, reST or HTML: a dropdown, toggle or solution directive spelt
 # any way, a dropdown or toggle class (as an option or in an option block), <details>
 FOLDED_TEXT = re.compile(
@@ -245,29 +247,45 @@ def _check_points(points_given, where: str) -> None:
         raise ValueError(f"{where}: points: expected a positive number; got {points_given!r}")
 
 
+def _dropdown_span(lines: list[str]) -> tuple[int, int] | None:
+    """The first and last line (its fences) of the first dropdown in ``lines``, or None."""
+    for first, line in enumerate(lines):
+        opening = DROPDOWN_FENCE.match(line)
+        if opening:
+            closing = opening["fence"]
+            last = next(
+                (i for i in range(first + 1, len(lines)) if lines[i].strip() == closing), None
+            )
+            return None if last is None else (first, last)
+    return None
+
+
 def _reflection_apart(cell) -> list:
-    """``cell``, or a reflection cell split after its model answer: Jupytext runs a Markdown cell
-    on to the next code cell, so the text after a reflection's dropdown (a lab's "On your own",
-    say) would be replaced by the student's answer with it."""
+    """``cell``, or a reflection cell split around its model answer: Jupytext runs a Markdown
+    cell on to the next code cell, so a question written above a reflection's dropdown, or the
+    text after it (a lab's "On your own", say), would be replaced by the student's answer too."""
     import nbformat
 
-    lines = cell.source.splitlines()
     if cell.cell_type != "markdown" or "points" not in cell.metadata:
         return [cell]
-    if not lines or not lines[0].startswith(DROPDOWN) or ":::" not in lines[1:]:
+    lines = cell.source.splitlines()
+    span = _dropdown_span(lines)
+    if span is None:
         return [cell]
-    end = lines.index(":::", 1) + 1
-    after = "\n".join(lines[end:]).strip()
-    if not after:
-        return [cell]
-    cell.source = "\n".join(lines[:end])
-    return [cell, nbformat.v4.new_markdown_cell(after)]
+    first, last = span
+    before, after = ("\n".join(part).strip() for part in (lines[:first], lines[last + 1 :]))
+    cell.source = "\n".join(lines[first : last + 1])
+    return [
+        *([nbformat.v4.new_markdown_cell(before)] if before else []),
+        cell,
+        *([nbformat.v4.new_markdown_cell(after)] if after else []),
+    ]
 
 
 def reflection_answer(source: str) -> str:
     """The model answer of a reflection cell, without the dropdown the book folds it in."""
     lines = source.strip().splitlines()
-    if lines and lines[0].startswith(DROPDOWN) and lines[-1].strip() == ":::":
+    if _dropdown_span(lines) == (0, len(lines) - 1):
         lines = lines[1:-1]
     return "\n".join(lines).strip()
 
@@ -574,7 +592,7 @@ def _refuse_stray_markers(cell, where: str) -> None:
 
     markers = (BEGIN, END, BEGIN_HIDDEN, END_HIDDEN)
     for lineno, line in enumerate(cell.source.splitlines(), 1):
-        for marker in (BEGIN, END):
+        for marker in markers:
             bare = marker.removeprefix("### ")
             if bare in line and not (cell.cell_type == "code" and line.strip() == marker):
                 raise ValueError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -63,6 +64,15 @@ def arguments(**flags: str):
             if message.startswith(f"{name}: "):
                 message = flag + message[len(name) :]
         raise UsageError(message) from None
+
+
+def _named_as_typed(message: str, args) -> str:
+    """``message`` with a leading argument name the package used (``gpus_per_link: ...``)
+    written as the flag the user typed (``--gpus-per-link: ...``)."""
+    name, colon, rest = message.partition(": ")
+    if colon and args is not None and name in vars(args) and name not in ("command", "run"):
+        return f"--{name.replace('_', '-')}: {rest}"
+    return message
 
 
 def _bounded(parse, low: float, high: float, limits: str):
@@ -497,6 +507,8 @@ def _plan_hardware(args):
 def _cmd_plan(args) -> int:
     from . import engines, planner
 
+    if args.nvme_path is not None and not args.emit:
+        raise UsageError("--nvme-path: give it with --emit (the configuration it goes into)")
     with arguments():
         work = _plan_workload(args)
     hardware = _plan_hardware(args)
@@ -694,8 +706,10 @@ def _cmd_probe(args) -> int:
             )
         except ValueError as error:  # the name or the folder the user gave
             raise UsageError(f"--reference: {str(error).removeprefix('name: ')}") from None
-        # the folder refuses a file: name the folder and where it came from
         except OSError as error:
+            if error.errno == errno.ENAMETOOLONG:  # the name the user gave, not the machine
+                raise UsageError(f"--reference: the name is too long: {args.reference!r}") from None
+            # the folder refuses a file: name the folder and where it came from
             folder = args.reference_dir or reference.user_folder()
             origin = (
                 ""
@@ -709,8 +723,10 @@ def _cmd_probe(args) -> int:
             ) from None
     if not args.disk or not Path(args.disk).is_dir():
         raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
-    # checks the disk before the sweeps
-    measured = ladder.measure(quick=args.quick, disk_folder=args.disk)
+    try:  # the disk is checked before the sweeps: an OSError here is the folder --disk chose
+        measured = ladder.measure(quick=args.quick, disk_folder=args.disk)
+    except OSError as error:
+        raise OSError(error.errno, f"--disk: {error.strerror}") from None
     mine = ladder.of_machine(measured)
     info = measured["machine"]
     records = [r.to_dict() for r in measured["records"]]
@@ -1082,6 +1098,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         _error("standard output is closed; run the command with it open (or redirect it to a file)")
         return FAULT
     _print_what_the_terminal_can_show()
+    args = None
     try:
         try:
             args = (parser or build_parser()).parse_args(argv)
@@ -1092,7 +1109,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         sys.stdout.flush()  # a closed pipe shows up here, inside the handlers below
         return status
     except UsageError as error:
-        _error(str(error))
+        _error(_named_as_typed(str(error), args))
         return USAGE_ERROR
     except BrokenPipeError:  # before OSError, of which it is a kind
         _stdout_gone()

@@ -119,3 +119,86 @@ def test_plan_measured_on_a_pipe_nobody_writes_to_is_refused_not_waited_on(tmp_p
         timeout=300,
     )
     assert through_a_pipe.returncode == 0, through_a_pipe.stderr
+
+
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        ("state --params 1e9 --recipe adam", "--recipe: expected one of"),
+        (
+            "plan --params 7e9 --gpu-memory 80GB --link 25GB/s --gpus-per-node 8 --gpus-per-link 9",
+            "--gpus-per-link: expected a divisor",
+        ),
+        ("plan --params 7e9 --heads 3 --gpu-memory 80GB --link 25GB/s", "--layers: expected"),
+        ("plan --params 7e9 --gpu-memory 80GB --link 25GB/s --nvme-path /tmp", "--nvme-path: give"),
+    ],
+    ids=["recipe", "gpus-per-link", "layers", "nvme-path without emit"],
+)
+def test_a_refused_argument_is_named_as_typed(command, flag):
+    """F8, F12: errors named the package's keyword (`recipe:`, `gpus_per_link:`) where the user
+    typed a flag; --nvme-path without --emit was ignored in silence."""
+    done = subprocess.run(
+        [sys.executable, "-m", "offloadlab", *command.split()], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and flag in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_probe_names_the_disk_flag_and_a_too_long_reference_name_is_a_usage_error(tmp_path):
+    """F9: `probe --disk /proc` did not name --disk; F10: a 300-character --reference name
+    exited 1, as a fault of the machine, rather than 2."""
+    command = [sys.executable, "-m", "offloadlab", "probe", "--quick"]
+    disk = subprocess.run(command + ["--disk", "/proc"], capture_output=True, text=True)
+    assert disk.returncode == 1 and "--disk: cannot create a scratch file" in disk.stderr
+    name = subprocess.run(
+        command
+        + ["--disk", str(tmp_path), "--reference", "a" * 300, "--reference-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert name.returncode == 2 and "--reference: the name is too long" in name.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_file_tier_says_when_a_tensor_is_not_contiguous(tmp_path):
+    """F17: 'expected a contiguous host tensor of torch.float32; got torch.float32'."""
+    import torch
+
+    from offloadlab.nvme.tier import FileTier
+
+    with FileTier(tmp_path / "state.bin", 16) as tier:
+        with pytest.raises(ValueError, match="got a non-contiguous tensor"):
+            tier.write(0, torch.zeros(4, 4).t()[0])
+
+
+def test_an_int_subclass_is_checked_as_the_number_it_holds():
+    """F7: `class I(int): __int__ = lambda s: 100`; `check.answer("x", I(5), 100)` agreed."""
+    from offloadlab_course import check
+
+    class Claims100(int):
+        def __int__(self):
+            return 100
+
+    class ClaimsHalf(float):
+        def __float__(self):
+            return 100.0
+
+    assert not check.answer("x", Claims100(5), 100)
+    assert not check.answer("x", ClaimsHalf(0.5), 100)
+    assert check.answer("x", Claims100(100), 100)
+
+
+@pytest.mark.parametrize("url", ["javascript:alert(1)", "https://x.org/a b)c"])
+def test_a_book_url_that_is_not_a_web_address_is_refused(url, tmp_path):
+    """F15: --book-url was taken as given: 'javascript:alert(1)' became 26 links of the
+    release, and a space or a bracket broke the Markdown of every link."""
+    done = subprocess.run(
+        [sys.executable, "-m", "offloadlab_course.student", "labs", str(tmp_path / "out")]
+        + ["--book-url", url],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "--book-url" in done.stderr and "http" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

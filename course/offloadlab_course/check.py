@@ -191,12 +191,14 @@ def _number(x) -> Fraction | None:
     """
     if isinstance(x, (bool, str, bytes)) or "bool" in str(getattr(x, "dtype", "")):
         return None
+    if isinstance(x, int):  # int's own value: a subclass could redefine __int__
+        return Fraction(int.__int__(x))
     if isinstance(x, numbers.Integral):
         return Fraction(int(x))
     if isinstance(x, Fraction):  # rebuilt: a subclass could redefine its arithmetic
         return Fraction(int(x.numerator), int(x.denominator))
     try:
-        value = float(x)
+        value = float.__float__(x) if isinstance(x, float) else float(x)  # (the same for float)
     # torch raises RuntimeError for many elements
     except (TypeError, ValueError, OverflowError, RuntimeError):
         return None

@@ -455,6 +455,11 @@ class _Links:
         self.book_url = (
             book_url if book_url is not None else os.environ.get(BOOK_URL_VARIABLE, "")
         ).rstrip("/")
+        if self.book_url and not re.fullmatch(r"https?://[^\s()<>\[\]]+", self.book_url):
+            raise ValueError(
+                f"--book-url (or ${BOOK_URL_VARIABLE}): expected an http:// or https:// address "
+                f"with no spaces or brackets; got {self.book_url!r}"
+            )
         self.pages = {}  # label -> (folder on the site, the .md file that defines it)
         for folder, site_folder in ((self.labs_dir.parent / "book", ""), (self.labs_dir, "labs/")):
             for page in sorted(folder.glob("*.md")):

@@ -253,9 +253,17 @@ class FileTier:
             or not tensor.is_contiguous()
             or tensor.device.type != "cpu"
         ):
+            got = (
+                type(tensor).__name__
+                if not isinstance(tensor, torch.Tensor)
+                else tensor.dtype
+                if tensor.dtype != self.dtype
+                else f"a tensor on {tensor.device}"
+                if tensor.device.type != "cpu"
+                else "a non-contiguous tensor (.contiguous() makes one that is)"
+            )
             raise ValueError(
-                f"{name}: expected a contiguous host tensor of {self.dtype}; got "
-                f"{getattr(tensor, 'dtype', type(tensor).__name__)}"
+                f"{name}: expected a contiguous host tensor of {self.dtype}; got {got}"
             )
         stop = start + tensor.numel() if is_integer(start) else None
         if not is_integer(start) or start < 0 or stop > self.numel or stop == start:

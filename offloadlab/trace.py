@@ -16,8 +16,9 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
+
+from . import files
 
 __all__ = ["chrome_trace", "write_chrome_trace", "profiler_lines_silenced"]
 
@@ -83,18 +84,11 @@ def _interval(lane, number: int, interval) -> tuple[float, float, object]:
 
 
 def write_chrome_trace(lanes: dict, path, process: str = "offloadlab") -> Path:
-    """Write :func:`chrome_trace` of ``lanes`` to ``path`` (atomically: a complete file or none)."""
-    target = Path(path)
+    """Write :func:`chrome_trace` of ``lanes`` to ``path`` atomically (a complete file or none),
+    replacing a file there (a notebook cell run again writes its trace anew) but never writing
+    through a link planted at ``path``; a new file gets the mode ``open()`` would give it."""
     payload = json.dumps(chrome_trace(lanes, process), allow_nan=False)
-    fd, scratch = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(payload)
-        os.replace(scratch, target)
-    except BaseException:
-        Path(scratch).unlink(missing_ok=True)
-        raise
-    return target
+    return files.write_atomically(path, payload, replace=True, follow=False)
 
 
 @contextlib.contextmanager

@@ -202,3 +202,23 @@ def test_a_book_url_that_is_not_a_web_address_is_refused(url, tmp_path):
     assert done.returncode == 2 and "--book-url" in done.stderr and "http" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_trace_file_gets_the_mode_open_gives_and_replaces_a_planted_link(tmp_path):
+    """F16: write_chrome_trace made its file 0600 (mkstemp) where every other output of the kit
+    is 0666 less the umask, and renamed over a link without saying whether it followed it."""
+    from offloadlab import trace
+
+    lanes = {"compute": [(0.0, 0.001, "a")]}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    written = trace.write_chrome_trace(lanes, tmp_path / "step.trace.json")
+    assert written.stat().st_mode & 0o777 == 0o666 & ~umask
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text("mine")
+    (tmp_path / "planted.trace.json").symlink_to(elsewhere)
+    trace.write_chrome_trace(lanes, tmp_path / "planted.trace.json")
+    assert elsewhere.read_text() == "mine"
+    assert not (tmp_path / "planted.trace.json").is_symlink()
+    again = trace.write_chrome_trace(lanes, written)  # a cell run again: written anew
+    assert again == written and json.loads(written.read_text())

@@ -56,6 +56,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import files
 from .units import check_integer, is_integer
 
 __all__ = [
@@ -196,6 +197,8 @@ FAMILIES = tuple(sorted(_DEFAULTS))
 # The most decoder layers a config may have (real ones have a few hundred at most): the weights of
 # every layer are listed, so an absurd count is refused before it is built.
 MAX_LAYERS = 100_000
+# a model's config.json is kilobytes; a larger input is not one (and /dev/zero never ends)
+MAX_CONFIG_BYTES = 16 * 2**20
 _LAYER_FIELDS = ("num_hidden_layers", "n_layer")
 # Elements a plain MLP keeps per element of its width, by activation function (the default: 2).
 _PLAIN_MLP_KEPT = {"relu": 1, "gelu_new": 5}
@@ -500,7 +503,7 @@ def read_config(model: str | Path) -> tuple[dict, str, tuple[str, ...]]:
                 f"which has none"
             )
         path, name = path / "config.json", text
-    elif path.is_file():
+    elif path.is_file() or path.is_fifo():  # a pipe too: --model-config <(cat config.json)
         name = text
     else:
         close = difflib.get_close_matches(text, names, n=1, cutoff=0.6)
@@ -510,11 +513,16 @@ def read_config(model: str | Path) -> tuple[dict, str, tuple[str, ...]]:
             f"holding one; got {text!r}{hint}"
         )
     try:
-        raw = path.read_text(encoding="utf-8")
+        raw = files.read_input(path, MAX_CONFIG_BYTES).decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(
             f"{path.name}: expected a readable JSON config; got {type(error).__name__}: {error}"
         ) from None
+    if not raw or len(raw) > MAX_CONFIG_BYTES:
+        raise ValueError(
+            f"{path.name}: expected a JSON config of at most {MAX_CONFIG_BYTES // 2**20} MiB; got "
+            + ("nothing (an empty file, or a pipe nobody writes to)" if not raw else "more")
+        )
     config = _parse_json(raw, name)
     if not isinstance(config, dict):
         raise ValueError(

@@ -482,12 +482,8 @@ def _plan_hardware(args):
         )
 
     try:
-        # A pipe too (--measured <(ssh gpu-host cat probe.json)), opened without waiting for a
-        # writer: a named pipe nobody writes to then reads as empty instead of blocking forever.
-        descriptor = os.open(args.measured, os.O_RDONLY | os.O_NONBLOCK)
-        os.set_blocking(descriptor, True)
-        with open(descriptor, "rb") as source:
-            text = source.read(_MEASURED_MAX_BYTES + 1)
+        # a pipe too: --measured <(ssh gpu-host cat probe.json)
+        text = files.read_input(args.measured, _MEASURED_MAX_BYTES)
     except OSError as error:
         raise refused(error.strerror or type(error).__name__) from None
     if not text:

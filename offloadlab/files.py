@@ -1,5 +1,6 @@
 """Writing result files safely: checked before a long run, never half-written, never replaced by
-surprise; and a write that does not stop short (:func:`write_all`).
+surprise; a write that does not stop short (:func:`write_all`); and reading an input that may be
+a pipe without waiting forever for a writer (:func:`read_input`).
 
 :func:`check_target` says, before a measurement starts, whether a file can be written at a path
 later; :func:`write_atomically` writes it: into a new temporary file beside the target, flushed to
@@ -209,6 +210,15 @@ def _link_new(scratch: Path, target: Path) -> None:
         os.replace(scratch, target)
         return
     os.unlink(scratch)
+
+
+def read_input(path, limit: int) -> bytes:
+    """At most ``limit`` + 1 bytes of the file or pipe at ``path`` (``<(command)`` included), opened
+    without waiting for a writer: a named pipe nobody writes to reads as empty, not forever."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    os.set_blocking(descriptor, True)
+    with open(descriptor, "rb") as source:
+        return source.read(limit + 1)
 
 
 def write_all(fd: int, data, offset: int) -> None:

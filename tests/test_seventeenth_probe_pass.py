@@ -222,3 +222,27 @@ def test_a_trace_file_gets_the_mode_open_gives_and_replaces_a_planted_link(tmp_p
     assert not (tmp_path / "planted.trace.json").is_symlink()
     again = trace.write_chrome_trace(lanes, written)  # a cell run again: written anew
     assert again == written and json.loads(written.read_text())
+
+
+def test_a_model_config_may_come_through_a_pipe(tmp_path):
+    """F13: --model-config <(cat config.json) was refused with the list of shipped models
+    (got '/dev/fd/63'), though --measured <(...) is read; a named pipe nobody writes to is
+    refused in one line rather than waited on."""
+    config = ROOT / "offloadlab" / "model_configs" / "bloom-560m.json"
+    plan = '"$0" -m offloadlab plan --gpu-memory "80 GB" --link "25 GB/s" --model-config'
+    piped = subprocess.run(
+        ["bash", "-c", plan + ' <(cat "$1")', sys.executable, str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert piped.returncode == 0, piped.stderr
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    silent = subprocess.run(
+        ["bash", "-c", plan + ' "$1"', sys.executable, str(fifo)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert silent.returncode == 2 and "got nothing" in silent.stderr, silent.stderr

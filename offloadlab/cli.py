@@ -717,6 +717,10 @@ def _cmd_probe(args) -> int:
             raise Fault(
                 f"--reference: cannot write in {str(folder)!r}{origin}: {error.strerror or error}"
             ) from None
+    if None not in (json_target, reference_target) and (
+        Path(json_target).resolve() == Path(reference_target).resolve()
+    ):
+        raise UsageError(f"--reference: names the --json file {args.json!r}; give another name")
     if not args.disk or not Path(args.disk).is_dir():
         raise UsageError(f"--disk: expected an existing folder; got {args.disk!r}")
     try:  # the disk is checked before the sweeps: an OSError here is the folder --disk chose

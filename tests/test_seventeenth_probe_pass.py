@@ -246,3 +246,18 @@ def test_a_model_config_may_come_through_a_pipe(tmp_path):
         timeout=120,
     )
     assert silent.returncode == 2 and "got nothing" in silent.stderr, silent.stderr
+
+
+def test_probe_refuses_a_reference_that_is_its_json_file_before_measuring(tmp_path):
+    """F11: --json D/x.json with --reference x --reference-dir D name one file: the whole
+    measurement ran, then exited 1 ("appeared meanwhile"); bench refuses its like up front."""
+    done = subprocess.run(
+        [sys.executable, "-m", "offloadlab", "probe", "--quick", "--disk", str(tmp_path)]
+        + ["--json", str(tmp_path / "x.json"), "--reference", "x"]
+        + ["--reference-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 2 and "--reference: names the --json file" in done.stderr
+    assert "Traceback" not in done.stderr and not any(tmp_path.iterdir())

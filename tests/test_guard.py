@@ -70,6 +70,13 @@ ATTACKS = {
         "    me = peek()\n    return next(me)",
         "uses gi_frame",
     ),
+    # found by the eighteenth probe pass
+    "inspect through another module": (
+        "import dataclasses\nmy_x = dataclasses.inspect.getattr_static(link, 'x')",
+        "uses inspect",
+    ),
+    "a file of the course": ("my_x = open('../source/lab02/lab02.ipynb').read()", "uses open"),
+    "a pickle": ("import numpy\nmy_x = numpy.load('x.npy', allow_pickle=True)", "uses load"),
     "the sealed modules' class": (
         "def my_f():\n    t = type(check)\n    t.answer = property(lambda m: print)\nmy_f()",
         "changes the attribute answer",

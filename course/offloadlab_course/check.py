@@ -55,8 +55,30 @@ ROUGHLY = (
 )
 
 
+class ReadOnlyClass(type):
+    """The class of a course class that a notebook cannot change once :func:`sealed`: a property
+    set on a check's result class would make every check pass."""
+
+    def __setattr__(cls, name, value):
+        if vars(cls).get("_sealed_class"):
+            raise AttributeError(f"{cls.__name__}.{name}: the course's classes are read-only here")
+        super().__setattr__(name, value)
+
+    def __delattr__(cls, name):
+        if vars(cls).get("_sealed_class"):
+            raise AttributeError(f"{cls.__name__}.{name}: the course's classes are read-only here")
+        super().__delattr__(name)
+
+
+def sealed(cls):
+    """``cls`` (made with :class:`ReadOnlyClass`), its attributes read-only from now on."""
+    type.__setattr__(cls, "_sealed_class", True)
+    return cls
+
+
+@sealed
 @dataclass(frozen=True)
-class Verdict:
+class Verdict(metaclass=ReadOnlyClass):
     """The outcome of one check: whether it passed, and the line shown to the reader."""
 
     passed: bool

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from offloadlab.link import EmulatedLink, check_link
+from offloadlab_course.check import ReadOnlyClass, sealed
 from offloadlab.units import (
     check_integer,
     check_non_negative,
@@ -219,7 +220,8 @@ def disk_step_seconds(params: float, read_rate: float, write_rate: float) -> flo
     return state / _number(read_rate, "read_rate") + state / _number(write_rate, "write_rate")
 
 
-class Outcome:
+@sealed
+class Outcome(metaclass=ReadOnlyClass):
     """A challenge's result: truthy when it met its bar; its line is printed when it is made."""
 
     def __init__(self, passed: bool, line: str):
@@ -848,10 +850,17 @@ def lab02_challenge(
 _LEAST_MEASURED = 2**20
 
 
+# Taken when the lab imports this module, before any answer cell runs: a cell that patches
+# random's or math's functions later cannot choose the hidden rate.
+_HIDDEN_DRAW = random.SystemRandom().uniform
+_HIDDEN_LOW, _HIDDEN_HIGH, _EXP = math.log(0.1e9), math.log(1e9), math.exp
+
+
 def lab02_hidden_rate() -> float:
     """The hidden link's rate, drawn afresh each run: bytes/s, log-uniform from 0.1 to 1 GB/s,
-    so no number known in advance passes, nor the one that passes on the student's own link."""
-    return math.exp(random.SystemRandom().uniform(math.log(0.1e9), math.log(1e9)))
+    so no single number known in advance passes more than about one run in eight (at 15 %), nor
+    the one that passes on the student's own link."""
+    return _EXP(_HIDDEN_DRAW(_HIDDEN_LOW, _HIDDEN_HIGH))
 
 
 class _RateKept(EmulatedLink):

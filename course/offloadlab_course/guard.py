@@ -31,6 +31,8 @@ import types
 from nbconvert.preprocessors import Preprocessor
 from traitlets import Bool
 
+from offloadlab_course.check import ReadOnlyClass, sealed
+
 __all__ = ["ClearTracebacks", "ScreenAnswers", "screen", "seal_course_modules"]
 
 # Modules an answer may import: arithmetic, the standard containers, tensors and the library.
@@ -49,6 +51,10 @@ REFUSED_NAMES = {
     # frames: a generator's, a coroutine's or a traceback's lead to the grader's local variables
     "ag_frame", "cr_frame", "f_back", "f_builtins", "f_globals", "f_locals", "gi_frame",
     "tb_frame", "tb_next",
+    # inspect (reachable as another module's attribute: dataclasses.inspect) reads anything
+    "inspect",
+    # files: the course's sources, solutions included, may sit on the grading machine
+    "fromfile", "genfromtxt", "load", "loadtxt", "memmap", "open", "read_bytes", "read_text",
 }  # fmt: skip
 SEALED_PACKAGES = ("offloadlab", "offloadlab_course")
 
@@ -251,18 +257,8 @@ def _bound(source: str) -> set[str]:
     return names - {"*"}
 
 
-class _ReadOnlyClass(type):
-    """The class of the sealed modules refuses attribute writes too: every sealed module shares
-    it, so a property set on it would answer for all of them."""
-
-    def __setattr__(cls, name, value):
-        raise AttributeError(f"{name}: the course's modules are read-only here")
-
-    def __delattr__(cls, name):
-        raise AttributeError(f"{name}: the course's modules are read-only here")
-
-
-class _Sealed(types.ModuleType, metaclass=_ReadOnlyClass):
+@sealed  # its class too: every sealed module shares it, so a property set there answers for all
+class _Sealed(types.ModuleType, metaclass=ReadOnlyClass):
     """A module whose attributes a notebook cannot set or delete."""
 
     def __setattr__(self, name, value):

@@ -21,6 +21,7 @@ import errno
 import os
 import secrets
 import stat
+import time
 from pathlib import Path
 
 __all__ = ["check_target", "file_name", "write_atomically", "write_all"]
@@ -160,7 +161,9 @@ def write_atomically(path, data: bytes | str, replace: bool = False, follow: boo
     """
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     if follow and _is_stream(Path(path)):  # nothing to replace: write through it
-        with open(path, "wb") as stream:
+        descriptor = _open_for_a_reader(path)
+        os.set_blocking(descriptor, True)
+        with open(descriptor, "wb") as stream:
             stream.write(payload)
         return Path(path)
     target = _followed(Path(path)) if follow else Path(path)
@@ -189,6 +192,27 @@ def write_atomically(path, data: bytes | str, replace: bool = False, follow: boo
         raise
     _sync_folder(target.parent)
     return target
+
+
+# Seconds a named pipe is given to find a reader before the write is refused.
+_READER_WAIT_S = 30
+
+
+def _open_for_a_reader(path) -> int:
+    """``path`` (a pipe, a terminal, a device) opened for writing without blocking: a named pipe
+    nobody reads is given :data:`_READER_WAIT_S` to find a reader, then refused, not waited on."""
+    deadline = time.monotonic() + _READER_WAIT_S
+    while True:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as error:
+            if error.errno != errno.ENXIO:  # ENXIO: a pipe with no reader yet
+                raise
+            if time.monotonic() > deadline:
+                raise OSError(
+                    errno.ENXIO, f"{str(path)!r} is a pipe nobody read from in {_READER_WAIT_S} s"
+                ) from None
+            time.sleep(0.05)
 
 
 def _link_new(scratch: Path, target: Path) -> None:

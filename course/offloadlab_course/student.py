@@ -186,6 +186,12 @@ def source_notebook(path: Path):
         if graded:
             _check_points(points_given, where)
         if cell.cell_type == "markdown" and points_given is not None:
+            if FOLDED_TEXT.search(cell.source) and _dropdown_span(cell.source.splitlines()) is None:
+                raise ValueError(
+                    f"{where}: a reflection's model answer is folded in a `:::{{dropdown}}` block "
+                    "starting a line; in another form the release would replace the whole cell, "
+                    "question and all"
+                )
             cell.source = reflection_answer(cell.source)
             cell.metadata["nbgrader"] = _nbgrader(
                 f"reflection-{index}", solution=True, grade=True, points=points_given

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from tests.conftest import ROOT
+from tests.test_student import _release
 
 # Each runs in a fresh interpreter with the course's modules sealed, as in a lab's kernel: what
 # it patches would otherwise stay patched in the test process.
@@ -53,14 +54,6 @@ def test_patching_random_or_math_does_not_choose_lab_2s_hidden_rate():
     assert done.stdout.strip().endswith("True"), done.stdout + done.stderr
 
 
-def _release(tmp_path, text):
-    labs = tmp_path / "labs"
-    labs.mkdir()
-    (labs / "lab01_x.md").write_text(text, encoding="utf-8")
-    command = [sys.executable, "-m", "offloadlab_course.student", str(labs), str(tmp_path / "out")]
-    return subprocess.run(command, capture_output=True, text=True)
-
-
 @pytest.mark.parametrize(
     "folded",
     [
@@ -78,7 +71,7 @@ def test_a_reflection_folded_another_way_stops_the_release(folded, tmp_path):
     start = text.index('+++ {"points": 1}\n\n:::{dropdown} A model answer')
     end = text.index("\n:::\n", start) + len("\n:::\n")
     cell = f'+++ {{"points": 1}}\n\nWhich bytes come back?\n\n{folded}\n\nOn your own: try k = 3.\n'
-    done = _release(tmp_path, text[:start] + cell + text[end:])
+    done, _ = _release(tmp_path, text[:start] + cell + text[end:], nbgrader=False)
     assert done.returncode == 2 and "lab01_x.md: cell" in done.stderr, done.stderr
     assert "`:::{dropdown}` block" in done.stderr and len(done.stderr.strip().splitlines()) == 1
 

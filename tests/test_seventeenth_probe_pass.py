@@ -9,18 +9,9 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.test_student import _release
 
 LAB = ROOT / "labs" / "lab01_account_for_every_byte.md"
-
-
-def _release(tmp_path, text, nbgrader):
-    labs = tmp_path / "labs"
-    labs.mkdir()
-    (labs / "lab01_x.md").write_text(text, encoding="utf-8")
-    command = [sys.executable, "-m", "offloadlab_course.student", str(labs), str(tmp_path / "out")]
-    done = subprocess.run(command + ["--nbgrader"] * nbgrader, capture_output=True, text=True)
-    released = [p.read_text() for p in (tmp_path / "out").rglob("*.ipynb")]
-    return done, released
 
 
 @pytest.mark.parametrize("nbgrader", [False, True], ids=["student", "nbgrader"])

@@ -81,6 +81,32 @@ ATTACKS = {
         "def my_f():\n    t = type(check)\n    t.answer = property(lambda m: print)\nmy_f()",
         "changes the attribute answer",
     ),
+    # a call may return what already exists: only a value the function builds is its own
+    "an alias through a call": (
+        "def my_f():\n    F = next(iter([check.Fraction]))\n    F.numerator = property(len)",
+        "changes the attribute numerator",
+    ),
+    "an alias after a fresh value": (
+        "def my_f():\n    t = 0\n    t = torch\n    t.equal = len",
+        "changes the attribute equal",
+    ),
+    "an alias unpacked from a fresh list": (
+        "def my_f():\n    t, = [torch]\n    t.equal = len",
+        "changes the attribute equal",
+    ),
+    "an alias as a loop's name": (
+        "def my_f():\n    for t in [torch]:\n        t.equal = len",
+        "changes the attribute equal",
+    ),
+    "an operator of its own that returns an alias": (
+        "class my_A:\n    def __radd__(self, other):\n        return torch\n"
+        "def my_f():\n    t = 0 + my_A()\n    t.equal = len",
+        "defines the special method __radd__",
+    ),
+    "an alias through either side of an or": (
+        "def my_f():\n    t = None or torch\n    t.equal = len",
+        "changes the attribute equal",
+    ),
 }
 
 
@@ -147,6 +173,50 @@ def test_in_the_kernel_the_course_modules_refuse_what_an_alias_writes():
         on_the_class = run("t = [type(check)][0]\nt.answer = property(lambda m: print)")
         assert on_the_class["status"] == "error" and "read-only" in on_the_class["evalue"]
         assert run("assert check.answer is not print")["status"] == "ok"
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def test_in_the_kernel_a_check_fails_when_an_answer_changed_what_it_relies_on():
+    """What neither the screen nor the seal stops (a class handed to a function as a parameter,
+    outside the sealed modules) is found when a check would pass: it fails, naming the change."""
+    from tests.kernels import start_kernel
+
+    manager, client = start_kernel()
+    try:
+
+        def run(code):
+            printed = []
+
+            def keep(message):
+                if message["msg_type"] == "stream":
+                    printed.append(message["content"]["text"])
+
+            reply = client.execute_interactive(code, timeout=120, output_hook=keep)
+            return reply["content"]["status"], "".join(printed)
+
+        assert run("from offloadlab_course import check, grading") == ("ok", "")
+        # what torch changes itself as it runs is no answer's doing: the first optimizer of a
+        # class wraps its step, dynamo wraps manual_seed, pickling caches a class's slot names
+        honest = (
+            "import pickle\nmy_opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])\n"
+            "my_copy = pickle.loads(pickle.dumps(my_opt))\ntorch.compiler.disable(len)\n"
+            "torch.manual_seed(0)"
+        )
+        assert run("import torch") == ("ok", "") and run(honest)[0] == "ok"
+        assert run("assert check.answer('x', 1.0, 1.0)")[0] == "ok"
+        # every difference zero: 5.0 would pass for 1.0
+        patched = "def my_f(F):\n    F.numerator = property(lambda f: 0)\nmy_f(check.Fraction)"
+        assert screen(patched, {"check"}) == []
+        assert run(patched)[0] == "ok"
+        status, printed = run("my_x = bool(check.answer('x', 5.0, 1.0))\nprint(my_x)")
+        assert status == "ok", printed
+        assert printed.endswith("False\n"), printed
+        assert "changed fractions.Fraction.numerator" in printed, printed
+        # a challenge's outcome the same way
+        status, printed = run("print(bool(grading.Outcome(True, '✓ challenge: met')))")
+        assert "✗ challenge: not checked" in printed and printed.endswith("False\n"), printed
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)

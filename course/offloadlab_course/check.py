@@ -24,6 +24,7 @@ from decimal import Decimal
 from fractions import Fraction
 
 from offloadlab.units import is_number, plain_scalar
+from offloadlab_course import watch
 
 __all__ = ["Verdict", "answer", "exact", "student_release", "STUDENT_VARIABLE"]
 
@@ -269,5 +270,8 @@ def _unit_slip(value: Fraction, target: Fraction) -> str:
 
 
 def _report(verdict: Verdict) -> Verdict:
+    if verdict.passed and (why := watch.why_not_checked()):
+        name = verdict.message.removeprefix("✓ ").partition(":")[0]
+        verdict = Verdict(False, f"✗ {name}: {why}")
     print(verdict.message)
     return verdict

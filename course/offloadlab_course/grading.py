@@ -31,7 +31,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from offloadlab.link import EmulatedLink, check_link
+from offloadlab import experiment
+from offloadlab.link import EmulatedLink, Link, check_link, open_link
+from offloadlab.models import GPTConfig, TinyGPT
+from offloadlab.nvme import FileTier
+from offloadlab.offload import CPUOffloadAdam
+from offloadlab.sharding import ring_bytes
+from offloadlab.streaming import StreamedModel
+from offloadlab_course import crashes, watch
 from offloadlab_course.check import ReadOnlyClass, sealed
 from offloadlab.units import (
     check_integer,
@@ -173,7 +180,6 @@ def _whole(value, name: str, low: int = 1, expected: str | None = None) -> int:
 
 def _config(config) -> None:
     """ValueError unless ``config`` is a GPTConfig (the lab's model)."""
-    from offloadlab.models import GPTConfig
 
     if not isinstance(config, GPTConfig):
         raise ValueError(f"config: expected the lab's GPTConfig; got {config!r}")
@@ -225,6 +231,8 @@ class Outcome(metaclass=ReadOnlyClass):
     """A challenge's result: truthy when it met its bar; its line is printed when it is made."""
 
     def __init__(self, passed: bool, line: str):
+        if passed and (why := watch.why_not_checked()):
+            passed, line = False, f"✗ challenge: {why}"
         self.passed, self.line = passed, line
         print(line)
 
@@ -247,7 +255,6 @@ def lab01_challenge(
     anything still holds them (a gradient kept in the trainer's own list, or a copy of it, is
     state too). A gradient the counter did not see (a trainer removed its hooks) fails the
     challenge."""
-    from offloadlab.models import TinyGPT
 
     missing = _unanswered(trainer, "trainer", "trainer(model) -> (step, optimizers)")
     if missing is not None:
@@ -391,9 +398,6 @@ def lab04_challenge(
     _number(budget, "budget"), _whole(copies, "copies"), _whole(steps, "steps")
     _number(rel_tol, "rel_tol"), _config(config)
 
-    from offloadlab.link import open_link
-    from offloadlab.models import TinyGPT
-
     dtype = torch.float32 if dtype is None else dtype
     torch.manual_seed(0)
     reference = TinyGPT(config).to(device)
@@ -473,7 +477,6 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
     or "half" (taking turns). Right is the one whose traffic takes less time a step; the grader
     asks for nodes on both sides of the crossover, in both duplexes, at two scales, and passes
     when every answer is right."""
-    from offloadlab.sharding import ring_bytes
 
     missing = _unanswered(
         choose, "choose", "choose(tensor_bytes, ranks, down, up, interconnect, host_link, duplex)"
@@ -554,11 +557,6 @@ def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
         return missing
     budget = _whole(budget, "budget", expected="a whole number of bytes ≥ 1")
     _config(config)
-
-    from offloadlab.link import open_link
-    from offloadlab.models import TinyGPT
-    from offloadlab.offload import CPUOffloadAdam
-    from offloadlab.streaming import StreamedModel
 
     def run(make):
         """(the streaming, device bytes it asked for, bytes up in the recorded step)."""
@@ -649,8 +647,6 @@ def lab07_challenge(
     import time
     from pathlib import Path
 
-    from offloadlab.nvme import FileTier
-
     if not isinstance(folder, (str, Path)) or not Path(folder).is_dir():
         raise ValueError(f"folder: expected an existing folder on the disk to test; got {folder!r}")
 
@@ -705,8 +701,6 @@ def lab07_commit(commit, two_slot_file, folder=".", commits: int = 3) -> Outcome
     step, holding exactly that step's data, and never before a commit that had returned."""
     import tempfile
     from pathlib import Path
-
-    from offloadlab_course import crashes
 
     missing = _unanswered(commit, "my_commit", "my_commit(state, data)")
     if missing is not None:
@@ -913,8 +907,6 @@ def lab03_challenge(
     """
     import time
 
-    from offloadlab.link import EmulatedLink
-
     missing = _unanswered(step, "step", "step(link, work, host, device)")
     if missing is not None:
         return missing
@@ -1109,7 +1101,6 @@ class _WatchedLink:
 
 def _register_watched_link() -> None:
     """A watched link is a link to the optimizers that check (CPUOffloadAdam refuses a non-link)."""
-    from offloadlab.link import Link
 
     Link.register(_WatchedLink)
 
@@ -1136,8 +1127,6 @@ def lab05_challenge(
     from the pass's own timeline (copy events against compute markers), not from a wall clock.
     """
     import time
-
-    from offloadlab.link import EmulatedLink
 
     missing = _unanswered(prefetch, "prefetch", "prefetch(items, link)")
     if missing is not None:
@@ -1167,7 +1156,6 @@ def _gpu_work_and_rate(link, work_seconds: float | None) -> tuple:
     """For a challenge on a GPU: a chain of matrix products of about ``work_seconds`` (default
     4 ms), the seconds it takes (median of 3, by events around it) and the link's host-to-device
     rate in bytes/s (median of 3 copies of 16 MiB)."""
-    from offloadlab import experiment
 
     work = experiment.overlap_work(link, 0.004 if work_seconds is None else work_seconds)
     timed = []
@@ -1355,6 +1343,7 @@ def _watch_cells() -> None:
     if shell is not None and _remember not in shell.events.callbacks["pre_run_cell"]:
         shell.events.register("pre_run_cell", _remember)
         shell.events.register("pre_run_cell", seal_course_modules)
+        shell.events.register("pre_run_cell", watch.remember)
 
 
 def _parse(code: str):

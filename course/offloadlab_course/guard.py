@@ -2,7 +2,7 @@
 
 nbgrader runs a submission's answer cells and the checks in one Python process, so an answer
 cell could change the checks instead of answering: ``check.answer = lambda *a, **k: True``.
-Two guards, one on each side of the kernel:
+Three guards, one before the kernel runs and two inside it:
 
 - :class:`ScreenAnswers`, an nbgrader preprocessor that ``nbgrader autograde`` runs before the
   notebook executes (course/nbgrader_config.py names it): each answer cell is read, not run, and
@@ -12,11 +12,14 @@ Two guards, one on each side of the kernel:
   (``setattr``, ``exec``, ``vars``…) is replaced by a cell that raises and says why;
 - :func:`seal_course_modules`, run in the kernel before each cell once the labs' checks are
   imported: the course's and the library's modules refuse new attributes, so an alias the
-  screen cannot follow (``c = check; c.answer = …`` inside a function) fails when it runs.
+  screen cannot follow (``c = check; c.answer = …`` inside a function) fails when it runs;
+- :mod:`offloadlab_course.watch`, beside the seal: what the checks rely on outside the sealed
+  modules (``fractions.Fraction``, ``torch.equal``, the library's classes) is noted before the
+  answers run, and a check that would pass after an answer changed any of it fails instead.
 
-Neither is a sandbox: Python in a kernel can reach anything in it. They close every route the
-course's tests try (tests/test_guard.py); what is left takes deliberate work, and the screen's
-message names the cell in the feedback.
+None is a sandbox: Python in a kernel can reach anything in it. They close every route the
+course's tests try (tests/test_guard.py), and the screen's and the watch's messages name what
+they stopped in the feedback.
 
 :class:`ClearTracebacks` is for feedback: a failed check's traceback lists the lines of its cell,
 hidden tests included, so feedback keeps each error's type and message only.
@@ -57,6 +60,8 @@ REFUSED_NAMES = {
     "fromfile", "genfromtxt", "load", "loadtxt", "memmap", "open", "read_bytes", "read_text",
 }  # fmt: skip
 SEALED_PACKAGES = ("offloadlab", "offloadlab_course")
+# The special methods an answer's own class may define: making and showing an instance.
+ALLOWED_SPECIAL_METHODS = {"__init__", "__repr__", "__str__"}
 
 
 def screen(source: str, protected: set[str]) -> list[str]:
@@ -162,6 +167,9 @@ class _Screen(ast.NodeVisitor):
 
     def visit_FunctionDef(self, node):
         self._binding(node.name)
+        if node.name.startswith("__") and node.name not in ALLOWED_SPECIAL_METHODS:
+            # an operator or a conversion of its own: ``0 + x`` or ``float(x)`` may return anything
+            self.reasons.append(f"defines the special method {node.name}")
         for decorator in node.decorator_list:
             self.visit(decorator)
         self._function(node, node.body)
@@ -175,43 +183,65 @@ class _Screen(ast.NodeVisitor):
         for default in [*node.args.defaults, *node.args.kw_defaults]:
             if default is not None:
                 self.visit(default)
-        arguments = node.args
-        positional = [*arguments.posonlyargs, *arguments.args]
-        defaults = [None] * (len(positional) - len(arguments.defaults)) + arguments.defaults
-        given = [*zip(positional, defaults), *zip(arguments.kwonlyargs, arguments.kw_defaults)]
-        # a parameter whose default is another name (def f(c=check)) is that name's alias
-        owned = {a.arg for a, default in given if not _aliases(default)}
-        owned |= {a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None}
-        for statement in body:
-            for inner in ast.walk(statement):
-                if isinstance(inner, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)):
-                    targets = getattr(inner, "targets", None) or [inner.target]
-                    if not _aliases(inner.value):
-                        owned |= {name for target in targets for name in _names_bound(target)}
-        outer, self.local = self.local, (self.local or set()) | owned
+        outer, self.local = self.local, (self.local or set()) | _owned(node.args, body)
         for statement in body:
             self.visit(statement)
         self.local = outer
 
 
-def _aliases(value) -> bool:
-    """Whether an assigned value is something that already exists under another name: a
-    name, an attribute, an item, or ``type(...)`` of one (a class the value did not make)."""
-    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
-        return value.func.id == "type"
-    return isinstance(value, (ast.Name, ast.Attribute, ast.Subscript))
+def _owned(arguments, body) -> set[str]:
+    """The names a function owns: its parameters (but one whose default is another name's value)
+    and names it binds to values it builds (a literal, a comprehension), unless it also binds
+    them to anything else (a name, an attribute, an item, a call's result, a loop's item): any
+    of those may be what already exists under another name."""
+    positional = [*arguments.posonlyargs, *arguments.args]
+    defaults = [None] * (len(positional) - len(arguments.defaults)) + arguments.defaults
+    given = [*zip(positional, defaults), *zip(arguments.kwonlyargs, arguments.kw_defaults)]
+    owned = {a.arg for a, default in given if default is None or _built(default)}
+    owned |= {a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None}
+    built, bound = set(), []  # the Name nodes bound to a built value; every name bound
+    for statement in body:
+        for node in ast.walk(statement):
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value:
+                for target in getattr(node, "targets", None) or [node.target]:
+                    built |= {id(name) for name, value in _pairs(target, node.value)
+                              if _built(value)}  # fmt: skip
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                bound.append(node)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                owned.discard(node.name)
+    owned |= {name.id for name in bound if id(name) in built}
+    return owned - {name.id for name in bound if id(name) not in built}
 
 
-def _names_bound(target) -> set[str]:
-    """The names an assignment target binds: ``a``, ``a, b``, ``*a``; an attribute or an item
-    binds none (it changes what its root names)."""
+def _pairs(target, value):
+    """(Name node, the value it is bound to) for an assignment: ``a, b = 1, []`` pairs each name
+    with its own element; a name unpacked from anything else is paired with None."""
     if isinstance(target, ast.Name):
-        return {target.id}
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return {name for element in target.elts for name in _names_bound(element)}
-    if isinstance(target, ast.Starred):
-        return _names_bound(target.value)
-    return set()
+        yield target, value
+    elif isinstance(target, (ast.Tuple, ast.List)):
+        elements = value.elts if isinstance(value, (ast.Tuple, ast.List)) else ()
+        if len(elements) != len(target.elts) or any(
+            isinstance(e, ast.Starred) for e in [*elements, *target.elts]
+        ):
+            elements = [None] * len(target.elts)
+        for inner, element in zip(target.elts, elements):
+            yield from _pairs(inner, element)
+
+
+# Values a function builds itself: nothing that exists already can be one.
+BUILT = (
+    ast.Constant, ast.Dict, ast.DictComp, ast.GeneratorExp, ast.JoinedStr, ast.Lambda, ast.List,
+    ast.ListComp, ast.Set, ast.SetComp, ast.Tuple,
+)  # fmt: skip
+
+
+def _built(value) -> bool:
+    """Whether ``value`` is one a function builds: a literal or a comprehension, or arithmetic on
+    one (``[None] * count``; the screen refuses an answer's own special methods)."""
+    if isinstance(value, ast.BinOp):
+        return _built(value.left) or _built(value.right)
+    return isinstance(value, BUILT)
 
 
 class ScreenAnswers(Preprocessor):

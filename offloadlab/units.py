@@ -53,14 +53,15 @@ _TIME_UNITS = {
     "min": 60.0,
     "h": 3600.0,
 }
-_NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
+_DIGITS = r"\d(?:_?\d)*"  # (grouped with single underscores, as Python writes 10_000)
+_NUMBER = rf"[+-]?(?:{_DIGITS}(?:\.(?:{_DIGITS})?)?|\.{_DIGITS})(?:[eE][+-]?{_DIGITS})?"
 _QUANTITY = re.compile(rf"^\s*({_NUMBER})\s*([A-Za-zµμ/]*)\s*$")  # (the micro sign, or Greek mu)
 
 # (In Python a number is taken in base units: bytes, bytes/s, seconds.)
 SIZE_FORMS = "a size with its unit, such as '80 GB', '512 MiB', '1.5 TB'"
 BANDWIDTH_FORMS = "a rate with its unit, such as '32 GB/s', '900 MiB/s', '400 Gbit/s'"
 DURATION_FORMS = "a time with its unit, such as '250 ms', '1.5 s', '40 us'"
-COUNT_FORMS = "a number such as 10e9, 7000000000 or '1.3e9'"
+COUNT_FORMS = "a number such as 10e9, 7000000000, 7_000_000_000 or '1.3e9'"
 
 
 def _fail(name: str, value, forms: str, why: str = "") -> ValueError:

@@ -211,3 +211,23 @@ def test_python_numbers_stay_base_units():
         and units.parse_bandwidth(2.5e10) == 2.5e10
         and units.parse_duration(3) == 3
     )
+
+
+@pytest.mark.parametrize(
+    "parse, text, expected",
+    [
+        (units.parse_count, "10_000_000_000", 1e10),
+        (units.parse_size, "1_024 MiB", 2**30),
+        (units.parse_bandwidth, "12_5 GB/s", 125e9),
+        (units.parse_count, "1_0e1_0", 1e11),
+    ],
+)
+def test_digits_grouped_with_underscores_read_as_python_reads_them(parse, text, expected):
+    """`--params 10_000_000_000` was refused as 'not a number with a unit'."""
+    assert parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["10__000", "_10", "10_", "1_.5", "1e_5"])
+def test_underscores_python_refuses_are_refused(text):
+    with pytest.raises(ValueError, match="^count: expected"):
+        units.parse_count(text)

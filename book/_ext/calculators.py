@@ -217,7 +217,7 @@ FORMS: dict[str, tuple[Field, ...]] = {
              Field("--link", "Host link, one direction"), Field("--host-memory", "Host memory"),
              Field("--gpus-per-node", "GPUs in the node"), Field("--interconnect", "GPU to GPU, one direction"),
              Field("--compute", "GPU compute, sustained FLOP/s"), Field("--batch", "Micro-batch"),
-             Field("--seq", "Sequence length")),
+             Field("--seq", "Sequence length"), Field("--cpu-adam", "CPU Adam, parameters/s")),
 }
 SUGGESTIONS = {"--duplex": lambda: ["full", "half"], "--model": _shipped_models,
                "--offload": lambda: ["optimizer", "optimizer,gradients", "optimizer,gradients,parameters"]}

@@ -376,7 +376,7 @@ def _plan_workload(args):
     (``--count auto``, the default: the same count, checked against transformers in the tests, in
     a fraction of a second); any other, or with ``--count transformers``, by transformers' own
     code on the meta device, where transformers is installed."""
-    from . import architectures, model_count, planner
+    from . import model_count, planner
 
     given = [
         name
@@ -413,23 +413,20 @@ def _plan_workload(args):
             f"--model-config: expected a config.json file or the folder of a model snapshot; got "
             f"{args.model_config!r}"
         )
-    # (read_config names its argument "model": the flag the user typed is the one to name)
-    with arguments(model="--model" if args.model is not None else "--model-config"):
-        config, name, notes = architectures.read_config(
-            source if args.model is not None else Path(source)
-        )
     if args.count == "transformers" and not model_count.available():
         raise UsageError(
             "--count: transformers is not installed here (pip install transformers), so it cannot "
             "count the model; use --count formula"
         )
-    known = config.get("model_type") in architectures.FAMILIES
-    if args.count == "formula" or (args.count == "auto" and known) or not model_count.available():
-        architecture = dataclasses.replace(architectures.from_config(config, name), notes=notes)
-    else:
-        from .models import saved_bytes_by_layer  # (transformers is here, so torch is too)
-
-        architecture = model_count.architecture(config, name, notes, saved_bytes_by_layer)
+    # (the package names its argument "model", or the file it read: the flag typed is named)
+    flag = "--model" if args.model is not None else "--model-config"
+    try:
+        with arguments(model=flag):
+            architecture = _architecture(args, source)
+    except UsageError as error:
+        if str(error).startswith(f"{flag}: "):
+            raise
+        raise UsageError(f"{flag}: {error}") from None
     if architecture.params > _MAX_PARAMS:  # the bound --params has, so no derived figure overflows
         raise UsageError(
             f"--model-config: expected a model of at most {_MAX_PARAMS:.0e} parameters; "
@@ -438,6 +435,22 @@ def _plan_workload(args):
     return planner.Workload.of_model(
         architecture, batch=args.batch, seq=args.seq, attention=args.attention
     )
+
+
+def _architecture(args, source):
+    """The model ``--model`` names or ``--model-config`` holds (an ``Architecture``), counted as
+    ``--count`` says."""
+    from . import architectures, model_count
+
+    config, name, notes = architectures.read_config(
+        source if args.model is not None else Path(source)
+    )
+    known = config.get("model_type") in architectures.FAMILIES
+    if args.count == "formula" or (args.count == "auto" and known) or not model_count.available():
+        return dataclasses.replace(architectures.from_config(config, name), notes=notes)
+    from .models import saved_bytes_by_layer  # (transformers is here, so torch is too)
+
+    return model_count.architecture(config, name, notes, saved_bytes_by_layer)
 
 
 _MEASURED_MAX_BYTES = 16 * 2**20  # a probe record is tens of kB; /dev/zero is endless
@@ -850,11 +863,14 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument(
         "--window", required=True, type=_DURATION, help="compute time to hide behind, e.g. '250 ms'"
     )
-    budget.add_argument("--params", type=_PARAMS, help="parameter count, e.g. 10e9")
+    budget.add_argument(
+        "--params", type=_PARAMS, help="parameter count, e.g. 10e9 (given with --offload)"
+    )
     budget.add_argument(
         "--offload",
         type=_name_list,
-        help="comma-separated: optimizer, gradients, parameters, park-and-copy",
+        help="comma-separated: optimizer, gradients, parameters, park-and-copy (given with "
+        "--params)",
     )
     budget.add_argument(
         "--duplex",

@@ -90,3 +90,40 @@ def test_probe_json_to_a_pipe_nobody_reads_is_refused_not_waited_on(tmp_path):
     )
     assert done.returncode == 1 and "a pipe nobody read from" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and '"records"' in done.stdout
+
+
+@pytest.mark.parametrize(
+    "config, says",
+    [
+        ("{bad", "expected a readable JSON config"),
+        ("", "expected a JSON config of at most 16 MiB"),
+        ('{"model_type": "llama"}', "expected the field 'hidden_size'"),
+    ],
+    ids=["not JSON", "empty", "a field missing"],
+)
+def test_a_bad_model_config_is_named_by_its_flag(config, says, tmp_path):
+    """F7: the error named the file ('/tmp/c.json: expected …'), not the flag that gave it."""
+    path = tmp_path / "config.json"
+    path.write_text(config)
+    done = subprocess.run(
+        [sys.executable, "-m", "offloadlab", "plan", "--model-config", str(path)]
+        + ["--gpu-memory", "80 GB", "--link", "25 GB/s"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("offloadlab: error: --model-config: "), done.stderr
+    assert says in done.stderr and path.name in done.stderr, done.stderr
+
+
+def test_budgets_help_says_params_and_offload_go_together():
+    """F8: `budget --params 7e9` without --offload is refused, and --help did not say why."""
+    done = subprocess.run(
+        [sys.executable, "-m", "offloadlab", "budget", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert " ".join(done.stdout.split()).count("with --offload") == 1, done.stdout
+    assert " ".join(done.stdout.split()).count("with --params") == 1, done.stdout

@@ -58,6 +58,8 @@ ATTACKS = {
     ),
     "exec as an attribute": ("import dataclasses\ndataclasses.builtins.exec('1')", "uses exec"),
     "a magic": ("%env OFFLOADLAB_STUDENT=0", "uses get_ipython"),
+    "a timed change": ("%time check.answer = print", "changes the attribute answer"),
+    "a timed cell's change": ("%%time\ncheck.answer = print", "changes the attribute answer"),
     "an item of a measurement": ("link.rates['h2d'] = 1e15", "changes an item"),
     # found by the seventeenth probe pass, each screened clean before
     "a hidden rate through the base class's property": (
@@ -126,6 +128,8 @@ def test_each_way_around_the_checks_is_screened_out(attack):
         "my_x = [link for link in range(3)]  # a comprehension's own name",
         "import math\nfrom offloadlab import overlap as o\nmy_x = math.ceil(2.5)",
         "def my_f(items, link):\n    nonlocal_free = link.mark()\n    return nonlocal_free",
+        "%time my_x = 16 * P  # timed",
+        "%%time\nmy_x = 16 * P",
     ],
 )
 def test_plain_answers_pass_the_screen(source):

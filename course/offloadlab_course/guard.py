@@ -28,6 +28,7 @@ hidden tests included, so feedback keeps each error's type and message only.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 import types
 
@@ -68,12 +69,21 @@ def screen(source: str, protected: set[str]) -> list[str]:
     """Why the answer cell ``source`` may not run, one phrase per reason (none for a plain
     answer). ``protected``: the names the lab's own cells bind."""
     try:
-        tree = ast.parse(_python(source))
+        tree = ast.parse(_python(_untimed(source)))
     except SyntaxError:
         return []  # it fails when it runs, as it would have anyway
     reasons = []
     _Screen(protected, reasons).visit(tree)
     return list(dict.fromkeys(reasons))
+
+
+def _untimed(source: str) -> str:
+    """The cell without a ``%%time`` above it or a ``%time`` before a statement: IPython runs
+    what they time as it stands, so the screen reads that, not a call it cannot see into."""
+    lines = source.split("\n")
+    if lines[0].strip() == "%%time":
+        lines = lines[1:]
+    return "\n".join(re.sub(r"^(\s*)%time\s+", r"\1", line) for line in lines)
 
 
 def _python(source: str) -> str:

@@ -393,6 +393,11 @@ def _plan_workload(args):
             f"got {' and '.join(given) or 'none'}"
         )
     if args.params is not None:
+        if args.count != "auto":
+            raise UsageError(
+                "--count: says how a model's config is counted; --params gives a count, with no "
+                "config to count (give --model or --model-config)"
+            )
         return planner.Workload(
             args.params,
             layers=args.layers,
@@ -701,7 +706,7 @@ def _cmd_probe(args) -> int:
     from . import ladder, reference
 
     json_target = output_target(args.json, args.force)
-    if args.reference_dir is not None and not args.reference:
+    if args.reference_dir is not None and args.reference is None:
         raise UsageError("--reference-dir: give it with --reference NAME")
     if args.reference_dir is not None and not Path(args.reference_dir).is_dir():
         raise UsageError(

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
+import sys
 import time
 from pathlib import Path
 
@@ -68,6 +70,8 @@ def check_target(
     if not str(path):
         raise ValueError(f"{name}: expected a file name; got ''")
     file_name(path, name)
+    if _descriptor(path) is not None:  # /dev/stdout, redirected to a file or not: the stream
+        return Path(path)
     # (os.stat follows every link, /proc's for /dev/stdout on a pipe too, which realpath cannot)
     if _is_stream(Path(path)):
         if stat.S_ISBLK(os.stat(path).st_mode):
@@ -100,6 +104,27 @@ def check_target(
 def _followed(path: Path) -> Path:
     """The file a symbolic link names (the link itself is to stay), else ``path``."""
     return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+# Names of a descriptor the process holds open: /dev/stdout, /dev/fd/3, /proc/self/fd/1.
+_DESCRIPTOR_NAME = re.compile(
+    r"/dev/std(?P<std>out|err)|/dev/fd/(?P<fd>\d+)|/proc/self/fd/(?P<proc>\d+)"
+)
+
+
+def _descriptor(path) -> int | None:
+    """The open descriptor ``path`` names (1 for /dev/stdout), written to as the stream it is even
+    when the shell redirected it to a file: a new file renamed over it would lose what was
+    printed. None for any other name, or a descriptor not open."""
+    match = _DESCRIPTOR_NAME.fullmatch(os.path.abspath(path))
+    if match is None:
+        return None
+    descriptor = {"out": 1, "err": 2}.get(match["std"]) or int(match["fd"] or match["proc"])
+    try:
+        os.fstat(descriptor)
+    except OSError:
+        return None
+    return descriptor
 
 
 def _is_stream(path: Path) -> bool:
@@ -160,6 +185,12 @@ def write_atomically(path, data: bytes | str, replace: bool = False, follow: boo
     ``replace``), never written through.
     """
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    if follow and (descriptor := _descriptor(path)) is not None:
+        sys.stdout.flush(), sys.stderr.flush()  # what was printed comes first
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(descriptor, view) :]
+        return Path(path)
     if follow and _is_stream(Path(path)):  # nothing to replace: write through it
         descriptor = _open_for_a_reader(path)
         os.set_blocking(descriptor, True)

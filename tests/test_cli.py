@@ -506,10 +506,10 @@ def test_probe_checks_the_disk_and_the_reference_name_before_the_sweep(
     assert "--reference: expected letters" in capsys.readouterr().err
     assert main(["probe", "--quick", "--disk", ""]) == 2  # not silently "here"
     assert "--disk: expected an existing folder; got ''" in capsys.readouterr().err
-    user_references.write_text("a file where the folder should be")
-    assert main(["probe", "--quick", "--reference", "x"]) == 1
+    user_references.write_text("a file where the folder should be")  # a setting, so exit 2
+    assert main(["probe", "--quick", "--reference", "x"]) == 2
     assert (
-        f"cannot write in '{user_references}' (from $OFFLOADLAB_REFERENCE_DIR)"
+        f"'{user_references}' (from $OFFLOADLAB_REFERENCE_DIR) is not a folder"
         in capsys.readouterr().err
     )
     user_references.unlink()

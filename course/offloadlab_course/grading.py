@@ -178,6 +178,15 @@ def _whole(value, name: str, low: int = 1, expected: str | None = None) -> int:
     return check_integer(value, name, low, expected=expected)
 
 
+def _tolerance(rel_tol) -> float:
+    """``rel_tol`` as a float, a fraction in [0, 1) as check.answer takes it (a tolerance of 100 %
+    passes any positive answer below twice the reference)."""
+    real = isinstance(rel_tol, numbers.Real) and not isinstance(rel_tol, bool)
+    if not (real and 0 <= rel_tol < 1):  # (NaN too)
+        raise ValueError(f"rel_tol: expected a fraction in [0, 1); got {rel_tol!r}")
+    return float(rel_tol)
+
+
 def _config(config) -> None:
     """ValueError unless ``config`` is a GPTConfig (the lab's model)."""
 
@@ -259,7 +268,7 @@ def lab01_challenge(
     missing = _unanswered(trainer, "trainer", "trainer(model) -> (step, optimizers)")
     if missing is not None:
         return missing
-    _number(budget, "budget"), _whole(steps, "steps"), _number(rel_tol, "rel_tol")
+    _number(budget, "budget"), _whole(steps, "steps"), _tolerance(rel_tol)
     _config(config)
 
     torch.manual_seed(0)
@@ -396,7 +405,7 @@ def lab04_challenge(
     if missing is not None:
         return missing
     _number(budget, "budget"), _whole(copies, "copies"), _whole(steps, "steps")
-    _number(rel_tol, "rel_tol"), _config(config)
+    _tolerance(rel_tol), _config(config)
 
     dtype = torch.float32 if dtype is None else dtype
     torch.manual_seed(0)
@@ -805,7 +814,7 @@ def lab02_challenge(
     if missing is not None:
         return missing
     reference = _number(reference, "reference")
-    _whole(budget, "budget", expected="a whole number of bytes ≥ 1"), _number(rel_tol, "rel_tol")
+    _whole(budget, "budget", expected="a whole number of bytes ≥ 1"), _tolerance(rel_tol)
     check_link(link)
     with link.record() as recording:
         beta = probe(link)

@@ -129,6 +129,11 @@ def target(
                 f"name: the reference folder {str(folder)!r} is a symbolic link to a missing "
                 f"folder ({os.readlink(folder)!r}); create that folder or remove the link"
             )
+        if folder.exists() and not folder.is_dir():
+            origin = (
+                f" (from ${USER_FOLDER_VARIABLE})" if os.environ.get(USER_FOLDER_VARIABLE) else ""
+            )
+            raise ValueError(f"name: the reference folder {str(folder)!r}{origin} is not a folder")
         folder.mkdir(parents=True, exist_ok=True)
     return check_target(path, replace=overwrite, name="name", how_to_replace=how_to_replace)
 

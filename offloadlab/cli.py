@@ -657,6 +657,8 @@ def output_target(path: str | None, force: bool, flag: str = "--json") -> Path |
         try:
             return files.check_target(path, replace=force, name=flag, how_to_replace="--force")
         except OSError as error:
+            if error.errno == errno.ENAMETOOLONG:  # the name the user gave, not the machine
+                raise UsageError(f"{flag}: the name is too long: {path!r}") from None
             raise Fault(f"{flag}: {error.strerror or error}") from None
 
 

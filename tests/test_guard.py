@@ -105,6 +105,25 @@ ATTACKS = {
         "def my_f():\n    t = 0 + my_A()\n    t.equal = len",
         "defines the special method __radd__",
     ),
+    # found by the nineteenth probe pass, each screened clean before
+    "a hidden rate through a format field": (
+        "my_x = float('{0._bandwidth}'.format(link))",
+        "uses format",
+    ),
+    "a format field through the Formatter": (
+        "import string\nmy_x = string.Formatter().get_field('0._bandwidth', [link], {})",
+        "imports string",
+    ),
+    "a module through torch's importlib": (
+        "my_m = torch.importlib.import_module('string')",
+        "uses importlib",
+    ),
+    "the release's switch": ("torch.os.environ.pop('OFFLOADLAB_STUDENT', None)", "uses environ"),
+    "the lab's measurement cleared": ("overlap.clear()\nmy_x = None", "calls clear() on overlap"),
+    "a special method in a class body": (
+        "class my_N:\n    __float__ = lambda self: 1.0",
+        "defines the special method __float__",
+    ),
     "an alias through either side of an or": (
         "def my_f():\n    t = None or torch\n    t.equal = len",
         "changes the attribute equal",
@@ -147,13 +166,27 @@ def test_every_worked_answer_passes_the_screen_untouched(path):
 def test_a_screened_cell_raises_its_reasons_instead_of_running():
     notebook = nbformat.v4.new_notebook()
     setup = nbformat.v4.new_code_cell("from offloadlab_course import check")
+    setup.metadata["nbgrader"] = {"locked": True, "grade_id": "lab-cell-1"}  # as released
     answer = nbformat.v4.new_code_cell("check.answer = print\nmy_x = 1")
     answer.metadata["nbgrader"] = {"solution": True, "grade_id": "answer-1"}
-    notebook.cells = [setup, answer]
+    # a cell the student added: no nbgrader marks, so not the lab's own (nineteenth pass, F14)
+    added = nbformat.v4.new_code_cell("check.answer = print")
+    notebook.cells = [setup, answer, added]
     ScreenAnswers()(notebook, {})  # as nbgrader calls it
     assert answer.source.startswith("raise RuntimeError(")
     assert "changes the attribute answer of something it did not make" in answer.source
+    assert added.source.startswith("raise RuntimeError(") and "rebinds" not in added.source
     assert setup.source == "from offloadlab_course import check"
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.stem)
+def test_every_code_cell_of_a_release_is_the_labs_own_or_an_answer(path):
+    """The release marks each of the lab's code cells locked, so the screen tells them from a
+    cell a student adds, which it reads as it reads an answer."""
+    for cell in source_notebook(path).cells:
+        if cell.cell_type == "code":
+            marks = cell.metadata["nbgrader"]
+            assert marks["solution"] or marks["locked"], cell.source[:80]
 
 
 def test_in_the_kernel_the_course_modules_refuse_what_an_alias_writes():

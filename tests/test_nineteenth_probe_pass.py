@@ -74,3 +74,22 @@ def test_a_challenges_tolerance_is_a_fraction_below_one(rel_tol):
     with pytest.raises(ValueError, match=r"^rel_tol: expected a fraction in \[0, 1\)"):
         grading.lab02_challenge(lambda link: 1.0, EmulatedLink(reserve_core=False), 1e9,
                                 rel_tol=rel_tol)  # fmt: skip
+
+
+def test_a_json_name_too_long_is_a_usage_error(tmp_path):
+    """F6: `bench link --json <300 characters>` exited 1 ('File name too long'), where
+    `--reference` gives the same error exit 2."""
+    done = _offloadlab("bench", "link", "--quick", "--json", str(tmp_path / ("x" * 300)))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("offloadlab: error: --json: the name is too long"), done.stderr
+
+
+def test_a_file_size_function_changed_by_an_answer_is_seen():
+    """F11: `os.path.getsize` replaced through a parameter faked lab 7's footprint: posixpath was
+    not among the modules the checks' watch notes."""
+    code = (
+        "import os\nfrom offloadlab_course import check, watch\nwatch.remember()\n"
+        "os.path.getsize = lambda path: 1\nprint(watch.changed())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "posixpath.getsize" in done.stdout, done.stdout + done.stderr

@@ -59,6 +59,17 @@ REFUSED_NAMES = {
     "inspect",
     # files: the course's sources, solutions included, may sit on the grading machine
     "fromfile", "genfromtxt", "load", "loadtxt", "memmap", "open", "read_bytes", "read_text",
+    # a format field looks attributes up by name: '{0._bandwidth}'.format(link)
+    "format", "format_map", "Formatter", "get_field", "vformat",
+    # the environment (the release's switch) and the processes and modules it can start
+    "environ", "execv", "execve", "fork", "import_module", "importlib", "popen", "posix_spawn",
+    "putenv", "spawnv", "subprocess", "system", "unsetenv",
+}  # fmt: skip
+# Methods that change a list, dict or set in place: refused on what the lab's cells bind
+# (clearing the lab's own measurements answers its check).
+CHANGING_METHODS = {
+    "add", "append", "clear", "discard", "extend", "insert", "pop", "popitem", "remove",
+    "reverse", "setdefault", "sort", "update",
 }  # fmt: skip
 SEALED_PACKAGES = ("offloadlab", "offloadlab_course")
 # The special methods an answer's own class may define: making and showing an instance.
@@ -127,12 +138,29 @@ class _Screen(ast.NodeVisitor):
         if isinstance(node.value, str) and "__" in node.value:
             self.reasons.append("names a special attribute in a string")
 
+    def visit_Call(self, node):
+        """A changing method called on what the lab's cells bind: ``cross.batches.clear()``."""
+        method = node.func
+        if isinstance(method, ast.Attribute) and method.attr in CHANGING_METHODS:
+            root = method.value
+            while isinstance(root, (ast.Attribute, ast.Subscript, ast.Call)):
+                root = root.func if isinstance(root, ast.Call) else root.value
+            own = (self.local or set()) | self.comprehended  # (a local of the same name)
+            if isinstance(root, ast.Name) and root.id in self.protected - own:
+                self.reasons.append(
+                    f"calls {method.attr}() on {root.id}, which the lab's cells bind"
+                )
+        self.generic_visit(node)
+
     def visit_Global(self, node):
         self.reasons.append(f"declares {', '.join(node.names)} global")
 
     def visit_Name(self, node):
         if node.id in REFUSED_NAMES:
             self.reasons.append(f"uses {node.id}")
+        elif node.id.startswith("__") and isinstance(node.ctx, ast.Store):  # (in a class body)
+            if node.id not in ALLOWED_SPECIAL_METHODS:
+                self.reasons.append(f"defines the special method {node.id}")
         elif isinstance(node.ctx, (ast.Store, ast.Del)) and node.id not in self.comprehended:
             self._binding(node.id)
 
@@ -255,29 +283,33 @@ def _built(value) -> bool:
 
 
 class ScreenAnswers(Preprocessor):
-    """nbgrader's autograde, before the notebook runs: every answer cell that :func:`screen`
-    finds reasons in is replaced by one that raises them."""
+    """nbgrader's autograde, before the notebook runs: every code cell but the lab's own (answer
+    cells, and any a student added) that :func:`screen` finds reasons in is replaced by one that
+    raises them."""
 
     enabled = Bool(True)  # nbconvert's preprocessors are off unless told otherwise
 
     def preprocess(self, nb, resources):
         protected = set()
         for cell in nb.cells:
-            if cell.cell_type == "code" and not _is_answer(cell):
+            if cell.cell_type == "code" and _is_the_labs(cell):
                 protected |= _bound(cell.source)
         for cell in nb.cells:
-            if cell.cell_type == "code" and _is_answer(cell):
+            if cell.cell_type == "code" and not _is_the_labs(cell):
                 reasons = screen(cell.source, protected)
                 if reasons:
-                    grade_id = cell.metadata["nbgrader"].get("grade_id", "an answer")
+                    grade_id = cell.metadata.get("nbgrader", {}).get("grade_id", "an added cell")
                     self.log.warning("%s: screened out: %s", grade_id, "; ".join(reasons))
                     message = f"this answer cell was not run: it {'; it '.join(reasons)}"
                     cell.source = f"raise RuntimeError({message!r})"
         return nb, resources
 
 
-def _is_answer(cell) -> bool:
-    return bool(cell.metadata.get("nbgrader", {}).get("solution"))
+def _is_the_labs(cell) -> bool:
+    """A cell the release marked as the lab's own, locked or graded (nbgrader's autograde has put
+    it back as the release wrote it); an answer cell, or one a student added, is not."""
+    marks = cell.metadata.get("nbgrader", {})
+    return not marks.get("solution") and bool(marks.get("locked") or marks.get("grade"))
 
 
 def _bound(source: str) -> set[str]:

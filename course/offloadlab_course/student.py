@@ -230,6 +230,10 @@ def source_notebook(path: Path):
             cell.metadata["nbgrader"] = _nbgrader(
                 f"check-{checks}", grade=True, points=points_given
             )
+        elif cell.cell_type == "code" and not is_answer:
+            # the lab's own cell: nbgrader puts it back as written before grading, and the
+            # answer screen (guard.py) reads every code cell not marked so, added ones too
+            cell.metadata["nbgrader"] = _nbgrader(f"lab-cell-{index}", locked=True)
     if waiting_for_check is not None:
         raise ValueError(
             f"{path.name}: cell {waiting_for_check}: an answer cell with no graded cell "

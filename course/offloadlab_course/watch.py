@@ -25,9 +25,10 @@ __all__ = ["changed", "remember", "why_not_checked"]
 # functions the checks call (the standard library's arithmetic, numpy, torch).
 WATCHED_PACKAGES = ("offloadlab", "offloadlab_course")
 WATCHED_MODULES = (
-    "builtins", "collections", "decimal", "fractions", "functools", "math", "numbers", "numpy",
-    "operator", "os", "pathlib", "random", "struct", "tempfile", "time", "torch", "torch.nn",
-    "torch.nn.functional", "torch.optim", "types", "weakref", "zlib",
+    "builtins", "collections", "decimal", "fractions", "functools", "genericpath", "math",
+    "numbers", "numpy", "operator", "os", "pathlib", "posixpath", "random", "stat", "struct",
+    "tempfile", "time", "torch", "torch.nn", "torch.nn.functional", "torch.optim", "types",
+    "weakref", "zlib",
 )  # fmt: skip
 # What the kernel itself rebinds as it runs a cell (ipykernel's input, IPython's exit and quit).
 KERNELS_OWN = {"builtins": {"display", "exit", "get_ipython", "input", "quit"}}

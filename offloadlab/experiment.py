@@ -82,9 +82,10 @@ class MatmulWork:
         return y
 
 
-@dataclass
+@dataclass(frozen=True)
 class OverlapResult:
-    """Compute alone, transfer alone and both together (median seconds), with the prediction."""
+    """Compute alone, transfer alone and both together (median seconds), with the prediction.
+    A record: read-only, as are the crossover's below."""
 
     nbytes: int
     t_compute: float
@@ -220,16 +221,20 @@ def measure_overlap(link: Link, nbytes, work: MatmulWork, repeats: int = 3) -> O
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CrossoverResult:
     """The batch below which a fixed transfer stops hiding behind compute, predicted and
     measured."""
 
     nbytes: int
-    batches: list[int]
-    results: list[OverlapResult]
+    batches: tuple[int, ...]
+    results: tuple[OverlapResult, ...]
     seconds_per_sample: float
     source: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "batches", tuple(self.batches))
+        object.__setattr__(self, "results", tuple(self.results))
 
     @property
     def predicted_batch(self) -> int:

@@ -49,9 +49,10 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Measurement:
-    """One measured (or nominal, or missing) quantity with how, where and when it was taken."""
+    """One measured (or nominal, or missing) quantity with how, where and when it was taken (a
+    read-only record)."""
 
     quantity: str
     value: float | None

@@ -91,12 +91,12 @@ def plan(
                 "offload makes this run bandwidth-bound: a larger batch, a faster link or more "
                 "GPUs (sharding instead of offloading) would serve it better"
             )
-    report = PlanReport(work, hw, plans, chosen, runner_up, ranking, warnings, duplex, recipe)
+    share = None
     if chosen is not None and chosen.offload == "optimizer":
-        report.share = optimizer_share(
+        share = optimizer_share(
             chosen, work, hw, duplex=duplex, recipe=recipe, micro_batches=micro_batches
         )
-    return report
+    return PlanReport(work, hw, plans, chosen, runner_up, ranking, warnings, duplex, recipe, share)
 
 
 # From this share of the step spent exchanging gradients on, offload is called the wrong tool: a

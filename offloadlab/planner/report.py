@@ -3,7 +3,7 @@ JSON."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from .. import budget, memory
 from ..units import format_bandwidth, format_count, format_duration, format_size
@@ -15,20 +15,25 @@ from .workload import Hardware, Workload
 __all__ = ["PlanReport"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanReport:
-    """The chosen plan, the runner-up, every plan considered, and what to say about them."""
+    """The chosen plan, the runner-up, every plan considered, and what to say about them (a
+    read-only record)."""
 
     work: Workload
     hardware: Hardware
-    plans: list[Plan | NodePlan]
+    plans: tuple[Plan | NodePlan, ...]
     chosen: Plan | NodePlan | None
     runner_up: Plan | NodePlan | None
-    ranking: list[Candidate]
-    warnings: list[str] = field(default_factory=list)
+    ranking: tuple[Candidate, ...]
+    warnings: tuple[str, ...] = ()
     duplex: str = "full"
     recipe: str = memory.DEFAULT_RECIPE
     share: OptimizerShare | None = None  # for a plan that offloads the optimizer: how much, where
+
+    def __post_init__(self):
+        for name in ("plans", "ranking", "warnings"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def _activation_line(self) -> str:
         c = self.chosen
@@ -182,5 +187,5 @@ class PlanReport:
             "duplex": self.duplex,
             "recipe": self.recipe,
             "assumptions": self.hardware.assumptions,
-            "warnings": self.warnings,
+            "warnings": list(self.warnings),
         }

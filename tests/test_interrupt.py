@@ -66,7 +66,7 @@ class Kernel:
                     and message["content"]["execution_state"] == "idle"
                 ):
                     break
-            status = self.reply_status(timeout, interrupted=timer is not None)
+            status = self.reply_status(msg_id, timeout, interrupted=timer is not None)
         except queue.Empty:
             pytest.fail(f"a cell ran longer than {timeout} s:\n{code[:300]}")
         finally:
@@ -76,13 +76,17 @@ class Kernel:
             self.settle()
         return status, error, time.monotonic() - start
 
-    def reply_status(self, timeout: float, interrupted: bool) -> str:
-        """The status of the cell's reply, once the kernel has said it is idle again. An interrupt
-        that lands while ipykernel sends the reply loses it (the kernel lives on, and says idle):
-        after an interrupt, a reply that does not come is "interrupted"."""
+    def reply_status(self, msg_id: str, timeout: float, interrupted: bool) -> str:
+        """The status of the cell's own reply (replies to earlier requests are passed over: a
+        slow start leaves a spare kernel_info reply), once the kernel has said it is idle again.
+        An interrupt that lands while ipykernel sends the reply loses it (the kernel lives on, and
+        says idle): after an interrupt, a reply that does not come is "interrupted"."""
         wait = min(timeout, REPLY_AFTER_INTERRUPT) if interrupted else timeout
         try:
-            return self.client.get_shell_msg(timeout=wait)["content"]["status"]
+            reply = self.client.get_shell_msg(timeout=wait)
+            while reply["parent_header"].get("msg_id") != msg_id:
+                reply = self.client.get_shell_msg(timeout=wait)
+            return reply["content"]["status"]
         except queue.Empty:
             if interrupted:
                 return "interrupted"
@@ -203,3 +207,17 @@ def test_the_first_optimizer_of_a_notebook_imports_nothing(imports):
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_cells_status_is_its_own_reply_not_an_earlier_one(tmp_path):
+    """On a loaded machine jupyter_client's ``wait_for_ready`` asks for kernel_info more than
+    once, and the spare replies wait on the shell channel: every cell then read the reply of the
+    one before it, and a failing cell was reported as the next one's, without an error name
+    ("cell 23 failed on the first run: None")."""
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.client.kernel_info()  # the spare request a slow start leaves behind
+        assert kernel.run("1 / 0")[:2] == ("error", "ZeroDivisionError")
+        assert kernel.run("pass")[:2] == ("ok", None)
+    finally:
+        kernel.close()

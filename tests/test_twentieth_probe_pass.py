@@ -93,3 +93,15 @@ def test_no_check_reads_its_expected_value_from_an_item_of_a_container():
                 ):
                     found.append(f"{path.name}: {ast.unparse(node.args[2])}")
     assert found == []
+
+
+def test_a_check_not_checked_keeps_its_whole_name(monkeypatch, capsys):
+    """The name was read back from the passing line up to its first colon: "a: b" lost ": b"."""
+    from offloadlab_course import check, watch
+
+    monkeypatch.setattr(watch, "why_not_checked", lambda: "not checked: an answer changed x")
+    assert not check.answer("bytes: up", 1.0, 1.0) and not check.exact("pick: one", "a", "a")
+    assert capsys.readouterr().out.splitlines() == [
+        "✗ bytes: up: not checked: an answer changed x",
+        "✗ pick: one: not checked: an answer changed x",
+    ]

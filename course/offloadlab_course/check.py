@@ -111,11 +111,12 @@ def answer(name: str, yours, expected, rel_tol: float = 0.05, hint: str = "") ->
     if target is None:
         raise ValueError(f"expected: expected a finite real number; got {expected!r}")
     if yours is None or yours is Ellipsis:
-        return _report(Verdict(False, f"✗ {name}: no answer yet"))
+        return _report(name, Verdict(False, f"✗ {name}: no answer yet"))
     value = _number(yours)
     if value is None:
         return _report(
-            Verdict(False, f"✗ {name}: expected a finite real number as the answer; got {yours!r}")
+            name,
+            Verdict(False, f"✗ {name}: expected a finite real number as the answer; got {yours!r}"),
         )
     tolerance = "exactly" if rel_tol == 0 else f"within {_percent(rel_tol)}"
     if abs(value - target) <= Fraction(rel_tol) * abs(target):
@@ -123,7 +124,7 @@ def answer(name: str, yours, expected, rel_tol: float = 0.05, hint: str = "") ->
             line = f"✓ {name}: your answer agrees ({tolerance})"
         else:
             line = f"✓ {name}: {_show(value)} agrees with {_show(target)} ({tolerance})"
-        return _report(Verdict(True, line))
+        return _report(name, Verdict(True, line))
     if student_release():
         must = "match exactly" if rel_tol == 0 else f"be {tolerance}"
         line = f"✗ {name}: your answer is {_how_far_off(value, target)} (it must {must})."
@@ -136,7 +137,7 @@ def answer(name: str, yours, expected, rel_tol: float = 0.05, hint: str = "") ->
             f"{_how_far_off(value, target)}."
         )
     return _report(
-        Verdict(False, line + _unit_slip(value, target) + (f" Hint: {hint}" if hint else ""))
+        name, Verdict(False, line + _unit_slip(value, target) + (f" Hint: {hint}" if hint else ""))
     )
 
 
@@ -150,23 +151,24 @@ def exact(name: str, yours, expected, hint: str = "") -> Verdict:
     if _number(yours) is not None and _number(expected) is not None:
         return answer(name, yours, expected, rel_tol=0, hint=hint)
     if yours is Ellipsis:
-        return _report(Verdict(False, f"✗ {name}: no answer yet"))
+        return _report(name, Verdict(False, f"✗ {name}: no answer yet"))
     if _not_finite(yours):
         return _report(
-            Verdict(False, f"✗ {name}: expected a finite real number as the answer; got {yours!r}")
+            name,
+            Verdict(False, f"✗ {name}: expected a finite real number as the answer; got {yours!r}"),
         )
     bad = next(filter(_not_finite, yours), None) if isinstance(yours, (list, tuple)) else None
     if bad is not None:
         return _report(
-            Verdict(False, f"✗ {name}: {yours!r:.200} holds {bad!r}, which is no answer")
+            name, Verdict(False, f"✗ {name}: {yours!r:.200} holds {bad!r}, which is no answer")
         )
     if _same(yours, expected):
         shown = "your answer agrees" if student_release() else f"{yours!r} agrees"
-        return _report(Verdict(True, f"✓ {name}: {shown}"))
+        return _report(name, Verdict(True, f"✓ {name}: {shown}"))
     shown = (
         f"{yours!r} is not it" if student_release() else f"{yours!r}, but {expected!r} was expected"
     )
-    return _report(Verdict(False, f"✗ {name}: {shown}." + (f" Hint: {hint}" if hint else "")))
+    return _report(name, Verdict(False, f"✗ {name}: {shown}." + (f" Hint: {hint}" if hint else "")))
 
 
 def _not_finite(x) -> bool:
@@ -269,9 +271,8 @@ def _unit_slip(value: Fraction, target: Fraction) -> str:
     return ""
 
 
-def _report(verdict: Verdict) -> Verdict:
+def _report(name: str, verdict: Verdict) -> Verdict:
     if verdict.passed and (why := watch.why_not_checked()):
-        name = verdict.message.removeprefix("✓ ").partition(":")[0]
         verdict = Verdict(False, f"✗ {name}: {why}")
     print(verdict.message)
     return verdict

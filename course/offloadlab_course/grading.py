@@ -189,7 +189,6 @@ def _tolerance(rel_tol) -> float:
 
 def _config(config) -> None:
     """ValueError unless ``config`` is a GPTConfig (the lab's model)."""
-
     if not isinstance(config, GPTConfig):
         raise ValueError(f"config: expected the lab's GPTConfig; got {config!r}")
 
@@ -264,7 +263,6 @@ def lab01_challenge(
     anything still holds them (a gradient kept in the trainer's own list, or a copy of it, is
     state too). A gradient the counter did not see (a trainer removed its hooks) fails the
     challenge."""
-
     missing = _unanswered(trainer, "trainer", "trainer(model) -> (step, optimizers)")
     if missing is not None:
         return missing
@@ -486,7 +484,6 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
     or "half" (taking turns). Right is the one whose traffic takes less time a step; the grader
     asks for nodes on both sides of the crossover, in both duplexes, at two scales, and passes
     when every answer is right."""
-
     missing = _unanswered(
         choose, "choose", "choose(tensor_bytes, ranks, down, up, interconnect, host_link, duplex)"
     )
@@ -1110,7 +1107,6 @@ class _WatchedLink:
 
 def _register_watched_link() -> None:
     """A watched link is a link to the optimizers that check (CPUOffloadAdam refuses a non-link)."""
-
     Link.register(_WatchedLink)
 
 
@@ -1165,7 +1161,6 @@ def _gpu_work_and_rate(link, work_seconds: float | None) -> tuple:
     """For a challenge on a GPU: a chain of matrix products of about ``work_seconds`` (default
     4 ms), the seconds it takes (median of 3, by events around it) and the link's host-to-device
     rate in bytes/s (median of 3 copies of 16 MiB)."""
-
     work = experiment.overlap_work(link, 0.004 if work_seconds is None else work_seconds)
     timed = []
     for _ in range(3):

@@ -1,6 +1,8 @@
 """Routes the twentieth probe pass, and the nineteenth's leftovers, found to a passing check."""
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,62 @@ def test_a_check_not_checked_keeps_its_whole_name(monkeypatch, capsys):
         "✗ bytes: up: not checked: an answer changed x",
         "✗ pick: one: not checked: an answer changed x",
     ]
+
+
+# A choice that is right, from a callback that changes what the checks rely on while the grader
+# runs between its calls, and puts it back on its last call.
+TRANSIENT = """
+import fractions
+from offloadlab.sharding import ring_bytes
+from offloadlab_course import grading, watch
+watch.remember()
+kept, calls = fractions.Fraction.limit_denominator, []
+
+def my_choose(tensor_bytes, ranks, down, up, interconnect, host_link, duplex):
+    calls.append(1)
+    fractions.Fraction.limit_denominator = (
+        kept if len(calls) == 12 else lambda self, *a: self
+    )
+    sent = ring_bytes("all-gather", tensor_bytes, ranks)
+    link = max(down, up) if duplex == "full" else down + up
+    return "shard" if sent / interconnect <= link / host_link else "offload"
+
+outcome = grading.lab08_challenge(my_choose, 2**20, 4, 2**20, 2**20)
+print(len(calls), watch.changed(), bool(outcome))
+"""
+
+
+def test_what_a_challenges_callback_changes_and_restores_is_seen():
+    """Changed in one call and put back in the last, before the outcome, the watch saw nothing:
+    the grader ran between the calls with the change in place."""
+    done = subprocess.run(
+        [sys.executable, "-c", TRANSIENT], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.splitlines()[-1] == "12 [] False", done.stdout + done.stderr
+    assert "not checked: an answer cell changed fractions.Fraction.limit_denominator" in (
+        done.stdout
+    )
+
+
+STAND_IN = """
+import os
+from offloadlab_course import crashes, watch
+watch.remember()
+open("state.bin", "wb").close()
+with crashes.record("state.bin"):
+    recorder = os.fsync
+    print(watch.changed())
+    os.fsync = lambda fd: None  # an answer's, in place of the grader's recorder
+    print(watch.changed())
+    os.fsync = recorder
+print(watch.changed())
+"""
+
+
+def test_the_graders_own_stand_ins_are_no_answers_change_but_what_replaces_them_is(tmp_path):
+    """Lab 7's commit challenge records writes and flushes by putting its own ``os.fsync`` in
+    place while the answer's commit runs: noted after each call, that was the answer's change."""
+    done = subprocess.run(
+        [sys.executable, "-c", STAND_IN], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.stdout.splitlines() == ["[]", "['os.fsync']", "[]"], done.stdout + done.stderr

@@ -18,6 +18,8 @@ import fcntl
 import os
 from dataclasses import dataclass, field
 
+from offloadlab_course import watch
+
 
 @dataclass
 class Recording:
@@ -106,13 +108,14 @@ def record(path):
 
     replaced = {"pwrite": pwrite, "write": write, "sync": sync}
     replaced |= {name: flusher(name) for name in ("fsync", "fdatasync")}
-    try:
-        for name, function in replaced.items():
-            setattr(os, name, function)
-        yield recording
-    finally:
-        for name, function in real.items():
-            setattr(os, name, function)
+    with watch.standing_in(replaced.values()):
+        try:
+            for name, function in replaced.items():
+                setattr(os, name, function)
+            yield recording
+        finally:
+            for name, function in real.items():
+                setattr(os, name, function)
 
 
 def _applied(image: bytes, writes) -> bytes:

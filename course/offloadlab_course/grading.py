@@ -211,6 +211,43 @@ def _unanswered(answer, name: str, call: str):
     )
 
 
+def _watched(answer):
+    """``answer``, a function of an answer cell that a challenge calls, noting what is changed
+    each time it returns (:func:`watch.note`); so does what it returns, when that is a function,
+    a generator or a tuple or list of them."""
+
+    @functools.wraps(answer)
+    def call(*args, **kwargs):
+        try:
+            returned = answer(*args, **kwargs)
+        finally:
+            watch.note()
+        if isinstance(returned, (tuple, list)):
+            return type(returned)(map(_noted, returned))
+        return _noted(returned)
+
+    return call
+
+
+def _noted(returned):
+    if isinstance(returned, types.GeneratorType):
+        return _noting(returned)
+    return _watched(returned) if isinstance(returned, _FUNCTIONS) else returned
+
+
+_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
+
+
+def _noting(generator):
+    """``generator``'s items, noting what is changed after each."""
+    try:
+        for item in generator:
+            watch.note()
+            yield item
+    finally:
+        watch.note()
+
+
 def exchange_seconds(nbytes: float, h2d_rate: float, d2h_rate: float) -> float:
     """Seconds to send ``nbytes`` each way when both directions run at once, each at its own rate
     (bytes/s, measured while the other direction ran): the slower direction sets the time."""
@@ -266,6 +303,7 @@ def lab01_challenge(
     missing = _unanswered(trainer, "trainer", "trainer(model) -> (step, optimizers)")
     if missing is not None:
         return missing
+    trainer = _watched(trainer)
     _number(budget, "budget"), _whole(steps, "steps"), _tolerance(rel_tol)
     _config(config)
 
@@ -402,6 +440,7 @@ def lab04_challenge(
     missing = _unanswered(offload, "offload", "offload(model, link) -> optimizer")
     if missing is not None:
         return missing
+    offload = _watched(offload)
     _number(budget, "budget"), _whole(copies, "copies"), _whole(steps, "steps")
     _tolerance(rel_tol), _config(config)
 
@@ -489,6 +528,7 @@ def lab08_challenge(choose, tensor_bytes: float, ranks: int, down: float, up: fl
     )
     if missing is not None:
         return missing
+    choose = _watched(choose)
     tensor_bytes = _number(tensor_bytes, "tensor_bytes")
     ranks = _whole(ranks, "ranks", 2, expected="a whole number of ranks ≥ 2 (a ring to shard on)")
     down, up = _number(down, "down", zero=True), _number(up, "up", zero=True)
@@ -561,6 +601,7 @@ def lab06_challenge(stream, config, device, dtype, budget: int) -> Outcome:
     missing = _unanswered(stream, "stream", "stream(model, link, budget) -> StreamedModel")
     if missing is not None:
         return missing
+    stream = _watched(stream)
     budget = _whole(budget, "budget", expected="a whole number of bytes ≥ 1")
     _config(config)
 
@@ -711,6 +752,7 @@ def lab07_commit(commit, two_slot_file, folder=".", commits: int = 3) -> Outcome
     missing = _unanswered(commit, "my_commit", "my_commit(state, data)")
     if missing is not None:
         return missing
+    commit = _watched(commit)
     if not isinstance(two_slot_file, type):
         raise ValueError(
             f"two_slot_file: expected the lab's TwoSlotFile class; got {two_slot_file!r}"
@@ -810,6 +852,7 @@ def lab02_challenge(
     missing = _unanswered(probe, "probe", "probe(link) -> bytes/s")
     if missing is not None:
         return missing
+    probe = _watched(probe)
     reference = _number(reference, "reference")
     _whole(budget, "budget", expected="a whole number of bytes ≥ 1"), _tolerance(rel_tol)
     check_link(link)
@@ -916,6 +959,7 @@ def lab03_challenge(
     missing = _unanswered(step, "step", "step(link, work, host, device)")
     if missing is not None:
         return missing
+    step = _watched(step)
     _number(copy_share, "copy_share"), _share(share, "share"), _whole(steps, "steps")
     if work_seconds is not None:
         _number(work_seconds, "work_seconds")
@@ -1136,6 +1180,7 @@ def lab05_challenge(
     missing = _unanswered(prefetch, "prefetch", "prefetch(items, link)")
     if missing is not None:
         return missing
+    prefetch = _watched(prefetch)
     _whole(budget, "budget"), _share(share, "share"), _whole(items, "items")
     if work_seconds is not None:
         _number(work_seconds, "work_seconds")

@@ -14,12 +14,13 @@ answer changed anything, naming it. ``remember`` runs before each cell with the 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
 import types
 
-__all__ = ["changed", "remember", "why_not_checked"]
+__all__ = ["changed", "note", "remember", "standing_in", "why_not_checked"]
 
 # The course's and the library's modules with all of their submodules, and the modules whose
 # functions the checks call (the standard library's arithmetic, numpy, torch).
@@ -34,7 +35,9 @@ WATCHED_MODULES = (
 KERNELS_OWN = {"builtins": {"display", "exit", "get_ipython", "input", "quit"}}
 
 _MODULES: dict[str, tuple[types.ModuleType, dict]] = {}  # name: (module, what it held)
-_CLASSES: dict[type, dict] = {}  # class: what its own namespace held
+_CLASSES: dict[type, tuple[dict, dict]] = {}  # class: (what is watched, its whole namespace)
+_NOTED: set[str] = set()  # what :func:`note` found changed, put back since or not
+_STAND_INS: dict[int, object] = {}  # id: what the grader itself puts in place for a while
 
 
 def remember(*_) -> None:
@@ -47,8 +50,8 @@ def remember(*_) -> None:
             for value in list(vars(module).values()):
                 if isinstance(value, type):
                     for cls in value.__mro__:
-                        if cls not in _CLASSES:
-                            _CLASSES[cls] = _held_by(cls)
+                        if cls not in _CLASSES and not cls.__flags__ & _IMMUTABLE_TYPE:
+                            _CLASSES[cls] = (_held_by(cls), dict(vars(cls)))
 
 
 def changed() -> list[str]:
@@ -58,7 +61,12 @@ def changed() -> list[str]:
     found = []
     for name, (module, held) in _MODULES.items():
         found += [f"{name}.{key}" for key in _differing(held, vars(module), added=False)]
-    for cls, held in _CLASSES.items():
+    for cls, (held, whole) in _CLASSES.items():
+        namespace = vars(cls)
+        if len(namespace) == len(whole) and all(
+            namespace.get(key, _GONE) is value for key, value in whole.items()
+        ):
+            continue  # (the quick look, a few milliseconds for all: note() runs often)
         now = _held_by(cls)
         inherited = {key: _inherited(cls, key) for key in now.keys() - held.keys()}
         found += [
@@ -68,9 +76,30 @@ def changed() -> list[str]:
     return sorted(found)
 
 
+def note() -> None:
+    """Keep what is changed now, for :func:`why_not_checked`, even if an answer puts it back
+    later: a challenge notes after each call of an answer's function, since the grader runs
+    between those calls with whatever the last one left."""
+    _NOTED.update(changed())
+
+
+@contextlib.contextmanager
+def standing_in(values):
+    """While the block runs, ``values`` (functions the grader puts in place of watched ones, as
+    :func:`crashes.record` does ``os.fsync``'s) are not an answer's change."""
+    values = list(values)
+    _STAND_INS.update((id(value), value) for value in values)
+    try:
+        yield
+    finally:
+        for value in values:
+            _STAND_INS.pop(id(value), None)
+
+
 def why_not_checked() -> str:
-    """'' while nothing is changed; else the line a check that would pass gives instead."""
-    changes = changed()
+    """'' while nothing is changed or noted; else the line a check that would pass gives
+    instead."""
+    changes = sorted(_NOTED.union(changed()))
     if not changes:
         return ""
     more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
@@ -99,6 +128,7 @@ def _differing(held: dict, now, added: bool = True) -> list[str]:
         key
         for key in keys
         if now.get(key, _GONE) is not held.get(key, _GONE)
+        and _STAND_INS.get(id(now.get(key, _GONE))) is not now.get(key, _GONE)
         and not _torchs_own_wrapper(held.get(key), now.get(key))
         and key not in CACHES
     ]
@@ -129,6 +159,8 @@ def _relied_on(namespace, skip=()) -> dict:
 
 
 _GONE = object()  # what a deleted name holds
+# A class Python itself refuses to change (the built-in and extension types): not watched.
+_IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE
 # What Python itself adds to a class as a cache (copyreg, when an instance is first pickled).
 CACHES = {"__slotnames__"}
 _TORCH_FOLDER = os.path.dirname(importlib.util.find_spec("torch").origin) + os.sep

@@ -378,9 +378,10 @@ LAB01_ANSWERS = [
 
 
 # Each answer as a dishonest student copies it from the visible check's source: the package's
-# function that computes the expected value, on the lab's own variables.
+# function that computes the expected value, or the value itself, on the lab's own variables.
 COPIED = {
     "prediction_fp32_adam": 'memory.state_bytes(P, "fp32-adam").total_bytes',
+    "my_bandwidth": "record.value",
     "my_beta": "probe.fit_alpha_beta(sizes, times).beta",
     "predicted_batch": "overlap.crossover_batch(nbytes, bandwidth, seconds_per_sample)",
     "plain_device": 'memory.state_bytes(P, "fp32-adam").total_bytes',
@@ -429,7 +430,7 @@ def test_every_check_passes_the_answer_and_fails_two_wrong_ones(path):
         kernel_manager_class=UnixSocketKernelManager,
         resources={"metadata": {"path": str(path.parent)}},
     )
-    failures, last_answer, checks, literals = [], None, iter(mistakes), 0
+    failures, last_answer, checks, literals, tried = [], None, iter(mistakes), 0, set()
     with client.setup_kernel():
         for index, cell in enumerate(notebook.cells):
             if cell.cell_type != "code":
@@ -498,12 +499,12 @@ def test_every_check_passes_the_answer_and_fails_two_wrong_ones(path):
                     nbformat.v4.new_code_cell("os.environ['OFFLOADLAB_STUDENT'] = '1'"), index
                 )
                 client.execute_cell(last_answer, index)
-            # the answer as the visible check's own expression: it follows any input, so only
-            # the refusal of the function that computes it can tell
+            # the answer as the visible check's own expression: a function follows any input, so
+            # only its refusal can tell; a value read off the lab's record does not follow another
             for name in re.findall(r'grading\.recomputed\("(\w+)"', cell.source):
                 if name not in COPIED:
                     continue
-                copied = COPIED[name]
+                copied, tried = COPIED[name], tried | {name}
                 client.execute_cell(nbformat.v4.new_code_cell(f"{name} = {copied}"), index)
                 retry = nbformat.v4.new_code_cell(cell.source)
                 try:
@@ -511,11 +512,20 @@ def test_every_check_passes_the_answer_and_fails_two_wrong_ones(path):
                     failures.append(f"{cell.metadata.nbgrader.grade_id}: {name} = {copied} passed")
                 except CellExecutionError:
                     error = next(o for o in retry.outputs if o.output_type == "error")
-                    if "computes what the exercise asks" not in error.evalue:
+                    shown = "".join(
+                        o.get("text", "") for o in retry.outputs if o.output_type == "stream"
+                    )
+                    refused = "computes what the exercise asks" in error.evalue
+                    if not (refused or error.ename == "AssertionError" and "✗" in shown):
                         failures.append(
                             f"{cell.metadata.nbgrader.grade_id}: {name} = {copied} should fail the "
                             f"hidden test; got {error.ename}: {error.evalue}"
                         )
                 client.execute_cell(last_answer, index)
     assert literals >= 1, f"{path.name}: expected a graded cell with a hidden test; found none"
+    answered = {
+        n for c in notebook.cells if answer(c) for n in re.findall(r"^(\w+) =", c.source, re.M)
+    }
+    untried = sorted(COPIED.keys() & answered - tried)
+    assert not untried, f"{path.name}: no hidden test recomputes {untried}, copied from a check"
     assert not failures, "\n".join(failures)

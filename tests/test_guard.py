@@ -128,6 +128,28 @@ ATTACKS = {
         "def my_f():\n    t = None or torch\n    t.equal = len",
         "changes the attribute equal",
     ),
+    # the twentieth probe pass: a match pattern's and an except clause's names are strings
+    "a match capture": ("match [my_C(), 1]:\n    case [check, _]:\n        pass", "rebinds check"),
+    "a match star": ("match [1, 2]:\n    case [*overlap]:\n        pass", "rebinds overlap"),
+    "a match mapping's rest": ("match {}:\n    case {**check}:\n        pass", "rebinds check"),
+    "a match alias": ("match 1:\n    case 1 as check:\n        pass", "rebinds check"),
+    "an except clause's name": (
+        "try:\n    1 / 0\nexcept ZeroDivisionError as check:\n    pass",
+        "rebinds check",
+    ),
+    "a name in a string": ("my_x = '__class__'", "names a special attribute in a string"),
+    "a lab object inside a literal the cell builds": (
+        "my_l = [overlap]\nmy_l[0].window = 0",
+        "changes the attribute window of something it did not make",
+    ),
+    "a lab object inside a literal a function builds": (
+        "def my_f():\n    l = [overlap] * 1\n    l[0].window = 0",
+        "changes the attribute window of something it did not make",
+    ),
+    "a lab object inside a comprehension": (
+        "def my_f():\n    l = {k: overlap for k in 'ab'}\n    l['a'].window = 0",
+        "changes the attribute window of something it did not make",
+    ),
 }
 
 
@@ -149,6 +171,10 @@ def test_each_way_around_the_checks_is_screened_out(attack):
         "def my_f(items, link):\n    nonlocal_free = link.mark()\n    return nonlocal_free",
         "%time my_x = 16 * P  # timed",
         "%%time\nmy_x = 16 * P",
+        # the twentieth probe pass: a dict an answer builds and fills, underscores in prose
+        "my_d = {'a': 1}\nmy_d['extra'] = 0\nmy_d.update(b=2)\nmy_x = sum(my_d.values())",
+        "my_note = 'state: __ weights + grads __'\nmy_x = 16 * P",
+        "match P:\n    case int(my_n):\n        my_x = 16 * my_n",
     ],
 )
 def test_plain_answers_pass_the_screen(source):

@@ -37,16 +37,16 @@ from traitlets import Bool
 
 from offloadlab_course.check import ReadOnlyClass, sealed
 
-__all__ = ["ClearTracebacks", "ScreenAnswers", "screen", "seal_course_modules"]
+__all__ = ["ClearTracebacks", "ScreenAnswers", "screen", "seal_course_modules", "untimed"]
 
 # Modules an answer may import: arithmetic, the standard containers, tensors and the library.
-IMPORTABLE = {
+IMPORTABLE = frozenset({
     "bisect", "collections", "dataclasses", "functools", "heapq", "itertools", "math", "numpy",
     "offloadlab", "operator", "random", "statistics", "time", "torch", "typing",
-}  # fmt: skip
+})  # fmt: skip
 # Python's ways to reach or change a name without writing it, as a name or as an attribute
 # (``dataclasses.builtins.exec``, ``operator.attrgetter("__dict__")``).
-REFUSED_NAMES = {
+REFUSED_NAMES = frozenset({
     "__builtins__", "__import__", "attrgetter", "breakpoint", "builtins", "compile", "delattr",
     "eval", "exec", "get_ipython", "getattr", "globals", "locals", "methodcaller",
     "setattr", "sys", "vars",
@@ -64,31 +64,31 @@ REFUSED_NAMES = {
     # the environment (the release's switch) and the processes and modules it can start
     "environ", "execv", "execve", "fork", "import_module", "importlib", "popen", "posix_spawn",
     "putenv", "spawnv", "subprocess", "system", "unsetenv",
-}  # fmt: skip
+})  # fmt: skip
 # Methods that change a list, dict or set in place: refused on what the lab's cells bind
 # (clearing the lab's own measurements answers its check).
-CHANGING_METHODS = {
+CHANGING_METHODS = frozenset({
     "add", "append", "clear", "discard", "extend", "insert", "pop", "popitem", "remove",
     "reverse", "setdefault", "sort", "update",
-}  # fmt: skip
+})  # fmt: skip
 SEALED_PACKAGES = ("offloadlab", "offloadlab_course")
 # The special methods an answer's own class may define: making and showing an instance.
-ALLOWED_SPECIAL_METHODS = {"__init__", "__repr__", "__str__"}
+ALLOWED_SPECIAL_METHODS = frozenset({"__init__", "__repr__", "__str__"})
 
 
 def screen(source: str, protected: set[str]) -> list[str]:
     """Why the answer cell ``source`` may not run, one phrase per reason (none for a plain
     answer). ``protected``: the names the lab's own cells bind."""
     try:
-        tree = ast.parse(_python(_untimed(source)))
+        tree = ast.parse(_python(untimed(source)))
     except SyntaxError:
         return []  # it fails when it runs, as it would have anyway
     reasons = []
-    _Screen(protected, reasons).visit(tree)
+    _Screen(protected, reasons, _owned(_NO_ARGUMENTS, tree.body) - protected).visit(tree)
     return list(dict.fromkeys(reasons))
 
 
-def _untimed(source: str) -> str:
+def untimed(source: str) -> str:
     """The cell without a ``%%time`` above it or a ``%time`` before a statement: IPython runs
     what they time as it stands, so the screen reads that, not a call it cannot see into."""
     lines = source.split("\n")
@@ -106,10 +106,11 @@ def _python(source: str) -> str:
 
 class _Screen(ast.NodeVisitor):
     """Walks one answer cell; ``local`` holds the names a function being walked owns (its
-    parameters, and names it assigns from anything but another name)."""
+    parameters, and names it assigns from anything but another name), ``top`` those the cell
+    owns at its top level (names it binds only to values it builds)."""
 
-    def __init__(self, protected: set[str], reasons: list[str]):
-        self.protected, self.reasons, self.local = protected, reasons, None
+    def __init__(self, protected: set[str], reasons: list[str], top: set[str]):
+        self.protected, self.reasons, self.local, self.top = protected, reasons, None, top
         self.comprehended: set[str] = set()
 
     def visit_Import(self, node):
@@ -135,8 +136,27 @@ class _Screen(ast.NodeVisitor):
             self.reasons.append(f"imports {module}")
 
     def visit_Constant(self, node):
-        if isinstance(node.value, str) and "__" in node.value:
+        if isinstance(node.value, str) and _names_a_special(node.value):
             self.reasons.append("names a special attribute in a string")
+
+    def visit_MatchAs(self, node):  # (``case x``, ``case [*x]``, ``case {**x}``: names as text)
+        if node.name is not None:
+            self._binding(node.name)
+        self.generic_visit(node)
+
+    def visit_MatchStar(self, node):
+        if node.name is not None:
+            self._binding(node.name)
+
+    def visit_MatchMapping(self, node):
+        if node.rest is not None:
+            self._binding(node.rest)
+        self.generic_visit(node)
+
+    def visit_ExceptHandler(self, node):
+        if node.name is not None:
+            self._binding(node.name)
+        self.generic_visit(node)
 
     def visit_Call(self, node):
         """A changing method called on what the lab's cells bind: ``cross.batches.clear()``."""
@@ -199,8 +219,8 @@ class _Screen(ast.NodeVisitor):
         root = target
         while isinstance(root, (ast.Attribute, ast.Subscript)):
             root = root.value
-        owned = isinstance(root, ast.Name) and self.local is not None and root.id in self.local
-        if not owned:
+        own = self.top if self.local is None else self.local
+        if not (isinstance(root, ast.Name) and root.id in own):
             self.reasons.append(f"{what} of something it did not make")
 
     def visit_FunctionDef(self, node):
@@ -249,7 +269,36 @@ def _owned(arguments, body) -> set[str]:
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 owned.discard(node.name)
     owned |= {name.id for name in bound if id(name) in built}
-    return owned - {name.id for name in bound if id(name) not in built}
+    unbuilt = {name.id for name in bound if id(name) not in built}
+    return owned - unbuilt - {n for s in body for n in _named_by_text(s)}
+
+
+def _named_by_text(tree) -> set[str]:
+    """The names a match pattern or an except clause binds (held as text, not as Name nodes)."""
+    return {
+        name
+        for node in ast.walk(tree)
+        for name in (getattr(node, "name", None), getattr(node, "rest", None))
+        if isinstance(node, (ast.MatchAs, ast.MatchStar, ast.MatchMapping, ast.ExceptHandler))
+        and name is not None
+    }
+
+
+def _names_a_special(text: str) -> bool:
+    """Whether ``text`` holds a double underscore that could spell a special name: one against a
+    letter, digit or underscore, or standing alone ('__class__', '_' '_class__', '__'); prose
+    with a blank beside it ('grads __') does not."""
+    for run in re.finditer(r"__+", text):
+        before = text[run.start() - 1] if run.start() else ""
+        after = text[run.end()] if run.end() < len(text) else ""
+        if not (before.isspace() or after.isspace()) or (before + after).replace(" ", "").isalnum():
+            return True
+    return False
+
+
+_NO_ARGUMENTS = ast.arguments(
+    posonlyargs=[], args=[], vararg=None, kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]
+)
 
 
 def _pairs(target, value):
@@ -275,11 +324,32 @@ BUILT = (
 
 
 def _built(value) -> bool:
-    """Whether ``value`` is one a function builds: a literal or a comprehension, or arithmetic on
-    one (``[None] * count``; the screen refuses an answer's own special methods)."""
+    """Whether ``value`` is one a function builds and nothing else holds: a literal or a
+    comprehension of such values or of calls' results (``[[], f(x)]``, not ``[cross]``), or one
+    repeated or joined (``[None] * count``; the screen refuses an answer's own special
+    methods)."""
     if isinstance(value, ast.BinOp):
-        return _built(value.left) or _built(value.right)
+        sides = (value.left, value.right)
+        if any(isinstance(s, CONTAINERS) and not _built(s) for s in sides):
+            return False
+        return any(isinstance(s, CONTAINERS) for s in sides) or all(map(_built, sides))
+    if isinstance(value, (ast.List, ast.Tuple, ast.Set)):
+        return all(map(_held_built, value.elts))
+    if isinstance(value, ast.Dict):
+        return all(map(_held_built, value.values))
+    if isinstance(value, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):
+        return _held_built(value.elt)
+    if isinstance(value, ast.DictComp):
+        return _held_built(value.value)
     return isinstance(value, BUILT)
+
+
+def _held_built(element) -> bool:
+    """An element of a container a function builds: built itself, or what a call returns."""
+    return isinstance(element, ast.Call) or _built(element)
+
+
+CONTAINERS = (ast.Dict, ast.DictComp, ast.List, ast.ListComp, ast.Set, ast.SetComp, ast.Tuple)
 
 
 class ScreenAnswers(Preprocessor):
@@ -318,7 +388,7 @@ def _bound(source: str) -> set[str]:
         tree = ast.parse(_python(source))
     except SyntaxError:
         return set()
-    names = set()
+    names = _named_by_text(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)

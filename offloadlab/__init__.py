@@ -17,6 +17,7 @@ The public API, imported on first use (``import offloadlab`` alone loads no torc
         loss = model(x)
 """
 
+from types import MappingProxyType
 import importlib
 
 __version__ = "0.1.0"
@@ -57,38 +58,40 @@ def __dir__():
 
 # layer (top first): its modules. "Reading the package" in the book shows this map with each
 # module's job, computed from this very dict.
-LAYERS = {
-    "face: the command and the benchmarks": ["cli", "bench", "fsdp_offload", "__main__"],
-    "mechanisms: offload, streaming, prefetch, NVMe": [
-        "offload",
-        "activations",
-        "streaming",
-        "ownership",
-        "prefetch",
-        "gather",
-        "nvme",
-    ],
-    "kernel: the CPU AdamW step and its build": ["cpu_adam", "kernel_build"],
-    "workload: a model to train, sharded runs": ["models", "distributed"],
-    "measurement: what this machine has and does": [
-        "probe",
-        "ladder",
-        "experiment",
-        "machine",
-        "devices",
-        "reference",
-    ],
-    "transfer engine: copies, events, traces": ["link", "layout", "trace"],
-    "torch's private parts: every one the package uses, in one place": ["_torch_compat"],
-    "estimates: pure arithmetic, no device code": [
-        "memory",
-        "overlap",
-        "budget",
-        "planner",
-        "sharding",
-        "architectures",
-        "model_count",
-        "engines",
-    ],
-    "base: units, safe files, usable cores": ["units", "files", "cores"],
-}
+LAYERS = MappingProxyType(
+    {
+        "face: the command and the benchmarks": ["cli", "bench", "fsdp_offload", "__main__"],
+        "mechanisms: offload, streaming, prefetch, NVMe": [
+            "offload",
+            "activations",
+            "streaming",
+            "ownership",
+            "prefetch",
+            "gather",
+            "nvme",
+        ],
+        "kernel: the CPU AdamW step and its build": ["cpu_adam", "kernel_build"],
+        "workload: a model to train, sharded runs": ["models", "distributed"],
+        "measurement: what this machine has and does": [
+            "probe",
+            "ladder",
+            "experiment",
+            "machine",
+            "devices",
+            "reference",
+        ],
+        "transfer engine: copies, events, traces": ["link", "layout", "trace"],
+        "torch's private parts: every one the package uses, in one place": ["_torch_compat"],
+        "estimates: pure arithmetic, no device code": [
+            "memory",
+            "overlap",
+            "budget",
+            "planner",
+            "sharding",
+            "architectures",
+            "model_count",
+            "engines",
+        ],
+        "base: units, safe files, usable cores": ["units", "files", "cores"],
+    }
+)

@@ -12,6 +12,7 @@ so the real, slower machine stays under them.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 import contextlib
 import functools
 import importlib.util
@@ -564,11 +565,13 @@ def adam(quick: bool = False, params: float | None = None, threads: int | None =
 
 
 # step over AdamW's, emulated link
-OFFLOAD_TARGETS = {"at step": 1.30, "delayed": 1.15, "fast link": 2.00}
+OFFLOAD_TARGETS = MappingProxyType({"at step": 1.30, "delayed": 1.15, "fast link": 2.00})
 # CPUOffloadAdam's traffic per step and parameter, in the parameters' element size: chapter 4's
 # arithmetic (the gradient down, the new weight up, pinned only what the engines copy) with 5 %
 # for the bytes that say whether weights were changed by hand
-TRAFFIC_TARGETS = {"h2d": 1.05, "d2h": 1.05, "pinned": 2.25, "pinned, delayed update": 3.25}
+TRAFFIC_TARGETS = MappingProxyType(
+    {"h2d": 1.05, "d2h": 1.05, "pinned": 2.25, "pinned, delayed update": 3.25}
+)
 
 
 def traffic_per_step(before: dict, after: dict, steps: int, params: int, link) -> dict:
@@ -1003,7 +1006,7 @@ def offload(quick: bool = False) -> dict:
         "rows": rows,
         "ratios": ratios,
         "params": {name: config.params for name, config, _ in _offload_models(gpu)},
-        "traffic_targets": TRAFFIC_TARGETS,
+        "traffic_targets": dict(TRAFFIC_TARGETS),
         "traffic_missed": misses,
         "provenance": machine.provenance(),
         "note": note,

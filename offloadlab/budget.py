@@ -29,6 +29,8 @@ Units: bytes, bytes/s, seconds. "Up" (h2d) is host to GPU, "down" (d2h) GPU to h
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 import math
 from dataclasses import dataclass, field
 
@@ -66,10 +68,12 @@ OFFLOAD_CHOICES = ("optimizer", "gradients", "parameters", "park-and-copy")
 # 128b/130b encoding (machine.pcie_bandwidth: gen 4 is 16 GT/s × 16 lanes × 128/130 ÷ 8); achievable
 # is what large pinned copies typically reach (bandwidthTest, nvbandwidth), the rest going to
 # packet headers and flow control. Worked budgets use the achievable figure; lab 2 measures yours.
-PCIE_X16 = {
-    "PCIe 4.0 ×16": (31.5e9, 25e9),
-    "PCIe 5.0 ×16": (63.0e9, 50e9),
-}
+PCIE_X16 = MappingProxyType(
+    {
+        "PCIe 4.0 ×16": (31.5e9, 25e9),
+        "PCIe 5.0 ×16": (63.0e9, 50e9),
+    }
+)
 
 # Two measurements of the same link differ by a few percent: a both-directions rate this much above
 # the one-direction rate is read as full duplex, not refused.
@@ -168,7 +172,7 @@ def traffic(offload, recipe: str = memory.DEFAULT_RECIPE, micro_batches: int = 1
 
 
 # Each choice on its own, for the default recipe.
-TRAFFIC: dict[str, Traffic] = {name: traffic(name) for name in OFFLOAD_CHOICES}
+TRAFFIC: Mapping[str, Traffic] = MappingProxyType({name: traffic(name) for name in OFFLOAD_CHOICES})
 
 
 def traffic_bytes(params, offload, recipe: str = memory.DEFAULT_RECIPE) -> float:

@@ -30,6 +30,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from types import MappingProxyType
 
 from . import files, memory, units
 from .units import format_bandwidth, format_count, format_duration, format_size
@@ -255,8 +256,15 @@ class Parser(argparse.ArgumentParser):
 
 
 def dumps(payload, indent: int = 2) -> str:
-    """Strict JSON: a non-finite number is a bug here (the arguments are bounded), so it raises."""
-    return json.dumps(payload, indent=indent, allow_nan=False)
+    """Strict JSON: a non-finite number is a bug here (the arguments are bounded), so it raises.
+    The library's read-only tables are written as the objects they are."""
+    return json.dumps(payload, indent=indent, allow_nan=False, default=_as_object)
+
+
+def _as_object(value):
+    if isinstance(value, MappingProxyType):
+        return dict(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _cmd_state(args) -> int:
@@ -523,6 +531,8 @@ def _cmd_plan(args) -> int:
 
     if args.nvme_path is not None and not args.emit:
         raise UsageError("--nvme-path: give it with --emit (the configuration it goes into)")
+    if args.nvme_path == "":
+        raise UsageError("--nvme-path: expected a folder on the NVMe drive; got an empty name")
     with arguments():
         work = _plan_workload(args)
     hardware = _plan_hardware(args)
@@ -710,7 +720,9 @@ def _cmd_probe(args) -> int:
     json_target = output_target(args.json, args.force)
     if args.reference_dir is not None and args.reference is None:
         raise UsageError("--reference-dir: give it with --reference NAME")
-    if args.reference_dir is not None and not Path(args.reference_dir).is_dir():
+    if args.reference_dir is not None and not (
+        args.reference_dir and Path(args.reference_dir).is_dir()
+    ):
         raise UsageError(
             f"--reference-dir: expected an existing folder; got {args.reference_dir!r}"
         )

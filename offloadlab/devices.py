@@ -27,6 +27,7 @@ NVIDIA DGX H100 / DGX H200 / DGX A100 datasheets for the servers' system memory.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 import dataclasses
 import os
 import re
@@ -50,15 +51,18 @@ GB = 10**9
 
 # What a plan's time estimates assume, where a datasheet gives only a peak. Sizes never depend on
 # these: a plan's bytes come from peaks (an upper bound), and the runs measure before they size.
-ASSUMED = {
-    "link_efficiency": 0.8,  # pinned copies reach about 80 % of the PCIe nominal rate
-    "pageable_efficiency": 0.35,  # pageable copies are staged by the driver: about a third of it
-    "matmul_efficiency": 0.7,  # large products reach about 70 % of the datasheet peak
-    "host_bandwidth": 20e9,  # bytes/s of one socket's memory for a streaming CPU loop
-    "disk_bandwidth": 2e9,  # bytes/s of a data-center NVMe drive, sequential, one direction
-    "process_start": 8.0,  # seconds: a Python process importing torch and starting CUDA
-    "notebook_start": 6.0,  # seconds: a Jupyter kernel started, the notebook's imports run
-}
+ASSUMED = MappingProxyType(
+    {
+        "link_efficiency": 0.8,  # pinned copies reach about 80 % of the PCIe nominal rate
+        # pageable copies are staged by the driver: about a third of it
+        "pageable_efficiency": 0.35,
+        "matmul_efficiency": 0.7,  # large products reach about 70 % of the datasheet peak
+        "host_bandwidth": 20e9,  # bytes/s of one socket's memory for a streaming CPU loop
+        "disk_bandwidth": 2e9,  # bytes/s of a data-center NVMe drive, sequential, one direction
+        "process_start": 8.0,  # seconds: a Python process importing torch and starting CUDA
+        "notebook_start": 6.0,  # seconds: a Jupyter kernel started, the notebook's imports run
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,77 +122,79 @@ _HOPPER = (
     "NVIDIA {} Tensor Core GPU datasheet, SXM column (tensor rates halved: printed with sparsity)"
 )
 
-PROFILES = {
-    p.name: p
-    for p in (
-        DeviceProfile(
-            "h100-sxm",
-            "NVIDIA H100 SXM5 80 GB",
-            80 * GB,
-            256 * GB,
-            "a DGX H100's 2 TB of system memory shared by its 8 GPUs",
-            5,
-            16,
-            67e12,
-            494.5e12,
-            989.5e12,
-            _HOPPER.format("H100"),
-        ),
-        DeviceProfile(
-            "h200",
-            "NVIDIA H200 SXM 141 GB",
-            141 * GB,
-            256 * GB,
-            "a DGX H200's 2 TB of system memory shared by its 8 GPUs",
-            5,
-            16,
-            67e12,
-            494.5e12,
-            989.5e12,
-            _HOPPER.format("H200"),
-        ),
-        DeviceProfile(
-            "a100-40gb",
-            "NVIDIA A100 40 GB",
-            40 * GB,
-            128 * GB,
-            "a DGX A100's 1 TB of system memory shared by its 8 GPUs",
-            4,
-            16,
-            19.5e12,
-            156e12,
-            312e12,
-            "NVIDIA A100 Tensor Core GPU datasheet, 40 GB (tensor rates: the dense figures)",
-        ),
-        DeviceProfile(
-            "l4",
-            "NVIDIA L4 24 GB",
-            24 * GB,
-            32 * GB,
-            "a cloud VM with one L4 and 32 GB (Google Cloud's g2-standard-8)",
-            4,
-            16,
-            30.3e12,
-            60e12,
-            121e12,
-            "NVIDIA L4 Tensor Core GPU datasheet (tensor rates halved: printed with sparsity)",
-        ),
-        DeviceProfile(
-            "rtx-4090",
-            "NVIDIA GeForce RTX 4090 24 GB",
-            24 * GB,
-            64 * GB,
-            "a workstation with 64 GB",
-            4,
-            16,
-            82.6e12,
-            82.6e12,
-            165.2e12,
-            "NVIDIA Ada Lovelace architecture whitepaper, GeForce RTX 4090 (dense tensor rates, "
-            "FP32 accumulate)",
-        ),
-    )
-}
+PROFILES = MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            DeviceProfile(
+                "h100-sxm",
+                "NVIDIA H100 SXM5 80 GB",
+                80 * GB,
+                256 * GB,
+                "a DGX H100's 2 TB of system memory shared by its 8 GPUs",
+                5,
+                16,
+                67e12,
+                494.5e12,
+                989.5e12,
+                _HOPPER.format("H100"),
+            ),
+            DeviceProfile(
+                "h200",
+                "NVIDIA H200 SXM 141 GB",
+                141 * GB,
+                256 * GB,
+                "a DGX H200's 2 TB of system memory shared by its 8 GPUs",
+                5,
+                16,
+                67e12,
+                494.5e12,
+                989.5e12,
+                _HOPPER.format("H200"),
+            ),
+            DeviceProfile(
+                "a100-40gb",
+                "NVIDIA A100 40 GB",
+                40 * GB,
+                128 * GB,
+                "a DGX A100's 1 TB of system memory shared by its 8 GPUs",
+                4,
+                16,
+                19.5e12,
+                156e12,
+                312e12,
+                "NVIDIA A100 Tensor Core GPU datasheet, 40 GB (tensor rates: the dense figures)",
+            ),
+            DeviceProfile(
+                "l4",
+                "NVIDIA L4 24 GB",
+                24 * GB,
+                32 * GB,
+                "a cloud VM with one L4 and 32 GB (Google Cloud's g2-standard-8)",
+                4,
+                16,
+                30.3e12,
+                60e12,
+                121e12,
+                "NVIDIA L4 Tensor Core GPU datasheet (tensor rates halved: printed with sparsity)",
+            ),
+            DeviceProfile(
+                "rtx-4090",
+                "NVIDIA GeForce RTX 4090 24 GB",
+                24 * GB,
+                64 * GB,
+                "a workstation with 64 GB",
+                4,
+                16,
+                82.6e12,
+                82.6e12,
+                165.2e12,
+                "NVIDIA Ada Lovelace architecture whitepaper, GeForce RTX 4090 (dense tensor "
+                "rates, FP32 accumulate)",
+            ),
+        )
+    }
+)
 
 # The names torch reports for each profile's GPU (torch.cuda.get_device_name), as patterns.
 _REPORTED = (

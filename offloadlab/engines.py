@@ -15,6 +15,7 @@ trains under ``torchrun`` on two CPU processes, both TinyGPT and a transformers 
 from __future__ import annotations
 
 
+from types import MappingProxyType
 from dataclasses import dataclass, replace
 
 from . import sharding
@@ -44,7 +45,7 @@ __all__ = [
 
 NVME_PATH_PLACEHOLDER = "/local_nvme"  # written when the plan goes to NVMe and no path was given
 MODEL_PLACEHOLDER = "/path/to/model"  # written when no model folder or hub id was given
-ENGINES = {"deepspeed": "DeepSpeed", "fsdp": "FSDP2"}
+ENGINES = MappingProxyType({"deepspeed": "DeepSpeed", "fsdp": "FSDP2"})
 _STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
 # The planner's single-GPU offload levels as DeepSpeed runs them (partitioning is a no-op on one
 # GPU).

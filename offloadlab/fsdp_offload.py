@@ -12,6 +12,7 @@ may stop, and another resume it with any of the optimizers. Units: seconds, byte
 
 from __future__ import annotations
 
+from types import MappingProxyType
 import argparse
 import contextlib
 import json
@@ -39,12 +40,14 @@ from .units import check_integer, check_positive
 
 __all__ = ["OPTIMIZERS", "compare", "launch", "launch_compare", "main", "resume", "train"]
 
-OPTIMIZERS = {
-    "adamw": "FSDP2 + torch.optim.AdamW: the state on the device",
-    "cpu-offload-policy": "FSDP2's CPUOffloadPolicy: shards, gradients and AdamW on the CPU",
-    "offload": "FSDP2 + CPUOffloadAdam: each rank's shard updated on its CPU, at step()",
-    "offload-delayed": "FSDP2 + CPUOffloadAdam(delayed_update=True): behind the next step",
-}
+OPTIMIZERS = MappingProxyType(
+    {
+        "adamw": "FSDP2 + torch.optim.AdamW: the state on the device",
+        "cpu-offload-policy": "FSDP2's CPUOffloadPolicy: shards, gradients and AdamW on the CPU",
+        "offload": "FSDP2 + CPUOffloadAdam: each rank's shard updated on its CPU, at step()",
+        "offload-delayed": "FSDP2 + CPUOffloadAdam(delayed_update=True): behind the next step",
+    }
+)
 
 DEFAULT_STEPS = 4  # training steps a run takes unless told
 

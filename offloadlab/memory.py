@@ -8,6 +8,8 @@ All sizes are in bytes; "GB" means 10**9 bytes and "GiB" 2**30, as in :mod:`offl
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from dataclasses import dataclass, field
 
 from .units import check_integer, check_non_negative, parse_count
@@ -47,7 +49,10 @@ class Recipe:
 
     name: str
     description: str
-    bytes_per_param: dict[str, float]
+    bytes_per_param: Mapping[str, float]  # read-only, as the recipe is
+
+    def __post_init__(self):
+        object.__setattr__(self, "bytes_per_param", MappingProxyType(dict(self.bytes_per_param)))
 
     @property
     def total(self) -> float:
@@ -74,62 +79,65 @@ class Recipe:
 # paper (Dettmers et al., 2022), the basis used here; bitsandbytes' kernels now use 256 (0.03 B
 # a parameter of scales instead of 0.004).
 _BLOCK = 2048
-RECIPES: dict[str, Recipe] = {
-    r.name: r
-    for r in (
-        Recipe(
-            "mixed-adam",
-            "mixed-precision Adam: fp16/bf16 weights and gradients, fp32 master weights and "
-            "moments",
-            {
-                "weights": 2,
-                "gradients": 2,
-                "master_weights": 4,
-                "first_moment": 4,
-                "second_moment": 4,
-            },
-        ),
-        Recipe(
-            "mixed-adam-fp32-grads",
-            "mixed precision with fp32 gradients (DeepSpeed's gradient partition, fp32 "
-            "accumulation): 16-bit weights, fp32 gradients, master weights and moments",
-            {
-                "weights": 2,
-                "gradients": 4,
-                "master_weights": 4,
-                "first_moment": 4,
-                "second_moment": 4,
-            },
-        ),
-        Recipe(
-            "fp32-adam",
-            "full fp32 Adam: weights, gradients and both moments in fp32",
-            {"weights": 4, "gradients": 4, "first_moment": 4, "second_moment": 4},
-        ),
-        Recipe(
-            "bf16-adam",
-            "pure bf16 Adam: weights, gradients and moments all in bf16, no master copy",
-            {"weights": 2, "gradients": 2, "first_moment": 2, "second_moment": 2},
-        ),
-        Recipe(
-            "sgd-momentum",
-            "fp32 SGD with momentum: weights, gradients and one momentum buffer",
-            {"weights": 4, "gradients": 4, "first_moment": 4},
-        ),
-        Recipe(
-            "adam-8bit",
-            "mixed precision with block-wise 8-bit Adam moments (one fp32 scale per 2048 values)",
-            {
-                "weights": 2,
-                "gradients": 2,
-                "master_weights": 4,
-                "first_moment": 1,
-                "second_moment": 1,
-                "quantization_scales": 2 * 4 / _BLOCK,
-            },
-        ),
-    )
-}
+RECIPES: Mapping[str, Recipe] = MappingProxyType(
+    {
+        r.name: r
+        for r in (
+            Recipe(
+                "mixed-adam",
+                "mixed-precision Adam: fp16/bf16 weights and gradients, fp32 master weights and "
+                "moments",
+                {
+                    "weights": 2,
+                    "gradients": 2,
+                    "master_weights": 4,
+                    "first_moment": 4,
+                    "second_moment": 4,
+                },
+            ),
+            Recipe(
+                "mixed-adam-fp32-grads",
+                "mixed precision with fp32 gradients (DeepSpeed's gradient partition, fp32 "
+                "accumulation): 16-bit weights, fp32 gradients, master weights and moments",
+                {
+                    "weights": 2,
+                    "gradients": 4,
+                    "master_weights": 4,
+                    "first_moment": 4,
+                    "second_moment": 4,
+                },
+            ),
+            Recipe(
+                "fp32-adam",
+                "full fp32 Adam: weights, gradients and both moments in fp32",
+                {"weights": 4, "gradients": 4, "first_moment": 4, "second_moment": 4},
+            ),
+            Recipe(
+                "bf16-adam",
+                "pure bf16 Adam: weights, gradients and moments all in bf16, no master copy",
+                {"weights": 2, "gradients": 2, "first_moment": 2, "second_moment": 2},
+            ),
+            Recipe(
+                "sgd-momentum",
+                "fp32 SGD with momentum: weights, gradients and one momentum buffer",
+                {"weights": 4, "gradients": 4, "first_moment": 4},
+            ),
+            Recipe(
+                "adam-8bit",
+                "mixed precision with block-wise 8-bit Adam moments "
+                "(one fp32 scale per 2048 values)",
+                {
+                    "weights": 2,
+                    "gradients": 2,
+                    "master_weights": 4,
+                    "first_moment": 1,
+                    "second_moment": 1,
+                    "quantization_scales": 2 * 4 / _BLOCK,
+                },
+            ),
+        )
+    }
+)
 DEFAULT_RECIPE = "mixed-adam"
 
 _MiB = 2**20
@@ -137,12 +145,14 @@ _MiB = 2**20
 # .total_memory), in bytes, keyed by the size the vendor names. An "80 GB" card carries 80 GiB of
 # HBM, of which the driver keeps some back: it reports about 79.2 GiB, 85.0e9 bytes. Figures are
 # from the cards named, with ECC on; drivers move them by a few hundred MiB.
-GPU_SIZES = {
-    "24 GB": 25_393_692_672,  # GeForce RTX 4090: 23.65 GiB (nvidia-smi shows 24,564 MiB)
-    "40 GB": 42_298_834_944,  # A100-SXM4-40GB: 39.39 GiB
-    "80 GB": 81_049 * _MiB,  # A100 80GB PCIe: 79.15 GiB (H100 80GB HBM3: 81,090 MiB)
-    "141 GB": 143_156 * _MiB,  # H200: 139.8 GiB
-}
+GPU_SIZES = MappingProxyType(
+    {
+        "24 GB": 25_393_692_672,  # GeForce RTX 4090: 23.65 GiB (nvidia-smi shows 24,564 MiB)
+        "40 GB": 42_298_834_944,  # A100-SXM4-40GB: 39.39 GiB
+        "80 GB": 81_049 * _MiB,  # A100 80GB PCIe: 79.15 GiB (H100 80GB HBM3: 81,090 MiB)
+        "141 GB": 143_156 * _MiB,  # H200: 139.8 GiB
+    }
+)
 
 
 def get_recipe(name: str) -> Recipe:
@@ -174,7 +184,7 @@ class StateBreakdown:
             "by_kind_bytes": self.by_kind,
             "total_bytes": self.total_bytes,
             "fits": {name: self.total_bytes <= size for name, size in GPU_SIZES.items()},
-            "gpu_reported_bytes": GPU_SIZES,
+            "gpu_reported_bytes": dict(GPU_SIZES),
         }
 
 

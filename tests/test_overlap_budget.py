@@ -1,6 +1,7 @@
 """The overlap condition, the pipeline model and the per-step budget, against hand-computed
 cases."""
 
+from types import MappingProxyType
 import pytest
 
 from offloadlab import budget, memory, overlap
@@ -129,7 +130,9 @@ def test_a_correction_to_a_recipe_reaches_the_budget(monkeypatch):
         "16-bit weights, fp32 gradients",
         {"weights": 2, "gradients": 4, "master_weights": 4, "first_moment": 4, "second_moment": 4},
     )
-    monkeypatch.setitem(memory.RECIPES, "corrected", corrected)
+    monkeypatch.setattr(
+        memory, "RECIPES", MappingProxyType({**memory.RECIPES, "corrected": corrected})
+    )
     moved = budget.traffic("optimizer", "corrected")
     assert (moved.h2d, moved.d2h) == (2, 4)
     assert (

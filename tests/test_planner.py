@@ -1,6 +1,7 @@
 """The planner's choices on a table of scenarios, its emitted configurations and its command."""
 
 import json
+from types import MappingProxyType
 import subprocess
 import sys
 
@@ -148,7 +149,9 @@ def test_a_correction_to_a_recipe_reaches_the_planner(monkeypatch):
         "16-bit weights, fp32 gradients and state",
         {"weights": 2, "gradients": 4, "master_weights": 4, "first_moment": 4, "second_moment": 4},
     )
-    monkeypatch.setitem(memory.RECIPES, "fp32-grads", fp32_grads)
+    monkeypatch.setattr(
+        memory, "RECIPES", MappingProxyType({**memory.RECIPES, "fp32-grads": fp32_grads})
+    )
     work, hw = planner.Workload(1e9, batch=1, seq=1024), planner.Hardware("80 GB", "10 GB/s")
     r = planner.plan(work, hw, recipe="fp32-grads")
     optimizer = next(p for p in r.plans if p.offload == "optimizer" and not p.recompute)

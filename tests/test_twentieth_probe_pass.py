@@ -166,3 +166,112 @@ def test_the_graders_own_stand_ins_are_no_answers_change_but_what_replaces_them_
         [sys.executable, "-c", STAND_IN], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
     assert done.stdout.splitlines() == ["[]", "['os.fsync']", "[]"], done.stdout + done.stderr
+
+
+def test_no_module_of_the_library_or_the_course_holds_a_table_an_answer_could_change():
+    """``def f(s): s.add("numerator")`` then ``f(check.watch.CACHES)`` blinded the watch, and
+    ``memory.RECIPES`` or ``budget.TRAFFIC`` handed to a function could rewrite what a check's
+    expected value is computed from: their public tables are read-only."""
+    import importlib
+    import pkgutil
+
+    import offloadlab
+    import offloadlab_course
+
+    changeable = []
+    for package in (offloadlab, offloadlab_course):
+        for found in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            if found.name.endswith(("__main__", "_cpu_adam")):
+                continue
+            module = importlib.import_module(found.name)
+            changeable += [
+                f"{found.name}.{name}"
+                for name, value in vars(module).items()
+                if not name.startswith("_") and type(value) in (list, dict, set, bytearray)
+            ]
+    assert changeable == []
+
+
+TIMED = """
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("from offloadlab_course import grading")
+shell.run_cell("P = 10")
+shell.run_cell("%%time\\nmy_x = 16 * P")
+shell.run_cell("%time my_y = 4 * P")
+shell.run_cell("print(grading.recomputed('my_x', P=20), grading.recomputed('my_y', P=20))")
+"""
+
+
+def test_a_timed_answer_is_recomputed_as_it_stands():
+    """F6: under ``%%time`` the cell became a magic call, and the hidden test found no cell
+    assigning the answer ("no cell assigns it"): an honest answer failed."""
+    done = subprocess.run(
+        [sys.executable, "-c", TIMED], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.splitlines()[-1] == "320 80", done.stdout + done.stderr
+
+
+KEPT = """
+from offloadlab.memory import state_bytes
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("from offloadlab import memory\\nfrom offloadlab_course import grading")
+shell.run_cell("P = 10\\nmy_tools = [memory.state_bytes]")
+shell.run_cell("def my_f(p, f=memory.state_bytes):\\n    return f(p, 'fp32-adam').total_bytes")
+shell.run_cell("my_x = my_tools[0](P, 'fp32-adam').total_bytes")
+shell.run_cell("my_y = my_f(P)")
+shell.run_cell("my_z = 16 * P")
+for name in ("my_x", "my_y", "my_z"):
+    try:
+        print(grading.recomputed(name, P=20, refusing=[state_bytes]))
+    except AssertionError as error:
+        print("refused:", str(error).split(",")[0])
+"""
+
+
+def test_a_refused_function_is_refused_through_any_alias():
+    """F2: kept in a list or as a default argument in an earlier cell, the function the hidden
+    test refuses was out of its reach, and the copied expression passed."""
+    code = KEPT.replace("grading.recomputed", "shell.user_ns['grading'].recomputed")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines()[-3:] == [
+        "refused: my_x: the answer calls memory.state_bytes",
+        "refused: my_y: the answer calls memory.state_bytes",
+        "320",
+    ], done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["probe", "--quick", "--reference", "r1", "--reference-dir", ""], "--reference-dir: "),
+        (
+            ["plan", "--params", "7e9", "--gpu-memory", "80GB", "--link", "25GB/s"]
+            + ["--emit", "deepspeed", "--nvme-path", ""],
+            "--nvme-path: ",
+        ),
+    ],
+    ids=["reference-dir", "nvme-path"],
+)
+def test_an_empty_folder_name_is_a_usage_error(argv, said, tmp_path, monkeypatch, capsys):
+    """F9, F10: an empty --reference-dir wrote the reference into the current folder
+    (Path("") is "."), an empty --nvme-path was taken for none given."""
+    from offloadlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"offloadlab: error: {said}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_recipes_bytes_cannot_be_changed_through_a_parameter():
+    """What memory.state_bytes, and so a check's expected value, reads from."""
+    from offloadlab import memory
+
+    with pytest.raises(TypeError):
+        exec(
+            "def mine(b):\n    b['weights'] = 0\nmine(r.bytes_per_param)",
+            {"r": memory.RECIPES["fp32-adam"]},
+        )
+    assert memory.RECIPES["fp32-adam"].weight_bytes == 4

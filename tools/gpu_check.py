@@ -334,7 +334,7 @@ def plan(
         "seconds": round(sum(p["seconds"] for p in listed), 1),
         "limits": limits,
         "parts": listed,
-        "assumed": ASSUMED,
+        "assumed": dict(ASSUMED),
     }
     result["fits"] = (
         result["pinned_bytes"] <= limits["pinned_bytes"]

@@ -40,6 +40,7 @@ from offloadlab.sharding import ring_bytes
 from offloadlab.streaming import StreamedModel
 from offloadlab_course import crashes, watch
 from offloadlab_course.check import ReadOnlyClass, sealed
+from offloadlab_course.guard import untimed
 from offloadlab.units import (
     check_integer,
     check_non_negative,
@@ -1318,7 +1319,7 @@ def recomputed(name: str, refusing=(), **inputs):
             "recomputed: runs in a notebook's kernel (IPython), where the answer cells ran"
         )
     for source in reversed(_CELLS):
-        code = shell.transform_cell(source)
+        code = shell.transform_cell(untimed(source))  # (a timed cell, as it stands)
         tree = _parse(code)
         if tree is not None and name in _assigned(tree):
             break
@@ -1333,45 +1334,37 @@ def recomputed(name: str, refusing=(), **inputs):
     }
     assert not asked, f"{name}: the answer asks {', '.join(sorted(asked))} instead of computing it"
     namespace = {**shell.user_ns, **inputs}
-    with _refused(name, refusing, namespace):
+    with _refused(name, refusing):
         exec(compile(tree, f"<the cell that assigns {name}>", "exec"), namespace)
         return namespace[name]
 
 
 @contextlib.contextmanager
-def _refused(name: str, functions, namespace: dict):
-    """While the block runs, each of ``functions`` raises AssertionError wherever the answer may
-    reach it: as an attribute of any of the package's modules, or a name in ``namespace``."""
+def _refused(name: str, functions):
+    """While the block runs, note each call of ``functions`` by its code, so through any alias (a
+    list, a default argument, a partial made in an earlier cell); AssertionError after it when
+    the answer made one."""
     import sys
 
-    def refusal(function):
-        where = f"{function.__module__.split('.')[-1]}.{function.__name__}"
+    codes = {getattr(f, "__func__", f).__code__: f for f in functions}
+    called = []
 
-        def refuse(*args, **kwargs):
-            raise AssertionError(
-                f"{name}: the answer calls {where}, which computes what the exercise asks you "
-                "to work out: write the arithmetic from the lab's variables"
-            )
+    def note(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            called.append(codes[frame.f_code])
 
-        return refuse
-
-    replaced = []  # (holder, key, original)
-    modules = [m for key, m in list(sys.modules.items()) if key.split(".")[0] == "offloadlab"]
-    for function in functions:
-        stand_in = refusal(function)
-        for module in modules:
-            for key, value in list(vars(module).items()):
-                if value is function:  # the modules are sealed (guard.py): their dicts are not
-                    replaced.append((vars(module), key, value))
-                    vars(module)[key] = stand_in
-        for key, value in list(namespace.items()):
-            if value is function:
-                namespace[key] = stand_in
+    previous = sys.getprofile()
+    sys.setprofile(note)
     try:
         yield
     finally:
-        for holder, key, original in reversed(replaced):
-            holder[key] = original
+        sys.setprofile(previous)
+    if called:
+        where = f"{called[0].__module__.split('.')[-1]}.{called[0].__name__}"
+        raise AssertionError(
+            f"{name}: the answer calls {where}, which computes what the exercise asks you "
+            "to work out: write the arithmetic from the lab's variables"
+        )
 
 
 _CELLS: list[str] = []  # every cell the kernel has run since the import, in order

@@ -11,6 +11,7 @@ size on a laptop.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 
 # Imported with the module, not at the first figure: a notebook imports this in its first cell, and
 # an interrupt that lands in a half-done import of matplotlib leaves the kernel unable to draw
@@ -37,33 +38,35 @@ __all__ = [
 SMALLEST_TEXT_PT = 11.0
 FIGURE_WIDTH_IN = 5.6
 
-STYLE = {
-    "figure.figsize": (FIGURE_WIDTH_IN, 3.5),
-    "font.size": 12.0,
-    "axes.titlesize": 12.5,
-    "axes.titlelocation": "left",
-    "axes.labelsize": 12.0,
-    "xtick.labelsize": SMALLEST_TEXT_PT,
-    "ytick.labelsize": SMALLEST_TEXT_PT,
-    "legend.fontsize": SMALLEST_TEXT_PT,
-    "legend.title_fontsize": SMALLEST_TEXT_PT,
-    "figure.titlesize": 12.5,
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-    "axes.grid": True,
-    "axes.axisbelow": True,
-    "grid.color": "0.88",
-    "grid.linewidth": 0.6,
-    "lines.linewidth": 1.8,
-    "lines.markersize": 6.0,
-    "legend.frameon": False,
-    "figure.constrained_layout.use": False,
-    "savefig.bbox": "tight",
-    "savefig.pad_inches": 0.05,
-    # Text stays text in SVG: sharp at any size, searchable, and measured by the site's tests.
-    "svg.fonttype": "none",
-    "svg.hashsalt": "offloadlab",
-}
+STYLE = MappingProxyType(
+    {
+        "figure.figsize": (FIGURE_WIDTH_IN, 3.5),
+        "font.size": 12.0,
+        "axes.titlesize": 12.5,
+        "axes.titlelocation": "left",
+        "axes.labelsize": 12.0,
+        "xtick.labelsize": SMALLEST_TEXT_PT,
+        "ytick.labelsize": SMALLEST_TEXT_PT,
+        "legend.fontsize": SMALLEST_TEXT_PT,
+        "legend.title_fontsize": SMALLEST_TEXT_PT,
+        "figure.titlesize": 12.5,
+        "axes.spines.top": False,
+        "axes.spines.right": False,
+        "axes.grid": True,
+        "axes.axisbelow": True,
+        "grid.color": "0.88",
+        "grid.linewidth": 0.6,
+        "lines.linewidth": 1.8,
+        "lines.markersize": 6.0,
+        "legend.frameon": False,
+        "figure.constrained_layout.use": False,
+        "savefig.bbox": "tight",
+        "savefig.pad_inches": 0.05,
+        # Text stays text in SVG: sharp at any size, searchable, and measured by the site's tests.
+        "svg.fonttype": "none",
+        "svg.hashsalt": "offloadlab",
+    }
+)
 
 
 def book_style():

@@ -19,6 +19,7 @@ import importlib.util
 import os
 import sys
 import types
+from types import MappingProxyType
 
 __all__ = ["changed", "note", "remember", "standing_in", "why_not_checked"]
 
@@ -32,7 +33,9 @@ WATCHED_MODULES = (
     "weakref", "zlib",
 )  # fmt: skip
 # What the kernel itself rebinds as it runs a cell (ipykernel's input, IPython's exit and quit).
-KERNELS_OWN = {"builtins": {"display", "exit", "get_ipython", "input", "quit"}}
+KERNELS_OWN = MappingProxyType(
+    {"builtins": frozenset({"display", "exit", "get_ipython", "input", "quit"})}
+)
 
 _MODULES: dict[str, tuple[types.ModuleType, dict]] = {}  # name: (module, what it held)
 _CLASSES: dict[type, tuple[dict, dict]] = {}  # class: (what is watched, its whole namespace)
@@ -162,5 +165,5 @@ _GONE = object()  # what a deleted name holds
 # A class Python itself refuses to change (the built-in and extension types): not watched.
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE
 # What Python itself adds to a class as a cache (copyreg, when an instance is first pickled).
-CACHES = {"__slotnames__"}
+CACHES = frozenset({"__slotnames__"})
 _TORCH_FOLDER = os.path.dirname(importlib.util.find_spec("torch").origin) + os.sep

@@ -8,6 +8,7 @@ one. See :mod:`offloadlab.nvme` for how a step moves between the two slots.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 import struct
 import zlib
 from array import array
@@ -27,20 +28,22 @@ SLOT_MAGIC = b"OFFLOADLAB-SLOT\n"
 SUPERBLOCK = struct.Struct("<16sI16sIQQQQQI")
 # magic, slot, step, blocks; then one crc32 per block, then the header's crc32
 SLOT_HEAD = struct.Struct("<16sIQQ")
-DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float32,
-        torch.float64,
-        torch.float16,
-        torch.bfloat16,
-        torch.int8,
-        torch.uint8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-    )
-}
+DTYPES = MappingProxyType(
+    {
+        str(d).removeprefix("torch."): d
+        for d in (
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int8,
+            torch.uint8,
+            torch.int16,
+            torch.int32,
+            torch.int64,
+        )
+    }
+)
 LARGEST_FILE = 2**63 - 1  # off_t
 
 

@@ -49,12 +49,12 @@ __all__ = [
 ]
 
 # The node's candidates, simplest first: on a tie the simpler one is chosen.
-NODE_CANDIDATES = [
+NODE_CANDIDATES = tuple(
     (strategy, offload)
     for strategy in sharding.STRATEGIES
     for offload in sharding.OFFLOADS
     if sharding.valid(strategy, offload)
-]
+)
 # a process that builds the model in fp32 before sharding it holds this much
 LOAD_BYTES_PER_PARAM = 4
 

@@ -382,6 +382,7 @@ LAB01_ANSWERS = [
 COPIED = {
     "prediction_fp32_adam": 'memory.state_bytes(P, "fp32-adam").total_bytes',
     "my_bandwidth": "record.value",
+    "measured_batch": "cross.measured_batch",
     "my_beta": "probe.fit_alpha_beta(sizes, times).beta",
     "predicted_batch": "overlap.crossover_batch(nbytes, bandwidth, seconds_per_sample)",
     "plain_device": 'memory.state_bytes(P, "fp32-adam").total_bytes',

@@ -138,6 +138,14 @@ ATTACKS = {
         "rebinds check",
     ),
     "a name in a string": ("my_x = '__class__'", "names a special attribute in a string"),
+    "a changing method taken, not called": (
+        "@overlap.append\ndef my_f():\n    pass",
+        "takes append() of overlap, which the lab's cells bind",
+    ),
+    "a changing method kept for later": (
+        "my_add = overlap.append\nmy_add(1)",
+        "takes append() of overlap, which the lab's cells bind",
+    ),
     "a lab object inside a literal the cell builds": (
         "my_l = [overlap]\nmy_l[0].window = 0",
         "changes the attribute window of something it did not make",

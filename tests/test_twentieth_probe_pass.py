@@ -275,3 +275,39 @@ def test_a_recipes_bytes_cannot_be_changed_through_a_parameter():
             {"r": memory.RECIPES["fp32-adam"]},
         )
     assert memory.RECIPES["fp32-adam"].weight_bytes == 4
+
+
+NESTED = """
+from offloadlab.memory import state_bytes
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("from offloadlab_course import grading\\nfrom offloadlab.cpu_adam import threading")
+shell.run_cell("from offloadlab.memory import state_bytes")
+shell.run_cell("P = 10")
+shell.run_cell("if P > 0:\\n    my_a = 16 * P")
+shell.run_cell("for my_i in range(1):\\n    my_b = 16 * P")
+shell.run_cell("print(my_c := 16 * P)")
+shell.run_cell("my_box = []\\nmy_t = threading.Thread(target=lambda: my_box.append("
+               "state_bytes(P, 'fp32-adam').total_bytes))\\nmy_t.start()\\nmy_t.join()\\n"
+               "my_d = my_box[0]")
+grading = shell.user_ns["grading"]
+for name in ("my_a", "my_b", "my_c", "my_d"):
+    try:
+        print(grading.recomputed(name, P=20, refusing=[state_bytes]))
+    except AssertionError as error:
+        print("refused:", str(error).split(",")[0])
+"""
+
+
+def test_an_answer_assigned_in_a_block_is_recomputed_and_a_thread_is_no_way_around():
+    """Twenty-first pass: an answer assigned inside ``if``/``for`` or by a walrus found "no cell
+    assigns it"; the refused function called from a thread the answer started went through."""
+    done = subprocess.run(
+        [sys.executable, "-c", NESTED], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.splitlines()[-4:] == [
+        "320",
+        "320",
+        "320",
+        "refused: my_d: the answer calls memory.state_bytes",
+    ], done.stdout + done.stderr

@@ -1345,6 +1345,7 @@ def _refused(name: str, functions):
     list, a default argument, a partial made in an earlier cell); AssertionError after it when
     the answer made one."""
     import sys
+    import threading
 
     codes = {getattr(f, "__func__", f).__code__: f for f in functions}
     called = []
@@ -1355,10 +1356,12 @@ def _refused(name: str, functions):
 
     previous = sys.getprofile()
     sys.setprofile(note)
+    threading.setprofile(note)  # (and every thread the answer starts meanwhile)
     try:
         yield
     finally:
         sys.setprofile(previous)
+        threading.setprofile(None)
     if called:
         where = f"{called[0].__module__.split('.')[-1]}.{called[0].__name__}"
         raise AssertionError(
@@ -1396,18 +1399,22 @@ def _parse(code: str):
 
 
 def _assigned(tree) -> set[str]:
-    """Names a cell binds at its top level: assignments (tuples too) and definitions."""
-    names = set()
-    for node in tree.body:
+    """Names a cell binds outside its functions and classes: assignments (tuples too, in an
+    ``if``, a loop, a ``try`` or a ``with`` as well), walruses and definitions."""
+    names, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            continue
         targets = []
         if isinstance(node, ast.Assign):
             targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.NamedExpr)):
             targets = [node.target]
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
         for target in targets:
             names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        todo += [c for c in ast.iter_child_nodes(node) if not isinstance(c, ast.Lambda)]
     return names
 
 

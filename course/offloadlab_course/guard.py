@@ -112,6 +112,7 @@ class _Screen(ast.NodeVisitor):
     def __init__(self, protected: set[str], reasons: list[str], top: set[str]):
         self.protected, self.reasons, self.local, self.top = protected, reasons, None, top
         self.comprehended: set[str] = set()
+        self.called: set[int] = set()  # the changing methods visit_Call has named
 
     def visit_Import(self, node):
         for alias in node.names:
@@ -161,16 +162,23 @@ class _Screen(ast.NodeVisitor):
     def visit_Call(self, node):
         """A changing method called on what the lab's cells bind: ``cross.batches.clear()``."""
         method = node.func
-        if isinstance(method, ast.Attribute) and method.attr in CHANGING_METHODS:
-            root = method.value
-            while isinstance(root, (ast.Attribute, ast.Subscript, ast.Call)):
-                root = root.func if isinstance(root, ast.Call) else root.value
-            own = (self.local or set()) | self.comprehended  # (a local of the same name)
-            if isinstance(root, ast.Name) and root.id in self.protected - own:
-                self.reasons.append(
-                    f"calls {method.attr}() on {root.id}, which the lab's cells bind"
-                )
+        root = self._changing_method_of(method)
+        if root is not None:
+            self.reasons.append(f"calls {method.attr}() on {root}, which the lab's cells bind")
+            self.called.add(id(method))
         self.generic_visit(node)
+
+    def _changing_method_of(self, method) -> str | None:
+        """The lab-bound name whose list, dict or set ``method`` would change, if it does."""
+        if not (isinstance(method, ast.Attribute) and method.attr in CHANGING_METHODS):
+            return None
+        root = method.value
+        while isinstance(root, (ast.Attribute, ast.Subscript, ast.Call)):
+            root = root.func if isinstance(root, ast.Call) else root.value
+        own = (self.local or set()) | self.comprehended  # (a local of the same name)
+        if isinstance(root, ast.Name) and root.id in self.protected - own:
+            return root.id
+        return None
 
     def visit_Global(self, node):
         self.reasons.append(f"declares {', '.join(node.names)} global")
@@ -201,6 +209,9 @@ class _Screen(ast.NodeVisitor):
         self.comprehended = outer
 
     def visit_Attribute(self, node):
+        root = self._changing_method_of(node)
+        if root is not None and id(node) not in self.called:  # (a decorator, kept for later)
+            self.reasons.append(f"takes {node.attr}() of {root}, which the lab's cells bind")
         if node.attr.startswith("_"):
             self.reasons.append(f"reaches the attribute {node.attr}")
         elif node.attr in REFUSED_NAMES:

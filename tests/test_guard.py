@@ -138,6 +138,7 @@ ATTACKS = {
         "rebinds check",
     ),
     "a name in a string": ("my_x = '__class__'", "names a special attribute in a string"),
+    "a star import": ("from numpy import *", "imports every name of numpy"),
     "a changing method taken, not called": (
         "@overlap.append\ndef my_f():\n    pass",
         "takes append() of overlap, which the lab's cells bind",

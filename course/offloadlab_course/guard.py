@@ -122,6 +122,8 @@ class _Screen(ast.NodeVisitor):
     def visit_ImportFrom(self, node):
         self._importing("." * node.level + (node.module or ""))
         for alias in node.names:
+            if alias.name == "*":  # (names it cannot see: record, cross, ... from numpy's)
+                self.reasons.append(f"imports every name of {node.module}")
             self._binding(alias.asname or alias.name)
 
     def visit_ClassDef(self, node):

@@ -1354,14 +1354,14 @@ def _refused(name: str, functions):
         if event == "call" and frame.f_code in codes:
             called.append(codes[frame.f_code])
 
-    previous = sys.getprofile()
+    previous, previous_threads = sys.getprofile(), threading.getprofile()
     sys.setprofile(note)
     threading.setprofile(note)  # (and every thread the answer starts meanwhile)
     try:
         yield
     finally:
         sys.setprofile(previous)
-        threading.setprofile(None)
+        threading.setprofile(previous_threads)
     if called:
         where = f"{called[0].__module__.split('.')[-1]}.{called[0].__name__}"
         raise AssertionError(

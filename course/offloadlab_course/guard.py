@@ -142,24 +142,13 @@ class _Screen(ast.NodeVisitor):
         if isinstance(node.value, str) and _names_a_special(node.value):
             self.reasons.append("names a special attribute in a string")
 
-    def visit_MatchAs(self, node):  # (``case x``, ``case [*x]``, ``case {**x}``: names as text)
-        if node.name is not None:
-            self._binding(node.name)
+    def _binding_by_text(self, node):  # (``case x``, ``case {**x}``, ``except E as x``)
+        for name in _text_names(node):
+            self._binding(name)
         self.generic_visit(node)
 
-    def visit_MatchStar(self, node):
-        if node.name is not None:
-            self._binding(node.name)
-
-    def visit_MatchMapping(self, node):
-        if node.rest is not None:
-            self._binding(node.rest)
-        self.generic_visit(node)
-
-    def visit_ExceptHandler(self, node):
-        if node.name is not None:
-            self._binding(node.name)
-        self.generic_visit(node)
+    visit_MatchAs = visit_MatchStar = visit_MatchMapping = _binding_by_text
+    visit_ExceptHandler = _binding_by_text
 
     def visit_Call(self, node):
         """A changing method called on what the lab's cells bind: ``cross.batches.clear()``."""
@@ -287,14 +276,15 @@ def _owned(arguments, body) -> set[str]:
 
 
 def _named_by_text(tree) -> set[str]:
-    """The names a match pattern or an except clause binds (held as text, not as Name nodes)."""
-    return {
-        name
-        for node in ast.walk(tree)
-        for name in (getattr(node, "name", None), getattr(node, "rest", None))
-        if isinstance(node, (ast.MatchAs, ast.MatchStar, ast.MatchMapping, ast.ExceptHandler))
-        and name is not None
-    }
+    """The names the match patterns and except clauses in ``tree`` bind."""
+    return {name for node in ast.walk(tree) for name in _text_names(node)}
+
+
+def _text_names(node) -> list[str]:
+    """The names one match pattern or except clause binds (held as text, not as Name nodes)."""
+    if not isinstance(node, (ast.MatchAs, ast.MatchStar, ast.MatchMapping, ast.ExceptHandler)):
+        return []
+    return [n for n in (getattr(node, "name", None), getattr(node, "rest", None)) if n]
 
 
 def _names_a_special(text: str) -> bool:

@@ -311,3 +311,47 @@ def test_an_answer_assigned_in_a_block_is_recomputed_and_a_thread_is_no_way_arou
         "320",
         "refused: my_d: the answer calls memory.state_bytes",
     ], done.stdout + done.stderr
+
+
+ACROSS = """
+from offloadlab.memory import state_bytes
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("from offloadlab_course import grading\\nfrom offloadlab.memory import state_bytes")
+shell.run_cell("P = 10\\nmy_k = 16")
+shell.run_cell("my_parts = [4 * P, 4 * P]")
+shell.run_cell("my_parts.append(4 * P)")
+shell.run_cell("my_parts += [4 * P]")
+shell.run_cell("def my_weights():\\n    return 4 * P")
+shell.run_cell("my_from_parts = sum(my_parts)")
+shell.run_cell("my_sum = 0")
+shell.run_cell("my_sum += 16 * P")
+shell.run_cell("my_from_helper = 4 * my_weights()")
+shell.run_cell("my_from_constant = my_k * P")
+shell.run_cell("my_copied = state_bytes(P, 'fp32-adam').total_bytes")
+shell.run_cell("my_from_copy = my_copied")
+grading = shell.user_ns["grading"]
+for name in ("my_from_parts", "my_sum", "my_from_helper", "my_from_constant", "my_from_copy"):
+    try:
+        print(grading.recomputed(name, P=20, refusing=[state_bytes]))
+    except AssertionError as error:
+        print("refused:", str(error).split(",")[0])
+print(shell.user_ns["my_parts"], shell.user_ns["my_sum"], shell.user_ns["my_weights"]())
+"""
+
+
+def test_an_answer_built_across_cells_is_recomputed_with_the_cells_it_reads():
+    """F7: the hidden test ran again only the cell that assigns the answer, so a list filled or
+    a helper defined in an earlier cell kept the notebook's inputs and an honest answer failed;
+    the cells it reads that depend on the inputs run again too, on copies."""
+    done = subprocess.run(
+        [sys.executable, "-c", ACROSS], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.splitlines()[-6:] == [
+        "320",
+        "320",
+        "320",
+        "320",
+        "refused: my_from_copy: the answer calls memory.state_bytes",
+        "[40, 40, 40, 40] 160 40",
+    ], done.stdout + done.stderr

@@ -1303,7 +1303,8 @@ def _lab05_pass(
 
 def recomputed(name: str, refusing=(), **inputs):
     """The value the student's latest cell that assigns ``name`` (a variable or a function) gives
-    when run again with ``inputs`` in place of the notebook's variables of those names.
+    when run again with ``inputs`` in place of the notebook's variables of those names, with
+    the earlier statements it reads from that depend on them (a list filled, a helper defined).
 
     Runs in a copy of the notebook's namespace, so the lab's own variables stay as they were.
     AssertionError when no cell has assigned ``name`` yet, when that cell asks the package's
@@ -1318,16 +1319,17 @@ def recomputed(name: str, refusing=(), **inputs):
         raise RuntimeError(
             "recomputed: runs in a notebook's kernel (IPython), where the answer cells ran"
         )
-    for source in reversed(_CELLS):
-        code = shell.transform_cell(untimed(source))  # (a timed cell, as it stands)
-        tree = _parse(code)
-        if tree is not None and name in _assigned(tree):
-            break
-    else:
+    cells = [_parse(shell.transform_cell(untimed(source))) for source in _CELLS]  # (timed: as is)
+    answer = next(
+        (i for i in reversed(range(len(cells))) if cells[i] and name in _assigned(cells[i])), None
+    )
+    if answer is None:
         raise AssertionError(f"{name}: no cell assigns it")
+    rerun = _to_run(cells, answer, set(inputs))
     asked = {
         node.value.id
-        for node in ast.walk(tree)
+        for code in rerun
+        for node in ast.walk(code)
         if isinstance(node, ast.Attribute)
         and isinstance(node.value, ast.Name)
         and node.value.id in ("grading", "check")
@@ -1335,8 +1337,59 @@ def recomputed(name: str, refusing=(), **inputs):
     assert not asked, f"{name}: the answer asks {', '.join(sorted(asked))} instead of computing it"
     namespace = {**shell.user_ns, **inputs}
     with _refused(name, refusing):
-        exec(compile(tree, f"<the cell that assigns {name}>", "exec"), namespace)
+        for code in rerun:
+            namespace.update(inputs)
+            exec(compile(code, f"<the code {name} is computed by>", "exec"), namespace)
         return namespace[name]
+
+
+def _to_run(cells, answer: int, inputs: set[str]) -> list[ast.Module]:
+    """The answer's cell and, before it, each statement that made what it reads where that
+    depends on ``inputs``, and those that made what it changes in place (and so on): the code to
+    run again, in order."""
+    units = [ast.Module([s], []) for tree in cells[:answer] if tree for s in tree.body]
+    units.append(cells[answer])
+    fresh, changed, read = zip(*map(_names, units))
+
+    @functools.cache
+    def made(name: str, before: int) -> tuple[int, ...]:
+        """The statement that last bound ``name`` before unit ``before``, and those that changed
+        it since."""
+        bound = [j for j in range(before) if name in fresh[j]]
+        since = range(bound[-1] + 1, before) if bound else ()
+        return (*bound[-1:], *[k for k in since if name in changed[k]])
+
+    @functools.cache
+    def depends(name: str, before: int) -> bool:
+        return name in inputs or any(depends(r, k) for k in made(name, before) for r in read[k])
+
+    run, todo = set(), [len(units) - 1]
+    while todo:
+        k = todo.pop()
+        if k not in run:
+            run.add(k)
+            todo += [j for name in read[k] - inputs if depends(name, k) for j in made(name, k)]
+            todo += [j for name in changed[k] - inputs for j in made(name, k)]
+    return [units[k] for k in sorted(run)]
+
+
+def _names(tree) -> tuple[set[str], set[str], set[str]]:
+    """The names code binds afresh, those it changes in place (``x += …``, ``x[i] = …``,
+    ``x.a = …``, ``x.append(…)``) and those it reads."""
+    changed, read = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            read.add(node.id)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            changed.add(node.target.id)
+            read.add(node.target.id)
+        elif isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+            changed |= {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            called = node.value.func
+            if isinstance(called, ast.Attribute) and isinstance(called.value, ast.Name):
+                changed.add(called.value.id)
+    return _assigned(tree, augmented=False), changed, read
 
 
 @contextlib.contextmanager
@@ -1398,9 +1451,10 @@ def _parse(code: str):
         return None
 
 
-def _assigned(tree) -> set[str]:
+def _assigned(tree, augmented: bool = True) -> set[str]:
     """Names a cell binds outside its functions and classes: assignments (tuples too, in an
-    ``if``, a loop, a ``try`` or a ``with`` as well), walruses and definitions."""
+    ``if``, a loop, a ``try`` or a ``with`` as well), walruses and definitions; ``x += …`` too
+    unless not ``augmented``."""
     names, todo = set(), list(tree.body)
     while todo:
         node = todo.pop()
@@ -1410,7 +1464,9 @@ def _assigned(tree) -> set[str]:
         targets = []
         if isinstance(node, ast.Assign):
             targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.NamedExpr)):
+        elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) or (
+            augmented and isinstance(node, ast.AugAssign)
+        ):
             targets = [node.target]
         for target in targets:
             names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}

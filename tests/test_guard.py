@@ -155,6 +155,27 @@ ATTACKS = {
         "def my_f():\n    l = [overlap] * 1\n    l[0].window = 0",
         "changes the attribute window of something it did not make",
     ),
+    "a pickled call": (
+        'torch.serialization.pickle.loads(b"csys\\nsetprofile\\n(NtR.")',
+        "uses pickle",
+    ),
+    "a thread left running": (
+        "t = torch.utils.data.dataloader.threading.Thread(target=print)",
+        "uses threading",
+    ),
+    "the release switch, in bytes": (
+        "def f(e):\n    e[b'OFFLOADLAB_STUDENT'] = b'0'\nf(torch.serialization.os.environb)",
+        "uses environb",
+    ),
+    "a file read as a tensor": (
+        "t = torch.from_file('lab01.md', size=10, dtype=torch.uint8)",
+        "uses from_file",
+    ),
+    "a file object": (
+        "f = torch.serialization.io.FileIO('x', 'w')",
+        "uses FileIO",
+    ),
+    "a process": ("torch.serialization.os.spawnlp(0, 'id', 'id')", "uses spawnlp"),
     "a lab object inside a comprehension": (
         "def my_f():\n    l = {k: overlap for k in 'ab'}\n    l['a'].window = 0",
         "changes the attribute window of something it did not make",

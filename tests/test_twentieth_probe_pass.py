@@ -355,3 +355,55 @@ def test_an_answer_built_across_cells_is_recomputed_with_the_cells_it_reads():
         "refused: my_from_copy: the answer calls memory.state_bytes",
         "[40, 40, 40, 40] 160 40",
     ], done.stdout + done.stderr
+
+
+OUT_OF_SIGHT = """
+import sys
+from offloadlab.memory import state_bytes
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("from offloadlab_course import grading\\nfrom offloadlab.memory import state_bytes")
+shell.run_cell("import sys\\nimport threading\\nP = 10")
+shell.run_cell("my_a = [sys.setprofile(None), state_bytes(P, 'fp32-adam').total_bytes][1]")
+shell.run_cell("my_b = len([grading][0].untimed('')) + 16 * P")
+grading = shell.user_ns["grading"]
+
+
+def ask(name):
+    try:
+        print(grading.recomputed(name, P=20, refusing=[state_bytes]))
+    except AssertionError as error:
+        print("refused:", str(error).split(";")[0])
+
+
+ask("my_a")
+ask("my_b")
+shell.run_cell(
+    "if 'my_box' not in dir():\\n"
+    "    my_box = [None, None, threading.Event(), threading.Event()]\\n"
+    "    def my_serve(box):\\n"
+    "        while True:\\n"
+    "            box[2].wait(); box[2].clear(); box[1] = box[0](); box[3].set()\\n"
+    "    threading.Thread(target=my_serve, args=(my_box,), daemon=True).start()\\n"
+    "my_box[0] = lambda: state_bytes(P, 'fp32-adam').total_bytes\\n"
+    "my_box[2].set(); my_box[3].wait(); my_box[3].clear()\\n"
+    "my_c = my_box[1]"
+)
+ask("my_c")
+print(sys.getprofile())
+"""
+
+
+def test_a_refused_call_cannot_be_made_out_of_the_graders_sight():
+    """Twenty-second pass F1, F2: ``sys.setprofile(None)`` (reached through pickle) switched the
+    notes off; a thread started on the answer's first run called the refused function for the
+    recompute; ``[grading][0].f(…)`` asked the course for the answer past the bare-name test."""
+    done = subprocess.run(
+        [sys.executable, "-c", OUT_OF_SIGHT], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.splitlines()[-4:] == [
+        "refused: my_a: the answer switched off the grader's notes of its calls",
+        "refused: my_b: the answer asks the course's checks instead of computing it",
+        "refused: my_c: a thread the answer started is still running",
+        "None",
+    ], done.stdout + done.stderr

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import math
 import numbers
+import os
 import random
 import types
 import weakref
@@ -1336,7 +1337,7 @@ def recomputed(name: str, refusing=(), **inputs):
     }
     assert not asked, f"{name}: the answer asks {', '.join(sorted(asked))} instead of computing it"
     namespace = {**shell.user_ns, **inputs}
-    with _refused(name, refusing):
+    with _refused(name, refusing, set(getattr(shell.compile, "_filename_map", ()))):
         for code in rerun:
             namespace.update(inputs)
             exec(compile(code, f"<the code {name} is computed by>", "exec"), namespace)
@@ -1393,34 +1394,65 @@ def _names(tree) -> tuple[set[str], set[str], set[str]]:
 
 
 @contextlib.contextmanager
-def _refused(name: str, functions):
+def _refused(name: str, functions, cell_files):
     """While the block runs, note each call of ``functions`` by its code, so through any alias (a
-    list, a default argument, a partial made in an earlier cell); AssertionError after it when
-    the answer made one."""
+    list, a default argument, a partial made in an earlier cell), and each call into the
+    course's modules; AssertionError after it when the answer made one, or switched the notes
+    off. Refused before it: a thread running code from ``cell_files`` (the notebook's cells),
+    which would compute out of the notes' sight."""
     import sys
     import threading
 
+    if _threads_running(cell_files):
+        raise AssertionError(
+            f"{name}: a thread the answer started is still running; compute the answer in the "
+            "cell itself"
+        )
     codes = {getattr(f, "__func__", f).__code__: f for f in functions}
-    called = []
+    called, asked, own = [], [], sys._getframe().f_code  # (this generator resumes at the end)
 
     def note(frame, event, arg):
-        if event == "call" and frame.f_code in codes:
-            called.append(codes[frame.f_code])
+        if event == "call":
+            if frame.f_code in codes:
+                called.append(codes[frame.f_code])
+            elif frame.f_code.co_filename.startswith(_COURSE) and frame.f_code is not own:
+                asked.append(frame.f_code.co_name)
 
     previous, previous_threads = sys.getprofile(), threading.getprofile()
     sys.setprofile(note)
     threading.setprofile(note)  # (and every thread the answer starts meanwhile)
     try:
         yield
+        switched_off = sys.getprofile() is not note
     finally:
         sys.setprofile(previous)
         threading.setprofile(previous_threads)
+    if switched_off:
+        raise AssertionError(f"{name}: the answer switched off the grader's notes of its calls")
+    if asked:
+        raise AssertionError(f"{name}: the answer asks the course's checks instead of computing it")
     if called:
         where = f"{called[0].__module__.split('.')[-1]}.{called[0].__name__}"
         raise AssertionError(
             f"{name}: the answer calls {where}, which computes what the exercise asks you "
             "to work out: write the arithmetic from the lab's variables"
         )
+
+
+_COURSE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the course's own modules
+
+
+def _threads_running(cell_files) -> bool:
+    """Whether a thread other than this one is running code compiled from ``cell_files``."""
+    import sys
+    import threading
+
+    for ident, frame in sys._current_frames().items():
+        while ident != threading.get_ident() and frame is not None:
+            if frame.f_code.co_filename in cell_files:
+                return True
+            frame = frame.f_back
+    return False
 
 
 _CELLS: list[str] = []  # every cell the kernel has run since the import, in order

@@ -61,9 +61,16 @@ REFUSED_NAMES = frozenset({
     "fromfile", "genfromtxt", "load", "loadtxt", "memmap", "open", "read_bytes", "read_text",
     # a format field looks attributes up by name: '{0._bandwidth}'.format(link)
     "format", "format_map", "Formatter", "get_field", "vformat",
+    "from_file", "FileIO", "mmap",
     # the environment (the release's switch) and the processes and modules it can start
-    "environ", "execv", "execve", "fork", "import_module", "importlib", "popen", "posix_spawn",
-    "putenv", "spawnv", "subprocess", "system", "unsetenv",
+    "environ", "environb", "execl", "execle", "execlp", "execlpe", "execv", "execve", "execvp",
+    "execvpe", "fork", "forkpty", "import_module", "importlib", "popen", "posix_spawn",
+    "posix_spawnp", "putenv", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve",
+    "spawnvp", "spawnvpe", "subprocess", "system", "unsetenv",
+    # what runs code out of the grader's sight: pickled calls, C calls, threads left running, and
+    # the hooks a hidden test's notes of the answer's calls rest on
+    "ctypes", "loads", "marshal", "pickle", "_thread", "threading", "Thread", "getprofile",
+    "gettrace", "setprofile", "settrace",
 })  # fmt: skip
 # Methods that change a list, dict or set in place: refused on what the lab's cells bind
 # (clearing the lab's own measurements answers its check).

@@ -533,6 +533,10 @@ def _cmd_plan(args) -> int:
         raise UsageError("--nvme-path: give it with --emit (the configuration it goes into)")
     if args.nvme_path == "":
         raise UsageError("--nvme-path: expected a folder on the NVMe drive; got an empty name")
+    if args.nvme_path and os.path.exists(args.nvme_path) and not os.path.isdir(args.nvme_path):
+        raise UsageError(
+            f"--nvme-path: expected a folder on the NVMe drive; {args.nvme_path!r} is a file"
+        )
     with arguments():
         work = _plan_workload(args)
     hardware = _plan_hardware(args)

@@ -176,12 +176,15 @@ def parse_bandwidth(value, name: str = "bandwidth") -> float:
 
 
 def parse_duration(value, name: str = "duration", allow_zero: bool = False) -> float:
-    """Seconds from a string like '250 ms' (any case), or a Python number of seconds."""
+    """Seconds from a string like '250 ms' (any case, but 'Ms', megaseconds to SI, is refused),
+    or a Python number of seconds."""
 
     def factor(unit: str) -> float:
         key = unit if unit in _TIME_UNITS else unit.lower()
         if key not in _TIME_UNITS:
             raise _fail(name, value, DURATION_FORMS, f"unknown unit {unit!r}")
+        if unit == "Ms":
+            raise _fail(name, value, DURATION_FORMS, f"{unit!r} would be megaseconds: write ms")
         return _TIME_UNITS[key]
 
     return _parse(value, name, DURATION_FORMS, allow_zero, factor, "s")

@@ -631,8 +631,8 @@ def main(argv: list[str]) -> int:
         prog="python -m offloadlab_course.student",
         description="Write the labs as student notebooks or as nbgrader source notebooks.",
     )
-    parser.add_argument("labs_dir", type=Path, help="the folder of Jupytext labs (labs/)")
-    parser.add_argument("target_dir", type=Path, help="where the notebooks go")
+    parser.add_argument("labs_dir", type=_folder, help="the folder of Jupytext labs (labs/)")
+    parser.add_argument("target_dir", type=_folder, help="where the notebooks go")
     parser.add_argument(
         "--nbgrader",
         action="store_true",
@@ -673,10 +673,22 @@ def _release(options) -> int:
             book_url=options.book_url,
         ):
             print(f"wrote {path}")
-    except (ValueError, OSError) as error:
+    except ValueError as error:
         print(f"offloadlab_course.student: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # (named by the folder it happened in, without its errno)
+        path = Path(error.filename or "")
+        where = "target_dir" if options.target_dir in (path, *path.parents) else "labs_dir"
+        said = re.sub(r"^\[Errno \d+\] ", "", str(error))
+        print(f"offloadlab_course.student: error: {where}: {said}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _folder(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a folder name; got {text!r}")
+    return Path(text)
 
 
 if __name__ == "__main__":

@@ -348,3 +348,52 @@ def test_a_number_that_redefines_its_arithmetic_is_checked_as_the_number_it_hold
     assert not check.answer("bytes", Anything(1), 16 * 10**6, rel_tol=0.01)
     assert not check.exact("count", Anything(1), 7)
     assert check.answer("bytes", Fraction(16 * 10**6), 16 * 10**6, rel_tol=0.01)
+
+
+LAB_CELL = """import numpy as np
+from offloadlab.memory import state_bytes
+record = 1
+
+
+def measure(rounds):
+    steps = [p for p in range(rounds)]
+    for r in steps:
+        pass
+    return steps
+
+
+measured, _ = measure(3), None
+### BEGIN HIDDEN TESTS
+expected, more = 2, 3
+### END HIDDEN TESTS
+"""
+
+
+@pytest.mark.parametrize(
+    "answer, refused",
+    [
+        ("import numpy as np\nmy_x = np.ones(3).sum()", None),
+        ("from offloadlab.memory import state_bytes\nmy_x = 1", None),
+        ("expected = 2 * 3\nmore = expected + 1", None),
+        ("for r in range(3):\n    my_x = r\n_ = my_x\np, steps = 1, 2", None),
+        ("import torch as np", "rebinds np"),
+        ("from offloadlab.memory import get_recipe as state_bytes", "rebinds state_bytes"),
+        ("record = 2", "rebinds record"),
+        ("measured = 0", "rebinds measured"),
+    ],
+)
+def test_at_autograde_only_the_names_the_lab_binds_for_its_checks_are_protected(answer, refused):
+    """Twenty-second pass F9: every name bound anywhere in the lab's cells was protected, the
+    hidden tests' own (``expected``), a function's locals (``p``, ``r``), ``_`` and the lab's
+    imports repeated (``import numpy as np``) too, so these honest answers scored 0."""
+    lab = nbformat.v4.new_code_cell(LAB_CELL)
+    lab.metadata["nbgrader"] = {"locked": True, "grade_id": "lab-cell-1"}
+    cell = nbformat.v4.new_code_cell(answer)
+    cell.metadata["nbgrader"] = {"solution": True, "grade_id": "answer-1"}
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [lab, cell]
+    ScreenAnswers()(notebook, {})
+    if refused is None:
+        assert cell.source == answer
+    else:
+        assert cell.source.startswith("raise RuntimeError(") and refused in cell.source

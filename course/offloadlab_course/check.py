@@ -20,13 +20,14 @@ import math
 import numbers
 import os
 from dataclasses import dataclass
+from types import MappingProxyType
 from decimal import Decimal
 from fractions import Fraction
 
 from offloadlab.units import is_number, plain_scalar
 from offloadlab_course import watch
 
-__all__ = ["Verdict", "answer", "exact", "student_release", "STUDENT_VARIABLE"]
+__all__ = ["Verdict", "answer", "exact", "read_only", "student_release", "STUDENT_VARIABLE"]
 
 STUDENT_VARIABLE = "OFFLOADLAB_STUDENT"
 
@@ -87,6 +88,17 @@ class Verdict(metaclass=ReadOnlyClass):
 
     def __bool__(self) -> bool:
         return self.passed
+
+
+def read_only(value):
+    """``value`` with every dict made a read-only mapping and every list a tuple, all the way
+    down: a lab's measurements, out of reach of an answer that would change what a check reads
+    (``def f(d): d["H2D"] = []``, ``operator.setitem``, ``paths.clear()``)."""
+    if isinstance(value, (dict, MappingProxyType)):
+        return MappingProxyType({key: read_only(item) for key, item in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(read_only(item) for item in value)
+    return value
 
 
 def student_release() -> bool:

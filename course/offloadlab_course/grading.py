@@ -37,6 +37,7 @@ from offloadlab.link import EmulatedLink, Link, check_link, open_link
 from offloadlab.models import GPTConfig, TinyGPT
 from offloadlab.nvme import FileTier
 from offloadlab.offload import CPUOffloadAdam
+from offloadlab.prefetch import Prefetcher
 from offloadlab.sharding import ring_bytes
 from offloadlab.streaming import StreamedModel
 from offloadlab_course import crashes, watch
@@ -52,6 +53,8 @@ from offloadlab.units import (
 
 __all__ = [
     "recomputed",
+    "refusing",
+    "PACKAGE_PREFETCHER",
     "exchange_seconds",
     "one_buffer_pass_seconds",
     "disk_step_seconds",
@@ -1204,6 +1207,12 @@ def lab05_challenge(
     return _lab05_pass(prefetch, link, work, seconds, rate, budget, share, items)
 
 
+# The package's Prefetcher, every method of it: an answer that hands it the work is refused.
+PACKAGE_PREFETCHER = tuple(
+    f for f in vars(Prefetcher).values() if isinstance(f, types.FunctionType)
+)
+
+
 def _gpu_work_and_rate(link, work_seconds: float | None) -> tuple:
     """For a challenge on a GPU: a chain of matrix products of about ``work_seconds`` (default
     4 ms), the seconds it takes (median of 3, by events around it) and the link's host-to-device
@@ -1283,9 +1292,10 @@ def _lab05_pass(
             [(begin.time, end.time) for begin, end in computes],
         )
 
-    failed, _ = one_pass()  # a warm-up: the first pass allocates
-    if failed is None:
-        failed, (device_bytes, copies, computes) = one_pass()
+    with refusing("prefetch", PACKAGE_PREFETCHER):
+        failed, _ = one_pass()  # a warm-up: the first pass allocates
+        if failed is None:
+            failed, (device_bytes, copies, computes) = one_pass()
     if failed is not None:
         return failed
     largest = 4 * max(sizes)
@@ -1393,17 +1403,25 @@ def _names(tree) -> tuple[set[str], set[str], set[str]]:
     return _assigned(tree, augmented=False), changed, read
 
 
+def refusing(name: str, functions):
+    """A block in which the answer ``name`` may not call ``functions`` (by their code, so through
+    any alias) on this thread: AssertionError after it if it did. For a built answer (a
+    prefetcher) run by a check, where the package's own version would pass."""
+    return _refused(name, functions, recompute=False)
+
+
 @contextlib.contextmanager
-def _refused(name: str, functions, cell_files):
+def _refused(name: str, functions, cell_files=frozenset(), recompute: bool = True):
     """While the block runs, note each call of ``functions`` by its code, so through any alias (a
-    list, a default argument, a partial made in an earlier cell), and each call into the
-    course's modules; AssertionError after it when the answer made one, or switched the notes
-    off. Refused before it: a thread running code from ``cell_files`` (the notebook's cells),
-    which would compute out of the notes' sight."""
+    list, a default argument, a partial made in an earlier cell); AssertionError after it when
+    the answer made one, or switched the notes off. When the block is a ``recompute`` (the
+    answer's code alone), calls into the course's modules are refused too, and so are a thread
+    running code from ``cell_files`` (the notebook's cells) before it and the threads it starts;
+    else the notes keep to this thread, where they slow nothing a check times."""
     import sys
     import threading
 
-    if _threads_running(cell_files):
+    if recompute and _threads_running(cell_files):
         raise AssertionError(
             f"{name}: a thread the answer started is still running; compute the answer in the "
             "cell itself"
@@ -1415,12 +1433,17 @@ def _refused(name: str, functions, cell_files):
         if event == "call":
             if frame.f_code in codes:
                 called.append(codes[frame.f_code])
-            elif frame.f_code.co_filename.startswith(_COURSE) and frame.f_code is not own:
+            elif (
+                recompute
+                and frame.f_code.co_filename.startswith(_COURSE)
+                and frame.f_code is not own
+            ):
                 asked.append(frame.f_code.co_name)
 
     previous, previous_threads = sys.getprofile(), threading.getprofile()
     sys.setprofile(note)
-    threading.setprofile(note)  # (and every thread the answer starts meanwhile)
+    if recompute:
+        threading.setprofile(note)  # (and every thread the answer starts meanwhile)
     try:
         yield
         switched_off = sys.getprofile() is not note
@@ -1432,10 +1455,10 @@ def _refused(name: str, functions, cell_files):
     if asked:
         raise AssertionError(f"{name}: the answer asks the course's checks instead of computing it")
     if called:
-        where = f"{called[0].__module__.split('.')[-1]}.{called[0].__name__}"
+        where = f"{called[0].__module__.split('.')[-1]}.{called[0].__qualname__}"
         raise AssertionError(
             f"{name}: the answer calls {where}, which computes what the exercise asks you "
-            "to work out: write the arithmetic from the lab's variables"
+            "to work out yourself"
         )
 
 

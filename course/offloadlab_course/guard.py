@@ -83,15 +83,17 @@ SEALED_PACKAGES = ("offloadlab", "offloadlab_course")
 ALLOWED_SPECIAL_METHODS = frozenset({"__init__", "__repr__", "__str__"})
 
 
-def screen(source: str, protected: set[str]) -> list[str]:
+def screen(source: str, protected: set[str], imports=frozenset()) -> list[str]:
     """Why the answer cell ``source`` may not run, one phrase per reason (none for a plain
-    answer). ``protected``: the names the lab's own cells bind."""
+    answer). ``protected``: the names the lab's own cells bind; ``imports``: the lab's imports,
+    as (module, name, bound as), which an answer may repeat (``import numpy as np``)."""
     try:
         tree = ast.parse(_python(untimed(source)))
     except SyntaxError:
         return []  # it fails when it runs, as it would have anyway
     reasons = []
-    _Screen(protected, reasons, _owned(_NO_ARGUMENTS, tree.body) - protected).visit(tree)
+    top = _owned(_NO_ARGUMENTS, tree.body) - protected
+    _Screen(protected, reasons, top, frozenset(imports)).visit(tree)
     return list(dict.fromkeys(reasons))
 
 
@@ -116,22 +118,28 @@ class _Screen(ast.NodeVisitor):
     parameters, and names it assigns from anything but another name), ``top`` those the cell
     owns at its top level (names it binds only to values it builds)."""
 
-    def __init__(self, protected: set[str], reasons: list[str], top: set[str]):
+    def __init__(self, protected: set[str], reasons: list[str], top: set[str], imports):
         self.protected, self.reasons, self.local, self.top = protected, reasons, None, top
+        self.imports = imports  # (the lab's own, which bind the same objects again)
         self.comprehended: set[str] = set()
         self.called: set[int] = set()  # the changing methods visit_Call has named
 
     def visit_Import(self, node):
         for alias in node.names:
             self._importing(alias.name)
-            self._binding((alias.asname or alias.name).split(".")[0])
+            if (None, alias.name, alias.asname or alias.name) not in self.imports:
+                self._binding((alias.asname or alias.name).split(".")[0])
 
     def visit_ImportFrom(self, node):
         self._importing("." * node.level + (node.module or ""))
         for alias in node.names:
             if alias.name == "*":  # (names it cannot see: record, cross, ... from numpy's)
                 self.reasons.append(f"imports every name of {node.module}")
-            self._binding(alias.asname or alias.name)
+            if (
+                node.level
+                or (node.module, alias.name, alias.asname or alias.name) not in self.imports
+            ):
+                self._binding(alias.asname or alias.name)
 
     def visit_ClassDef(self, node):
         self._binding(node.name)
@@ -370,13 +378,14 @@ class ScreenAnswers(Preprocessor):
     enabled = Bool(True)  # nbconvert's preprocessors are off unless told otherwise
 
     def preprocess(self, nb, resources):
-        protected = set()
+        protected, imports = set(), set()
         for cell in nb.cells:
             if cell.cell_type == "code" and _is_the_labs(cell):
                 protected |= _bound(cell.source)
+                imports |= _imports(cell.source)
         for cell in nb.cells:
             if cell.cell_type == "code" and not _is_the_labs(cell):
-                reasons = screen(cell.source, protected)
+                reasons = screen(cell.source, protected, imports)
                 if reasons:
                     grade_id = cell.metadata.get("nbgrader", {}).get("grade_id", "an added cell")
                     self.log.warning("%s: screened out: %s", grade_id, "; ".join(reasons))
@@ -393,20 +402,48 @@ def _is_the_labs(cell) -> bool:
 
 
 def _bound(source: str) -> set[str]:
-    """The names a cell binds at its top level: assignments, imports, definitions, loops."""
-    try:
-        tree = ast.parse(_python(source))
-    except SyntaxError:
-        return set()
-    names = _named_by_text(tree)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            names.add(node.id)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+    """The names a lab cell binds in the notebook's namespace: at its top level (assignments,
+    imports, definitions, loops, match and except names, in blocks too) and by a function's
+    ``global``; not a function's, a class body's or a comprehension's own, nor ``_``. A hidden
+    test's names are not the lab's: it binds them before it reads them."""
+    tree = _parsed(source)
+    names, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        names |= set(_text_names(node))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-    return names - {"*"}
+            names |= {n for g in ast.walk(node) if isinstance(g, ast.Global) for n in g.names}
+        elif isinstance(
+            node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+        ):
+            names |= {n.target.id for n in ast.walk(node) if isinstance(n, ast.NamedExpr)}
+        else:
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            todo += ast.iter_child_nodes(node)
+    return names - {"*", "_"}
+
+
+def _imports(source: str) -> set[tuple]:
+    """What a lab cell's imports bind, as (module, name, bound as): an answer may repeat them."""
+    return {
+        (getattr(node, "module", None), a.name, a.asname or a.name)
+        for node in ast.walk(_parsed(source))
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+        for a in node.names
+    }
+
+
+def _parsed(source: str) -> ast.Module:
+    """A lab cell without its hidden tests, parsed (empty if it does not parse)."""
+    source = re.sub(r"### BEGIN HIDDEN TESTS.*?### END HIDDEN TESTS", "", source, flags=re.S)
+    try:
+        return ast.parse(_python(source))
+    except SyntaxError:
+        return ast.Module([], [])
 
 
 @sealed  # its class too: every sealed module shares it, so a property set there answers for all

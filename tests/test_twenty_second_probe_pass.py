@@ -1,0 +1,129 @@
+"""Routes the twenty-second probe pass found: a lab's measurements changed through a
+parameter, the package's prefetcher handed in as lab 5's, and the command lines' bad input."""
+
+from pathlib import Path
+
+import pytest
+
+from offloadlab_course.guard import screen
+
+LABS = Path(__file__).resolve().parent.parent / "labs"
+LAB_NAMES = {"check", "lanes", "paths", "sharded"}
+
+
+def _run(cell: str, namespace: dict) -> None:
+    """An answer cell the screen lets through, run as the kernel would."""
+    assert screen(cell, LAB_NAMES) == [], cell
+    exec(cell, namespace)
+
+
+def test_the_packages_prefetcher_is_no_answer_to_lab_5s_challenge():
+    """Twenty-second pass F8: ``yield from Prefetcher(items, link, buffers=3)`` met the
+    challenge's share and budget; the exercise is to build one."""
+    from offloadlab.link import open_link
+    from offloadlab.prefetch import Prefetcher
+    from offloadlab_course import grading
+
+    def borrowed(items, link):
+        yield from Prefetcher(items, link, buffers=3)
+
+    with open_link(emulated=True) as link:
+        with pytest.raises(AssertionError, match="calls prefetch.Prefetcher"):
+            grading.lab05_challenge(borrowed, link, items=4, work_seconds=0.005)
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "def squash(d):\n    d['H2D'] = []\nsquash(lanes)",
+        "import operator\noperator.setitem(lanes, 'H2D', [])",
+        "def shift(lane):\n    lane[0] = (0.0, 9.0, '')\nshift(lanes['compute'])",
+        "def zero(d):\n    d['all-gather'] = 0\nzero(sharded['tensor_bytes'])",
+        "def forget(l):\n    l.clear()\nforget(paths)",
+    ],
+)
+def test_a_labs_measurements_cannot_be_changed_through_a_parameter(attack):
+    """Twenty-second pass: lab 6's ``lanes``, lab 7's ``paths`` and lab 8's ``sharded`` were a
+    dict of lists, a list and a dict of dicts; changed through a function's parameter or
+    ``operator.setitem``, a wrong answer passed the check that reads them."""
+    from offloadlab_course.check import read_only
+
+    namespace = {
+        "lanes": read_only({"compute": [(0.0, 1.0, "")], "H2D": [(1.0, 2.0, "")]}),
+        "sharded": read_only({"tensor_bytes": {"all-gather": 8}, "losses": [1.0]}),
+        "paths": tuple(["a.bin", "b.bin"]),
+    }
+    before = {name: repr(value) for name, value in namespace.items()}
+    with pytest.raises((TypeError, AttributeError)):
+        _run(attack, namespace)
+    assert {name: repr(namespace[name]) for name in before} == before
+
+
+def test_labs_6_to_8_bind_their_measurements_read_only():
+    """The labs' own cells, where the attacks above would reach."""
+    bound = {
+        "lab06_plan_your_run.md": ["check.read_only(lanes)"],
+        "lab07_one_tier_further.md": ["paths = tuple("],
+        "lab08_shard_or_offload.md": ["sharded = check.read_only(", "offloaded = check.read_only("],
+    }
+    for name, needles in bound.items():
+        text = (LABS / name).read_text(encoding="utf-8")
+        assert all(needle in text for needle in needles), name
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["labs", ""], "argument target_dir: expected a folder name; got ''"),
+        (["", "out"], "argument labs_dir: expected a folder name; got ''"),
+    ],
+    ids=["target", "labs"],
+)
+def test_the_student_release_refuses_an_empty_folder_name(
+    argv, said, tmp_path, monkeypatch, capsys
+):
+    """Twenty-second pass C-a, C-b: an empty target wrote the eight notebooks into the current
+    folder and exited 0; an empty labs folder was reported as '.'."""
+    from offloadlab_course.student import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2 and said in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_student_releases_os_errors_name_the_folder_without_an_errno(tmp_path, capsys):
+    """C-d: a file where an assignment folder goes said '[Errno 17] File exists: …'."""
+    from offloadlab_course.student import main
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "lab01").write_text("mine")
+    assert main([str(LABS), str(tmp_path / "out"), "--nbgrader"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith("offloadlab_course.student: error: target_dir: ") and "Errno" not in said
+    assert (tmp_path / "out" / "lab01").read_text() == "mine"
+
+
+def test_megaseconds_are_not_read_as_milliseconds():
+    """C-f: '250 Ms' was 250 ms (units were matched in any case); 'MS', all capitals, stays
+    milliseconds, as written in shouted tables."""
+    from offloadlab.units import parse_duration
+
+    assert parse_duration("250 ms") == parse_duration("250 MS") == 0.25
+    with pytest.raises(ValueError, match="megaseconds"):
+        parse_duration("250 Ms")
+
+
+def test_an_nvme_path_naming_a_file_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    """C-e: an existing regular file went into the DeepSpeed configuration as its NVMe folder."""
+    from offloadlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "victim.txt").write_text("mine")
+    argv = ["plan", "--params", "70e9", "--gpu-memory", "80 GB", "--link", "25 GB/s"]
+    argv += ["--host-memory", "100 GB", "--nvme", "3 GB/s", "--emit", "deepspeed"]
+    assert main(argv + ["--nvme-path", "victim.txt"]) == 2
+    assert "--nvme-path: expected a folder on the NVMe drive; 'victim.txt' is a file" in (
+        capsys.readouterr().err
+    )

@@ -385,20 +385,36 @@ LAB01_ANSWERS = [
 
 # Each answer as a dishonest student copies it from the visible check's source: the package's
 # function that computes the expected value, or the value itself, on the lab's own variables.
-COPIED = {
-    "prediction_fp32_adam": 'memory.state_bytes(P, "fp32-adam").total_bytes',
-    "my_bandwidth": "record.value",
-    "measured_batch": "cross.measured_batch",
-    "my_beta": "probe.fit_alpha_beta(sizes, times).beta",
-    "predicted_batch": "overlap.crossover_batch(nbytes, bandwidth, seconds_per_sample)",
-    "plain_device": 'memory.state_bytes(P, "fp32-adam").total_bytes',
-    "fraction": 'budget.verdict(rate, window, P, "optimizer", recipe=recipe, '
-    "micro_batches=k).offload_fraction",
-    "my_step": "planner.plan(work, planner.Hardware(roomy, beta, compute=compute, "
-    "cpu_adam=cpu_rate), duplex=both, recipe=recipe).chosen.step",
-    "predicted_sent": 'sharding.ring_bytes("reduce-scatter", predicted_reduce, N)',
-    "offload_extra": "overlap.activation_round_trip(saved_bytes, beta, forward_seconds, "
-    "2 * forward_seconds)",
+COPIED = {  # (each expression a student could copy from a check or the library)
+    "prediction_fp32_adam": (
+        'memory.state_bytes(P, "fp32-adam").total_bytes',
+        'memory.get_recipe("fp32-adam").total * P',
+    ),
+    "my_bandwidth": ("record.value",),
+    "measured_batch": ("cross.measured_batch",),
+    "my_beta": ("probe.fit_alpha_beta(sizes, times).beta",),
+    "predicted_batch": ("overlap.crossover_batch(nbytes, bandwidth, seconds_per_sample)",),
+    "plain_device": (
+        'memory.state_bytes(P, "fp32-adam").total_bytes',
+        'memory.get_recipe("fp32-adam").total * P',
+    ),
+    "fraction": (
+        'budget.verdict(rate, window, P, "optimizer", recipe=recipe, '
+        "micro_batches=k).offload_fraction",
+    ),
+    "my_step": (
+        "planner.plan(work, planner.Hardware(roomy, beta, compute=compute, "
+        "cpu_adam=cpu_rate), duplex=both, recipe=recipe).chosen.step",
+        "planner.single.schedule(work, planner.Hardware(roomy, beta, compute=compute, "
+        'cpu_adam=cpu_rate), "optimizer", duplex=both, recipe=recipe).step',
+        "overlap.offload_step(L, 2 * P / L * tokens_per_step / compute, 4 * P / L * "
+        "tokens_per_step / compute, gradient=small_recipe.gradient_bytes * P / L / both, "
+        "update=P / L / cpu_rate, upload=small_recipe.weight_bytes * P / L / both).step",
+    ),
+    "predicted_sent": ('sharding.ring_bytes("reduce-scatter", predicted_reduce, N)',),
+    "offload_extra": (
+        "overlap.activation_round_trip(saved_bytes, beta, forward_seconds, 2 * forward_seconds)",
+    ),
 }
 
 
@@ -510,26 +526,27 @@ def test_every_check_passes_the_answer_and_fails_two_wrong_ones(path):
             # the answer as the visible check's own expression: a function follows any input, so
             # only its refusal can tell; a value read off the lab's record does not follow another
             for name in re.findall(r'grading\.recomputed\("(\w+)"', cell.source):
-                if name not in COPIED:
-                    continue
-                copied, tried = COPIED[name], tried | {name}
-                client.execute_cell(nbformat.v4.new_code_cell(f"{name} = {copied}"), index)
-                retry = nbformat.v4.new_code_cell(cell.source)
-                try:
-                    client.execute_cell(retry, index)
-                    failures.append(f"{cell.metadata.nbgrader.grade_id}: {name} = {copied} passed")
-                except CellExecutionError:
-                    error = next(o for o in retry.outputs if o.output_type == "error")
-                    shown = "".join(
-                        o.get("text", "") for o in retry.outputs if o.output_type == "stream"
-                    )
-                    refused = "computes what the exercise asks" in error.evalue
-                    if not (refused or error.ename == "AssertionError" and "✗" in shown):
+                tried |= {name} & COPIED.keys()
+                for copied in COPIED.get(name, ()):
+                    client.execute_cell(nbformat.v4.new_code_cell(f"{name} = {copied}"), index)
+                    retry = nbformat.v4.new_code_cell(cell.source)
+                    try:
+                        client.execute_cell(retry, index)
                         failures.append(
-                            f"{cell.metadata.nbgrader.grade_id}: {name} = {copied} should fail the "
-                            f"hidden test; got {error.ename}: {error.evalue}"
+                            f"{cell.metadata.nbgrader.grade_id}: {name} = {copied} passed"
                         )
-                client.execute_cell(last_answer, index)
+                    except CellExecutionError:
+                        error = next(o for o in retry.outputs if o.output_type == "error")
+                        shown = "".join(
+                            o.get("text", "") for o in retry.outputs if o.output_type == "stream"
+                        )
+                        refused = "computes what the exercise asks" in error.evalue
+                        if not (refused or error.ename == "AssertionError" and "✗" in shown):
+                            failures.append(
+                                f"{cell.metadata.nbgrader.grade_id}: {name} = {copied} should "
+                                f"fail the hidden test; got {error.ename}: {error.evalue}"
+                            )
+                    client.execute_cell(last_answer, index)
     assert literals >= 1, f"{path.name}: expected a graded cell with a hidden test; found none"
     answered = {
         n for c in notebook.cells if answer(c) for n in re.findall(r"^(\w+) =", c.source, re.M)

@@ -127,3 +127,28 @@ def test_an_nvme_path_naming_a_file_is_a_usage_error(tmp_path, monkeypatch, caps
     assert "--nvme-path: expected a folder on the NVMe drive; 'victim.txt' is a file" in (
         capsys.readouterr().err
     )
+
+
+def test_lab_2s_fit_check_takes_a_plain_least_squares_fit_of_noisy_points():
+    """F10: under load, lab 2's worked answer (np.polyfit, unweighted) was once refused: the
+    check compared it with the package's fit, which weighs each point by 1/t, at 15 %."""
+    import re
+
+    import jupytext
+    import numpy as np
+
+    from offloadlab import probe
+    from offloadlab_course import check
+
+    cells = [c.source for c in jupytext.read(LABS / "lab02_measure_your_link.md").cells]
+    graded = next(c for c in cells if c.startswith("fit = probe.fit_alpha_beta(sizes, times)"))
+    visible = re.sub(r"### BEGIN HIDDEN TESTS.*", "", graded, flags=re.S)
+    sizes = np.array([2**18, 2**20, 2**22, 2**24], dtype=float)
+    times = 20e-6 + sizes / 2e9
+    times[-1] *= 1.4  # one large transfer slowed by a busy host
+    slope, _ = np.polyfit(sizes, times, 1)
+    assert abs(1 / slope / probe.fit_alpha_beta(sizes, times).beta - 1) > 0.15  # they differ
+    namespace = {"np": np, "probe": probe, "check": check, "sizes": sizes, "times": times}
+    exec(visible, {**namespace, "my_beta": 1 / slope})
+    with pytest.raises(AssertionError):
+        exec(visible, {**namespace, "my_beta": 2e9 * 3})

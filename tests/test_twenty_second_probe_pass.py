@@ -62,7 +62,7 @@ def test_a_labs_measurements_cannot_be_changed_through_a_parameter(attack):
 def test_labs_6_to_8_bind_their_measurements_read_only():
     """The labs' own cells, where the attacks above would reach."""
     bound = {
-        "lab06_plan_your_run.md": ["check.read_only(lanes)"],
+        "lab06_plan_your_run.md": ["lanes = check.read_only(lanes)"],
         "lab07_one_tier_further.md": ["paths = tuple("],
         "lab08_shard_or_offload.md": ["sharded = check.read_only(", "offloaded = check.read_only("],
     }

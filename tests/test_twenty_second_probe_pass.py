@@ -127,6 +127,16 @@ def test_an_nvme_path_naming_a_file_is_a_usage_error(tmp_path, monkeypatch, caps
     assert "--nvme-path: expected a folder on the NVMe drive; 'victim.txt' is a file" in (
         capsys.readouterr().err
     )
+    # twenty-third pass: a folder under a file, a dangling link, a name of blanks
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    for given, said in (
+        ("victim.txt/sub", "'victim.txt' is a file"),
+        ("gone", "is a link to nothing"),
+        (" ", "got an empty name"),
+    ):
+        assert main(argv + ["--nvme-path", given]) == 2, given
+        assert said in capsys.readouterr().err
+    assert main(argv + ["--nvme-path", "new/folder"]) == 0  # (made where the run starts)
 
 
 def test_lab_2s_fit_check_takes_a_plain_least_squares_fit_of_noisy_points():
@@ -152,3 +162,35 @@ def test_lab_2s_fit_check_takes_a_plain_least_squares_fit_of_noisy_points():
     exec(visible, {**namespace, "my_beta": 1 / slope})
     with pytest.raises(AssertionError):
         exec(visible, {**namespace, "my_beta": 2e9 * 3})
+
+
+RERUN = """
+import sys, tempfile
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("from offloadlab_course import grading\\nimport os\\nP = 10")
+shell.run_cell("again = grading.untimed('x') * P")  # a hidden test's name, bound by the course
+shell.run_cell("again = 16 * P\\nmy_y = again")
+shell.run_cell(f"my_file = os.path.join({tempfile.mkdtemp()!r}, 'state.bin')")
+shell.run_cell("my_fd = os.open(my_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY) if P else None")
+shell.run_cell("my_z = 16 * P + 0 * (my_fd is not None)")
+grading = shell.user_ns["grading"]
+for name in ("my_y", "my_z"):
+    try:
+        print(grading.recomputed(name, P=20))
+    except Exception as error:
+        print("refused:", type(error).__name__, error)
+"""
+
+
+def test_a_recompute_reruns_only_what_the_answer_reads_and_what_can_run_again():
+    """Twenty-third pass R5, R6: a name the answer binds before it reads it (``again``) pulled in
+    an earlier cell's binding of it (a hidden test's, which asks grading); a statement that
+    cannot run twice (a file created exclusively) made the recompute fail."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", RERUN], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.splitlines()[-2:] == ["320", "320"], done.stdout + done.stderr

@@ -1362,9 +1362,12 @@ def recomputed(name: str, refusing=(), **inputs):
     assert not asked, f"{name}: the answer asks {', '.join(sorted(asked))} instead of computing it"
     namespace = {**shell.user_ns, **inputs}
     with _refused(name, refusing, set(getattr(shell.compile, "_filename_map", ()))):
-        for code in rerun:
-            namespace.update(inputs)
-            exec(compile(code, f"<the code {name} is computed by>", "exec"), namespace)
+        for code in rerun[:-1]:  # what the answer reads: where it cannot run again (a
+            namespace.update(inputs)  # file it made exists), its value stays as it is
+            with contextlib.suppress(Exception):
+                exec(compile(code, f"<the code {name} reads>", "exec"), namespace)
+        namespace.update(inputs)
+        exec(compile(rerun[-1], f"<the code that assigns {name}>", "exec"), namespace)
         return namespace[name]
 
 
@@ -1374,7 +1377,12 @@ def _to_run(cells, answer: int, inputs: set[str]) -> list[ast.Module]:
     run again, in order."""
     units = [ast.Module([s], []) for tree in cells[:answer] if tree for s in tree.body]
     units.append(cells[answer])
-    fresh, changed, read = zip(*map(_names, units))
+    fresh, changed, read = map(list, zip(*map(_names, units)))
+    read[-1], bound = set(), set()  # (what the answer binds before it reads is its own)
+    for statement in cells[answer].body:
+        binds, _, reads = _names(ast.Module([statement], []))
+        read[-1] |= reads - bound
+        bound |= binds
 
     @functools.cache
     def made(name: str, before: int) -> tuple[int, ...]:

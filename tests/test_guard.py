@@ -175,6 +175,22 @@ ATTACKS = {
         "f = torch.serialization.io.FileIO('x', 'w')",
         "uses FileIO",
     ),
+    "a thread pool": (
+        "pool_ = probe.ThreadPoolExecutor(1)\nmy_x = pool_.submit(int).result()",
+        "uses ThreadPoolExecutor",
+    ),
+    "a class whose special methods are built strings": (
+        "K_ = type('K', (), {'_' + '_eq__': lambda s, o: True})",
+        "makes a class with type()",
+    ),
+    "a dataclass from a namespace": (
+        "K_ = dataclasses.make_dataclass('K', [], namespace={})",
+        "uses make_dataclass",
+    ),
+    "a file read by a pattern": (
+        "t = numpy.fromregex('lab01.md', '(.)', [('c', 'S1')])",
+        "uses fromregex",
+    ),
     "a process": ("torch.serialization.os.spawnlp(0, 'id', 'id')", "uses spawnlp"),
     "a lab object inside a comprehension": (
         "def my_f():\n    l = {k: overlap for k in 'ab'}\n    l['a'].window = 0",

@@ -70,7 +70,12 @@ REFUSED_NAMES = frozenset({
     # what runs code out of the grader's sight: pickled calls, C calls, threads left running, and
     # the hooks a hidden test's notes of the answer's calls rest on
     "ctypes", "loads", "marshal", "pickle", "_thread", "threading", "Thread", "getprofile",
-    "gettrace", "setprofile", "settrace",
+    "gettrace", "setprofile", "settrace", "concurrent", "futures", "ProcessPoolExecutor",
+    "start_new_thread", "ThreadPoolExecutor", "Timer",
+    # classes made from a namespace (special methods named by a built string), and more ways
+    # out to files, processes and native code
+    "make_dataclass", "cpp_extension", "ctypeslib", "download_url_to_file", "fdopen",
+    "fromregex", "kill", "load_library", "unlink",
 })  # fmt: skip
 # Methods that change a list, dict or set in place: refused on what the lab's cells bind
 # (clearing the lab's own measurements answers its check).
@@ -172,6 +177,8 @@ class _Screen(ast.NodeVisitor):
         if root is not None:
             self.reasons.append(f"calls {method.attr}() on {root}, which the lab's cells bind")
             self.called.add(id(method))
+        if isinstance(method, ast.Name) and method.id == "type" and len(node.args) == 3:
+            self.reasons.append("makes a class with type(), whose special methods it cannot read")
         self.generic_visit(node)
 
     def _changing_method_of(self, method) -> str | None:

@@ -531,12 +531,19 @@ def _cmd_plan(args) -> int:
 
     if args.nvme_path is not None and not args.emit:
         raise UsageError("--nvme-path: give it with --emit (the configuration it goes into)")
-    if args.nvme_path == "":
+    if args.nvme_path is not None and not args.nvme_path.strip():
         raise UsageError("--nvme-path: expected a folder on the NVMe drive; got an empty name")
-    if args.nvme_path and os.path.exists(args.nvme_path) and not os.path.isdir(args.nvme_path):
-        raise UsageError(
-            f"--nvme-path: expected a folder on the NVMe drive; {args.nvme_path!r} is a file"
-        )
+    if args.nvme_path:
+        folder = Path(args.nvme_path)
+        for part in (folder, *folder.parents):  # (the folder, or the nearest part that exists)
+            if part.is_symlink() and not part.exists():
+                raise UsageError(f"--nvme-path: {str(part)!r} is a link to nothing")
+            if part.exists():
+                if not part.is_dir():
+                    raise UsageError(
+                        f"--nvme-path: expected a folder on the NVMe drive; {str(part)!r} is a file"
+                    )
+                break
     with arguments():
         work = _plan_workload(args)
     hardware = _plan_hardware(args)

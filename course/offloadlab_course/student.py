@@ -677,8 +677,8 @@ def _release(options) -> int:
         print(f"offloadlab_course.student: error: {error}", file=sys.stderr)
         return 2
     except OSError as error:  # (named by the folder it happened in, without its errno)
-        path = Path(error.filename or "")
-        where = "target_dir" if options.target_dir in (path, *path.parents) else "labs_dir"
+        path = Path(error.filename or options.target_dir)  # (no name: a file being written)
+        where = "labs_dir" if options.labs_dir in (path, *path.parents) else "target_dir"
         said = re.sub(r"^\[Errno \d+\] ", "", str(error))
         print(f"offloadlab_course.student: error: {where}: {said}", file=sys.stderr)
         return 2

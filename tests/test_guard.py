@@ -367,6 +367,8 @@ def test_a_number_that_redefines_its_arithmetic_is_checked_as_the_number_it_hold
 
 
 LAB_CELL = """import numpy as np
+import matplotlib.pyplot as plt
+from offloadlab import memory
 from offloadlab.memory import state_bytes
 record = 1
 
@@ -390,6 +392,9 @@ expected, more = 2, 3
     [
         ("import numpy as np\nmy_x = np.ones(3).sum()", None),
         ("from offloadlab.memory import state_bytes\nmy_x = 1", None),
+        ("import matplotlib.pyplot as plt\nimport offloadlab.memory as memory", None),
+        ("import matplotlib as plt", "rebinds plt"),
+        ("from offloadlab import probe as memory", "rebinds memory"),
         ("expected = 2 * 3\nmore = expected + 1", None),
         ("for r in range(3):\n    my_x = r\n_ = my_x\np, steps = 1, 2", None),
         ("import torch as np", "rebinds np"),

@@ -131,19 +131,16 @@ class _Screen(ast.NodeVisitor):
 
     def visit_Import(self, node):
         for alias in node.names:
-            self._importing(alias.name)
-            if (None, alias.name, alias.asname or alias.name) not in self.imports:
+            if _import_of(None, alias) not in self.imports:  # (the lab's own: the same object)
+                self._importing(alias.name)
                 self._binding((alias.asname or alias.name).split(".")[0])
 
     def visit_ImportFrom(self, node):
-        self._importing("." * node.level + (node.module or ""))
         for alias in node.names:
             if alias.name == "*":  # (names it cannot see: record, cross, ... from numpy's)
                 self.reasons.append(f"imports every name of {node.module}")
-            if (
-                node.level
-                or (node.module, alias.name, alias.asname or alias.name) not in self.imports
-            ):
+            if node.level or _import_of(node.module, alias) not in self.imports:
+                self._importing("." * node.level + (node.module or ""))
                 self._binding(alias.asname or alias.name)
 
     def visit_ClassDef(self, node):
@@ -437,11 +434,20 @@ def _bound(source: str) -> set[str]:
 def _imports(source: str) -> set[tuple]:
     """What a lab cell's imports bind, as (module, name, bound as): an answer may repeat them."""
     return {
-        (getattr(node, "module", None), a.name, a.asname or a.name)
+        _import_of(getattr(node, "module", None), alias)
         for node in ast.walk(_parsed(source))
         if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
-        for a in node.names
+        for alias in node.names
     }
+
+
+def _import_of(module: str | None, alias) -> tuple:
+    """(module, name, bound as) of one imported name, written one way for both forms:
+    ``import a.b as c`` and ``from a import b as c`` bind the same object."""
+    if module is None and alias.asname and "." in alias.name:
+        module, _, name = alias.name.rpartition(".")
+        return module, name, alias.asname
+    return module, alias.name, alias.asname or alias.name
 
 
 def _parsed(source: str) -> ast.Module:
